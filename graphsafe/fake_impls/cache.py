@@ -1,0 +1,81 @@
+"""Fakes and input checks of the paged-cache writes (`concat_and_cache_mla`, `reshape_and_cache`)."""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe.fake_impls import _checks as c
+
+SLOT_DTYPES = (torch.int64, torch.int32)
+CACHE_FP8 = torch.float8_e4m3fn
+
+
+def _check_scale(op: str, arg: str, scale: torch.Tensor | None, cache_arg: str, cache: torch.Tensor, device) -> None:
+    if cache.dtype == CACHE_FP8:
+        if scale is None:
+            c.fail(op, arg, f"a float32 tensor of 1 element when '{cache_arg}' is float8_e4m3fn", None)
+        c.tensor(op, arg, scale, dtypes=(torch.float32,), device=device)
+        if scale.numel() != 1:
+            c.fail(op, arg, "a tensor of 1 element", f"shape {tuple(scale.shape)}")
+
+
+def check_concat_and_cache_mla(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scale: torch.Tensor | None = None,
+) -> None:
+    op = "concat_and_cache_mla"
+    c.tensor(op, "kv_c", kv_c, dtypes=c.FLOAT_DTYPES, ndim=2)
+    dev = kv_c.device
+    t, r = kv_c.shape
+    c.tensor(op, "k_pe", k_pe, ndim=2, device=dev)
+    c.same_dtype(op, "k_pe", k_pe, "kv_c", kv_c)
+    c.shape(op, "k_pe", k_pe, (t, None), "[T, P]")
+    p = k_pe.shape[1]
+    c.tensor(op, "kv_cache", kv_cache, dtypes=(kv_c.dtype, CACHE_FP8), ndim=3, device=dev)
+    c.shape(op, "kv_cache", kv_cache, (None, None, r + p), "[num_blocks, block_size, R + P]")
+    c.tensor(op, "slot_mapping", slot_mapping, dtypes=SLOT_DTYPES, ndim=1, device=dev)
+    c.shape(op, "slot_mapping", slot_mapping, (t,), "[T]")
+    for name, x in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache)):
+        c.last_dim_contiguous(op, name, x)
+    _check_scale(op, "scale", scale, "kv_cache", kv_cache, dev)
+
+
+def fake_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
+    check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale)
+
+
+def check_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    op = "reshape_and_cache"
+    c.tensor(op, "key", key, dtypes=c.FLOAT_DTYPES, ndim=3)
+    dev = key.device
+    t, hk, d = key.shape
+    c.tensor(op, "value", value, ndim=3, device=dev)
+    c.same_dtype(op, "value", value, "key", key)
+    c.shape(op, "value", value, (t, hk, None), "[T, Hk, Dv]")
+    dv = value.shape[2]
+    c.tensor(op, "key_cache", key_cache, dtypes=(key.dtype, CACHE_FP8), ndim=4, device=dev)
+    c.shape(op, "key_cache", key_cache, (None, None, hk, d), "[num_blocks, block_size, Hk, D]")
+    nb, bs = key_cache.shape[:2]
+    c.tensor(op, "value_cache", value_cache, dtypes=(key_cache.dtype,), ndim=4, device=dev)
+    c.shape(op, "value_cache", value_cache, (nb, bs, hk, dv), "[num_blocks, block_size, Hk, Dv]")
+    c.tensor(op, "slot_mapping", slot_mapping, dtypes=SLOT_DTYPES, ndim=1, device=dev)
+    c.shape(op, "slot_mapping", slot_mapping, (t,), "[T]")
+    for name, x in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        c.last_dim_contiguous(op, name, x)
+    _check_scale(op, "k_scale", k_scale, "key_cache", key_cache, dev)
+    _check_scale(op, "v_scale", v_scale, "value_cache", value_cache, dev)
+
+
+def fake_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)

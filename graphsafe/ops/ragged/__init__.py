@@ -1,0 +1,36 @@
+"""Ragged (CSR) index conversions."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from graphsafe.fake_impls import ragged as fakes
+from graphsafe.registry import register_op
+
+
+@register_op(
+    "build_ragged_indices_from_dense",
+    fake=fakes.fake_build_ragged_indices_from_dense,
+    check=fakes.check_build_ragged_indices_from_dense,
+    family="ragged",
+    backends={
+        "reference": "graphsafe.ops.ragged.reference:build_ragged_indices_from_dense",
+        "triton": "graphsafe.ops.ragged.triton:build_ragged_indices_from_dense",
+    },
+)
+def build_ragged_indices_from_dense(indices: Tensor, lengths: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """Compress the first `lengths[i]` entries of each dense row into CSR form, without host sync.
+
+    Args:
+        indices: `[N, W]` int32, contiguous; row i holds candidate indices (e.g. top-k
+            cache slots of token i).
+        lengths: `[N]` int32; row i keeps its first `clamp(lengths[i], 0, W)` entries.
+        num_rows: when >= 0, kept entries outside `[0, num_rows)` become -1 (the size of
+            the table the indices point into); when negative, values pass unchanged.
+
+    Returns:
+        flat: `[N * W]` int32. Row i's kept entries are `flat[indptr[i]:indptr[i+1]]`;
+            the tail `flat[indptr[N]:]` is -1. Sized from the shape, never from the data,
+            so the op captures into CUDA graphs.
+        indptr: `[N + 1]` int32, `indptr[0] = 0`, `indptr[i+1] = indptr[i] + kept_i`.
+    """

@@ -1,0 +1,84 @@
+"""Test cases of the ops: how to draw valid inputs, how to compare results, which inputs
+must be refused. One `OpCase` per registered op; the contract tests iterate the registry
+and fail for an op without one.
+
+A case separates *shape parameters* (a small dict: T, block sizes, dtypes, ...) from the
+*tensors* built from them with a seeded generator, so that hypothesis shrinks shapes,
+the CLI and benchmarks reuse `make` at fixed parameters, and every draw is fresh random
+data (never zeros; mutated outputs are pre-filled with random bytes so unwritten or
+wrongly written elements show).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Params = dict[str, Any]
+Args = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """An input the op must refuse, in the fake and the real impl alike."""
+
+    what: str  # human description, e.g. "kv_c of dtype int32"
+    args: Args
+    arg: str  # the argument the message must name
+    match: str  # a regex the message must contain (after the op and arg names)
+
+
+@dataclass(frozen=True)
+class OpCase:
+    op: str
+    # Hypothesis strategy of shape parameters (built lazily: hypothesis is imported here only).
+    params: Callable[[], Any]
+    # Representative small parameters: CLI `check`, opcheck_all, quick tests.
+    example: Params
+    # Build fresh random inputs from parameters.
+    make: Callable[[Params, torch.device, torch.Generator], Args]
+    # Parameters small enough for Triton's CPU interpreter (defaults to `example`).
+    interpreter_example: Params | None = None
+    # compare(expected, actual, expected_args, actual_args, params) -> None; raises on mismatch.
+    compare: Callable[..., None] | None = None
+    # bad_inputs(device, generator) -> [BadInput, ...]
+    bad_inputs: Callable[[torch.device, torch.Generator], Sequence[BadInput]] = lambda d, g: ()
+    # Extra parameter sets that must always be tested (edge cases), on top of hypothesis.
+    edge_cases: Sequence[Params] = field(default_factory=tuple)
+
+    def inputs(self, params: Params, device: torch.device | str = "cpu", seed: int = 0) -> Args:
+        device = torch.device(device)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        return self.make(params, device, gen)
+
+
+_CASES: dict[str, OpCase] = {}
+_FAMILIES = ("cache", "ragged")
+
+
+def register_case(case: OpCase) -> OpCase:
+    if case.op in _CASES:
+        raise ValueError(f"a test case for {case.op!r} is registered twice")
+    _CASES[case.op] = case
+    return case
+
+
+def _load() -> None:
+    for family in _FAMILIES:
+        importlib.import_module(f"graphsafe.testing.cases.{family}")
+
+
+def case_for(op: str) -> OpCase:
+    _load()
+    if op not in _CASES:
+        raise KeyError(f"graphsafe op {op!r} has no test case in graphsafe/testing/cases/")
+    return _CASES[op]
+
+
+def all_cases() -> dict[str, OpCase]:
+    _load()
+    return dict(_CASES)

@@ -1,0 +1,161 @@
+"""Test cases of `concat_and_cache_mla` and `reshape_and_cache`."""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
+from graphsafe.testing.compare import default_compare
+from graphsafe.testing.registry_access import spec
+from graphsafe.testing.tensors import distinct_slots, poison, randn
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _cache(shape, dtype, device, gen, strided: bool) -> torch.Tensor:
+    """A poisoned cache; `strided` makes it a view with a gap between blocks and tokens."""
+    if not strided:
+        return poison(shape, dtype, device, gen)
+    nb, bs, *rest = shape
+    big = poison((nb, bs + 1, *rest[:-1], rest[-1] + 8), dtype, device, gen)
+    return big[:, :bs, ..., : rest[-1]]
+
+
+def _slots(t: int, nb: int, bs: int, device, gen) -> torch.Tensor:
+    return distinct_slots(t, nb * bs, gen).to(device)
+
+
+def _params_mla():
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries(
+        {
+            "T": st.integers(0, 12),
+            "R": st.sampled_from([8, 32, 64]),
+            "P": st.sampled_from([4, 8, 16]),
+            "block_size": st.sampled_from([1, 4, 16, 64]),
+            "dtype": st.sampled_from(DTYPES),
+            "fp8_cache": st.booleans(),
+            "strided_cache": st.booleans(),
+        }
+    )
+
+
+def _make_mla(p: Params, device, gen):
+    t, r, pe, bs = p["T"], p["R"], p["P"], p["block_size"]
+    nb = max(1, -(-2 * t // bs))
+    kv_c = randn((t, r), p["dtype"], device, gen)
+    k_pe = randn((t, pe), p["dtype"], device, gen)
+    cache_dtype = torch.float8_e4m3fn if p["fp8_cache"] else p["dtype"]
+    kv_cache = _cache((nb, bs, r + pe), cache_dtype, device, gen, p["strided_cache"])
+    slots = _slots(t, nb, bs, device, gen)
+    scale = (torch.rand(1, generator=gen) * 0.1 + 0.01).to(device) if p["fp8_cache"] else None
+    return kv_c, k_pe, kv_cache, slots, scale
+
+
+def _bad_mla(device, gen):
+    good = _make_mla(EXAMPLE_MLA, device, gen)
+    kv_c, k_pe, kv_cache, slots, _ = good
+    fp8_cache = kv_cache.to(torch.float8_e4m3fn)
+    return [
+        BadInput("kv_c of dtype int32", (kv_c.int(), k_pe, kv_cache, slots), "kv_c", "dtype"),
+        BadInput("kv_c 3-D", (kv_c[None], k_pe, kv_cache, slots), "kv_c", "2-D"),
+        BadInput("k_pe with other T", (kv_c, k_pe[1:], kv_cache, slots), "k_pe", r"\[T, P\]"),
+        BadInput("k_pe of other dtype", (kv_c, k_pe.float(), kv_cache, slots), "k_pe", "same dtype"),
+        BadInput("kv_cache last dim != R+P", (kv_c, k_pe, kv_cache[..., 1:], slots), "kv_cache", "R \\+ P"),
+        BadInput("slot_mapping float", (kv_c, k_pe, kv_cache, slots.float()), "slot_mapping", "dtype"),
+        BadInput("slot_mapping with other T", (kv_c, k_pe, kv_cache, slots[1:]), "slot_mapping", r"\[T\]"),
+        BadInput("fp8 cache without scale", (kv_c, k_pe, fp8_cache, slots), "scale", "float32"),
+        BadInput("kv_c strided last dim", (kv_c.t().contiguous().t(), k_pe, kv_cache, slots), "kv_c", "contiguous"),
+    ]
+
+
+EXAMPLE_MLA: Params = {"T": 6, "R": 32, "P": 8, "block_size": 4, "dtype": torch.bfloat16, "fp8_cache": False, "strided_cache": False}
+
+register_case(
+    OpCase(
+        op="concat_and_cache_mla",
+        params=_params_mla,
+        example=EXAMPLE_MLA,
+        make=_make_mla,
+        compare=lambda e, a, ea, aa, p: default_compare(spec("concat_and_cache_mla"), e, a, ea, aa, exact=True),
+        bad_inputs=_bad_mla,
+        edge_cases=(
+            {**EXAMPLE_MLA, "T": 0},
+            {**EXAMPLE_MLA, "fp8_cache": True, "dtype": torch.float16},
+            {**EXAMPLE_MLA, "R": 512, "P": 64, "block_size": 64, "strided_cache": True},
+        ),
+    )
+)
+
+
+def _params_kv():
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries(
+        {
+            "T": st.integers(0, 10),
+            "Hk": st.sampled_from([1, 2, 4]),
+            "D": st.sampled_from([8, 16, 64]),
+            "Dv": st.sampled_from([None, 8]),
+            "block_size": st.sampled_from([1, 4, 16]),
+            "dtype": st.sampled_from(DTYPES),
+            "fp8_cache": st.booleans(),
+            "strided_cache": st.booleans(),
+        }
+    )
+
+
+def _make_kv(p: Params, device, gen):
+    t, hk, d, bs = p["T"], p["Hk"], p["D"], p["block_size"]
+    dv = p["Dv"] or d
+    nb = max(1, -(-2 * t // bs))
+    key = randn((t, hk, d), p["dtype"], device, gen)
+    value = randn((t, hk, dv), p["dtype"], device, gen)
+    cache_dtype = torch.float8_e4m3fn if p["fp8_cache"] else p["dtype"]
+    k_cache = _cache((nb, bs, hk, d), cache_dtype, device, gen, p["strided_cache"])
+    v_cache = _cache((nb, bs, hk, dv), cache_dtype, device, gen, p["strided_cache"])
+    slots = _slots(t, nb, bs, device, gen)
+    if p["fp8_cache"]:
+        k_scale = (torch.rand(1, generator=gen) * 0.1 + 0.01).to(device)
+        v_scale = (torch.rand(1, generator=gen) * 0.1 + 0.01).to(device)
+    else:
+        k_scale = v_scale = None
+    return key, value, k_cache, v_cache, slots, k_scale, v_scale
+
+
+EXAMPLE_KV: Params = {"T": 5, "Hk": 2, "D": 16, "Dv": None, "block_size": 4, "dtype": torch.float16, "fp8_cache": False, "strided_cache": False}
+
+
+def _bad_kv(device, gen):
+    key, value, kc, vc, slots, _, _ = _make_kv(EXAMPLE_KV, device, gen)
+    return [
+        BadInput("key 2-D", (key[0], value, kc, vc, slots), "key", "3-D"),
+        BadInput("value with other heads", (key, value[:, :1], kc, vc, slots), "value", r"\[T, Hk, Dv\]"),
+        BadInput("key_cache with other head dim", (key, value, kc[..., 1:], vc, slots), "key_cache", "D\\]"),
+        BadInput("value_cache of other dtype", (key, value, kc, vc.float(), slots), "value_cache", "dtype"),
+        BadInput("slot_mapping 2-D", (key, value, kc, vc, slots[None]), "slot_mapping", "1-D"),
+        BadInput(
+            "fp8 caches without k_scale",
+            (key, value, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), slots),
+            "k_scale",
+            "float32",
+        ),
+    ]
+
+
+register_case(
+    OpCase(
+        op="reshape_and_cache",
+        params=_params_kv,
+        example=EXAMPLE_KV,
+        make=_make_kv,
+        compare=lambda e, a, ea, aa, p: default_compare(spec("reshape_and_cache"), e, a, ea, aa, exact=True),
+        bad_inputs=_bad_kv,
+        edge_cases=(
+            {**EXAMPLE_KV, "T": 0},
+            {**EXAMPLE_KV, "fp8_cache": True, "dtype": torch.bfloat16, "Dv": 8},
+            {**EXAMPLE_KV, "Hk": 8, "D": 128, "block_size": 16, "strided_cache": True},
+        ),
+    )
+)

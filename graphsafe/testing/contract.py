@@ -1,0 +1,201 @@
+"""The op contract as executable checks (DESIGN.md, "Rules every op follows").
+
+Each `check_*` function raises AssertionError (or the op's own error) on a violation.
+The pytest suite parametrises them over the registry; `python -m graphsafe check` runs
+them over the example inputs of every op on every device here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from graphsafe.errors import InputError
+from graphsafe.registry import OpSpec, ops
+from graphsafe.testing.cases import OpCase, Params
+from graphsafe.testing.compare import default_compare, mutated_args
+
+# torch.library.opcheck utilities we hold every op to. test_autograd_registration is
+# left out on purpose: these are inference ops with no autograd formula, and calling
+# them on inputs that require grad is not supported.
+CONTRACT_TEST_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def clone_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A copy with the same strides, also for views with gaps (strided caches)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def clone_args(args: tuple) -> tuple:
+    return tuple(clone_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def run_backend(spec: OpSpec, backend: str, args: tuple) -> Any:
+    """Validate and run one backend directly (bypassing selection)."""
+    return spec.runner(backend)(*args)
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def fake_outputs(spec: OpSpec, args: tuple) -> Any:
+    """Run the op under a FakeTensorMode on fake copies of `args`; returns fake outputs."""
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        return spec.overload(*fake_args)
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def opcheck_op(spec: OpSpec, args: tuple) -> tuple[str, ...]:
+    """torch.library.opcheck with CONTRACT_TEST_UTILS; returns the utils that ran.
+
+    With fp8 tensors among the args test_schema is replaced by our bitwise
+    `check_mutation_and_aliasing`: torch's SchemaCheckMode compares tensors with
+    `allclose`, which has no fp8 kernels.
+    """
+    utils = CONTRACT_TEST_UTILS
+    if any(t.dtype in _FP8 for t in _tensors(args)):
+        utils = tuple(u for u in utils if u != "test_schema")
+        check_mutation_and_aliasing(spec, args)
+    torch.library.opcheck(spec.overload, clone_args(args), test_utils=utils)
+    return utils
+
+
+def check_fake_matches_real(spec: OpSpec, args: tuple) -> None:
+    real = _tensors(spec.overload(*clone_args(args)))
+    fake = _tensors(fake_outputs(spec, args))
+    assert len(real) == len(fake), f"{spec.name}: real returns {len(real)} tensors, fake {len(fake)}"
+    for i, (r, f) in enumerate(zip(real, fake)):
+        got = (tuple(f.shape), f.dtype, tuple(f.stride()), f.device)
+        want = (tuple(r.shape), r.dtype, tuple(r.stride()), r.device)
+        assert got == want, f"{spec.name} output {i}: fake (shape, dtype, strides, device) {got} != real {want}"
+
+
+def check_backend_matches_reference(spec: OpSpec, case: OpCase, backend: str, args: tuple, params: Params) -> None:
+    ref_args, test_args = clone_args(args), clone_args(args)
+    expected = run_backend(spec, "reference", ref_args)
+    actual = run_backend(spec, backend, test_args)
+    if case.compare is not None:
+        case.compare(expected, actual, ref_args, test_args, params)
+    else:
+        default_compare(spec, expected, actual, ref_args, test_args)
+
+
+def check_mutation_and_aliasing(spec: OpSpec, args: tuple) -> None:
+    """Only the declared args change; outputs never alias an input."""
+    call_args = clone_args(args)
+    before = clone_args(call_args)
+    out = spec.overload(*call_args)
+    mutated = mutated_args(spec, call_args)
+    names = [a.name for a in spec.overload._schema.arguments]
+    for name, a, b in zip(names, call_args, before):
+        if isinstance(a, torch.Tensor) and name not in mutated:
+            assert _bits_equal(a, b), f"{spec.name}: argument '{name}' changed but is not in mutates_args"
+    inputs = {t.untyped_storage().data_ptr() for t in _tensors(call_args) if t.numel() > 0}
+    for i, t in enumerate(_tensors(out)):
+        if t.numel() > 0:
+            assert t.untyped_storage().data_ptr() not in inputs, f"{spec.name}: output {i} aliases an input"
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def check_bad_inputs(spec: OpSpec, case: OpCase, device: torch.device, seed: int = 0) -> int:
+    """Every bad input is refused by the real impl and the fake with the same message."""
+    gen = torch.Generator().manual_seed(seed)
+    bad_cases = case.bad_inputs(device, gen)
+    for bad in bad_cases:
+        messages = []
+        for mode in ("real", "fake"):
+            try:
+                if mode == "real":
+                    spec.overload(*clone_args(bad.args))
+                else:
+                    fake_outputs(spec, bad.args)
+            except InputError as err:
+                messages.append(str(err))
+            else:
+                raise AssertionError(f"{spec.name}: {mode} impl accepted bad input: {bad.what}")
+        for msg in messages:
+            assert f"graphsafe.{spec.name}" in msg and f"'{bad.arg}'" in msg, (
+                f"{spec.name}: error for {bad.what} must name the op and '{bad.arg}': {msg}"
+            )
+            assert re.search(bad.match, msg), f"{spec.name}: error for {bad.what} lacks /{bad.match}/: {msg}"
+        assert messages[0] == messages[1], f"{spec.name}: real and fake disagree on {bad.what}: {messages}"
+    return len(bad_cases)
+
+
+@contextmanager
+def workspace_spy() -> Iterator[list[str]]:
+    """Record every call into the workspace manager inside the block."""
+    from graphsafe.workspace import manager as wm
+
+    calls: list[str] = []
+    originals = {
+        "get_simultaneous": wm.WorkspaceManager.get_simultaneous,
+        "reserve": wm.WorkspaceManager.reserve,
+    }
+    original_current = wm.current_workspace_manager
+
+    def spy(name, fn):
+        def wrapper(*a, **k):
+            calls.append(name)
+            return fn(*a, **k)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(wm.WorkspaceManager, name, spy(name, fn))
+    wm.current_workspace_manager = spy("current_workspace_manager", original_current)
+    import graphsafe.workspace as pkg
+
+    pkg_original = pkg.current_workspace_manager
+    pkg.current_workspace_manager = wm.current_workspace_manager
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(wm.WorkspaceManager, name, fn)
+        wm.current_workspace_manager = original_current
+        pkg.current_workspace_manager = pkg_original
+
+
+def check_fake_never_touches_workspace(spec: OpSpec, args: tuple) -> None:
+    with workspace_spy() as calls:
+        fake_outputs(spec, args)
+    assert not calls, f"{spec.name}: the fake impl called the workspace manager: {calls}"
+
+
+def example_inputs(case: OpCase, device: torch.device, seed: int = 0) -> list[tuple[Params, tuple]]:
+    params = [case.example, *case.edge_cases]
+    return [(p, case.inputs(p, device, seed + i)) for i, p in enumerate(params)]
+
+
+def opcheck_all(device: torch.device | str = "cpu", seed: int = 0) -> dict[str, int]:
+    """`torch.library.opcheck` of every registered op on its example and edge-case inputs.
+
+    Returns {op: number of input sets checked}; raises on the first failure.
+    """
+    device = torch.device(device)
+    done = {}
+    for name, spec in sorted(ops().items()):
+        sets = example_inputs(spec.case, device, seed)
+        for _, args in sets:
+            opcheck_op(spec, args)
+        done[name] = len(sets)
+    return done

@@ -1,0 +1,324 @@
+"""The workspace manager: one flat uint8 arena per (device, lane) that real impls carve
+their scratch buffers from.
+
+One function, `plan_layout`, both sizes and places the regions of a request, so the
+bytes that `reserve` sizes for are exactly the bytes `get_simultaneous` will use.
+
+Steady state is a dictionary hit: the views of each request signature are cached and
+handed out again; growth drops the cache. Growth frees the old arena before allocating
+the new one (no 2x spike) and is refused while the manager is locked, while the current
+CUDA stream is capturing a graph, and after views were handed out inside a capture (a
+captured graph keeps reading the arena's address). Every call raises under an active
+FakeTensorMode: fake impls must never reach here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from graphsafe.errors import WorkspaceError
+
+ALIGNMENT = 256
+# Growth rounds the arena up to a multiple of this (the CUDA caching allocator rounds
+# large blocks to 2 MiB anyway); a request never gets less than it asked for.
+GROWTH_GRANULARITY = 1 << 20
+# Distinct request signatures whose views are kept; past this the cache is cleared
+# (prefill with many shapes should not grow it without bound).
+MAX_CACHED_SIGNATURES = 4096
+
+Spec = tuple[Sequence[int], torch.dtype]
+
+log = logging.getLogger("graphsafe.workspace")
+if os.environ.get("GRAPHSAFE_DEBUG_WORKSPACE", "0") == "1":
+    if not log.handlers:
+        _handler = logging.StreamHandler()
+        _handler.setFormatter(logging.Formatter("[graphsafe.workspace] %(message)s"))
+        log.addHandler(_handler)
+    log.setLevel(logging.DEBUG)
+
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_get_mode = torch._C._get_dispatch_mode
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def plan_layout(specs: Sequence[Spec]) -> tuple[tuple[int, ...], int]:
+    """Byte offsets of each region and the total bytes of one `get_simultaneous` call.
+
+    Regions are placed in order, each at a 256-byte aligned offset.
+    """
+    offsets = []
+    cursor = 0
+    for shape, dtype in specs:
+        cursor = _align(cursor)
+        offsets.append(cursor)
+        cursor += math.prod(shape) * dtype.itemsize
+    return tuple(offsets), cursor
+
+
+def workspace_bytes(*specs: Spec) -> int:
+    """Arena bytes one `get_simultaneous(*specs)` needs."""
+    return plan_layout(specs)[1]
+
+
+def _fake_mode_active() -> bool:
+    return _get_mode(_FAKE_KEY) is not None
+
+
+def _caller() -> str:
+    """file:line of the first frame outside the workspace package."""
+    frame = sys._getframe(1)
+    here = os.path.dirname(__file__)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+        frame = frame.f_back
+    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass(frozen=True)
+class WorkspaceStats:
+    device: str
+    lane: int
+    size_bytes: int
+    peak_request_bytes: int
+    grow_count: int
+    requests: dict[str, int]
+    locked: bool
+    cached_signatures: int
+    captured: bool
+
+
+class WorkspaceManager:
+    """Scratch memory for one (device, lane). Get one with `current_workspace_manager`."""
+
+    def __init__(self, device: torch.device, lane: int = 0) -> None:
+        self.device = device
+        self.lane = lane
+        self._arena: torch.Tensor | None = None
+        self._size = 0
+        self._locked = False
+        self._captured = False
+        self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._peak = 0
+        self._grow_count = 0
+        self._requests: Counter[str] = Counter()
+        self._is_cuda = device.type == "cuda"
+
+    # -- the hot path -----------------------------------------------------------------
+    def get_simultaneous(self, *specs: Spec, owner: str = "unnamed") -> list[torch.Tensor]:
+        """Views into the arena, one per `(shape, dtype)`, disjoint and 256-byte aligned.
+
+        The memory is uninitialised. A later call (of any owner) reuses the same bytes,
+        so the views are valid until the next call on this manager: use them inside one
+        op and never return them. `owner` names the op for `stats()` and errors.
+        """
+        if _get_mode(_FAKE_KEY) is not None:
+            raise WorkspaceError(
+                f"workspace requested by {owner!r} while a FakeTensorMode is active: fake impls "
+                f"must compute metadata only and never touch the workspace ({_caller()})"
+            )
+        try:
+            views = self._views[specs]
+        except (KeyError, TypeError):
+            views = self._carve(specs, owner)
+        if self._is_cuda and not self._captured and _stream_capturing():
+            self._captured = True
+        self._requests[owner] += 1
+        return list(views)
+
+    # -- the slow path ----------------------------------------------------------------
+    def _carve(self, specs: Sequence[Spec], owner: str) -> tuple[torch.Tensor, ...]:
+        key_specs = tuple((tuple(int(s) for s in shape), dtype) for shape, dtype in specs)
+        for shape, dtype in key_specs:
+            if not isinstance(dtype, torch.dtype) or any(s < 0 for s in shape):
+                raise WorkspaceError(f"{owner}: bad workspace request {shape}, {dtype}")
+        views = self._views.get(key_specs)
+        if views is None:
+            offsets, total = plan_layout(key_specs)
+            self._peak = max(self._peak, total)
+            self._ensure(total, owner)
+            assert self._arena is not None or total == 0
+            views = tuple(
+                self._view(offset, shape, dtype) for offset, (shape, dtype) in zip(offsets, key_specs)
+            )
+            if len(self._views) >= MAX_CACHED_SIGNATURES:
+                self._views.clear()
+            self._views[key_specs] = views
+        try:
+            self._views[specs] = views  # also cache the caller's own spelling of the key
+        except TypeError:
+            pass  # unhashable spelling (lists): the normalised key is cached
+        return views
+
+    def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._arena is None:  # a zero-byte request before any growth
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return self._arena[offset : offset + nbytes].view(dtype).view(shape)
+
+    def _ensure(self, required: int, owner: str) -> None:
+        if required <= self._size:
+            return
+        where = _caller()
+        if self._locked:
+            raise WorkspaceError(
+                f"workspace on {self.device} (lane {self.lane}) is locked: {owner} needs "
+                f"{required} bytes, the arena has {self._size} bytes (requested at {where}). "
+                f"Reserve the worst case before locking (WorkspaceManager.reserve)."
+            )
+        if _capturing(self.device):
+            raise WorkspaceError(
+                f"workspace on {self.device} (lane {self.lane}) cannot grow while the current stream "
+                f"is capturing a CUDA graph: {owner} needs {required} bytes, the arena has "
+                f"{self._size} bytes (requested at {where}). Reserve the worst case before capture."
+            )
+        if self._captured:
+            raise WorkspaceError(
+                f"workspace on {self.device} (lane {self.lane}) was used inside a CUDA graph capture, "
+                f"which still reads the arena: {owner} needs {required} bytes, the arena has "
+                f"{self._size} bytes (requested at {where}). Reserve the worst case before capture, "
+                f"or call forget_captures() once those graphs are destroyed."
+            )
+        new_size = -(-required // GROWTH_GRANULARITY) * GROWTH_GRANULARITY
+        log.debug(
+            "grow %s lane %d: %d -> %d bytes for %s (needs %d) at %s",
+            self.device, self.lane, self._size, new_size, owner, required, where,
+        )
+        # Free first: drop every cached view and the arena, then allocate.
+        self._views.clear()
+        self._arena = None
+        self._size = 0
+        self._arena = torch.empty(new_size, dtype=torch.uint8, device=self.device)
+        self._size = new_size
+        self._grow_count += 1
+
+    # -- sizing and state -------------------------------------------------------------
+    def reserve(self, *specs: Spec, nbytes: int = 0, owner: str = "reserve") -> None:
+        """Grow the arena now to hold `get_simultaneous(*specs)` (and at least `nbytes`)."""
+        if _fake_mode_active():
+            raise WorkspaceError(f"workspace reserve by {owner!r} while a FakeTensorMode is active ({_caller()})")
+        required = max(nbytes, workspace_bytes(*specs))
+        self._peak = max(self._peak, required)
+        self._ensure(required, owner)
+
+    def lock(self) -> None:
+        """Refuse growth from now on (requests that fit are still served)."""
+        self._locked = True
+
+    def unlock(self) -> None:
+        self._locked = False
+
+    @contextmanager
+    def locked(self) -> Iterator[WorkspaceManager]:
+        previous = self._locked
+        self._locked = True
+        try:
+            yield self
+        finally:
+            self._locked = previous
+
+    @property
+    def is_locked(self) -> bool:
+        return self._locked
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size
+
+    def forget_captures(self) -> None:
+        """Allow growth again once every graph captured over this arena is destroyed."""
+        self._captured = False
+
+    def stats(self) -> WorkspaceStats:
+        return WorkspaceStats(
+            device=str(self.device),
+            lane=self.lane,
+            size_bytes=self._size,
+            peak_request_bytes=self._peak,
+            grow_count=self._grow_count,
+            requests=dict(self._requests),
+            locked=self._locked,
+            cached_signatures=len(self._views),
+            captured=self._captured,
+        )
+
+
+# -- per-device, per-lane managers -----------------------------------------------------
+_lane: ContextVar[int] = ContextVar("graphsafe_workspace_lane", default=0)
+_managers: dict[tuple[object, int], WorkspaceManager] = {}
+
+
+def _normalise(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def current_workspace_manager(device: torch.device | str | int | None = None) -> WorkspaceManager:
+    """The manager of `device` (default: the current CUDA device, else the CPU) in the current lane."""
+    lane = _lane.get()
+    try:
+        return _managers[(device, lane)]
+    except (KeyError, TypeError):
+        pass
+    if _fake_mode_active():
+        raise WorkspaceError(f"current_workspace_manager() called while a FakeTensorMode is active ({_caller()})")
+    dev = _normalise(device)
+    manager = _managers.get((dev, lane))
+    if manager is None:
+        manager = _managers[(dev, lane)] = WorkspaceManager(dev, lane)
+    # Cache the caller's spelling only when it names one device for good ("cuda" alone
+    # follows the current device, so it is normalised on every call).
+    if device is not None and not isinstance(device, int) and torch.device(device) == dev:
+        try:
+            _managers[(device, lane)] = manager
+        except TypeError:
+            pass
+    return manager
+
+
+@contextmanager
+def workspace_lane(lane: int) -> Iterator[None]:
+    """Use the arenas of `lane` inside the block (overlapping micro-batches need their own)."""
+    token = _lane.set(lane)
+    try:
+        yield
+    finally:
+        _lane.reset(token)
+
+
+def current_lane() -> int:
+    return _lane.get()
+
+
+def all_workspace_managers() -> list[WorkspaceManager]:
+    return list({id(m): m for m in _managers.values()}.values())
+
+
+def reset_workspace_managers() -> None:
+    """Drop every manager and its arena (tests; after destroying captured graphs)."""
+    _managers.clear()
