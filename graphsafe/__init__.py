@@ -7,7 +7,7 @@ memory from a shared per-device workspace manager.
 
 from graphsafe import ops
 from graphsafe.errors import GraphsafeError, InputError, RegistrationError, WorkspaceError
-from graphsafe.ops import *  # noqa: F403 - the public op functions
+from graphsafe.ops import *  # noqa: F403 - the public op functions (graphsafe.<op>)
 from graphsafe.registry import get_op, ops as op_table, register_op, use_backend
 from graphsafe.workspace import current_workspace_manager, workspace_lane
 

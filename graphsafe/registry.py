@@ -77,6 +77,7 @@ class OpSpec:
     doc: str
     workspace: Callable[..., Sequence[tuple[Sequence[int], torch.dtype]]] | None = None
     overload: Any = None  # torch._ops.OpOverload, set after `define`
+    public: Any = None  # the Python function users call (docstring of the stub)
     _slots: dict[str, list[Impl | None]] = field(default_factory=dict, repr=False)
     _resolved: dict[str, Impl] = field(default_factory=dict, repr=False)
 
@@ -261,6 +262,7 @@ class Registry:
                 return overload(*args, **kwargs)
 
             public.spec = spec  # type: ignore[attr-defined]
+            spec.public = public
             return public
 
         return decorate

@@ -1,6 +1,19 @@
-"""Op families. Importing this package registers every op in the `graphsafe` namespace."""
+"""Op families. Importing this package registers every op in the `graphsafe` namespace.
 
-from graphsafe.ops.cache import concat_and_cache_mla, reshape_and_cache
-from graphsafe.ops.ragged import build_ragged_indices_from_dense
+Each subpackage is one family (`cache`, `ragged`, `indexer`, `mla`, `attention`, ...);
+its `__init__.py` registers the ops with `register_op` and holds their docstrings. The
+families are discovered, so adding one needs no edit here; the public op functions are
+re-exported from this package (`graphsafe.ops.<name>`, also `graphsafe.<name>`).
+"""
 
-__all__ = ["build_ragged_indices_from_dense", "concat_and_cache_mla", "reshape_and_cache"]
+import importlib
+import pkgutil
+
+from graphsafe.registry import REGISTRY
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg):
+    importlib.import_module(f"{__name__}.{_module}")
+
+__all__ = sorted(REGISTRY.ops)
+for _name, _spec in REGISTRY.ops.items():
+    globals()[_name] = _spec.public

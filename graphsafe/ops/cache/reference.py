@@ -25,6 +25,9 @@ def scatter_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torc
     """
     if values.shape[0] == 0:
         return
+    if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:
+        # fp8: move the bytes (torch.where and Inductor have no fp8 promotion rules).
+        cache, values = cache.view(torch.uint8), values.view(torch.uint8)
     num_blocks, block_size = cache.shape[:2]
     slots = slot_mapping.long()
     valid = (slots >= 0) & (slots < num_blocks * block_size)

@@ -12,6 +12,7 @@ wrongly written elements show).
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,9 @@ class OpCase:
     bad_inputs: Callable[[torch.device, torch.Generator], Sequence[BadInput]] = lambda d, g: ()
     # Extra parameter sets that must always be tested (edge cases), on top of hypothesis.
     edge_cases: Sequence[Params] = field(default_factory=tuple)
+    # Realistic shapes (DeepSeek, Llama) for the GPU tests; host ints must come from the
+    # params alone, so two seeds of one params set can share a captured CUDA graph.
+    gpu_examples: Sequence[Params] = field(default_factory=tuple)
 
     def inputs(self, params: Params, device: torch.device | str = "cpu", seed: int = 0) -> Args:
         device = torch.device(device)
@@ -57,7 +61,6 @@ class OpCase:
 
 
 _CASES: dict[str, OpCase] = {}
-_FAMILIES = ("cache", "ragged")
 
 
 def register_case(case: OpCase) -> OpCase:
@@ -67,9 +70,17 @@ def register_case(case: OpCase) -> OpCase:
     return case
 
 
+_loaded = False
+
+
 def _load() -> None:
-    for family in _FAMILIES:
-        importlib.import_module(f"graphsafe.testing.cases.{family}")
+    """Import every module of this package (one per op family); each registers its cases."""
+    global _loaded
+    if _loaded:
+        return
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        importlib.import_module(f"{__name__}.{module}")
+    _loaded = True
 
 
 def case_for(op: str) -> OpCase:

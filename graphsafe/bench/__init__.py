@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m graphsafe bench [--op NAME]` (see harness.py)."""

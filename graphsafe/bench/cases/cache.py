@@ -1,0 +1,57 @@
+"""Benchmarks of the paged-cache writes."""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe.bench.harness import Problem, bench_case
+from graphsafe.bench.peers import nbytes, op_peers
+from graphsafe.registry import get_op
+from graphsafe.testing.cases import case_for
+
+
+@bench_case("concat_and_cache_mla")
+def concat_and_cache_mla(device: torch.device):
+    spec, case = get_op("concat_and_cache_mla"), case_for("concat_and_cache_mla")
+    for t, dtype, fp8 in ((128, torch.bfloat16, False), (8192, torch.bfloat16, False), (8192, torch.bfloat16, True)):
+        params = {"T": t, "R": 512, "P": 64, "block_size": 64, "dtype": dtype, "fp8_cache": fp8, "strided_cache": False}
+        args = case.inputs(params, device, seed=0)
+        kv_c, k_pe, kv_cache, slots, _ = args
+        written = t * (512 + 64) * kv_cache.element_size()
+        yield Problem(
+            case=spec.name,
+            shape=f"T={t} R=512 P=64 bs=64 {'fp8' if fp8 else 'bf16'} cache",
+            impls=op_peers(spec, args, device),
+            bytes=nbytes(kv_c, k_pe, slots) + written,
+        )
+
+
+@bench_case("reshape_and_cache")
+def reshape_and_cache(device: torch.device):
+    spec, case = get_op("reshape_and_cache"), case_for("reshape_and_cache")
+    for t, fp8 in ((64, False), (8192, False), (8192, True)):
+        params = {"T": t, "Hk": 8, "D": 128, "Dv": None, "block_size": 16, "dtype": torch.bfloat16, "fp8_cache": fp8, "strided_cache": False}
+        args = case.inputs(params, device, seed=0)
+        key, value, k_cache, v_cache, slots, _, _ = args
+        written = 2 * t * 8 * 128 * k_cache.element_size()
+        yield Problem(
+            case=spec.name,
+            shape=f"T={t} Hk=8 D=128 bs=16 {'fp8' if fp8 else 'bf16'} cache",
+            impls=op_peers(spec, args, device),
+            bytes=nbytes(key, value, slots) + written,
+        )
+
+
+@bench_case("build_ragged_indices_from_dense")
+def build_ragged_indices_from_dense(device: torch.device):
+    spec, case = get_op("build_ragged_indices_from_dense"), case_for("build_ragged_indices_from_dense")
+    for n, w in ((64, 2048), (8192, 2048)):
+        args = case.inputs({"N": n, "W": w, "num_rows": 100_000}, device, seed=0)
+        indices, lengths, _ = args
+        yield Problem(
+            case=spec.name,
+            shape=f"N={n} W={w}",
+            impls=op_peers(spec, args, device),
+            # read indices + lengths, write flat + indptr
+            bytes=nbytes(indices, lengths) + n * w * 4 + (n + 1) * 4,
+        )

@@ -1,0 +1,27 @@
+"""The standard peers of an op: graphsafe through the dispatcher, and its reference
+backend eager and under torch.compile, all on the same inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphsafe.registry import OpSpec
+
+
+def op_peers(spec: OpSpec, args: tuple, device: torch.device, compile_reference: bool = True) -> dict[str, Callable[[], Any]]:
+    backend = spec.serving_backend(device.type)
+    public = spec.public
+    reference = spec.backend_impl("reference")
+    impls: dict[str, Callable[[], Any]] = {f"graphsafe[{backend}]": lambda: public(*args)}
+    impls["reference eager"] = lambda: reference(*args)
+    if compile_reference:
+        compiled = torch.compile(reference, dynamic=False)
+        impls["reference compiled"] = lambda: compiled(*args)
+    return impls
+
+
+def nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -1,0 +1,145 @@
+"""The op contract (DESIGN.md), checked for every registered op: no op can skip it.
+
+Parametrised over the registry, so a new op is picked up without editing this file, and
+fails here until it has a fake, a reference and a Triton backend, a test case, and
+passes every check on every device present.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import graphsafe
+from graphsafe.backends import device_types_here
+from graphsafe.testing import contract as C
+
+OPS = sorted(graphsafe.op_table())
+DEVICES = device_types_here()
+
+
+def _draw(data, name: str, device: str):
+    case = graphsafe.get_op(name).case
+    params = data.draw(case.params(), label="params")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    return params, case.inputs(params, device, seed)
+
+
+def test_registry_is_not_empty():
+    assert len(OPS) >= 3
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_registration(name):
+    spec = graphsafe.get_op(name)
+    assert spec.fake.__module__.startswith("graphsafe.fake_impls."), "fakes live in graphsafe/fake_impls/"
+    assert spec.check.__module__.startswith("graphsafe.fake_impls."), "checks live beside the fakes"
+    assert "reference" in spec.backends and "triton" in spec.backends, "every op has reference and triton"
+    assert spec.case.op == name
+    assert spec.doc and "Args:" in spec.doc, "the docstring documents every argument"
+    # mutates_args is exact: the schema marks exactly those args as written.
+    written = {a.name for a in spec.overload._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == set(spec.mutates_args)
+    if spec.mutates_args:
+        assert spec.overload._schema.returns == [], "a mutating op returns None"
+    for arg in spec.mutates_args:
+        assert arg in inspect.signature(spec.public).parameters
+    assert spec.public is getattr(graphsafe, name) and spec.overload is getattr(torch.ops.graphsafe, name).default
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck_examples(name, device):
+    spec = graphsafe.get_op(name)
+    for _, args in C.example_inputs(spec.case, torch.device(device)):
+        C.opcheck_op(spec, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+@given(data=st.data())
+def test_opcheck_drawn(name, device, data):
+    spec = graphsafe.get_op(name)
+    _, args = _draw(data, name, device)
+    C.opcheck_op(spec, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+@given(data=st.data())
+def test_fake_matches_real(name, device, data):
+    _, args = _draw(data, name, device)
+    C.check_fake_matches_real(graphsafe.get_op(name), args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+@given(data=st.data())
+def test_mutation_is_exact_and_outputs_are_fresh(name, device, data):
+    _, args = _draw(data, name, device)
+    C.check_mutation_and_aliasing(graphsafe.get_op(name), args)
+
+
+def _backend_params():
+    for name in OPS:
+        spec = graphsafe.get_op(name)
+        for device in DEVICES:
+            for backend in spec.available_backends(device):
+                if backend != "reference":
+                    yield pytest.param(name, device, backend, id=f"{name}-{device}-{backend}")
+
+
+@pytest.mark.parametrize("name,device,backend", list(_backend_params()))
+@given(data=st.data())
+def test_backend_matches_reference(name, device, backend, data):
+    spec = graphsafe.get_op(name)
+    params, args = _draw(data, name, device)
+    C.check_backend_matches_reference(spec, spec.case, backend, args, params)
+
+
+@pytest.mark.parametrize("name,device,backend", list(_backend_params()))
+def test_backend_matches_reference_on_edge_cases(name, device, backend):
+    spec = graphsafe.get_op(name)
+    for params, args in C.example_inputs(spec.case, torch.device(device)):
+        C.check_backend_matches_reference(spec, spec.case, backend, args, params)
+
+
+def test_every_op_has_a_non_reference_backend_tested_here():
+    """On a CPU-only machine the Triton kernels must run through the interpreter."""
+    for name in OPS:
+        assert any(b != "reference" for d in DEVICES for b in graphsafe.get_op(name).available_backends(d)), (
+            f"{name}: no kernel backend is tested on this machine (set TRITON_INTERPRET=1 without a GPU)"
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+def test_bad_inputs_are_refused_alike(name, device):
+    spec = graphsafe.get_op(name)
+    assert C.check_bad_inputs(spec, spec.case, torch.device(device)) >= 3, "each op lists at least 3 bad inputs"
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_fake_never_touches_workspace(name):
+    spec = graphsafe.get_op(name)
+    for _, args in C.example_inputs(spec.case, torch.device("cpu")):
+        C.check_fake_never_touches_workspace(spec, args)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_fullgraph_compile_matches_eager(name):
+    """Dynamo traces the op through its fake (aot_eager), with no graph break."""
+    spec = graphsafe.get_op(name)
+    params, args = C.example_inputs(spec.case, torch.device("cpu"))[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(spec.public, fullgraph=True, backend="aot_eager", dynamic=True)
+    eager_args, compiled_args = C.clone_args(args), C.clone_args(args)
+    expected = spec.public(*eager_args)
+    actual = compiled(*compiled_args)
+    from graphsafe.testing.compare import default_compare
+
+    default_compare(spec, expected, actual, eager_args, compiled_args, exact=True)
