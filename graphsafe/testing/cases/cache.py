@@ -85,6 +85,10 @@ register_case(
             {**EXAMPLE_MLA, "fp8_cache": True, "dtype": torch.float16},
             {**EXAMPLE_MLA, "R": 512, "P": 64, "block_size": 64, "strided_cache": True},
         ),
+        gpu_examples=(
+            {"T": 256, "R": 512, "P": 64, "block_size": 64, "dtype": torch.bfloat16, "fp8_cache": False, "strided_cache": False},
+            {"T": 1024, "R": 512, "P": 64, "block_size": 64, "dtype": torch.bfloat16, "fp8_cache": True, "strided_cache": True},
+        ),
     )
 )
 
@@ -156,6 +160,10 @@ register_case(
             {**EXAMPLE_KV, "T": 0},
             {**EXAMPLE_KV, "fp8_cache": True, "dtype": torch.bfloat16, "Dv": 8},
             {**EXAMPLE_KV, "Hk": 8, "D": 128, "block_size": 16, "strided_cache": True},
+        ),
+        gpu_examples=(
+            {"T": 512, "Hk": 8, "D": 128, "Dv": None, "block_size": 16, "dtype": torch.bfloat16, "fp8_cache": False, "strided_cache": False},
+            {"T": 2048, "Hk": 8, "D": 128, "Dv": None, "block_size": 16, "dtype": torch.float16, "fp8_cache": True, "strided_cache": True},
         ),
     )
 )

@@ -54,5 +54,6 @@ register_case(
             {"N": 5, "W": 2048, "num_rows": -1},
             {"N": 1500, "W": 3, "num_rows": 100},
         ),
+        gpu_examples=({"N": 512, "W": 2048, "num_rows": 65536}, {"N": 8192, "W": 2048, "num_rows": -1}),
     )
 )
