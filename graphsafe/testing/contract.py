@@ -199,3 +199,67 @@ def opcheck_all(device: torch.device | str = "cpu", seed: int = 0) -> dict[str, 
             opcheck_op(spec, args)
         done[name] = len(sets)
     return done
+
+
+# -- GPU checks ---------------------------------------------------------------------------
+def _compare_case(spec: OpSpec, expected, actual, exp_args, act_args, params) -> None:
+    if spec.case.compare is not None:
+        spec.case.compare(expected, actual, exp_args, act_args, params)
+    else:
+        default_compare(spec, expected, actual, exp_args, act_args)
+
+
+def check_cuda_graph_replay(spec: OpSpec, params: Params, device: torch.device, seeds: tuple[int, int] = (1, 2)) -> None:
+    """Capture the op on one input set, copy a second set into the static inputs, replay,
+    and compare with eager on the second set (outputs and mutated args)."""
+    static = clone_args(spec.case.inputs(params, device, seeds[0]))
+    fresh = spec.case.inputs(params, device, seeds[1])
+    for s, f in zip(static, fresh):
+        if not isinstance(s, torch.Tensor):
+            assert s == f, f"{spec.name}: host ints must come from params only ({s!r} != {f!r})"
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up (Triton compiles, the workspace grows) off the capture
+        for _ in range(2):
+            spec.public(*clone_args(static))
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = spec.public(*static)
+    for s, f in zip(static, fresh):
+        if isinstance(s, torch.Tensor):
+            s.copy_(f)
+    graph.replay()
+    eager_args = clone_args(fresh)
+    expected = spec.public(*eager_args)
+    torch.cuda.synchronize(device)
+    _compare_case(spec, expected, static_out, eager_args, static, params)
+
+
+def check_no_host_sync(spec: OpSpec, params: Params, device: torch.device, seed: int = 3) -> None:
+    from graphsafe.testing.sync import no_sync
+
+    args = spec.case.inputs(params, device, seed)
+    spec.public(*clone_args(args))  # warm-up: compilation and workspace growth may sync
+    torch.cuda.synchronize(device)
+    with no_sync():
+        spec.public(*args)
+    torch.cuda.synchronize(device)
+
+
+def _count_tensors(out: Any) -> int:
+    return len(_tensors(out))
+
+
+def check_allocates_only_outputs(spec: OpSpec, params: Params, device: torch.device, seed: int = 4) -> None:
+    """Scratch comes from the workspace: the caching allocator sees the outputs only."""
+    args = spec.case.inputs(params, device, seed)
+    spec.public(*clone_args(args))  # warm-up sizes the workspace
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_stats(device)["allocation.all.allocated"]
+    out = spec.public(*args)
+    after = torch.cuda.memory_stats(device)["allocation.all.allocated"]
+    assert after - before <= _count_tensors(out), (
+        f"{spec.name}: {after - before} caching-allocator allocations for {_count_tensors(out)} outputs"
+    )

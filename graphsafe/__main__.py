@@ -1,0 +1,164 @@
+"""Command line: `python -m graphsafe {list,check,bench}`.
+
+    list    every op, its schema, the backend serving it on each device here, its fake
+    check   the op contract on every op, on every device here; a table; exit 1 on failure
+    bench   benchmarks (GPU for meaningful numbers); a table, optionally JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+
+def _ops():
+    import graphsafe
+
+    return graphsafe.op_table()
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from graphsafe.backends import device_types_here
+
+    devices = device_types_here()
+    for name, spec in sorted(_ops().items()):
+        serving = ", ".join(f"{d}: {spec.serving_backend(d)}" for d in devices)
+        available = ", ".join(f"{d}: {'/'.join(spec.available_backends(d))}" for d in devices)
+        print(f"graphsafe::{name}{spec.schema}")
+        print(f"    family: {spec.family}   mutates: {', '.join(spec.mutates_args) or '-'}   fake: {spec.fake.__module__}.{spec.fake.__name__}")
+        print(f"    backends: {', '.join(spec.backends)}   available here: {available}   serving: {serving}")
+        if spec.workspace is not None:
+            print("    workspace: worst case from shapes via OpSpec.workspace_bytes(...)")
+    return 0
+
+
+def _run_check(fn: Callable[[], object]) -> tuple[str, str]:
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - every failure becomes a table cell and a detail line
+        return "FAIL", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
+    return ("ok" if result is None else str(result)), ""
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from graphsafe.backends import device_types_here
+    from graphsafe.testing import contract as C
+
+    devices = args.device or device_types_here()
+    names = args.op or sorted(_ops())
+    table = _ops()
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        print(f"unknown op(s): {unknown}", file=sys.stderr)
+        return 2
+    columns = ["opcheck", "fake=real", "mutation", "kernels=ref", "bad inputs", "fake/workspace"]
+    if any(d == "cuda" for d in devices):
+        columns += ["graph replay", "no sync", "allocs"]
+    header = f"{'op':<34} {'device':<6} {'serving':<10} " + " ".join(f"{c:>14}" for c in columns) + f" {'s':>6}"
+    print(header)
+    print("-" * len(header))
+    failures = []
+    for device_type in devices:
+        device = torch.device(device_type)
+        for name in names:
+            spec = table[name]
+            case = spec.case
+            sets = C.example_inputs(case, device, seed=args.seed)
+            kernels = [b for b in spec.available_backends(device_type) if b != "reference"]
+
+            def kernels_match(spec=spec, case=case, sets=sets, kernels=kernels) -> str:
+                if not kernels:
+                    return "none here"
+                for backend in kernels:
+                    for params, a in sets:
+                        C.check_backend_matches_reference(spec, case, backend, a, params)
+                return "/".join(kernels)
+
+            def each(check, spec=spec, sets=sets) -> None:
+                for _, a in sets:
+                    check(spec, a)
+
+            checks: dict[str, Callable[[], object]] = {
+                "opcheck": lambda: each(C.opcheck_op),
+                "fake=real": lambda: each(C.check_fake_matches_real),
+                "mutation": lambda: each(C.check_mutation_and_aliasing),
+                "kernels=ref": kernels_match,
+                "bad inputs": lambda: f"{C.check_bad_inputs(spec, case, device)} refused",
+                "fake/workspace": lambda: each(C.check_fake_never_touches_workspace),
+            }
+            if device_type == "cuda":
+                gpu_sets = [case.example, *case.edge_cases, *case.gpu_examples]
+
+                def each_gpu(check, spec=spec, gpu_sets=gpu_sets) -> None:
+                    for params in gpu_sets:
+                        check(spec, params, device)
+
+                checks["graph replay"] = lambda: each_gpu(C.check_cuda_graph_replay)
+                checks["no sync"] = lambda: each_gpu(C.check_no_host_sync)
+                checks["allocs"] = lambda: each_gpu(C.check_allocates_only_outputs)
+            t0 = time.perf_counter()
+            cells = []
+            for column in columns:
+                if column not in checks:
+                    cells.append("-")
+                    continue
+                status, detail = _run_check(checks[column])
+                cells.append(status)
+                if detail:
+                    failures.append(f"{name} on {device_type}, {column}: {detail}")
+            elapsed = time.perf_counter() - t0
+            print(
+                f"{name:<34} {device_type:<6} {spec.serving_backend(device_type):<10} "
+                + " ".join(f"{c[:14]:>14}" for c in cells)
+                + f" {elapsed:>6.1f}",
+                flush=True,
+            )
+    if failures:
+        print(f"\n{len(failures)} failure(s):")
+        for f in failures:
+            print("  " + f.replace("\n", "\n    "))
+        return 1
+    print(f"\nall contract checks passed ({len(names)} ops, devices: {', '.join(devices)})")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from graphsafe.bench import harness
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cases = harness.load_cases()
+    if args.list:
+        print("\n".join(sorted(cases)))
+        return 0
+    harness.run(args.op, device, json_path=args.json)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m graphsafe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="every op with its schema and the backend serving it here")
+    check = sub.add_parser("check", help="run the op contract on every op and device here")
+    check.add_argument("--op", action="append", help="only this op (repeatable)")
+    check.add_argument("--device", action="append", choices=["cpu", "cuda"], help="only this device type (repeatable)")
+    check.add_argument("--seed", type=int, default=0)
+    bench = sub.add_parser("bench", help="benchmarks: medians, bytes, %% of bandwidth, peers")
+    bench.add_argument("--op", action="append", help="only this benchmark case (repeatable)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
+    bench.add_argument("--json", help="also write the rows as JSON to this path")
+    bench.add_argument("--list", action="store_true", help="list the benchmark cases")
+    args = parser.parse_args(argv)
+    if args.command == "check" and not torch.cuda.is_available():
+        # Kernel backends are checked through Triton's interpreter on CPU-only machines.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""register_op's rules, backend selection and its overrides, the aiter probe."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+from torch import Tensor
+
+import graphsafe
+from graphsafe import backends
+from graphsafe.errors import RegistrationError
+from graphsafe.registry import new_registry
+
+
+def _ns() -> str:
+    return "gs_test_" + uuid.uuid4().hex[:8]
+
+
+def _check(x, y):
+    if x.shape != y.shape:
+        raise graphsafe.InputError("shapes differ")
+
+
+def _fake_add(x, y):
+    _check(x, y)
+    return torch.empty_like(x)
+
+
+def _stub(x: Tensor, y: Tensor) -> Tensor:
+    """Add.
+
+    Args:
+        x: any.
+        y: same shape.
+    """
+
+
+def _calls():
+    calls = []
+
+    def ref(x, y):
+        calls.append("reference")
+        return x + y
+
+    def tri(x, y):
+        calls.append("triton")
+        return x + y
+
+    return calls, ref, tri
+
+
+def test_registration_requires_a_fake():
+    reg = new_registry(_ns())
+    with pytest.raises(RegistrationError, match="fake"):
+        reg.register_op("add", fake=None, check=_check, backends={"reference": lambda x, y: x + y})(_stub)
+
+
+def test_registration_requires_a_reference_backend():
+    reg = new_registry(_ns())
+    with pytest.raises(RegistrationError, match="reference"):
+        reg.register_op("add", fake=_fake_add, check=_check, backends={"triton": lambda x, y: x + y})(_stub)
+
+
+def test_mutates_args_unknown_is_refused():
+    reg = new_registry(_ns())
+    with pytest.raises(RegistrationError, match="unknown"):
+        reg.register_op("add", fake=_fake_add, check=_check, backends={"reference": lambda x, y: x}, mutates_args="unknown")(_stub)
+
+
+def test_mutating_op_must_return_none_and_name_real_args():
+    reg = new_registry(_ns())
+    with pytest.raises(RegistrationError, match="return None"):
+        reg.register_op("add", fake=_fake_add, check=_check, backends={"reference": lambda x, y: x}, mutates_args=("y",))(_stub)
+    with pytest.raises(RegistrationError, match="not a parameter"):
+        reg.register_op("add2", fake=_fake_add, check=_check, backends={"reference": lambda x, y: x}, mutates_args=("z",))(_stub)
+
+
+def test_op_returning_nothing_must_mutate():
+    reg = new_registry(_ns())
+
+    def stub(x: Tensor) -> None:
+        """Nothing."""
+
+    with pytest.raises(RegistrationError, match="mutate"):
+        reg.register_op("noop", fake=lambda x: None, check=lambda x: None, backends={"reference": lambda x: None})(stub)
+
+
+def test_registered_op_dispatches_checks_and_has_a_fake():
+    reg = new_registry(_ns())
+    calls, ref, tri = _calls()
+    add = reg.register_op("add", fake=_fake_add, check=_check, backends={"reference": ref})(_stub)
+    x, y = torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(add(x, y), x + y)
+    assert calls == ["reference"]
+    assert add.__doc__.startswith("Add.")
+    assert add.spec.schema == "(Tensor x, Tensor y) -> Tensor"
+    with pytest.raises(graphsafe.InputError):
+        add(x, torch.randn(4))
+    compiled = torch.compile(add, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, y), x + y)
+
+
+def test_backend_is_resolved_once_then_cached(monkeypatch):
+    reg = new_registry(_ns())
+    calls, ref, tri = _calls()
+    add = reg.register_op("add", fake=_fake_add, check=_check, backends={"reference": ref, "triton": tri})(_stub)
+    resolutions = []
+    original = add.spec.serving_backend
+
+    def counting(device_type):
+        resolutions.append(device_type)
+        return original(device_type)
+
+    monkeypatch.setattr(add.spec, "serving_backend", counting)
+    for _ in range(5):
+        add(torch.randn(2), torch.randn(2))
+    assert resolutions == ["cpu"]
+    assert calls == ["reference"] * 5, "the CPU never picks triton automatically"
+
+
+def test_use_backend_forces_and_restores(monkeypatch):
+    reg = new_registry(_ns())
+    calls, ref, tri = _calls()
+    add = reg.register_op("add", fake=_fake_add, check=_check, backends={"reference": ref, "triton": tri})(_stub)
+    monkeypatch.setattr(backends, "backend_available", lambda b, d: True)
+    monkeypatch.setattr(graphsafe.registry, "backend_available", lambda b, d: True)
+    x = torch.randn(2)
+    add(x, x)
+    with graphsafe.use_backend("triton"):
+        add(x, x)
+        with graphsafe.use_backend("reference", ops=[add.spec.qualname]):
+            add(x, x)
+        add(x, x)
+    add(x, x)
+    assert calls == ["reference", "triton", "reference", "triton", "reference"]
+
+
+def test_forced_backend_missing_on_an_op_falls_back():
+    reg = new_registry(_ns())
+    calls, ref, _ = _calls()
+    add = reg.register_op("add", fake=_fake_add, check=_check, backends={"reference": ref})(_stub)
+    with graphsafe.use_backend("aiter"):
+        add(torch.randn(2), torch.randn(2))
+    assert calls == ["reference"]
+
+
+def test_forced_but_unavailable_backend_warns_and_falls_back(monkeypatch):
+    reg = new_registry(_ns())
+    calls, ref, tri = _calls()
+    add = reg.register_op("add", fake=_fake_add, check=_check, backends={"reference": ref, "triton": tri})(_stub)
+    monkeypatch.setattr(graphsafe.registry, "backend_available", lambda b, d: b == "reference")
+    with graphsafe.use_backend("triton"):
+        with pytest.warns(UserWarning, match="unavailable"):
+            add(torch.randn(2), torch.randn(2))
+    assert calls == ["reference"]
+
+
+def test_use_backend_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown backend"):
+        graphsafe.use_backend("cuda")
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env={**os.environ, **env}
+    )
+
+
+def test_graphsafe_backend_env_is_read_once():
+    out = _run(
+        """
+        import os, torch, graphsafe
+        spec = graphsafe.get_op("reshape_and_cache")
+        print(spec.serving_backend("cpu"))
+        os.environ["GRAPHSAFE_BACKEND"] = "reference"
+        print(spec.serving_backend("cpu"))
+        """,
+        GRAPHSAFE_BACKEND="triton",
+        TRITON_INTERPRET="1",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["triton", "triton"]
+
+
+def test_graphsafe_backend_env_rejects_garbage():
+    out = _run("import graphsafe, torch; graphsafe.get_op('reshape_and_cache').serving_backend('cpu')", GRAPHSAFE_BACKEND="fast")
+    assert out.returncode != 0 and "GRAPHSAFE_BACKEND" in out.stderr
+
+
+def test_aiter_import_that_raises_means_unavailable(tmp_path):
+    """aiter raises RuntimeError at import without ROCm: never a crash, just 'unavailable'."""
+    (tmp_path / "aiter.py").write_text("raise RuntimeError('no ROCm here')\n")
+    out = _run(
+        """
+        import torch
+        torch.version.hip = "6.2"           # pretend to be a ROCm build
+        torch.cuda.is_available = lambda: True
+        from graphsafe import backends
+        print(backends.backend_available("aiter", "cuda"))
+        import graphsafe
+        print(graphsafe.get_op("reshape_and_cache").available_backends("cpu"))
+        """,
+        PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "False"
+
+
+def test_aiter_is_unavailable_without_rocm():
+    assert backends.backend_available("aiter", "cuda") is (backends.is_rocm() and backends._importable("aiter"))
+    assert not backends.backend_available("aiter", "cpu")
+
+
+def test_default_arguments_reach_the_kernel():
+    """Optional schema args omitted by the caller arrive at the backend with their defaults."""
+    spec = graphsafe.get_op("reshape_and_cache")
+    args = spec.case.inputs(spec.case.example, "cpu", 0)
+    torch.ops.graphsafe.reshape_and_cache(*args[:5])  # k_scale / v_scale omitted
+
+
+def test_op_table_introspection():
+    table = graphsafe.op_table()
+    for name, spec in table.items():
+        assert spec.qualname == f"graphsafe::{name}"
+        assert spec.schema.startswith("(")
+        assert spec.serving_backend("cpu") in spec.available_backends("cpu")
+        assert callable(spec.fake) and spec.case is not None
+
+
+def test_workspace_bytes_from_shapes():
+    # Ops without scratch need none; ops with scratch state it from shapes (no dry run).
+    for spec in graphsafe.op_table().values():
+        if spec.workspace is None:
+            assert spec.workspace_bytes() == 0
