@@ -14,7 +14,7 @@ status=0
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/env.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-    python3 -m pytest -q --maxfail=20 -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.txt" | tail -40
+    python3 -m pytest -q --maxfail=20 --durations=15 -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.txt" | tail -40
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if [ -z "${SKIP_CHECK:-}" ]; then

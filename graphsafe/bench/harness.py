@@ -34,6 +34,9 @@ class Problem:
     note: str = ""
     # Per-call time unit: most cases time in ms; overhead cases read better in us.
     unit: str = "ms"
+    # Also time replays of a CUDA graph of the calls: the device time without the host's
+    # launch cost (what a captured decode step sees). Bandwidth % uses it when it exists.
+    graph: bool = True
 
 
 @dataclass
@@ -41,7 +44,8 @@ class Row:
     case: str
     shape: str
     impl: str
-    median_ms: float
+    median_ms: float  # device time per call: graph replay when capturable, else eager
+    eager_ms: float | None  # per call launched eagerly from Python (host launch cost included)
     bytes: int
     flops: int
     gbps: float | None
@@ -120,6 +124,41 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 10, reps:
     return statistics.median(times)
 
 
+def time_graph_ms(fn: Callable[[], Any], device: torch.device, reps: int = 30) -> float:
+    """Median milliseconds of one call, from replays of a CUDA graph holding k calls.
+
+    Removes the host's launch cost (Python, dispatch, Triton launcher) from the number:
+    the device time a captured decode step pays. Raises if `fn` cannot be captured.
+    """
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    k = int(min(max(math.ceil(1.0 / max(start.elapsed_time(end), 1e-3)), 2), 50))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(k):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in events:
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize(device)
+    del graph
+    return statistics.median(s.elapsed_time(e) for s, e in events) / k
+
+
 def time_loop_us(fn: Callable[[], Any], device: torch.device, inner: int = 1000, reps: int = 21) -> float:
     """Median microseconds per call of `fn` called `inner` times in a Python loop.
 
@@ -191,11 +230,19 @@ def run_problem(problem: Problem, device: torch.device, ceilings: Ceilings) -> l
     rows: list[Row] = []
     first_ms = None
     for label, fn in problem.impls.items():
+        eager_ms = None
         try:
             if problem.unit == "us":
                 ms = time_loop_us(fn, device) / 1e3
             else:
-                ms = time_ms(fn, device)
+                ms = eager_ms = time_ms(fn, device)
+                if device.type == "cuda" and problem.graph:
+                    try:
+                        ms = time_graph_ms(fn, device)
+                    except Exception as err:  # noqa: BLE001 - not capturable: keep the eager time
+                        label = f"{label} (no graph)"
+                        print(f"[bench] {problem.case} {label}: graph capture failed: {str(err).splitlines()[0][:120]}")
+                        torch.cuda.synchronize(device)
             error = None
         except Exception as err:  # noqa: BLE001 - a failing peer is reported in its row
             ms, error = math.nan, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
@@ -217,6 +264,7 @@ def run_problem(problem: Problem, device: torch.device, ceilings: Ceilings) -> l
                 shape=problem.shape,
                 impl=label,
                 median_ms=ms,
+                eager_ms=eager_ms,
                 bytes=problem.bytes,
                 flops=problem.flops,
                 gbps=gbps,
@@ -240,16 +288,21 @@ def format_table(rows: list[Row], ceilings: Ceilings) -> str:
     bw = ceilings.copy_bytes_per_s
     peaks = ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in ceilings.matmul_flops_per_s.items())
     lines.append(
+        "time: device ms per call from CUDA-graph replays (host launch cost excluded) where the impl "
+        "captures, else eager; eager: ms per call launched from Python; %bw: of the copy bandwidth below"
+    )
+    lines.append(
         f"device: {ceilings.device}; measured copy bandwidth: {_fmt(bw and bw / 1e12, '.2f')} TB/s"
         + (f"; matmul peak: {peaks}" if peaks else "")
     )
-    header = f"{'case':<28} {'shape':<40} {'impl':<24} {'time':>11} {'MB':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>8} {'%peak':>6} {'x first':>8}"
+    header = f"{'case':<28} {'shape':<40} {'impl':<24} {'time':>11} {'eager':>9} {'MB':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>8} {'%peak':>6} {'x first':>8}"
     lines.append(header)
     lines.append("-" * len(header))
     for r in rows:
         t = "ERROR" if r.error else (f"{r.median_ms * 1e3:.2f} us" if r.unit == "us" else f"{r.median_ms:.4f} ms")
+        eager = _fmt(r.eager_ms, ".4f") if r.eager_ms is not None and r.eager_ms != r.median_ms else "-"
         lines.append(
-            f"{r.case:<28.28} {r.shape:<40.40} {r.impl:<24.24} {t:>11} {_fmt(r.bytes / 1e6 if r.bytes else None, '.1f'):>9} "
+            f"{r.case:<28.28} {r.shape:<40.40} {r.impl:<24.24} {t:>11} {eager:>9} {_fmt(r.bytes / 1e6 if r.bytes else None, '.1f'):>9} "
             f"{_fmt(r.gbps, '.0f'):>8} {_fmt(r.pct_bandwidth, '.1f'):>6} {_fmt(r.tflops, '.1f'):>8} "
             f"{_fmt(r.pct_peak, '.1f'):>6} {_fmt(r.speedup_vs_first, '.2f'):>8}"
         )
@@ -276,7 +329,7 @@ def run(
         for problem in cases[name](device):
             new = run_problem(problem, device, ceilings)
             rows.extend(new)
-            echo(format_table(new, ceilings).split("\n", 3)[-1])
+            echo(format_table(new, ceilings).split("\n", 4)[-1])
             del problem
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -6,7 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+# Globals read inside @triton.jit code must be constexpr objects (the interpreter does
+# not enforce it; the compiler does).
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -63,31 +65,49 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None
 
 
 @triton.jit
+def _store_heads(
+    src_ptr, stride_src_head, dst_ptr, stride_dst_head, num_heads, scale_ptr, enabled,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+):
+    """Copy a [num_heads, D] tile (rows strided, D contiguous); nothing if not enabled."""
+    heads_live = tl.where(enabled, num_heads, 0)
+    cols = tl.arange(0, BLOCK_D)
+    for h0 in tl.range(0, num_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        mask = (heads[:, None] < heads_live) & (cols[None, :] < D)
+        x = tl.load(src_ptr + heads[:, None] * stride_src_head + cols[None, :], mask=mask)
+        if QUANT:
+            x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -FP8_MAX, FP8_MAX)
+        tl.store(dst_ptr + heads[:, None] * stride_dst_head + cols[None, :], x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     num_slots, block_size, num_heads,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kc_block, stride_kc_token, stride_kc_head,
     stride_vc_block, stride_vc_token, stride_vc_head,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     QUANT: tl.constexpr,
 ):
+    # One program per token, all heads: ~2 KiB per tensor per program at Hk=8, D=128
+    # (a program per (token, head) moved too few bytes to reach the bandwidth).
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     enabled = (slot >= 0) & (slot < num_slots)
     slot = tl.where(enabled, slot, 0)
     blk = slot // block_size
     off = slot % block_size
-    _store_row(
-        key_ptr + token * stride_kt + head * stride_kh,
-        k_cache_ptr + blk * stride_kc_block + off * stride_kc_token + head * stride_kc_head,
-        D, k_scale_ptr, BLOCK_D, QUANT, enabled,
+    _store_heads(
+        key_ptr + token * stride_kt, stride_kh,
+        k_cache_ptr + blk * stride_kc_block + off * stride_kc_token, stride_kc_head,
+        num_heads, k_scale_ptr, enabled, D, BLOCK_H, BLOCK_D, QUANT,
     )
-    _store_row(
-        value_ptr + token * stride_vt + head * stride_vh,
-        v_cache_ptr + blk * stride_vc_block + off * stride_vc_token + head * stride_vc_head,
-        DV, v_scale_ptr, BLOCK_DV, QUANT, enabled,
+    _store_heads(
+        value_ptr + token * stride_vt, stride_vh,
+        v_cache_ptr + blk * stride_vc_block + off * stride_vc_token, stride_vc_head,
+        num_heads, v_scale_ptr, enabled, DV, BLOCK_H, BLOCK_DV, QUANT,
     )
 
 
@@ -98,12 +118,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
         return
     quant = key_cache.dtype == torch.float8_e4m3fn
     nb, bs = key_cache.shape[:2]
-    _reshape_and_cache_kernel[(t, hk)](
+    block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
+    # Keep a tile at <= 4096 elements: the head loop covers the rest.
+    block_h = max(1, min(triton.next_power_of_2(hk), 4096 // max(block_d, block_dv)))
+    _reshape_and_cache_kernel[(t,)](
         key, value, key_cache, value_cache, slot_mapping,
         k_scale if quant else key, v_scale if quant else value,
         nb * bs, bs, hk,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        D=d, DV=dv, BLOCK_D=_block(d), BLOCK_DV=_block(dv), QUANT=quant,
+        D=d, DV=dv, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv, QUANT=quant,
     )
