@@ -1,0 +1,137 @@
+"""Benchmarks of the sparse-indexer ops (issue 3): paged decode logits, prefill logits,
+K-cache quantise/gather and the slot mapping, each against the reference eager and the
+reference under torch.compile on the same inputs.
+
+Large inputs are drawn on the device (seeded) so that setting up B=128 x 32k contexts
+does not take minutes on the host. Peak memory stays under ~20 GB: the largest is the
+eager reference of the paged logits at B=128, ctx=32768 (its fp32 keys, ~2.2 GB).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe.bench.harness import Problem, bench_case
+from graphsafe.bench.peers import nbytes, op_peers
+from graphsafe.registry import get_op
+from graphsafe.testing.cases import case_for
+
+FP8 = torch.float8_e4m3fn
+H, D = 64, 128
+
+
+def _gen(device: torch.device, seed: int = 0) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _fp8(shape, device, gen) -> torch.Tensor:
+    return torch.randn(shape, device=device, generator=gen).to(FP8)
+
+
+def paged_inputs(batch: int, ctx: int, next_n: int, device: torch.device, block_size: int = 64):
+    """Every request holds `ctx` tokens; max_model_len = ctx; blocks shuffled over the cache."""
+    gen = _gen(device)
+    per_req = -(-ctx // block_size)
+    nb = batch * per_req
+    cache = torch.empty((nb, block_size, D + 4), dtype=torch.uint8, device=device)
+    flat = cache.view(nb, -1)
+    flat[:, : block_size * D] = _fp8((nb, block_size * D), device, gen).view(torch.uint8)
+    flat[:, block_size * D :] = (torch.rand((nb, block_size), device=device, generator=gen) * 0.05 + 1e-3).view(torch.uint8)
+    table = torch.randperm(nb, device=device, generator=gen).view(batch, per_req).int()
+    q = _fp8((batch, next_n, H, D), device, gen)
+    weights = torch.randn((batch * next_n, H), device=device, generator=gen)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    return q, cache, weights, lens, table, ctx
+
+
+@bench_case("fp8_paged_mqa_logits")
+def fp8_paged_mqa_logits(device: torch.device):
+    spec = get_op("fp8_paged_mqa_logits")
+    for next_n in (1, 2):
+        for batch in (1, 32, 128):
+            for ctx in (4096, 32768):
+                args = paged_inputs(batch, ctx, next_n, device)
+                q, cache, weights, lens, table, _ = args
+                keys = batch * ctx * (D + 4)  # each context's fp8 keys and scales, read once
+                written = batch * next_n * ctx * 4
+                yield Problem(
+                    case=spec.name,
+                    shape=f"B={batch} ctx={ctx} H={H} D={D} next_n={next_n} bs=64",
+                    impls=op_peers(spec, args, device),
+                    bytes=keys + written + nbytes(q, weights, lens, table),
+                    flops=2 * batch * next_n * ctx * H * D,
+                )
+                del args, q, cache, weights, lens, table
+
+
+@bench_case("fp8_mqa_logits")
+def fp8_mqa_logits(device: torch.device):
+    spec = get_op("fp8_mqa_logits")
+    m = n = 8192
+    gen = _gen(device)
+    q, k = _fp8((m, H, D), device, gen), _fp8((n, D), device, gen)
+    k_scale = torch.rand(n, device=device, generator=gen) * 0.05 + 1e-3
+    weights = torch.randn((m, H), device=device, generator=gen)
+    rows = torch.arange(m, device=device, dtype=torch.int32)
+    for window, ks, ke in (
+        ("full", torch.zeros_like(rows), torch.full_like(rows, n)),
+        ("causal", torch.zeros_like(rows), rows + 1),
+    ):
+        args = (q, k, k_scale, weights, ks, ke)
+        pairs = int((ke - ks).clamp(0, n).sum())  # host read at set-up only
+        yield Problem(
+            case=spec.name,
+            shape=f"M={m} N={n} H={H} D={D} {window}",
+            impls=op_peers(spec, args, device),
+            bytes=nbytes(q, k, k_scale, weights, ks, ke) + m * n * 4,
+            flops=2 * pairs * H * D,
+            bound="compute",
+            peak_dtype=FP8,
+            note="flops count only the (query, key) pairs inside the windows",
+        )
+
+
+@bench_case("indexer_k_quant_and_cache")
+def indexer_k_quant_and_cache(device: torch.device):
+    spec, case = get_op("indexer_k_quant_and_cache"), case_for("indexer_k_quant_and_cache")
+    for t, fmt in ((128, "ue8m0"), (8192, "ue8m0"), (8192, None)):
+        params = {"T": t, "D": D, "groups": 1, "block_size": 64, "dtype": torch.bfloat16, "scale_fmt": fmt, "strided_cache": False}
+        args = case.inputs(params, device, seed=0)
+        k, _, slots, _, _ = args
+        yield Problem(
+            case=spec.name,
+            shape=f"T={t} D={D} bs=64 bf16 {fmt or 'f32'} scales",
+            impls=op_peers(spec, args, device),
+            bytes=nbytes(k, slots) + t * (D + 4),
+        )
+
+
+@bench_case("cp_gather_indexer_k_quant_cache")
+def cp_gather_indexer_k_quant_cache(device: torch.device):
+    spec, case = get_op("cp_gather_indexer_k_quant_cache"), case_for("cp_gather_indexer_k_quant_cache")
+    for b, max_seq in ((8, 8192), (64, 2048)):
+        params = {"B": b, "max_seq": max_seq, "block_size": 64, "D": D, "groups": 1, "extra_cols": 0, "row_offset": 0, "strided_cache": False}
+        args = case.inputs(params, device, seed=0)
+        _, _, _, table, cu = args
+        tokens = int(cu[-1])  # host read at set-up only
+        yield Problem(
+            case=spec.name,
+            shape=f"B={b} tokens={tokens} D={D} bs=64",
+            impls=op_peers(spec, args, device),
+            bytes=2 * tokens * (D + 4) + nbytes(table, cu),
+        )
+
+
+@bench_case("req_local_to_global_slots")
+def req_local_to_global_slots(device: torch.device):
+    spec, case = get_op("req_local_to_global_slots"), case_for("req_local_to_global_slots")
+    for t, b, mb in ((512, 64, 512), (8192, 4, 2048)):
+        params = {"T": t, "B": b, "K": 2048, "block_size": 64, "max_blocks": mb}
+        args = case.inputs(params, device, seed=0)
+        req, _, idx, _ = args
+        yield Problem(
+            case=spec.name,
+            shape=f"T={t} K=2048 B={b} bs=64",
+            impls=op_peers(spec, args, device),
+            bytes=nbytes(req, idx) + idx.numel() * 4,
+        )

@@ -1,0 +1,116 @@
+"""Reference backend of the sparse-indexer ops: the executable spec, vectorised PyTorch.
+
+No host sync anywhere (no .item(), no boolean-mask indexing, no data-dependent shapes):
+invalid entries are redirected to a safe index and masked with `torch.where` instead.
+The logits ops loop over heads (never over tokens) so that the largest temporary is one
+`[rows, keys]` float32 matrix rather than `[rows, heads, keys]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe.ops.cache.reference import scatter_tokens
+from graphsafe.ops.indexer import layout
+
+NEG_INF = float("-inf")
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """`x` with exactly the row-major strides of a fresh tensor (what the fakes promise),
+    also for empty shapes, where `.contiguous()` may keep odd strides."""
+    strides, acc = [], 1
+    for size in reversed(x.shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    if tuple(x.stride()) == tuple(reversed(strides)):
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
+    d = k.shape[1]
+    values, scales = layout.cache_views(kv_cache, d)
+    if k.shape[0] == 0 or values.shape[0] == 0:
+        return
+    q, s = layout.quantize(k, quant_block_size, scale_fmt)
+    scatter_tokens(values, slot_mapping, q.view(torch.uint8))
+    scatter_tokens(scales, slot_mapping, s)
+
+
+def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+    n, d = dst_k.shape
+    values, scales = layout.cache_views(kv_cache, d)
+    num_blocks, block_size = values.shape[:2]
+    b, max_blocks = block_table.shape
+    if n == 0 or b == 0 or max_blocks == 0 or num_blocks == 0:
+        return
+    rows = torch.arange(n, device=dst_k.device)
+    # Request of row r: the b with cu[b] <= r < cu[b + 1].
+    req = torch.searchsorted(cu_seq_lens[1:], rows.to(cu_seq_lens.dtype), right=True)
+    req_c = req.clamp_max(b - 1)
+    t = rows - cu_seq_lens[req_c]
+    logical = torch.div(t, block_size, rounding_mode="floor")
+    valid = (req < b) & (t >= 0) & (logical < max_blocks)
+    blk = block_table[req_c, logical.clamp(0, max_blocks - 1)].long()
+    valid = valid & (blk >= 0) & (blk < num_blocks)
+    blk = torch.where(valid, blk, 0)
+    off = torch.where(valid, t % block_size, 0)
+    k_rows = values[blk, off]  # [N, D] uint8
+    s_rows = scales[blk, off].reshape(dst_scale.shape)
+    dst_u8 = dst_k.view(torch.uint8)
+    dst_u8.copy_(torch.where(valid[:, None], k_rows, dst_u8))
+    keep = valid.view(-1, *([1] * (dst_scale.dim() - 1)))
+    dst_scale.copy_(torch.where(keep, s_rows, dst_scale))
+
+
+def fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
+    m, h, _ = q.shape
+    n = k.shape[0]
+    kf = k.to(torch.float32)
+    acc = torch.zeros((m, n), dtype=torch.float32, device=q.device)
+    for head in range(h):
+        s = q[:, head].to(torch.float32) @ kf.T
+        acc += s.clamp_min(0) * weights[:, head : head + 1]
+    logits = acc * k_scale[None, :]
+    cols = torch.arange(n, device=q.device)
+    valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
+    return _dense(torch.where(valid, logits, NEG_INF))
+
+
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len):
+    b, next_n, h, d = q.shape
+    values, scales = layout.cache_views(kv_cache, d)
+    num_blocks, block_size = values.shape[:2]
+    length = max_model_len
+    # Key n of request r lives in block block_table[r, n // block_size]. Columns past a
+    # request's context may hold anything (padding): clamp, they are masked below.
+    pos = torch.arange(length, device=q.device)
+    blk = block_table[:, pos // block_size].long().clamp(0, max(num_blocks - 1, 0))
+    off = (pos % block_size).expand(b, length)
+    keys = values[blk, off].view(layout.FP8).to(torch.float32)  # [B, L, D]
+    key_scale = scales[blk, off, 0]  # [B, L]
+    acc = torch.zeros((b, next_n, length), dtype=torch.float32, device=q.device)
+    w = weights.view(b, next_n, h)
+    for head in range(h):
+        s = torch.bmm(q[:, :, head].to(torch.float32), keys.transpose(1, 2))  # [B, next_n, L]
+        acc += s.clamp_min(0) * w[:, :, head, None]
+    logits = acc * key_scale[:, None, :]
+    # Row (r, i) sees keys n < context_lens[r] - next_n + i + 1 (its own position).
+    limit = context_lens.long()[:, None] - next_n + 1 + torch.arange(next_n, device=q.device)[None, :]
+    valid = pos[None, None, :] < limit[:, :, None]
+    return _dense(torch.where(valid, logits, NEG_INF).reshape(b * next_n, length))
+
+
+def req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block_size):
+    b, max_blocks = block_table.shape
+    if b == 0 or max_blocks == 0:
+        return _dense(torch.full(topk_indices.shape, -1, dtype=torch.int32, device=topk_indices.device))
+    req = req_id_per_token.long()
+    req_ok = (req >= 0) & (req < b)
+    pos = topk_indices.long()
+    logical = torch.div(pos, block_size, rounding_mode="floor")
+    valid = req_ok[:, None] & (pos >= 0) & (logical < max_blocks)
+    blk = block_table[req.clamp(0, b - 1)[:, None], logical.clamp(0, max_blocks - 1)].long()
+    slots = blk * block_size + pos % block_size
+    return _dense(torch.where(valid, slots, -1).to(torch.int32))
