@@ -18,7 +18,11 @@ def op_peers(spec: OpSpec, args: tuple, device: torch.device, compile_reference:
     impls: dict[str, Callable[[], Any]] = {f"graphsafe[{backend}]": lambda: public(*args)}
     impls["reference eager"] = lambda: reference(*args)
     if compile_reference:
-        compiled = torch.compile(reference, dynamic=False)
+        # Automatic dynamic shapes: the first shape compiles static, later shapes share one
+        # dynamic graph, so a sweep neither recompiles per shape nor hits Dynamo's
+        # recompile limit (past which it would silently run eager).
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        compiled = torch.compile(reference)
         impls["reference compiled"] = lambda: compiled(*args)
     return impls
 
