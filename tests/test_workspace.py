@@ -285,3 +285,42 @@ def test_cuda_steady_state_allocates_nothing():
     for _ in range(100):
         ws.get_simultaneous(*specs)
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+def test_hold_places_nested_requests_after_held_views():
+    ws = WorkspaceManager(CPU)
+    ws.reserve(nbytes=1 << 16)
+    (outer,) = ws.get_simultaneous(((100,), torch.float32), owner="composite")
+    outer.fill_(3.0)
+    with ws.hold(outer):
+        inner, other = ws.get_simultaneous(((50,), torch.float32), ((7,), torch.int64), owner="nested")
+        inner.fill_(-1.0)
+        other.fill_(5)
+        lo, hi = _span(outer)
+        for v in (inner, other):
+            start, end = _span(v)
+            assert start >= hi and (start - ws._arena.data_ptr()) % ALIGNMENT == 0
+        # The same nested request again hits its own cached layout.
+        again = ws.get_simultaneous(((50,), torch.float32), ((7,), torch.int64), owner="nested")
+        assert again[0].data_ptr() == inner.data_ptr()
+    assert outer.eq(3.0).all(), "nested requests never overwrite held views"
+    # After the hold, requests start at the arena's beginning again.
+    (after,) = ws.get_simultaneous(((50,), torch.float32))
+    assert after.data_ptr() == outer.data_ptr()
+
+
+def test_growth_is_refused_while_views_are_held():
+    ws = WorkspaceManager(CPU)
+    (outer,) = ws.get_simultaneous(((16,), torch.float32))
+    with ws.hold(outer):
+        with pytest.raises(WorkspaceError, match="held"):
+            ws.get_simultaneous(((GROWTH_GRANULARITY,), torch.float32), owner="nested")
+    ws.get_simultaneous(((GROWTH_GRANULARITY,), torch.float32))  # fine once released
+
+
+def test_hold_rejects_foreign_tensors():
+    ws = WorkspaceManager(CPU)
+    ws.reserve(nbytes=1024)
+    with pytest.raises(WorkspaceError, match="views returned by this manager"):
+        with ws.hold(torch.empty(8)):
+            pass

@@ -330,6 +330,8 @@ def run(
             new = run_problem(problem, device, ceilings)
             rows.extend(new)
             echo(format_table(new, ceilings).split("\n", 4)[-1])
+            if problem.note:
+                echo(f"{'':<28} note: {problem.note}")
             del problem
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -122,6 +122,8 @@ class WorkspaceManager:
         self._grow_count = 0
         self._requests: Counter[str] = Counter()
         self._is_cuda = device.type == "cuda"
+        # Start of the free part of the arena: 0, or the end of views held by `hold`.
+        self._base = 0
 
     # -- the hot path -----------------------------------------------------------------
     def get_simultaneous(self, *specs: Spec, owner: str = "unnamed") -> list[torch.Tensor]:
@@ -137,7 +139,7 @@ class WorkspaceManager:
                 f"must compute metadata only and never touch the workspace ({_caller()})"
             )
         try:
-            views = self._views[specs]
+            views = self._views[specs if self._base == 0 else (self._base, specs)]
         except (KeyError, TypeError):
             views = self._carve(specs, owner)
         if self._is_cuda and not self._captured and _stream_capturing():
@@ -151,9 +153,12 @@ class WorkspaceManager:
         for shape, dtype in key_specs:
             if not isinstance(dtype, torch.dtype) or any(s < 0 for s in shape):
                 raise WorkspaceError(f"{owner}: bad workspace request {shape}, {dtype}")
-        views = self._views.get(key_specs)
+        base = self._base
+        views = self._views.get(key_specs if base == 0 else (base, key_specs))
         if views is None:
             offsets, total = plan_layout(key_specs)
+            offsets = tuple(base + o for o in offsets)
+            total += base
             self._peak = max(self._peak, total)
             self._ensure(total, owner)
             assert self._arena is not None or total == 0
@@ -162,9 +167,9 @@ class WorkspaceManager:
             )
             if len(self._views) >= MAX_CACHED_SIGNATURES:
                 self._views.clear()
-            self._views[key_specs] = views
+            self._views[key_specs if base == 0 else (base, key_specs)] = views
         try:
-            self._views[specs] = views  # also cache the caller's own spelling of the key
+            self._views[specs if base == 0 else (base, specs)] = views  # the caller's own spelling too
         except TypeError:
             pass  # unhashable spelling (lists): the normalised key is cached
         return views
@@ -190,6 +195,12 @@ class WorkspaceManager:
                 f"workspace on {self.device} (lane {self.lane}) cannot grow while the current stream "
                 f"is capturing a CUDA graph: {owner} needs {required} bytes, the arena has "
                 f"{self._size} bytes (requested at {where}). Reserve the worst case before capture."
+            )
+        if self._base:
+            raise WorkspaceError(
+                f"workspace on {self.device} (lane {self.lane}) cannot grow while views are held "
+                f"(WorkspaceManager.hold): {owner} needs {required} bytes, the arena has {self._size} "
+                f"bytes (requested at {where}). Reserve the nested worst case before holding views."
             )
         if self._captured:
             raise WorkspaceError(
@@ -219,6 +230,38 @@ class WorkspaceManager:
         required = max(nbytes, workspace_bytes(*specs))
         self._peak = max(self._peak, required)
         self._ensure(required, owner)
+
+    @contextmanager
+    def hold(self, *views: torch.Tensor) -> Iterator[None]:
+        """Keep `views` (from this manager) valid while nested requests are served.
+
+        A composite op that carves its intermediates and then calls other graphsafe ops
+        (which take their own scratch from this manager) wraps those calls in `hold`:
+        nested requests are placed after the held views instead of over them. The arena
+        cannot grow while views are held, so the composite reserves its worst case,
+        nested needs included, before carving (`reserve`).
+
+            logits, = ws.get_simultaneous(((rows, width), torch.float32), owner="composite")
+            with ws.hold(logits):
+                torch.ops.graphsafe.top_k_per_row_decode(logits, ...)
+        """
+        if self._arena is None:
+            yield
+            return
+        start = self._arena.data_ptr()
+        end = self._base
+        for v in views:
+            offset = v.data_ptr() - start
+            nbytes = v.numel() * v.element_size()
+            if nbytes and not (0 <= offset and offset + nbytes <= self._size):
+                raise WorkspaceError("hold() takes views returned by this manager's get_simultaneous")
+            end = max(end, offset + nbytes)
+        previous = self._base
+        self._base = _align(end)
+        try:
+            yield
+        finally:
+            self._base = previous
 
     def lock(self) -> None:
         """Refuse growth from now on (requests that fit are still served)."""
