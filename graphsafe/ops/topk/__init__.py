@@ -1,0 +1,96 @@
+"""Per-row top-k of the sparse indexer: the positions of the K largest logits of each row.
+
+Shared contract of both ops:
+* Positions are relative: row r writes `n - origin[r]` for the chosen columns n (the
+  prefill origin is `row_starts[r]`, the decode origin is 0).
+* A row's valid columns are its range clipped to `[0, logits.shape[1])`. Only valid
+  columns are ever chosen; every valid score counts, -inf included (vLLM's kernels treat
+  -inf as an ordinary value too). Scores are ranked by the order-preserving integer image
+  of the float bits, the order of a radix select: the float order on non-NaN values,
+  +0.0 above -0.0, positive NaNs above +inf and negative NaNs below -inf.
+* `indices[r, :c]` with `c = min(topk, #valid columns of r)` holds distinct positions
+  whose scores are the c largest of the row (any such set when scores tie; order within
+  a row unspecified); `indices[r, c:]` is -1, also the columns past `topk`.
+* No host sync and no data-dependent shapes: the ops capture into CUDA graphs, and the
+  Triton backend takes its scratch from the workspace manager (worst case:
+  `spec.workspace_bytes(num_rows=..., width=..., topk=...)`).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from graphsafe.fake_impls import topk as fakes
+from graphsafe.ops.topk.plan import workspace_specs
+from graphsafe.registry import register_op
+
+
+@register_op(
+    "top_k_per_row_prefill",
+    fake=fakes.fake_top_k_per_row_prefill,
+    check=fakes.check_top_k_per_row_prefill,
+    mutates_args=("indices",),
+    family="topk",
+    workspace=workspace_specs,
+    backends={
+        "reference": "graphsafe.ops.topk.reference:top_k_per_row_prefill",
+        "triton": "graphsafe.ops.topk.triton:top_k_per_row_prefill",
+        "aiter": "graphsafe.ops.topk.aiter:top_k_per_row_prefill",
+    },
+)
+def top_k_per_row_prefill(logits: Tensor, row_starts: Tensor, row_ends: Tensor, indices: Tensor, topk: int) -> None:
+    """Top-`topk` positions of each row of prefill indexer logits, relative to the row start.
+
+    Row m considers the columns n with `row_starts[m] <= n < row_ends[m]` (clipped to
+    `[0, N)`) and writes `n - row_starts[m]` for the `topk` largest `logits[m, n]`; rows
+    with fewer valid columns write all of them, then -1. See the module docstring for
+    ties, -inf and ordering.
+
+    Args:
+        logits: `[M, N]` float32, last dim contiguous (the row stride is free, e.g. a
+            slice of a wider buffer), as produced by `fp8_mqa_logits` (`-inf` outside
+            `[ks, ke)` does not matter: those columns are outside the range anyway).
+        row_starts: `[M]` int32, contiguous: first valid column of each row (`ks`).
+        row_ends: `[M]` int32, contiguous: one past the last valid column (`ke`).
+        indices: `[M, K]` int32, mutated; last dim contiguous, row stride free (a slice
+            of a shared `topk_indices` buffer works). Columns `>= topk` are set to -1.
+        topk: number of positions per row, `0 <= topk <= K` (DeepSeek-V3.2: 2048).
+
+    Returns None; mutates `indices` only.
+    """
+
+
+@register_op(
+    "top_k_per_row_decode",
+    fake=fakes.fake_top_k_per_row_decode,
+    check=fakes.check_top_k_per_row_decode,
+    mutates_args=("indices",),
+    family="topk",
+    workspace=workspace_specs,
+    backends={
+        "reference": "graphsafe.ops.topk.reference:top_k_per_row_decode",
+        "triton": "graphsafe.ops.topk.triton:top_k_per_row_decode",
+        "aiter": "graphsafe.ops.topk.aiter:top_k_per_row_decode",
+    },
+)
+def top_k_per_row_decode(logits: Tensor, next_n: int, seq_lens: Tensor, indices: Tensor, topk: int) -> None:
+    """Top-`topk` positions of each row of decode indexer logits (the paged-logits layout).
+
+    Row `r = b * next_n + i` (query token i of request b; next_n > 1 with MTP) considers
+    the columns `0 <= n < seq_lens[b] - next_n + i + 1` (the valid range of
+    `fp8_paged_mqa_logits`, clipped to `[0, L)`) and writes the positions n of its
+    `topk` largest logits; rows with fewer valid columns write all of them, then -1.
+    See the module docstring for ties, -inf and ordering.
+
+    Args:
+        logits: `[B * next_n, L]` float32 (L = max_model_len), last dim contiguous, row
+            stride free.
+        next_n: query tokens per request, >= 1.
+        seq_lens: `[B]` int32, contiguous: context length of each request, the new
+            tokens included.
+        indices: `[B * next_n, K]` int32, mutated; last dim contiguous, row stride free.
+            Columns `>= topk` are set to -1.
+        topk: number of positions per row, `0 <= topk <= K` (DeepSeek-V3.2: 2048).
+
+    Returns None; mutates `indices` only.
+    """
