@@ -1,0 +1,113 @@
+"""Absorbed MLA attention over the paged latent cache: dense decode and sparse (DSA) attention.
+
+The latent cache `kv_cache [num_blocks, block_size, R + P]` is written by
+`concat_and_cache_mla`: each token's row is its compressed KV (R = kv_lora_rank = 512 for
+DeepSeek) followed by its rope key (P = 64). In the absorbed form a query head is one
+`R + P` vector: `score = sm_scale * q . row` over all R + P entries, and the value of a
+row is its first R entries, so K and V are one read of the cache.
+
+Split-KV scratch (f32 partial outputs and LSEs) comes from the workspace manager; its
+size is a function of shapes only (`mla_decode_workspace_specs`,
+`sparse_mla_workspace_specs`, see `splits.py` for why never of sequence lengths).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from graphsafe.fake_impls import mla as fakes
+from graphsafe.ops.mla.splits import mla_decode_workspace_specs, sparse_mla_workspace_specs
+from graphsafe.registry import register_op
+
+__all__ = ["mla_decode", "sparse_mla", "mla_decode_workspace_specs", "sparse_mla_workspace_specs"]
+
+
+@register_op(
+    "mla_decode",
+    fake=fakes.fake_mla_decode,
+    check=fakes.check_mla_decode,
+    family="mla",
+    workspace=mla_decode_workspace_specs,
+    backends={
+        "reference": "graphsafe.ops.mla.reference:mla_decode",
+        "triton": "graphsafe.ops.mla.triton:mla_decode",
+        "aiter": "graphsafe.ops.mla.aiter:mla_decode",
+    },
+)
+def mla_decode(
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, sm_scale: float, kv_lora_rank: int
+) -> tuple[Tensor, Tensor]:
+    """Dense absorbed-MLA decode: each request's query heads attend to all its cached tokens.
+
+    For request b and head h, with rows `k_j = kv_cache[block_table[b, j // bs], j % bs]`
+    for `0 <= j < seq_lens[b]` (bs = block_size):
+    `s_j = sm_scale * q[b, h] . k_j` (all R + P entries), `out[b, h] = sum_j softmax(s)_j *
+    k_j[:R]`, `lse[b, h] = log(sum_j exp(s_j))`. A request with `seq_lens[b] <= 0` gets
+    `out = 0`, `lse = -inf`.
+
+    Args:
+        q: `[B, H, R + P]` bf16/fp16, one decode token per request (R = kv_lora_rank; for
+            DeepSeek 512 + 64, H = 16 at TP8 or 128 at TP1). Last dim contiguous.
+        kv_cache: `[num_blocks, block_size, R + P]`, dtype of `q`; the latent cache of
+            `concat_and_cache_mla`. Last dim contiguous; block and token strides are free.
+        block_table: `[B, max_blocks]` int32, last dim contiguous; entry `[b, i]` is the
+            cache block of request b's tokens `i * block_size ... (i + 1) * block_size - 1`.
+            Entries past a request's length are never read (they may hold anything).
+        seq_lens: `[B]` int32, cached tokens per request, the new token's key included
+            (write it with `concat_and_cache_mla` first). Values above
+            `max_blocks * block_size` are clamped to it; values <= 0 mean no key.
+        sm_scale: multiplies `q . k` before the softmax (e.g. `1 / sqrt(192)` times the
+            YaRN mscale correction for DeepSeek).
+        kv_lora_rank: R, the value width: `0 < R <= R + P`.
+
+    Returns:
+        out: `[B, H, R]` in q's dtype, contiguous.
+        lse: `[B, H]` float32, natural-log log-sum-exp of the scaled scores.
+
+    The key range is split across programs by a plan computed from shapes alone
+    (B, H, `max_blocks * block_size`, the SM count), never from `seq_lens` values, so a
+    captured CUDA graph stays correct when `seq_lens` and `block_table` change between
+    replays. Workspace: `mla_decode_workspace_specs(B, H, R, max_blocks * block_size)`.
+    """
+
+
+@register_op(
+    "sparse_mla",
+    fake=fakes.fake_sparse_mla,
+    check=fakes.check_sparse_mla,
+    family="mla",
+    workspace=sparse_mla_workspace_specs,
+    backends={
+        "reference": "graphsafe.ops.mla.reference:sparse_mla",
+        "triton": "graphsafe.ops.mla.triton:sparse_mla",
+        "aiter": "graphsafe.ops.mla.aiter:sparse_mla",
+    },
+)
+def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """Sparse absorbed-MLA attention: each query token attends to its own K selected cache slots.
+
+    For token t and head h, over the entries `j` with a valid slot `s = indices[t, j]`
+    (`0 <= s < num_blocks * block_size`), row `k_j = kv_cache[s // bs, s % bs]`:
+    `out[t, h] = sum_j softmax(sm_scale * q[t, h] . k_j)_j * k_j[:R]` and
+    `lse[t, h] = log(sum_j exp(sm_scale * q[t, h] . k_j))`. Entries `-1` (and any slot
+    outside the cache) are ignored; a repeated slot counts once per occurrence. A token
+    with no valid entry gets `out = 0`, `lse = -inf`. Serves decode (T = B) and prefill
+    (T = all new tokens) alike: the top-k of the DSA indexer after
+    `req_local_to_global_slots`.
+
+    Args:
+        q: `[T, H, R + P]` bf16/fp16 (DeepSeek-V3.2: R = 512, P = 64). Last dim contiguous.
+        kv_cache: `[num_blocks, block_size, R + P]`, dtype of `q`. Last dim contiguous;
+            block and token strides are free.
+        indices: `[T, K]` int32 cache slots (`block * block_size + offset`), `-1` = none,
+            in any order. Last dim contiguous.
+        sm_scale: multiplies `q . k` before the softmax.
+        kv_lora_rank: R, the value width: `0 < R <= R + P`.
+
+    Returns:
+        out: `[T, H, R]` in q's dtype, contiguous.
+        lse: `[T, H]` float32, natural-log log-sum-exp of the scaled scores.
+
+    The K entries are split across programs by a plan from shapes alone (T, H, K, the SM
+    count). Workspace: `sparse_mla_workspace_specs(T, H, R, K)`.
+    """

@@ -1,0 +1,262 @@
+"""Split-KV planning for the MLA kernels: host ints from SHAPES and the SM count only.
+
+A decode batch has few queries (B requests, or T tokens for `sparse_mla`) and many keys,
+so one program per (query, head tile) leaves most SMs idle. The kernels therefore split
+the key range of each query into `num_splits` chunks of `tokens_per_split` positions;
+each (head tile, split, query) program writes a partial output and a partial LSE (f32,
+from the workspace) and a combine kernel merges the splits.
+
+Why shapes and never sequence lengths: the plan decides the launch grid and the workspace
+views, both host-side values. Under CUDA-graph capture they are frozen into the graph,
+while `seq_lens` (and the `-1` pattern of sparse indices) change at every replay. A plan
+read from `seq_lens` at capture time is wrong for the replays (vLLM #51119 is exactly
+that bug: a split count chosen from the captured batch's lengths). Here the plan is a
+pure function of (queries, heads, key capacity, SM count), where the key capacity is
+`max_blocks * block_size` for `mla_decode` (the block table's shape) and `K` for
+`sparse_mla`. Splits that hold no valid key at run time (short sequences, `-1` indices)
+still run: they loop zero times and write a neutral partial (out 0, lse -inf) that the
+combine weighs by `exp(-inf) = 0`. The same function sizes the workspace
+(`mla_decode_workspace_specs`, `sparse_mla_workspace_specs`), so what is reserved before
+capture is exactly what a call requests.
+
+The split count minimises a small cost model of equal-length programs on the GPU's
+resident slots (`plan_kv_splits`): whole waves, plus a per-split overhead for the
+partials. On the CPU (Triton's interpreter, tests only) the plan is two tiles per split,
+so tiny test shapes exercise the combine.
+
+Everything here is pure Python (no triton import), so the registry can hold the
+workspace helpers without importing a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from graphsafe.device_info import num_sms
+
+# A split reads at least this many key rows (capacity-wise) on the GPU: below that the
+# partial write and the combine cost more than the parallelism gains.
+MIN_TOKENS_PER_SPLIT = 128
+# What one more split costs, in key rows: its f32 partial output written and read back by
+# the combine (16 heads x 512 x 4 B x 2 ~ 56 rows of 1152 B) plus the program's start-up.
+SPLIT_OVERHEAD_TOKENS = 64
+# Upper bound of splits per query (bounds the combine's loop and the workspace).
+MAX_SPLITS = 128
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes of the MLA attention kernel (see triton.py)."""
+
+    block_h: int  # heads per program (a tl.dot M dimension: >= 16)
+    block_n: int  # key rows per loop iteration
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int = 1  # resident programs per SM (registers / shared memory), an estimate
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Split s of a query covers key positions [s * tokens_per_split, (s + 1) * tokens_per_split)."""
+
+    num_splits: int
+    tokens_per_split: int  # a multiple of the kernel's block_n
+
+
+def kernel_config(num_heads: int, device_type: str) -> KernelConfig:
+    """Default tiles per head count.
+
+    GPU: 16 heads (DeepSeek TP8) fill one 16-row MMA tile, so each cache row is read
+    once per request; 128 heads (TP1) run as two 64-head tiles (wgmma-sized M; the
+    second tile re-reads the rows from L2). CPU (Triton interpreter, tests only): the
+    smallest legal tiles, so tiny test shapes span several tiles and splits.
+
+    Chosen from ptxas (sm_90a, R = 512, P = 64, Triton 3.9) register reports: 16/32/w4
+    uses 192 registers and 56 KB of shared memory, no spills (64-row key tiles spill at 4 warps);
+    32/32/w8 uses 128-185; 64/16/w8 (wgmma) 254-255 with no spills, where 64/32/w8
+    spills. Timings on the target GPU: bench case `mla_tune`.
+    """
+    if device_type != "cuda":
+        return KernelConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    if num_heads <= 16:
+        return KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=2)
+    if num_heads <= 32:
+        return KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1)
+    return KernelConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, ctas_per_sm=1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan_kv_splits(
+    *,
+    rows: int,
+    head_tiles: int,
+    kv_capacity: int,
+    block_n: int,
+    num_sms: int,
+    ctas_per_sm: int = 1,
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
+    overhead_tokens: int = SPLIT_OVERHEAD_TOKENS,
+    max_splits: int = MAX_SPLITS,
+) -> SplitPlan:
+    """The split-KV plan of one launch, from shapes and the SM count only.
+
+    Args:
+        rows: queries of the launch (B for `mla_decode`, T for `sparse_mla`).
+        head_tiles: programs per query along the heads (`cdiv(H, block_h)`).
+        kv_capacity: key positions a query may have: `max_blocks * block_size`, or `K`.
+        block_n: key rows per kernel iteration; splits are whole iterations.
+        num_sms: multiprocessors of the device; `ctas_per_sm` programs fit on each.
+
+    Picks the split count S minimising `waves(S) * (rows per split + overhead)`, where
+    `waves = cdiv(rows * head_tiles * S, num_sms * ctas_per_sm)`: the time of a launch of
+    equal programs (full-length queries, the worst case) on the resident slots. Counting
+    whole waves avoids plans whose last wave runs a few programs on an idle GPU (e.g. 9
+    splits of 64 queries on 264 slots: 3 waves where 4 splits take 1). Ties go to fewer
+    splits (less workspace). Every split starts below `kv_capacity`; at run time a split
+    past a query's length is empty and yields a neutral partial.
+    """
+    tiles = _cdiv(max(kv_capacity, 0), block_n)
+    base = rows * head_tiles
+    if tiles <= 1 or base <= 0:
+        return SplitPlan(1, max(tiles, 1) * block_n)
+    slots = max(1, num_sms * ctas_per_sm)
+    most = min(max_splits, tiles, max(1, kv_capacity // max(min_tokens_per_split, 1)))
+    best = (_cdiv(base, slots) * tiles * block_n, 1, tiles)  # (cost, splits, tiles per split)
+    for splits in range(2, most + 1):
+        per_split = _cdiv(tiles, splits)
+        if _cdiv(tiles, per_split) != splits:  # the same split as a smaller count
+            continue
+        cost = _cdiv(base * splits, slots) * (per_split * block_n + overhead_tokens)
+        if cost < best[0]:
+            best = (cost, splits, per_split)
+    return SplitPlan(best[1], best[2] * block_n)
+
+
+def forced_plan(kv_capacity: int, block_n: int, num_splits: int) -> SplitPlan:
+    """A plan with (at most) `num_splits` splits: tests and tuning force the split path."""
+    tiles = max(_cdiv(max(kv_capacity, 0), block_n), 1)
+    tiles_per_split = _cdiv(tiles, max(1, min(num_splits, tiles)))
+    return SplitPlan(_cdiv(tiles, tiles_per_split), tiles_per_split * block_n)
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(rows: int, num_heads: int, kv_capacity: int, device: torch.device, config: KernelConfig | None) -> tuple[KernelConfig, SplitPlan]:
+    cfg = config or kernel_config(num_heads, device.type)
+    if device.type != "cuda":
+        # Triton's interpreter (CPU, tests only): splits of two tiles each, so tiny test
+        # shapes cover both the online softmax across tiles and the split/combine path.
+        return cfg, forced_plan(kv_capacity, cfg.block_n, _cdiv(_cdiv(max(kv_capacity, 0), cfg.block_n), 2))
+    plan = plan_kv_splits(
+        rows=rows,
+        head_tiles=_cdiv(num_heads, cfg.block_h),
+        kv_capacity=kv_capacity,
+        block_n=cfg.block_n,
+        num_sms=num_sms(device),
+        ctas_per_sm=cfg.ctas_per_sm,
+    )
+    return cfg, plan
+
+
+def plan_launch(
+    rows: int, num_heads: int, kv_capacity: int, device: torch.device | str | None, config: KernelConfig | None = None
+) -> tuple[KernelConfig, SplitPlan]:
+    """(tiles, split plan) of the Triton MLA kernel for these shapes on `device` (cached)."""
+    return _plan(int(rows), int(num_heads), int(kv_capacity), _device(device), config)
+
+
+def partial_specs(rows: int, num_heads: int, kv_lora_rank: int, plan: SplitPlan) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Workspace of one launch: partial outputs [rows, S, H, R] and LSEs [rows, S, H], f32.
+
+    One split needs none: the kernel then writes the final outputs directly.
+    """
+    if plan.num_splits <= 1:
+        return []
+    s = plan.num_splits
+    return [((rows, s, num_heads, kv_lora_rank), torch.float32), ((rows, s, num_heads), torch.float32)]
+
+
+def _backend(op: str, device: torch.device, backend: str | None) -> str:
+    if backend is not None:
+        return backend
+    from graphsafe.registry import get_op
+
+    return get_op(op).serving_backend(device.type)
+
+
+def mla_decode_workspace_specs(
+    batch: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    max_kv_len: int,
+    device: torch.device | str | None = None,
+    backend: str | None = None,
+    head_dim: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Worst-case workspace of one `mla_decode` call, from shapes (no dry run).
+
+    Args:
+        batch: B (rows of `q` and `block_table`).
+        num_heads: H.
+        kv_lora_rank: R.
+        max_kv_len: `block_table.shape[1] * kv_cache.shape[1]` (max_blocks * block_size);
+            the value is the same for every replay of a captured graph.
+        device: the op's device (default: the current CUDA device, else the CPU).
+        backend: the backend to size for (default: the one that serves `device`).
+        head_dim, dtype: R + P and q's dtype; only the aiter backend needs them.
+
+    Reserve with `current_workspace_manager(device).reserve(*specs)` before capture.
+    """
+    dev = _device(device)
+    name = _backend("mla_decode", dev, backend)
+    if name == "triton":
+        _, plan = plan_launch(batch, num_heads, max_kv_len, dev)
+        return partial_specs(batch, num_heads, kv_lora_rank, plan)
+    if name == "aiter":
+        from graphsafe.ops.mla.aiter import mla_decode_aiter_specs
+
+        return mla_decode_aiter_specs(batch, num_heads, kv_lora_rank, max_kv_len, dev, head_dim, dtype)
+    return []
+
+
+def sparse_mla_workspace_specs(
+    num_tokens: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    topk: int,
+    device: torch.device | str | None = None,
+    backend: str | None = None,
+    head_dim: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Worst-case workspace of one `sparse_mla` call, from shapes (no dry run).
+
+    Args:
+        num_tokens: T (rows of `q` and `indices`).
+        num_heads: H.
+        kv_lora_rank: R.
+        topk: K (`indices.shape[1]`).
+        device, backend, head_dim, dtype: as for `mla_decode_workspace_specs`.
+    """
+    dev = _device(device)
+    name = _backend("sparse_mla", dev, backend)
+    if name == "triton":
+        _, plan = plan_launch(num_tokens, num_heads, topk, dev)
+        return partial_specs(num_tokens, num_heads, kv_lora_rank, plan)
+    if name == "aiter":
+        from graphsafe.ops.mla.aiter import sparse_mla_aiter_specs
+
+        return sparse_mla_aiter_specs(num_tokens, num_heads, kv_lora_rank, topk, dev, head_dim, dtype)
+    return []

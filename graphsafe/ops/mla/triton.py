@@ -1,0 +1,230 @@
+"""Triton backend of the MLA attention ops: split-KV flash decoding over the latent cache.
+
+One kernel serves both ops; they differ only in how a key position maps to a cache row:
+`mla_decode` walks its request's block table up to `seq_lens[b]`, `sparse_mla` reads the
+token's own list of cache slots (`-1` = none).
+
+Program = (head tile, split, query). It holds the query tile `[BLOCK_H, R + P]` (all
+heads of a request for H = 16, or a 64-head tile for H = 128), so every cache row is read
+once per request and head tile, and streams BLOCK_N rows at a time: scores through
+`tl.dot` (f32 accumulation; wgmma/mma on the GPU), the online softmax in f32 (base 2),
+and `acc[BLOCK_H, R] += p @ V` where V is the first R columns of the very tile just
+loaded (the latent cache has no separate V). With one split the kernel writes the final
+outputs; with several it writes f32 partials into the workspace (a split without a valid
+key writes out 0, lse -inf) and `_combine_kernel` merges them, giving out 0, lse -inf
+to a row whose splits are all empty.
+
+The split plan comes from shapes only (see splits.py), so the launch captured into a
+CUDA graph is right for every replay.
+
+Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly; there (and only
+there) bf16 dots run on f32 copies of the operands (DOT_F32), after rounding the
+probabilities to bf16 as the GPU path does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphsafe.backends import triton_interpreter_enabled
+from graphsafe.ops.mla.splits import KernelConfig, forced_plan, partial_specs, plan_launch
+from graphsafe.workspace import current_workspace_manager
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _mla_attn_kernel(
+    q_ptr, kv_ptr, map_ptr, lens_ptr,
+    out_ptr, lse_ptr, pout_ptr, plse_ptr,
+    qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity,
+    block_size, num_slots,
+    stride_qr, stride_qh, stride_kb, stride_kt, stride_map,
+    stride_or, stride_oh, stride_lr,
+    R: tl.constexpr, P: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # Head tile varies fastest: the tiles of one (query, split) read the same rows
+    # back to back, the second from L2.
+    pid = tl.program_id(0)
+    pid_h = pid % head_tiles
+    split = (pid // head_tiles) % num_splits
+    row = (pid // (head_tiles * num_splits)).to(tl.int64)
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    rr = tl.arange(0, BLOCK_R)
+    # All-true along the features when R (P) is a power of two: the masks then vary
+    # along rows only, which keeps the row loads 16-byte vectorised.
+    rmask = rr < R if BLOCK_R != R else tl.full([BLOCK_R], 1, tl.int1)
+    q_rows = q_ptr + row * stride_qr + heads[:, None].to(tl.int64) * stride_qh
+    q_nope = tl.load(q_rows + rr[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
+    if P > 0:
+        pp = tl.arange(0, BLOCK_P)
+        pmask = pp < P if BLOCK_P != P else tl.full([BLOCK_P], 1, tl.int1)
+        q_pe = tl.load(q_rows + R + pp[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
+
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, kv_capacity)
+    if not SPARSE:
+        # Positions past the request's length hold no key: the loop stops there, so a
+        # split past the end runs zero iterations (a neutral partial).
+        end = tl.minimum(end, tl.maximum(tl.load(lens_ptr + row), 0))
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    map_row = map_ptr + row * stride_map
+    for n0 in tl.range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs < end
+        if SPARSE:
+            slot = tl.load(map_row + offs, mask=nmask, other=-1)
+            nmask = nmask & (slot >= 0) & (slot < num_slots)
+            slot = tl.where(nmask, slot, 0)
+            blk = slot // block_size
+            off = slot % block_size
+        else:
+            # Masked: block-table entries past the sequence may be garbage.
+            blk = tl.load(map_row + offs // block_size, mask=nmask, other=0)
+            off = offs % block_size
+        kv_rows = kv_ptr + blk.to(tl.int64) * stride_kb + off.to(tl.int64) * stride_kt
+        k_nope = tl.load(kv_rows[:, None] + rr[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
+        s = _dot(q_nope, tl.trans(k_nope), DOT_F32)
+        if P > 0:
+            k_pe = tl.load(kv_rows[:, None] + R + pp[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
+            s += _dot(q_pe, tl.trans(k_pe), DOT_F32)
+        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no valid key so far keeps m = -inf; shift it by 0 (not -inf - -inf).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(kv_ptr.dtype.element_ty), k_nope, DOT_F32)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    omask = hmask[:, None] & rmask[None, :]
+    if SPLIT:
+        part = (row * num_splits + split) * num_heads + heads.to(tl.int64)
+        tl.store(pout_ptr + part[:, None] * R + rr[None, :], o, mask=omask)
+        tl.store(plse_ptr + part, lse, mask=hmask)
+    else:
+        o_rows = out_ptr + row * stride_or + heads[:, None].to(tl.int64) * stride_oh
+        tl.store(o_rows + rr[None, :], o.to(out_ptr.dtype.element_ty), mask=omask)
+        tl.store(lse_ptr + row * stride_lr + heads, lse, mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(
+    pout_ptr, plse_ptr, out_ptr, lse_ptr,
+    num_heads, num_splits, stride_or, stride_oh, stride_lr,
+    R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """out[row, h] = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s (natural log)."""
+    pid = tl.program_id(0)
+    h = pid % num_heads
+    row = (pid // num_heads).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    smask = s < num_splits
+    part = (row * num_splits + s) * num_heads + h
+    lse_s = tl.load(plse_ptr + part, mask=smask, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights exp(-inf) = 0
+    w = tl.exp(lse_s - m_use)
+    total = tl.sum(w, 0)
+    has_key = total > 0.0
+    total_safe = tl.where(has_key, total, 1.0)
+    scale = w / total_safe
+    for r0 in tl.static_range(0, R, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        rmask = rr < R
+        vals = tl.load(pout_ptr + part[:, None] * R + rr[None, :], mask=smask[:, None] & rmask[None, :], other=0.0)
+        o = tl.sum(vals * scale[:, None], 0)
+        tl.store(out_ptr + row * stride_or + h * stride_oh + rr, o.to(out_ptr.dtype.element_ty), mask=rmask)
+    tl.store(lse_ptr + row * stride_lr + h, tl.where(has_key, m_use + tl.log(total_safe), float("-inf")))
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(triton.next_power_of_2(max(n, 1)), least)
+
+
+def _attention(
+    op: str,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    key_map: torch.Tensor,
+    seq_lens: torch.Tensor | None,
+    kv_capacity: int,
+    sm_scale: float,
+    kv_lora_rank: int,
+    config: KernelConfig | None,
+    num_splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, num_heads, head_dim = q.shape
+    r, p = kv_lora_rank, head_dim - kv_lora_rank
+    out = torch.empty((rows, num_heads, r), dtype=q.dtype, device=q.device)
+    lse = torch.empty((rows, num_heads), dtype=torch.float32, device=q.device)
+    if rows == 0 or num_heads == 0:
+        return out, lse
+    cfg, plan = plan_launch(rows, num_heads, kv_capacity, q.device, config)
+    if num_splits is not None:  # tests and tuning only
+        plan = forced_plan(kv_capacity, cfg.block_n, num_splits)
+    split = plan.num_splits > 1
+    if split:
+        pout, plse = current_workspace_manager(q.device).get_simultaneous(
+            *partial_specs(rows, num_heads, r, plan), owner=op
+        )
+    else:
+        pout, plse = out, lse  # not touched (SPLIT is off)
+    nb, bs = kv_cache.shape[:2]
+    head_tiles = triton.cdiv(num_heads, cfg.block_h)
+    dot_f32 = q.dtype == torch.bfloat16 and q.device.type == "cpu" and triton_interpreter_enabled()
+    _mla_attn_kernel[(head_tiles * plan.num_splits * rows,)](
+        q, kv_cache, key_map, seq_lens if seq_lens is not None else key_map,
+        out, lse, pout, plse,
+        float(sm_scale) * LOG2E,
+        num_heads, head_tiles, plan.num_splits, plan.tokens_per_split, kv_capacity,
+        bs, nb * bs,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0),
+        R=r, P=p, BLOCK_R=_pow2(r), BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        SPARSE=seq_lens is None, SPLIT=split, DOT_F32=dot_f32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        block_s = _pow2(plan.num_splits, 2)
+        block_r = min(_pow2(r), max(32, 4096 // block_s))
+        _combine_kernel[(rows * num_heads,)](
+            pout, plse, out, lse,
+            num_heads, plan.num_splits, out.stride(0), out.stride(1), lse.stride(0),
+            R=r, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4,
+        )
+    return out, lse
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, config=None, num_splits=None):
+    """Dense absorbed-MLA decode; `config` / `num_splits` override the plan (tests, tuning)."""
+    capacity = block_table.shape[1] * kv_cache.shape[1]
+    return _attention("mla_decode", q, kv_cache, block_table, seq_lens, capacity, sm_scale, kv_lora_rank, config, num_splits)
+
+
+def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, *, config=None, num_splits=None):
+    """Sparse absorbed-MLA attention over each token's own cache slots."""
+    return _attention("sparse_mla", q, kv_cache, indices, None, indices.shape[1], sm_scale, kv_lora_rank, config, num_splits)
+

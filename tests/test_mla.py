@@ -1,0 +1,437 @@
+"""Semantics of the MLA attention ops (`mla_decode`, `sparse_mla`) on the CPU.
+
+The reference is checked against a plain per-request loop; the Triton kernels (through
+the interpreter) against the reference with forced split counts, empty splits, empty
+rows; and the split planner and workspace sizing against their contract (shapes only).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphsafe
+from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
+from graphsafe.ops.mla import reference as ref
+from graphsafe.ops.mla import splits
+from graphsafe.ops.mla import triton as tri
+from graphsafe.testing import contract as C
+from graphsafe.testing.cases import mla as cases
+
+CPU = torch.device("cpu")
+
+
+# -- an independent spec: loops over requests, float64 --------------------------------------
+def _attend_rows(q: torch.Tensor, rows: torch.Tensor, scale: float, r: int):
+    """q [H, D], rows [n, D] -> out [H, R] f64, lse [H] f64 (0 and -inf without rows)."""
+    h = q.shape[0]
+    if rows.shape[0] == 0:
+        return torch.zeros(h, r, dtype=torch.float64), torch.full((h,), -math.inf, dtype=torch.float64)
+    s = scale * q.double() @ rows.double().T
+    m = s.max(dim=1, keepdim=True).values
+    w = torch.exp(s - m)
+    lse = m[:, 0] + torch.log(w.sum(1))
+    return (w / w.sum(1, keepdim=True)) @ rows.double()[:, :r], lse
+
+
+def naive_decode(q, kv_cache, block_table, seq_lens, scale, r):
+    bs = kv_cache.shape[1]
+    capacity = block_table.shape[1] * bs
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = max(0, min(int(seq_lens[b]), capacity))
+        rows = [kv_cache[int(block_table[b, j // bs]), j % bs] for j in range(n)]
+        rows = torch.stack(rows) if rows else kv_cache.new_zeros((0, q.shape[2]))
+        o, l = _attend_rows(q[b], rows, scale, r)
+        outs.append(o)
+        lses.append(l)
+    h = q.shape[1]
+    return (
+        torch.stack(outs).to(q.dtype) if outs else q.new_zeros((0, h, r)),
+        torch.stack(lses).float() if lses else torch.zeros((0, h)),
+    )
+
+
+def naive_sparse(q, kv_cache, indices, scale, r):
+    nb, bs = kv_cache.shape[:2]
+    outs, lses = [], []
+    for t in range(q.shape[0]):
+        rows = [kv_cache[s // bs, s % bs] for s in indices[t].tolist() if 0 <= s < nb * bs]
+        rows = torch.stack(rows) if rows else kv_cache.new_zeros((0, q.shape[2]))
+        o, l = _attend_rows(q[t], rows, scale, r)
+        outs.append(o)
+        lses.append(l)
+    h = q.shape[1]
+    return (
+        torch.stack(outs).to(q.dtype) if outs else q.new_zeros((0, h, r)),
+        torch.stack(lses).float() if lses else torch.zeros((0, h)),
+    )
+
+
+def _check(expected, actual):
+    out, lse = actual
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "NaN in the result"
+    cases.compare_attention(expected, actual, None, None, None)
+
+
+@given(params=cases._params_decode(), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=15)
+def test_reference_decode_matches_the_loop_spec(params, seed):
+    args = graphsafe.get_op("mla_decode").case.inputs(params, CPU, seed)
+    _check(naive_decode(*args), ref.mla_decode(*args))
+
+
+@given(params=cases._params_sparse(), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=15)
+def test_reference_sparse_matches_the_loop_spec(params, seed):
+    args = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, seed)
+    _check(naive_sparse(*args), ref.sparse_mla(*args))
+
+
+# -- Triton (interpreter) against the reference ---------------------------------------------
+LONG = {"B": 4, "H": 3, "R": 32, "P": 16, "block_size": 16, "max_blocks": 6, "dtype": torch.float16, "lens": "random", "strided": True}
+
+
+def _decode_args(dtype, lens, seed=0, **over):
+    params = {**LONG, "dtype": dtype, **over}
+    q, kv, bt, _, scale, r = graphsafe.get_op("mla_decode").case.inputs(params, CPU, seed)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    # The block table's garbage must sit exactly past the new lengths.
+    num_blocks = kv.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    bt = cases.make_block_table(params, lens, num_blocks, gen)
+    return q, kv, bt, lens, scale, r
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 6])
+def test_triton_decode_with_forced_splits(dtype, num_splits):
+    # lengths: empty, one token, shorter than one split, one block past a split edge, full
+    args = _decode_args(dtype, [0, 1, 9, 96])
+    out, lse = tri.mla_decode(*args, num_splits=num_splits)
+    _check(ref.mla_decode(*args), (out, lse))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all(), "empty request: 0, -inf"
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 7])
+def test_triton_sparse_with_forced_splits(num_splits):
+    params = {**cases.EXAMPLE_SPARSE, "T": 4, "K": 100, "num_blocks": 8, "dtype": torch.bfloat16, "strided": True}
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 3)
+    idx[1] = -1  # a token without any key
+    idx[2, 30:] = -1  # the later splits of a token hold no key
+    out, lse = tri.sparse_mla(q, kv, idx, scale, r, num_splits=num_splits)
+    _check(ref.sparse_mla(q, kv, idx, scale, r), (out, lse))
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+def test_all_rows_empty_with_splits_gives_zero_and_minus_inf():
+    args = _decode_args(torch.float16, [0, 0, 0, 0])
+    for n in (1, 6):
+        out, lse = tri.mla_decode(*args, num_splits=n)
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    q, kv, _, _, scale, r = args
+    idx = torch.full((3, 40), -1, dtype=torch.int32)
+    out, lse = tri.sparse_mla(q[:3], kv, idx, scale, r, num_splits=3)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_lengths_past_capacity_are_clamped_and_negative_mean_empty(backend):
+    q, kv, bt, _, scale, r = _decode_args(torch.float16, [96, 0, 96, 0])
+    run = C.run_backend
+    spec = graphsafe.get_op("mla_decode")
+    a = run(spec, backend, (q, kv, bt, torch.tensor([96, 0, 96, 0], dtype=torch.int32), scale, r))
+    b = run(spec, backend, (q, kv, bt, torch.tensor([500, -7, 2**31 - 1, -(2**31)], dtype=torch.int32), scale, r))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("op", ["mla_decode", "sparse_mla"])
+def test_single_key_returns_its_first_R_entries(op, backend):
+    """Softmax over one key is 1: out = the row's value part, lse = the scaled score."""
+    gen = torch.Generator().manual_seed(1)
+    h, r, p, bs = 4, 32, 16, 4
+    q = torch.randn(2, h, r + p, generator=gen).half()
+    kv = torch.randn(3, bs, r + p, generator=gen).half()
+    scale = 0.3
+    if op == "mla_decode":
+        args = (q, kv, torch.tensor([[2, 0], [1, 7]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32), scale, r)
+        rows = kv[torch.tensor([2, 1]), 0]
+    else:
+        args = (q, kv, torch.tensor([[-1, 9, -1], [5, -1, 99]], dtype=torch.int32), scale, r)
+        rows = kv[torch.tensor([9 // bs, 5 // bs]), torch.tensor([9 % bs, 5 % bs])]
+    out, lse = C.run_backend(graphsafe.get_op(op), backend, args)
+    assert torch.equal(out, rows[:, None, :r].expand_as(out))
+    expected = scale * torch.einsum("thd,td->th", q.float(), rows.float())
+    torch.testing.assert_close(lse, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_lse_is_natural_log_and_merges_disjoint_key_sets(backend):
+    """Attention over A u B = LSE-weighted merge of attention over A and over B."""
+    params = {**cases.EXAMPLE_SPARSE, "T": 3, "K": 48, "num_blocks": 16, "invalid": 0.0, "dtype": torch.float16}
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 5)
+    idx = torch.stack([torch.randperm(kv.shape[0] * kv.shape[1])[:48] for _ in range(3)]).int()
+    spec = graphsafe.get_op("sparse_mla")
+    left, right = idx.clone(), idx.clone()
+    left[:, 24:] = -1
+    right[:, :24] = -1
+    o, l = C.run_backend(spec, backend, (q, kv, idx, scale, r))
+    o1, l1 = C.run_backend(spec, backend, (q, kv, left, scale, r))
+    o2, l2 = C.run_backend(spec, backend, (q, kv, right, scale, r))
+    torch.testing.assert_close(l, torch.logaddexp(l1, l2), rtol=1e-5, atol=1e-5)
+    merged = torch.exp(l1 - l)[..., None] * o1.float() + torch.exp(l2 - l)[..., None] * o2.float()
+    torch.testing.assert_close(o.float(), merged, rtol=4e-3, atol=4e-3)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_duplicate_slots_count_once_per_occurrence(backend):
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 48, generator=gen).half()
+    kv = torch.randn(2, 4, 48, generator=gen).half()
+    idx = torch.tensor([[3, 3, 6, -1]], dtype=torch.int32)
+    out, lse = C.run_backend(graphsafe.get_op("sparse_mla"), backend, (q, kv, idx, 0.2, 32))
+    a, b = kv[0, 3].float(), kv[1, 2].float()
+    sa, sb = 0.2 * q[0].float() @ a, 0.2 * q[0].float() @ b
+    wa, wb = 2 * torch.exp(sa), torch.exp(sb)
+    expected = (wa[:, None] * a[:32] + wb[:, None] * b[:32]) / (wa + wb)[:, None]
+    torch.testing.assert_close(out[0].float(), expected, rtol=4e-3, atol=4e-3)
+    torch.testing.assert_close(lse[0], torch.log(wa + wb), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_sparse_over_the_block_table_slots_equals_decode(backend):
+    q, kv, bt, lens, scale, r = _decode_args(torch.float16, [5, 0, 40, 96])
+    bs = kv.shape[1]
+    pos = torch.arange(bt.shape[1] * bs)
+    slots = bt[:, pos // bs].long() * bs + pos % bs
+    idx = torch.where(pos[None] < lens[:, None], slots, -1).int()
+    dense = C.run_backend(graphsafe.get_op("mla_decode"), backend, (q, kv, bt, lens, scale, r))
+    sparse = C.run_backend(graphsafe.get_op("sparse_mla"), backend, (q, kv, idx, scale, r))
+    _check(dense, sparse)
+
+
+def test_decode_over_concat_and_cache_mla_matches_attention_on_the_tokens():
+    """End to end: write the latent cache with concat_and_cache_mla, then decode."""
+    gen = torch.Generator().manual_seed(4)
+    r, p, bs, h = 32, 16, 4, 4
+    lens = [7, 3]
+    table = torch.tensor([[5, 2], [0, 3]], dtype=torch.int32)
+    kv_cache = torch.randn(6, bs, r + p, generator=gen).half()
+    kv_c = torch.randn(sum(lens), r, generator=gen).half()
+    k_pe = torch.randn(sum(lens), p, generator=gen).half()
+    slots = torch.tensor([int(table[b, j // bs]) * bs + j % bs for b, n in enumerate(lens) for j in range(n)])
+    graphsafe.concat_and_cache_mla(kv_c, k_pe, kv_cache, slots)
+    q = torch.randn(2, h, r + p, generator=gen).half()
+    with graphsafe.use_backend("triton"):
+        out, lse = graphsafe.mla_decode(q, kv_cache, table, torch.tensor(lens, dtype=torch.int32), 0.15, r)
+    keys = torch.cat([kv_c, k_pe], dim=1)
+    starts = [0, lens[0]]
+    expected = [_attend_rows(q[b], keys[starts[b] : starts[b] + lens[b]], 0.15, r) for b in range(2)]
+    _check((torch.stack([e[0] for e in expected]).half(), torch.stack([e[1] for e in expected]).float()), (out, lse))
+
+
+def test_decode_step_compiles_fullgraph_with_triton_kernels():
+    """concat_and_cache_mla + mla_decode under torch.compile(fullgraph=True), Triton backend."""
+    params = {**LONG, "strided": False}
+    q, kv, bt, lens, scale, r = graphsafe.get_op("mla_decode").case.inputs(params, CPU, 9)
+    kv_c, k_pe = torch.randn(4, r).half(), torch.randn(4, kv.shape[2] - r).half()
+    slots = torch.tensor([3, 17, -1, 40])
+
+    def step(q, kv_c, k_pe, kv, slots, bt, lens):
+        graphsafe.concat_and_cache_mla(kv_c, k_pe, kv, slots)
+        return graphsafe.mla_decode(q, kv, bt, lens, scale, r)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=True)
+    with graphsafe.use_backend("triton"):
+        kv_eager, kv_compiled = kv.clone(), kv.clone()
+        expected = step(q, kv_c, k_pe, kv_eager, slots, bt, lens)
+        actual = compiled(q, kv_c, k_pe, kv_compiled, slots, bt, lens)
+    assert torch.equal(kv_eager, kv_compiled)
+    assert torch.equal(expected[0], actual[0]) and torch.equal(expected[1], actual[1])
+
+
+# -- split planning and workspace -----------------------------------------------------------
+@given(
+    rows=st.integers(0, 300),
+    heads=st.sampled_from([1, 16, 64, 128]),
+    capacity=st.integers(0, 200_000),
+    block_n=st.sampled_from([16, 32, 64]),
+    sms=st.sampled_from([1, 2, 78, 132, 304]),
+    min_tokens=st.sampled_from([1, 128]),
+)
+def test_split_plan_covers_the_capacity_with_nonempty_splits(rows, heads, capacity, block_n, sms, min_tokens):
+    head_tiles = -(-heads // 16)
+    plan = splits.plan_kv_splits(
+        rows=rows, head_tiles=head_tiles, kv_capacity=capacity, block_n=block_n, num_sms=sms, min_tokens_per_split=min_tokens
+    )
+    assert 1 <= plan.num_splits <= splits.MAX_SPLITS
+    assert plan.tokens_per_split % block_n == 0 and plan.tokens_per_split > 0
+    assert plan.num_splits * plan.tokens_per_split >= capacity, "every key position belongs to a split"
+    if capacity > 0:
+        assert (plan.num_splits - 1) * plan.tokens_per_split < capacity, "no split starts past the capacity"
+    if plan.num_splits > 1:
+        assert plan.tokens_per_split >= min(min_tokens, capacity) - block_n
+
+
+def test_planner_reads_shapes_only():
+    """The plan is a function of shapes and the SM count: no tensor reaches it."""
+    for fn in (splits.plan_kv_splits, splits.plan_launch, mla_decode_workspace_specs, sparse_mla_workspace_specs):
+        for name, param in inspect.signature(fn).parameters.items():
+            assert "len" not in name or name == "max_kv_len", f"{fn.__name__} takes {name}"
+            assert param.annotation not in (torch.Tensor, "torch.Tensor", "Tensor"), f"{fn.__name__}({name})"
+
+
+@pytest.mark.parametrize("rows,heads,capacity", [(64, 16, 8192), (128, 16, 32768), (64, 128, 8192), (64, 16, 2048), (128, 128, 4096)])
+def test_gpu_plans_fill_whole_waves_at_the_bench_shapes(rows, heads, capacity):
+    """Equal-length programs on num_sms * ctas_per_sm slots: no straggling last wave."""
+    cfg = splits.kernel_config(heads, "cuda")
+    tiles = -(-heads // cfg.block_h)
+    plan = splits.plan_kv_splits(
+        rows=rows, head_tiles=tiles, kv_capacity=capacity, block_n=cfg.block_n, num_sms=132, ctas_per_sm=cfg.ctas_per_sm
+    )
+    programs, slots = rows * tiles * plan.num_splits, 132 * cfg.ctas_per_sm
+    assert programs / (-(-programs // slots) * slots) >= 0.9, (plan, programs, slots)
+    assert programs >= 0.9 * slots, "the GPU is filled"
+
+
+def test_plan_splits_a_lone_long_request_across_the_gpu():
+    plan = splits.plan_kv_splits(rows=1, head_tiles=1, kv_capacity=32768, block_n=32, num_sms=132, ctas_per_sm=2)
+    assert plan.num_splits >= 100 and plan.tokens_per_split >= splits.MIN_TOKENS_PER_SPLIT
+
+
+@pytest.mark.parametrize("op", ["mla_decode", "sparse_mla"])
+def test_workspace_request_is_the_published_worst_case(op):
+    from graphsafe.workspace import current_workspace_manager
+    from graphsafe.workspace import manager as wm
+
+    spec = graphsafe.get_op(op)
+    if op == "mla_decode":
+        args = _decode_args(torch.float16, [3, 0, 50, 96])
+        b, h, r, cap = args[0].shape[0], args[0].shape[1], args[5], args[2].shape[1] * args[1].shape[1]
+        published = mla_decode_workspace_specs(b, h, r, cap, device="cpu", backend="triton")
+        with graphsafe.use_backend("triton"):
+            assert mla_decode_workspace_specs(b, h, r, cap, device="cpu") == published
+            assert spec.workspace_bytes(batch=b, num_heads=h, kv_lora_rank=r, max_kv_len=cap, device="cpu") > 0
+    else:
+        params = {**cases.EXAMPLE_SPARSE, "K": 64}
+        args = spec.case.inputs(params, CPU, 0)
+        t, h, r, k = args[0].shape[0], args[0].shape[1], args[4], args[2].shape[1]
+        published = sparse_mla_workspace_specs(t, h, r, k, device="cpu", backend="triton")
+    assert published, "these shapes split on the CPU planner"
+    requests = []
+    original = wm.WorkspaceManager.get_simultaneous
+
+    def spy(self, *specs, owner="unnamed"):
+        requests.append((owner, [(tuple(s), d) for s, d in specs]))
+        return original(self, *specs, owner=owner)
+
+    ws = current_workspace_manager(CPU)
+    ws.reserve(*published)
+    wm.WorkspaceManager.get_simultaneous = spy
+    try:
+        with ws.locked():  # the reserved worst case suffices: no growth
+            for seed in range(2):
+                call = C.clone_args(args)
+                if op == "mla_decode":  # other lengths, same plan
+                    call = (*call[:3], torch.tensor([[3, 0, 50, 96], [1, 0, 17, 2]][seed], dtype=torch.int32), *call[4:])
+                C.run_backend(spec, "triton", call)
+    finally:
+        wm.WorkspaceManager.get_simultaneous = original
+    assert requests == [(op, published)] * 2
+
+
+def test_kernel_config_tiles_are_legal_dot_shapes():
+    for heads in (1, 16, 17, 32, 64, 128):
+        for dev in ("cpu", "cuda"):
+            cfg = splits.kernel_config(heads, dev)
+            assert cfg.block_h >= 16 and cfg.block_n >= 16
+            assert cfg.block_h & (cfg.block_h - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0
+
+
+# -- the aiter adapter's plumbing, against a stand-in module with aiter's documented API --
+def _fake_aiter(calls: dict):
+    """`aiter` stand-in: the documented signatures; mla_decode_fwd attends over the CSR
+    (kv_indptr, kv_indices) it is given and, like aiter's reduce, leaves NaN in empty rows."""
+    import types
+
+    def get_mla_metadata_info_v1(batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse,
+                                 fast_mode=True, num_kv_splits=32, intra_batch_mode=False):
+        calls["info"] = (batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse)
+        return ((2, torch.uint64), (5, torch.int32), ((7, 8), torch.int32), (batch_size + 1, torch.int32),
+                ((batch_size, 2), torch.int32), (9, torch.int32))
+
+    def get_mla_metadata_v1(seqlens_qo_indptr, seqlens_kv_indptr, kv_last_page_lens, num_heads_per_head_k, num_heads_k,
+                            is_causal, work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr, reduce_final_map,
+                            reduce_partial_map, page_size=1, kv_granularity=16, max_seqlen_qo=-1, uni_seqlen_qo=-1,
+                            fast_mode=True, topk=-1, max_split_per_batch=-1, intra_batch_mode=False, dtype_q=None, dtype_kv=None):
+        calls["meta"] = {
+            "heads": num_heads_per_head_k, "kv_heads": num_heads_k, "page_size": page_size, "dtype_q": dtype_q,
+            "shapes": [tuple(t.shape) for t in (work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr)],
+        }
+
+    def mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, page_size=1,
+                       nhead_kv=1, sm_scale=None, logit_cap=0.0, num_kv_splits=None, num_kv_splits_indptr=None,
+                       work_meta_data=None, work_indptr=None, work_info_set=None, reduce_indptr=None,
+                       reduce_final_map=None, reduce_partial_map=None, q_scale=None, kv_scale=None,
+                       intra_batch_mode=False, return_logits=False, return_lse=False):
+        assert kv_buffer.dim() == 4 and page_size == 1 and max_seqlen_q == 1 and return_lse
+        calls.setdefault("persistent", []).append(work_meta_data is not None)
+        rows = kv_buffer.reshape(-1, kv_buffer.shape[-1])
+        lses = []
+        for i in range(q.shape[0]):
+            ids = kv_indices[int(kv_indptr[i]) : int(kv_indptr[i + 1])].long()
+            out, lse = _attend_rows(q[i], rows[ids], sm_scale, o.shape[2])
+            if ids.numel() == 0:
+                out = torch.full_like(out, float("nan"))
+            o[i] = out.to(o.dtype)
+            lses.append(lse.float())
+        return None, torch.stack(lses)
+
+    aiter = types.ModuleType("aiter")
+    mla = types.ModuleType("aiter.mla")
+    aiter.get_mla_metadata_info_v1, aiter.get_mla_metadata_v1 = get_mla_metadata_info_v1, get_mla_metadata_v1
+    mla.mla_decode_fwd = mla_decode_fwd
+    aiter.mla = mla
+    return aiter, mla
+
+
+@pytest.mark.parametrize("op", ["mla_decode", "sparse_mla"])
+def test_aiter_adapter_builds_the_csr_and_call_aiter_documents(op, monkeypatch):
+    import sys
+
+    from graphsafe.ops.mla import aiter as adapter
+
+    calls: dict = {}
+    fake, fake_mla = _fake_aiter(calls)
+    monkeypatch.setitem(sys.modules, "aiter", fake)
+    monkeypatch.setitem(sys.modules, "aiter.mla", fake_mla)
+    params = {"R": 512, "P": 64, "H": 16, "dtype": torch.bfloat16, "strided": False}
+    if op == "mla_decode":
+        shape = {**cases.EXAMPLE_DECODE, **params, "B": 4, "max_blocks": 3}
+        q, kv, _, _, scale, r = graphsafe.get_op(op).case.inputs(shape, CPU, 11)
+        lens = torch.tensor([5, 0, 12, 1], dtype=torch.int32)  # an empty request: aiter leaves NaN there
+        table = cases.make_block_table(shape, lens, kv.shape[0], torch.Generator().manual_seed(1))
+        args = (q, kv, table, lens, scale, r)
+        out, lse = adapter.mla_decode(*args)
+        assert calls["meta"]["heads"] == 16 and calls["meta"]["kv_heads"] == 1 and calls["meta"]["page_size"] == 1
+        assert calls["meta"]["dtype_q"] == torch.bfloat16 and calls["persistent"] == [True]
+        assert calls["meta"]["shapes"] == [(2,), (7, 8), (5,), (5,)], "metadata buffers in aiter's argument order"
+    else:
+        args = graphsafe.get_op(op).case.inputs({**cases.EXAMPLE_SPARSE, **params, "T": 3, "K": 20}, CPU, 12)
+        args[2][1] = -1
+        out, lse = adapter.sparse_mla(*args)
+        assert calls["persistent"] == [False]
+    expected = C.run_backend(graphsafe.get_op(op), "reference", args)
+    _check(expected, (out, lse))
+    # fp16 and other head counts have no aiter kernel: the Triton backend serves them.
+    calls.clear()
+    small = graphsafe.get_op(op).case.inputs(graphsafe.get_op(op).case.example, CPU, 13)
+    _check(C.run_backend(graphsafe.get_op(op), "reference", small), getattr(adapter, op)(*small))
+    assert "persistent" not in calls
