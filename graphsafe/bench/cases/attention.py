@@ -1,0 +1,174 @@
+"""Benchmarks of the GQA attention ops against SDPA and flex_attention on the same inputs.
+
+Inputs are drawn on the device (the caches at B=128, ctx=32k are 17 GB: too big to draw
+on the CPU). The reference peers run only where their float32 intermediates fit; the
+problem's note says when they were left out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphsafe.bench.harness import Problem, bench_case
+from graphsafe.bench.peers import nbytes, op_peers
+from graphsafe.registry import get_op
+
+# Reference peers materialise float32 copies (gathered K/V, padded scores): skip above this.
+REFERENCE_BYTES_LIMIT = 10e9
+# (B, ctx) of the decode problems at Llama-3-8B shapes (Hq=32, Hk=8, D=128, block 16).
+DECODE_SHAPES = [(b, ctx) for b in (1, 64, 128) for ctx in (4096, 32768)]
+# (sequences, tokens each, Hq, Hk, D, Dv) of the causal prefill problems: GQA, MHA, MLA prefill.
+VARLEN_SHAPES = [(8, 4096, 32, 8, 128, 128), (8, 4096, 32, 32, 128, 128), (8, 4096, 16, 16, 192, 128)]
+
+
+def _graphsafe_only(spec, args, device, note_bytes: float) -> tuple[dict, str]:
+    if note_bytes <= REFERENCE_BYTES_LIMIT:
+        return op_peers(spec, args, device), ""
+    impls = op_peers(spec, args, device, compile_reference=False)
+    impls.pop("reference eager")
+    return impls, f"reference peers skipped: their fp32 intermediates need {note_bytes / 1e9:.0f} GB"
+
+
+def _flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return create_block_mask, torch.compile(flex_attention, dynamic=False)
+
+
+# -- paged decode -------------------------------------------------------------------------
+def _decode_inputs(b: int, ctx: int, device, hk=8, group=4, d=128, block_size=16, dtype=torch.bfloat16):
+    gen = torch.Generator(device=device).manual_seed(0)
+    mb = ctx // block_size
+    nb = b * mb
+    q = torch.randn((b, hk * group, d), device=device, dtype=dtype, generator=gen)
+    k_cache = torch.randn((nb, block_size, hk, d), device=device, dtype=dtype, generator=gen)
+    v_cache = torch.randn((nb, block_size, hk, d), device=device, dtype=dtype, generator=gen)
+    table = torch.randperm(nb, device=device, generator=gen).reshape(b, mb).int()
+    lens = torch.full((b,), ctx, device=device, dtype=torch.int32)
+    return q, k_cache, v_cache, table, lens, d**-0.5
+
+
+def _decode_peers(q, k_cache, v_cache, table, lens, scale, device) -> tuple[dict, str]:
+    """SDPA and compiled flex_attention over K/V gathered from the cache BEFORE timing."""
+    b, _, d = q.shape
+    hk = k_cache.shape[2]
+    ctx = table.shape[1] * k_cache.shape[1]
+    k_dense = k_cache[table.long()].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
+    v_dense = v_cache[table.long()].reshape(b, ctx, hk, d).transpose(1, 2).contiguous()
+    q4 = q[:, :, None, :]
+    impls = {
+        "SDPA (KV pre-gathered)": lambda: F.scaled_dot_product_attention(
+            q4, k_dense, v_dense, scale=scale, enable_gqa=True
+        )
+    }
+    note = "SDPA/flex read K/V gathered into dense tensors outside the timing"
+    try:
+        create_block_mask, flex = _flex()
+        mask = create_block_mask(lambda bi, h, qi, ki: ki < lens[bi], b, None, 1, ctx, device=device)
+        impls["flex_attention (compiled)"] = lambda: flex(
+            q4, k_dense, v_dense, block_mask=mask, scale=scale, enable_gqa=True
+        )
+    except Exception as err:  # noqa: BLE001 - reported in the note, not fatal
+        note += f"; flex_attention unavailable: {type(err).__name__}: {str(err)[:80]}"
+    return impls, note
+
+
+@bench_case("paged_attention_decode")
+def paged_attention_decode(device: torch.device):
+    spec = get_op("paged_attention_decode")
+    for b, ctx in DECODE_SHAPES:
+        args = _decode_inputs(b, ctx, device)
+        q, k_cache, v_cache, table, lens, _ = args
+        hq, hk, d = q.shape[1], k_cache.shape[2], q.shape[2]
+        impls, note = _graphsafe_only(spec, args, device, 2 * b * ctx * hk * 2 * d * 4)
+        peers, peer_note = _decode_peers(*args, device)
+        impls.update(peers)
+        yield Problem(
+            case=spec.name,
+            shape=f"B={b} ctx={ctx} Hq={hq} Hk={hk} D={d} bs=16 bf16",
+            impls=impls,
+            # every cached K/V row of each request once, q, the tables, the output
+            bytes=b * ctx * hk * 2 * d * k_cache.element_size() + nbytes(q, table, lens) + nbytes(q),
+            flops=4 * b * hq * ctx * d,
+            note="; ".join(x for x in (note, peer_note) if x),
+        )
+        del impls, peers, args, q, k_cache, v_cache, table, lens
+
+
+# -- varlen prefill -----------------------------------------------------------------------
+def _causal_pairs(seqs: int, n: int) -> int:
+    return seqs * n * (n + 1) // 2
+
+
+def _sdpa_flash(q4, k4, v4, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+
+
+def _varlen_peers(q, k, v, seqs: int, n: int, scale: float, device) -> tuple[dict, str]:
+    """SDPA (flash backend) on the dense batch (all lengths equal) and compiled
+    flex_attention with a causal block mask."""
+    hq, d, hk, dv = q.shape[1], q.shape[2], k.shape[1], v.shape[2]
+    q4 = q.view(seqs, n, hq, d).transpose(1, 2)
+    k4 = k.view(seqs, n, hk, d).transpose(1, 2)
+    v4 = v.view(seqs, n, hk, dv).transpose(1, 2)
+    notes = []
+    k_sdpa, v_sdpa = k4, v4
+    if hk != hq:  # FlashAttention-2 in SDPA takes no GQA: expand K/V heads before timing
+        k_sdpa, v_sdpa = (x.repeat_interleave(hq // hk, dim=1) for x in (k4, v4))
+        notes.append("SDPA gets K/V heads expanded outside the timing")
+    if dv != d:  # FlashAttention-2 needs Dv == D: pad V (the vLLM MLA-prefill workaround)
+        v_sdpa = F.pad(v_sdpa, (0, d - dv))
+        notes.append(f"SDPA gets V padded to {d}")
+    impls = {"SDPA flash": lambda: _sdpa_flash(q4, k_sdpa, v_sdpa, scale)}
+    try:
+        create_block_mask, flex = _flex()
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n, device=device)
+        impls["flex_attention (compiled)"] = lambda: flex(q4, k4, v4, block_mask=mask, scale=scale, enable_gqa=hk != hq)
+    except Exception as err:  # noqa: BLE001
+        notes.append(f"flex_attention unavailable: {type(err).__name__}: {str(err)[:80]}")
+    return impls, "; ".join(notes)
+
+
+def _fp8_impls(public, q, k, v, cu, n: int, scale: float) -> dict:
+    """graphsafe's fp8 path quantising inside the op (bf16 in and out), on pre-quantised
+    fp8 inputs, and its bf16 path for the ratio."""
+    from graphsafe.ops.attention.fp8 import quantize_per_tensor
+
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_per_tensor(x) for x in (q, k, v))
+    return {
+        "graphsafe fp8 (bf16 in)": lambda: public(q, k, v, cu, cu, n, n, scale, True, None, None, None, "on"),
+        "graphsafe fp8 (fp8 in)": lambda: public(q8, k8, v8, cu, cu, n, n, scale, True, qd, kd, vd),
+        "graphsafe bf16": lambda: public(q, k, v, cu, cu, n, n, scale, True, None, None, None, "off"),
+    }
+
+
+@bench_case("flash_attn_varlen")
+def flash_attn_varlen(device: torch.device):
+    spec = get_op("flash_attn_varlen")
+    for seqs, n, hq, hk, d, dv in VARLEN_SHAPES:
+        gen = torch.Generator(device=device).manual_seed(0)
+        t = seqs * n
+        q = torch.randn((t, hq, d), device=device, dtype=torch.bfloat16, generator=gen)
+        k = torch.randn((t, hk, d), device=device, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn((t, hk, dv), device=device, dtype=torch.bfloat16, generator=gen)
+        cu = torch.arange(seqs + 1, device=device, dtype=torch.int32) * n
+        scale = d**-0.5
+        flops = 2 * _causal_pairs(seqs, n) * hq * (d + dv)
+        io_bytes = nbytes(q, k, v) + t * hq * dv * 2
+        label = f"{seqs}x{n} Hq={hq} Hk={hk} D={d}/{dv} causal"
+
+        args = (q, k, v, cu, cu, n, n, scale, True, None, None, None, "off")
+        impls, note = _graphsafe_only(spec, args, device, seqs * hq * n * n * 4 * 3)
+        peers, peer_note = _varlen_peers(q, k, v, seqs, n, scale, device)
+        impls.update(peers)
+        yield Problem(case=spec.name, shape=f"{label} bf16", impls=impls, bytes=io_bytes, flops=flops,
+                      bound="compute", peak_dtype=torch.bfloat16, note="; ".join(x for x in (note, peer_note) if x))
+        del impls, peers
+        yield Problem(case=spec.name, shape=f"{label} fp8", impls=_fp8_impls(spec.public, q, k, v, cu, n, scale),
+                      bytes=io_bytes, flops=flops, bound="compute", peak_dtype=torch.float8_e4m3fn,
+                      note="fp8 (bf16 in) includes the per-tensor quantisation of q, k, v")
+        del q, k, v, args

@@ -1,0 +1,158 @@
+"""Triton kernels of `paged_attention_decode`: split-KV flash decoding over the paged cache.
+
+One program per (request, KV head, split) handles the whole group of query heads that
+share the KV head, so every cached K/V row is read once per request: scores are one
+`tl.dot` of the group's queries [BLOCK_G, D] with a tile of keys, online softmax in fp32
+with exp2 (log2(e) folded into the scale). Each request divides its own length (read on
+the device) evenly among the splits; the split count itself is fixed from shapes on the
+host (split_kv.py). With one split the kernel writes the output; otherwise it writes a
+normalised partial output and its log2-sum-exp, and `_combine_kernel` merges them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_tb, stride_tm, stride_lens,
+    stride_ob, stride_oh,
+    max_len, block_size, qk_scale,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    length = tl.minimum(tl.maximum(tl.load(lens_ptr + b * stride_lens), 0), max_len)
+    # This request's share, in whole tiles: splits past its end are empty.
+    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < D
+    dv_mask = offs_dv < DV
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    table_row = table_ptr + b * stride_tb
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        block = tl.load(table_row + (offs_n // block_size) * stride_tm, mask=n_mask, other=0).to(tl.int64)
+        in_block = (offs_n % block_size).to(tl.int64)
+        k = tl.load(
+            k_head + (block * stride_kb + in_block * stride_kt)[:, None] + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :], other=0.0,
+        )
+        v = tl.load(
+            v_head + (block * stride_vb + in_block * stride_vt)[:, None] + offs_dv[None, :],
+            mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+        )
+        if KV_FP8:  # fp8 -> the query dtype is exact; the cache scales are applied outside
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        m_i = m_new
+
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & dv_mask[None, :])
+    else:
+        # Partial layout [B, Hq, S, DV] / [B, Hq, S], contiguous (workspace views).
+        row = (b * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_o_ptr + row[:, None] * DV + offs_dv[None, :], o, mask=g_mask[:, None] & dv_mask[None, :])
+        # An empty split is neutral: lse = -inf (its partial output is 0, never NaN).
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, num_q_heads, stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = b * num_q_heads + head
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < NUM_SPLITS
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight is 0, out 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    o = tl.load(
+        part_o_ptr + (row * NUM_SPLITS + offs_s)[:, None] * DV + offs_dv[None, :],
+        mask=s_mask[:, None] & dv_mask[None, :], other=0.0,
+    )
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty), mask=dv_mask)
+
+
+def launch_paged_decode(
+    q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, out, partials, num_splits, config
+):
+    """Launch the decode kernel (and the combine when `num_splits > 1`) into `out`."""
+    b, hq, d = q.shape
+    _, block_size, hk, dv = v_cache.shape
+    group = hq // hk
+    block_n, num_warps, num_stages = config
+    kv_fp8 = k_cache.dtype.itemsize == 1
+    part_o, part_lse = partials if num_splits > 1 else (out, out)
+    _paged_decode_kernel[(b, hk, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens,
+        k_scale if kv_fp8 else q, v_scale if kv_fp8 else q,
+        out, part_o, part_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), block_table.stride(1), seq_lens.stride(0),
+        out.stride(0), out.stride(1),
+        block_table.shape[1] * block_size, block_size, scale * LOG2E,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_FP8=kv_fp8,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _combine_kernel[(b, hq)](
+            part_o, part_lse, out, hq, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            DV=dv, BLOCK_DV=triton.next_power_of_2(dv), num_warps=4,
+        )

@@ -1,0 +1,89 @@
+"""The FP8 prefill path of `flash_attn_varlen`: the device probe, the mode resolution,
+and the per-tensor quantisation the reference uses (the seed PR vLLM #42509 pattern).
+
+Quantisation of one tensor x (bf16/fp16): `descale = max(amax(|x|), AMAX_EPS) / 448`
+(float32, IEEE division), `x8 = clamp(x / descale, -448, 448)` rounded to nearest-even
+float8_e4m3fn. The Triton kernels (`_triton_quant.py`) compute the very same bits.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from graphsafe.device_info import has_fp8_matrix_units
+from graphsafe.errors import GraphsafeError
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Floor of a tensor's amax: an all-zero (or empty) tensor quantises to zeros, not NaN.
+AMAX_EPS = 1e-12
+# Softmax probabilities (<= 1) are multiplied by this before their fp8 cast for the P.V
+# product, so that p down to 2^-17 stays representable (e4m3's smallest subnormal is 2^-9).
+P_SCALE = 256.0
+MODES = ("auto", "on", "off")
+
+_probe_lock = threading.Lock()
+_probe_results: dict[torch.device, bool] = {}
+
+
+def _normalise(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def fp8_prefill_supported(device: torch.device | str) -> bool:
+    """True when `flash_attn_varlen` can take its fp8 path on `device`: the device has
+    fp8 matrix units (sm89+, gfx942+) AND a tiny fp8 Triton kernel compiles there and
+    gives the right answer. Cached per device; the first call runs the probe (a kernel
+    launch and a host sync), so call it (or run the op once) before capturing a graph.
+    False on the CPU and wherever Triton is missing."""
+    device = _normalise(device)
+    cached = _probe_results.get(device)
+    if cached is not None:
+        return cached
+    if device.type != "cuda" or not has_fp8_matrix_units(device):
+        result = False
+    else:
+        if torch.cuda.is_current_stream_capturing():
+            raise GraphsafeError(
+                f"fp8_prefill_supported({device}) is probed for the first time while a CUDA graph is being "
+                "captured; the probe launches a kernel and syncs. Call it (or run flash_attn_varlen once) "
+                "before capture."
+            )
+        result = _run_probe(device)
+    with _probe_lock:
+        _probe_results.setdefault(device, result)
+    return _probe_results[device]
+
+
+def _run_probe(device: torch.device) -> bool:
+    try:
+        from graphsafe.ops.attention._triton_quant import run_fp8_probe
+
+        return run_fp8_probe(device)
+    except Exception:  # noqa: BLE001 - any failure (no Triton, no fp8 codegen) means "unsupported"
+        return False
+
+
+def quantize_inputs(mode: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether bf16/fp16 inputs are quantised to fp8: "on" always (the reference emulates
+    it anywhere), "off" never, "auto" where `fp8_prefill_supported(device)`."""
+    if dtype == FP8_DTYPE:
+        return False  # already fp8: nothing to quantise
+    if mode == "on":
+        return True
+    if mode == "auto":
+        return fp8_prefill_supported(device)
+    return False
+
+
+def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8 float8_e4m3fn, descale f32 `[1]`) with x ~= x8 * descale. No host sync."""
+    amax = x.abs().amax().float() if x.numel() > 0 else x.new_zeros((), dtype=torch.float32)
+    descale = torch.clamp(amax, min=AMAX_EPS) / FP8_MAX
+    x8 = (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x8, descale.reshape(1)

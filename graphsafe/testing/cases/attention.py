@@ -1,0 +1,325 @@
+"""Test cases of `paged_attention_decode` and `flash_attn_varlen`.
+
+Host ints (max_seqlen_*, scale, causal, the fp8 mode) come from the params; lengths are
+drawn per seed (unless the params pin them), so two seeds of one params set share a
+CUDA graph and its replay sees new lengths. Under Triton's CPU interpreter only float16
+is drawn: the interpreter computes bf16 `tl.dot` wrongly (bf16 is checked on the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe.backends import triton_interpreter_enabled
+from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
+from graphsafe.testing.tensors import randn
+
+FP8 = torch.float8_e4m3fn
+DTYPES = (torch.float16,) if triton_interpreter_enabled() else (torch.bfloat16, torch.float16)
+# Unit roundoff of the output dtype (also the rounding of P before its P.V product).
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+FP8_UNIT_ROUNDOFF = 2.0**-4  # e4m3: 3 mantissa bits
+FP8_SUBNORMAL_STEP = 2.0**-9 / 256  # P is cast as p * 256: absolute error below 2^-6 / 256
+
+
+def attention_compare(expected, actual, vmax: float, dtype: torch.dtype, fp8_products: bool, num_keys: int, what: str):
+    """Kernel vs reference. Both compute q.k and the softmax normaliser in fp32 from the
+    same operands; the kernel rounds P to the operand dtype before P.V. Every output is
+    a convex combination of values, so that rounding moves it by at most
+    `eps_P * max|v|` (eps_P: the dtype's unit roundoff, or e4m3's plus the subnormal
+    step per key for fp8 products); both outputs are then rounded to `dtype` (rtol)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (
+        f"{what}: {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}"
+    )
+    eps = UNIT_ROUNDOFF[dtype]
+    eps_p = FP8_UNIT_ROUNDOFF + num_keys * FP8_SUBNORMAL_STEP if fp8_products else eps
+    torch.testing.assert_close(
+        actual.float().cpu(), expected.float().cpu(), rtol=2 * eps, atol=eps_p * vmax + 1e-5,
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+def _maxabs(x: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    if x.numel() == 0 or (scale is not None and scale.numel() == 0):
+        return 0.0
+    m = x.float().abs().amax()
+    if scale is not None:
+        m = m * scale.float().abs().amax()
+    return float(m)
+
+
+# -- paged_attention_decode -------------------------------------------------------------
+def _params_decode():
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries(
+        {
+            "B": st.integers(0, 3),
+            "Hk": st.sampled_from([1, 2]),
+            "group": st.sampled_from([1, 4, 8]),
+            "D": st.sampled_from([16, 32, 64]),
+            "Dv": st.sampled_from([None, 16]),
+            "block_size": st.sampled_from([1, 4, 16]),
+            "max_blocks": st.integers(1, 5),
+            "dtype": st.sampled_from(DTYPES),
+            "fp8_cache": st.booleans(),
+            "strided_cache": st.booleans(),
+        }
+    )
+
+
+def _decode_cache(shape, dtype, device, gen, strided: bool) -> torch.Tensor:
+    nb, bs, hk, d = shape
+    if not strided:
+        return randn(shape, torch.float32, device, gen).to(dtype)
+    big = randn((nb, bs + 1, hk, d + 8), torch.float32, device, gen).to(dtype)
+    return big[:, :bs, :, :d]
+
+
+def _make_decode(p: Params, device, gen):
+    b, hk, group, d, bs, mb = p["B"], p["Hk"], p["group"], p["D"], p["block_size"], p["max_blocks"]
+    dv = p["Dv"] or d
+    hq = hk * group
+    nb = b * mb + 1
+    cache_dtype = FP8 if p["fp8_cache"] else p["dtype"]
+    q = randn((b, hq, d), p["dtype"], device, gen)
+    k_cache = _decode_cache((nb, bs, hk, d), cache_dtype, device, gen, p["strided_cache"])
+    v_cache = _decode_cache((nb, bs, hk, dv), cache_dtype, device, gen, p["strided_cache"])
+    if "seq_lens" in p:
+        lens = torch.tensor(p["seq_lens"], dtype=torch.int64)
+    else:
+        lens = torch.randint(0, mb * bs + 1, (b,), generator=gen)
+    table = torch.randperm(nb, generator=gen)[: b * mb].reshape(b, mb)
+    # Entries past each request's last used block must never be read: fill with junk.
+    unused = torch.arange(mb)[None, :] >= (lens[:, None] + bs - 1) // bs
+    junk = torch.randint(-4, 4 * nb, (b, mb), generator=gen)
+    table = torch.where(unused, junk, table)
+    if p["fp8_cache"]:
+        k_scale = (torch.rand(1, generator=gen) * 0.5 + 0.5).to(device)
+        v_scale = (torch.rand(1, generator=gen) * 0.5 + 0.5).to(device)
+    else:
+        k_scale = v_scale = None
+    return q, k_cache, v_cache, table.int().to(device), lens.int().to(device), d**-0.5, k_scale, v_scale
+
+
+def _compare_decode(expected, actual, exp_args, act_args, params):
+    v_cache, v_scale = exp_args[2], exp_args[7]
+    attention_compare(
+        expected, actual, _maxabs(v_cache, v_scale), exp_args[0].dtype, False, 0, "paged_attention_decode output"
+    )
+
+
+EXAMPLE_DECODE: Params = {
+    "B": 3, "Hk": 2, "group": 4, "D": 32, "Dv": None, "block_size": 4, "max_blocks": 4,
+    "dtype": torch.float16, "fp8_cache": False, "strided_cache": False,
+}
+
+
+def _bad_decode(device, gen):
+    q, kc, vc, table, lens, scale, _, _ = _make_decode(EXAMPLE_DECODE, device, gen)
+    return [
+        BadInput("q float32", (q.float(), kc, vc, table, lens, scale), "q", "dtype"),
+        BadInput("q 2-D", (q[0], kc, vc, table, lens, scale), "q", "3-D"),
+        BadInput("k_cache with other head dim", (q, kc[..., 1:], vc, table, lens, scale), "k_cache", r"D\]"),
+        BadInput("Hq not a multiple of Hk", (q[:, :3], kc, vc, table, lens, scale), "k_cache", "divides Hq"),
+        BadInput("v_cache with other heads", (q, kc, vc[:, :, :1], table, lens, scale), "v_cache", r"Hk, Dv\]"),
+        BadInput("block_table int64", (q, kc, vc, table.long(), lens, scale), "block_table", "dtype"),
+        BadInput("seq_lens of other B", (q, kc, vc, table, lens[1:], scale), "seq_lens", r"\[B\]"),
+        BadInput(
+            "fp8 caches without k_scale", (q, kc.to(FP8), vc.to(FP8), table, lens, scale), "k_scale", "float32"
+        ),
+    ]
+
+
+register_case(
+    OpCase(
+        op="paged_attention_decode",
+        params=_params_decode,
+        example=EXAMPLE_DECODE,
+        make=_make_decode,
+        compare=_compare_decode,
+        bad_inputs=_bad_decode,
+        edge_cases=(
+            {**EXAMPLE_DECODE, "B": 0},
+            {**EXAMPLE_DECODE, "seq_lens": [0, 0, 0]},
+            {**EXAMPLE_DECODE, "seq_lens": [0, 1, 16], "block_size": 1, "max_blocks": 16},
+            {**EXAMPLE_DECODE, "B": 1, "Hk": 1, "seq_lens": [128], "block_size": 8, "max_blocks": 16},  # >1 split
+            {**EXAMPLE_DECODE, "fp8_cache": True, "Dv": 16, "strided_cache": True},
+            {**EXAMPLE_DECODE, "B": 2, "Hk": 1, "group": 8, "D": 64, "block_size": 16, "max_blocks": 2},
+        ),
+        gpu_examples=(
+            # Llama-3-8B: Hq=32, Hk=8, D=128, block 16, ctx up to 4096 / 32768.
+            {"B": 64, "Hk": 8, "group": 4, "D": 128, "Dv": None, "block_size": 16, "max_blocks": 256,
+             "dtype": torch.bfloat16, "fp8_cache": False, "strided_cache": False},
+            {"B": 1, "Hk": 8, "group": 4, "D": 128, "Dv": None, "block_size": 16, "max_blocks": 2048,
+             "dtype": torch.bfloat16, "fp8_cache": False, "strided_cache": False},
+            {"B": 16, "Hk": 8, "group": 4, "D": 128, "Dv": None, "block_size": 16, "max_blocks": 128,
+             "dtype": torch.bfloat16, "fp8_cache": True, "strided_cache": False},
+            {"B": 32, "Hk": 4, "group": 8, "D": 64, "Dv": None, "block_size": 32, "max_blocks": 64,
+             "dtype": torch.float16, "fp8_cache": False, "strided_cache": True},
+            {"B": 8, "Hk": 32, "group": 1, "D": 128, "Dv": None, "block_size": 16, "max_blocks": 64,
+             "dtype": torch.float16, "fp8_cache": False, "strided_cache": False},
+        ),
+    )
+)
+
+
+# -- flash_attn_varlen ------------------------------------------------------------------
+def _params_varlen():
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries(
+        {
+            "B": st.integers(0, 3),
+            "max_q": st.integers(0, 24),
+            "max_k": st.integers(0, 40),
+            "self_attn": st.booleans(),
+            "Hk": st.sampled_from([1, 2]),
+            "group": st.sampled_from([1, 2, 4]),
+            "D": st.sampled_from([16, 32, 48]),
+            "Dv": st.sampled_from([None, 32]),
+            "causal": st.booleans(),
+            "dtype": st.sampled_from(DTYPES),
+            "mode": st.sampled_from(["off", "on", "auto", "fp8_inputs"]),
+            "descale": st.sampled_from(["tensor", "per_seq", "none"]),
+            "pad_q": st.integers(0, 3),
+            "pad_k": st.integers(0, 2),
+        }
+    )
+
+
+def _lengths(p: Params, key: str, high: int, gen) -> torch.Tensor:
+    if key in p:
+        return torch.tensor(p[key], dtype=torch.int64).reshape(-1)
+    lens = torch.randint(0, high + 1, (p["B"],), generator=gen)
+    # Length-0 and length-1 sequences are the interesting ones: make them common.
+    pick = torch.randint(0, 4, (p["B"],), generator=gen)
+    ones = torch.ones_like(lens).clamp(max=high)
+    return torch.where(pick == 0, torch.zeros_like(lens), torch.where(pick == 1, ones, lens))
+
+
+def _cu(lens: torch.Tensor, device) -> torch.Tensor:
+    return torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).int().to(device)
+
+
+def varlen_max_k(p: Params) -> int:
+    return p["max_q"] if p["self_attn"] else p["max_k"]
+
+
+def _fp8_input(shape, device, gen, per_seq: bool, batch: int, hk: int, kind: str):
+    x = randn(shape, torch.float32, device, gen).to(FP8)
+    if kind == "none":
+        return x, None
+    if per_seq:
+        return x, (torch.rand((batch, hk), generator=gen) * 1.5 + 0.5).to(device)
+    return x, (torch.rand(1, generator=gen) * 1.5 + 0.5).to(device)
+
+
+def _make_varlen(p: Params, device, gen):
+    b, hk, group, d = p["B"], p["Hk"], p["group"], p["D"]
+    dv = p["Dv"] or d
+    hq = hk * group
+    max_q, max_k = p["max_q"], varlen_max_k(p)
+    lens_q = _lengths(p, "lens_q", max_q, gen)
+    lens_k = lens_q if p["self_attn"] and "lens_k" not in p else _lengths(p, "lens_k", max_k, gen)
+    tq, tk = b * max_q + p["pad_q"], b * max_k + p["pad_k"]
+    if p["mode"] == "fp8_inputs":
+        per_seq = p["descale"] == "per_seq"
+        q, qd = _fp8_input((tq, hq, d), device, gen, per_seq, b, hk, p["descale"])
+        k, kd = _fp8_input((tk, hk, d), device, gen, per_seq, b, hk, p["descale"])
+        v, vd = _fp8_input((tk, hk, dv), device, gen, per_seq, b, hk, p["descale"])
+        mode = "auto"
+    else:
+        q, k, v = (randn(s, p["dtype"], device, gen) for s in ((tq, hq, d), (tk, hk, d), (tk, hk, dv)))
+        qd = kd = vd = None
+        mode = p["mode"]
+    return (q, k, v, _cu(lens_q, device), _cu(lens_k, device), max_q, max_k, d**-0.5, p["causal"], qd, kd, vd, mode)
+
+
+def varlen_uses_fp8_products(args) -> bool:
+    from graphsafe.ops.attention.fp8 import quantize_inputs
+
+    q, mode = args[0], args[12]
+    return q.dtype == FP8 or quantize_inputs(mode, q.dtype, q.device)
+
+
+def _compare_varlen(expected, actual, exp_args, act_args, params):
+    v, vd = exp_args[2], exp_args[11]
+    fp8 = varlen_uses_fp8_products(exp_args)
+    # Quantised v (fp8 products from bf16/fp16 inputs) rounds up by at most 2^-4.
+    vmax = _maxabs(v, vd) * (1 + FP8_UNIT_ROUNDOFF if fp8 else 1)
+    attention_compare(expected, actual, vmax, expected.dtype, fp8, v.shape[0], "flash_attn_varlen output")
+
+
+EXAMPLE_VARLEN: Params = {
+    "B": 3, "max_q": 20, "max_k": 33, "self_attn": False, "Hk": 2, "group": 2, "D": 32, "Dv": None,
+    "causal": True, "dtype": torch.float16, "mode": "off", "descale": "tensor", "pad_q": 2, "pad_k": 1,
+    "lens_q": [5, 0, 20], "lens_k": [9, 3, 17],
+}
+
+
+def _bad_varlen(device, gen):
+    args = _make_varlen(EXAMPLE_VARLEN, device, gen)
+    q, k, v, cu_q, cu_k, mq, mk, scale, causal = args[:9]
+    base = (q, k, v, cu_q, cu_k, mq, mk, scale, causal)
+    one = torch.ones(1, device=device)
+    return [
+        BadInput("q 2-D", (q[0], *base[1:]), "q", "3-D"),
+        BadInput("q float32", (q.float(), *base[1:]), "q", "dtype"),
+        BadInput("k of other dtype", (q, k.float(), *base[2:]), "k", "same dtype"),
+        BadInput("Hq not a multiple of Hk", (q[:, :1], *base[1:]), "k", "divides Hq"),
+        BadInput("v of other heads", (q, k, v[:, :1], *base[3:]), "v", r"\[Tk, Hk, Dv\]"),
+        BadInput("cu_seqlens_q int64", (q, k, v, cu_q.long(), *base[4:]), "cu_seqlens_q", "dtype"),
+        BadInput("cu_seqlens_k of other B", (q, k, v, cu_q, cu_k[1:], *base[5:]), "cu_seqlens_k", r"\[B \+ 1\]"),
+        BadInput(
+            "cu_seqlens_k strided", (q, k, v, cu_q, torch.stack([cu_k, cu_k], 1)[:, 0], *base[5:]), "cu_seqlens_k",
+            "contiguous",
+        ),
+        BadInput("negative max_seqlen_q", (*base[:5], -1, *base[6:]), "max_seqlen_q", ">= 0"),
+        BadInput("unknown fp8 mode", (*base, None, None, None, "maybe"), "fp8", "'auto'"),
+        BadInput("descale with half inputs", (*base, one, None, None, "auto"), "q_descale", "float8_e4m3fn"),
+        BadInput(
+            "descale of a wrong shape",
+            (q.to(FP8), k.to(FP8), v.to(FP8), *base[3:], None, torch.ones(2, 2, 2, device=device), None, "auto"),
+            "k_descale", r"\[B, Hk\]",
+        ),
+    ]
+
+
+_GPU_VARLEN = {"self_attn": True, "Dv": None, "descale": "tensor", "pad_q": 7, "pad_k": 3, "dtype": torch.bfloat16}
+_LLAMA_VARLEN = {**_GPU_VARLEN, "B": 4, "max_q": 1024, "max_k": 1024, "Hk": 8, "group": 4, "D": 128, "causal": True}
+
+register_case(
+    OpCase(
+        op="flash_attn_varlen",
+        params=_params_varlen,
+        example=EXAMPLE_VARLEN,
+        make=_make_varlen,
+        compare=_compare_varlen,
+        bad_inputs=_bad_varlen,
+        edge_cases=(
+            {**EXAMPLE_VARLEN, "B": 0, "lens_q": [], "lens_k": []},
+            {**EXAMPLE_VARLEN, "lens_q": [0, 0, 0], "lens_k": [0, 4, 0]},
+            {**EXAMPLE_VARLEN, "lens_q": [1, 20, 1], "lens_k": [1, 20, 33], "causal": False},
+            {**EXAMPLE_VARLEN, "self_attn": True, "max_q": 20, "lens_q": [20, 7, 1], "lens_k": [20, 7, 1]},
+            {**EXAMPLE_VARLEN, "mode": "on"},
+            {**EXAMPLE_VARLEN, "mode": "fp8_inputs", "descale": "per_seq"},
+            {**EXAMPLE_VARLEN, "B": 2, "Hk": 1, "group": 2, "D": 192, "Dv": 128, "max_q": 9, "max_k": 17,
+             "lens_q": [9, 4], "lens_k": [17, 4]},  # MLA prefill head dims
+        ),
+        gpu_examples=(
+            # Llama-3-8B GQA, causal self-attention; "auto" takes the fp8 path on H100/H200.
+            {**_LLAMA_VARLEN, "mode": "auto"},
+            {**_LLAMA_VARLEN, "mode": "off"},
+            # MLA prefill (DeepSeek TP8: 16 heads), D=192 / Dv=128, chunked: keys past queries.
+            {**_GPU_VARLEN, "B": 4, "max_q": 512, "max_k": 1024, "self_attn": False, "Hk": 16, "group": 1, "D": 192,
+             "Dv": 128, "causal": True, "mode": "off"},
+            {**_GPU_VARLEN, "B": 4, "max_q": 512, "max_k": 1024, "self_attn": False, "Hk": 16, "group": 1, "D": 192,
+             "Dv": 128, "causal": True, "mode": "on"},
+            {**_GPU_VARLEN, "B": 4, "max_q": 512, "max_k": 512, "Hk": 8, "group": 4, "D": 128, "causal": True,
+             "mode": "fp8_inputs", "descale": "per_seq"},
+            {**_GPU_VARLEN, "B": 8, "max_q": 256, "max_k": 256, "Hk": 16, "group": 1, "D": 64, "causal": False,
+             "mode": "off", "dtype": torch.float16},
+        ),
+    )
+)

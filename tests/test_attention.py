@@ -1,0 +1,447 @@
+"""Semantics of the attention family (paged_attention_decode, flash_attn_varlen) on the CPU.
+
+The reference is checked against a plain per-sequence float64 loop (independent code);
+the Triton kernels run through the interpreter (float16/fp8 at tiny shapes: the
+interpreter computes bf16 dots wrongly; bf16 is checked on the GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import graphsafe
+from graphsafe.errors import InputError
+from graphsafe.ops.attention import (
+    flash_attn_varlen_workspace,
+    fp8_prefill_supported,
+    paged_attention_decode_workspace,
+    plan_decode_splits,
+    reference,
+    split_kv,
+)
+from graphsafe.ops.attention.fp8 import FP8_DTYPE, quantize_per_tensor
+from graphsafe.testing.cases import case_for
+from graphsafe.testing.cases.attention import attention_compare
+from graphsafe.workspace import current_workspace_manager, reset_workspace_managers, workspace_bytes
+
+HAS_INTERPRETER = graphsafe.get_op("flash_attn_varlen").available_backends("cpu").count("triton") == 1
+needs_triton = pytest.mark.skipif(not HAS_INTERPRETER, reason="Triton interpreter not enabled")
+
+
+def _triton():
+    from graphsafe.ops.attention import triton as T
+
+    return T
+
+
+# -- independent float64 loops ---------------------------------------------------------------
+def naive_attention(q, k, v, scale, visible):
+    """q [Lq, Hq, D], k [Lk, Hk, D], v [Lk, Hk, Dv], visible [Lq, Lk] bool -> [Lq, Hq, Dv] f64."""
+    lq, hq, _ = q.shape
+    hk, dv = k.shape[1], v.shape[2]
+    out = torch.zeros(lq, hq, dv, dtype=torch.float64)
+    for h in range(hq):
+        kh, vh = k[:, h // (hq // hk)].double(), v[:, h // (hq // hk)].double()
+        for i in range(lq):
+            keys = visible[i].nonzero().flatten()
+            if len(keys) == 0:
+                continue
+            s = (q[i, h].double() @ kh[keys].T) * scale
+            out[i, h] = torch.softmax(s, 0) @ vh[keys]
+    return out
+
+
+def naive_varlen(q, k, v, cu_q, cu_k, scale, causal, descales=(None, None, None)):
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[b] : cu_q[b + 1]].double(), k[cu_k[b] : cu_k[b + 1]].double(), v[cu_k[b] : cu_k[b + 1]].double()
+        hk = k.shape[1]
+        for x, d in zip((qs, ks, vs), descales):
+            if d is not None:
+                x *= (d[b] if d.dim() == 2 else d.expand(hk)).double().repeat_interleave(x.shape[1] // hk)[None, :, None]
+        lq, lk = qs.shape[0], ks.shape[0]
+        i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+        visible = (j <= i + (lk - lq)) if causal else torch.ones(lq, lk, dtype=torch.bool)
+        out[cu_q[b] : cu_q[b + 1]] = naive_attention(qs, ks, vs, scale, visible)
+    return out
+
+
+def naive_decode(q, k_cache, v_cache, table, lens, scale, k_scale=None, v_scale=None):
+    b, hq, _ = q.shape
+    bs = k_cache.shape[1]
+    out = torch.zeros(b, hq, v_cache.shape[3], dtype=torch.float64)
+    for r in range(b):
+        n = min(max(int(lens[r]), 0), table.shape[1] * bs)
+        slots = [(int(table[r, j // bs]), j % bs) for j in range(n)]
+        k = torch.stack([k_cache[blk, off].double() for blk, off in slots]) if slots else torch.zeros(0, *k_cache.shape[2:], dtype=torch.float64)
+        v = torch.stack([v_cache[blk, off].double() for blk, off in slots]) if slots else torch.zeros(0, *v_cache.shape[2:], dtype=torch.float64)
+        if k_scale is not None:
+            k, v = k * float(k_scale), v * float(v_scale)
+        out[r] = naive_attention(q[r : r + 1], k, v, scale, torch.ones(1, n, dtype=torch.bool))[0]
+    return out
+
+
+def _close(actual, expected64, dtype, what):
+    tol = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+    torch.testing.assert_close(actual.double(), expected64, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+def _varlen_args(case, params, seed=0):
+    return case.inputs(params, "cpu", seed)
+
+
+# -- reference == independent loops ----------------------------------------------------------
+@settings(max_examples=25)
+@given(params=case_for("flash_attn_varlen").params(), seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_varlen_reference_matches_loops(params, seed, dtype):
+    params = {**params, "dtype": dtype, "mode": "off" if params["mode"] != "fp8_inputs" else "fp8_inputs"}
+    args = case_for("flash_attn_varlen").inputs(params, "cpu", seed)
+    q, k, v, cu_q, cu_k, _, _, scale, causal, qd, kd, vd, _ = args
+    out = reference.flash_attn_varlen(*args)
+    expected = naive_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, scale, causal, (qd, kd, vd))
+    _close(out, expected, out.dtype, f"varlen reference {params}")
+
+
+@settings(max_examples=25)
+@given(params=case_for("paged_attention_decode").params(), seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_decode_reference_matches_loops(params, seed, dtype):
+    args = case_for("paged_attention_decode").inputs({**params, "dtype": dtype}, "cpu", seed)
+    out = reference.paged_attention_decode(*args)
+    q, kc, vc, table, lens, scale, ks, vs = args
+    expected = naive_decode(q.float(), kc.float(), vc.float(), table, lens, scale, ks, vs)
+    _close(out, expected, dtype, f"decode reference {params}")
+
+
+def test_causal_is_bottom_right_aligned():
+    """len_q=2, len_k=5: row 0 sees keys 0..3, row 1 sees 0..4 (FlashAttention-2); with
+    len_q=5, len_k=2 the first three rows see nothing and give 0."""
+    torch.manual_seed(0)
+    d = 16
+    for lq, lk in ((2, 5), (5, 2)):
+        q, k, v = torch.randn(lq, 1, d), torch.randn(lk, 1, d), torch.randn(lk, 1, d)
+        cu_q, cu_k = torch.tensor([0, lq], dtype=torch.int32), torch.tensor([0, lk], dtype=torch.int32)
+        out = reference.flash_attn_varlen(q.half(), k.half(), v.half(), cu_q, cu_k, lq, lk, 1.0, True, fp8="off").double()
+        for i in range(lq):
+            last = i + lk - lq  # the last visible key
+            if last < 0:
+                assert torch.equal(out[i], torch.zeros_like(out[i]))
+                continue
+            p = torch.softmax(q[i, 0].half().double() @ k[: last + 1, 0].half().double().T, 0)
+            torch.testing.assert_close(out[i, 0], p @ v[: last + 1, 0].half().double(), rtol=2e-3, atol=2e-3)
+
+
+def test_fp8_auto_is_off_on_cpu():
+    assert fp8_prefill_supported("cpu") is False
+    case = case_for("flash_attn_varlen")
+    args = list(case.inputs({**case.example, "dtype": torch.bfloat16}, "cpu", 0))
+    auto = reference.flash_attn_varlen(*args[:12], "auto")
+    off = reference.flash_attn_varlen(*args[:12], "off")
+    on = reference.flash_attn_varlen(*args[:12], "on")
+    assert torch.equal(auto, off) and not torch.equal(on, off)
+
+
+def test_public_ops_on_cpu_and_empty_rows_give_zero():
+    case = case_for("flash_attn_varlen")
+    params = {**case.example, "lens_q": [0, 3, 0], "lens_k": [5, 0, 0], "pad_q": 4}
+    args = case.inputs(params, "cpu", 1)
+    out = graphsafe.flash_attn_varlen(*args)
+    assert out.shape == (args[0].shape[0], args[0].shape[1], args[2].shape[2])
+    assert torch.equal(out, torch.zeros_like(out))  # no visible key, or a padding row
+    dcase = case_for("paged_attention_decode")
+    dargs = dcase.inputs({**dcase.example, "seq_lens": [0, 5, 0]}, "cpu", 1)
+    dout = graphsafe.paged_attention_decode(*dargs)
+    assert torch.equal(dout[0], torch.zeros_like(dout[0])) and torch.equal(dout[2], torch.zeros_like(dout[2]))
+    assert dout[1].abs().sum() > 0
+
+
+def test_decode_ignores_block_table_tail_and_clamps_lengths():
+    case = case_for("paged_attention_decode")
+    q, kc, vc, table, lens, scale, _, _ = case.inputs({**case.example, "seq_lens": [3, 16, 9]}, "cpu", 2)
+    base = reference.paged_attention_decode(q, kc, vc, table, lens, scale)
+    junk = table.clone()
+    junk[0, 1:] = 10**6  # request 0 uses one block of 4 tokens
+    junk[2, 3:] = -7
+    assert torch.equal(reference.paged_attention_decode(q, kc, vc, junk, lens, scale), base)
+    over = torch.tensor([3, 10**6, 9], dtype=torch.int32)  # past capacity (16): clamped
+    assert torch.equal(reference.paged_attention_decode(q, kc, vc, table, over, scale), base)
+
+
+def test_bad_mode_and_descale_are_refused():
+    case = case_for("flash_attn_varlen")
+    args = case.inputs(case.example, "cpu", 0)
+    with pytest.raises(InputError, match="'fp8'"):
+        graphsafe.flash_attn_varlen(*args[:12], "yes")
+    with pytest.raises(InputError, match="q_descale"):
+        graphsafe.flash_attn_varlen(*args[:9], torch.ones(1), None, None, "auto")
+
+
+# -- decode: kernels vs reference --------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_decode_kernel_split_kv(splits):
+    """Forced split counts: more splits than tiles leaves empty splits (neutral partials),
+    and all-empty rows (seq_len 0) combine to exactly 0 without NaN."""
+    case = case_for("paged_attention_decode")
+    params = {**case.example, "B": 4, "block_size": 4, "max_blocks": 6}
+    args = case.inputs({**params, "seq_lens": [0, 1, 13, 24]}, "cpu", splits)
+    expected = reference.paged_attention_decode(*args)
+    actual = _triton().paged_attention_decode(*args, num_splits=splits)
+    assert not actual.isnan().any()
+    assert torch.equal(actual[0], torch.zeros_like(actual[0]))
+    attention_compare(expected, actual, args[2].abs().max().item(), torch.float16, False, 0, f"splits={splits}")
+
+
+@needs_triton
+@pytest.mark.parametrize("group,d", [(1, 64), (4, 128), (8, 64)])
+def test_decode_kernel_gqa_ratios_and_head_dims(group, d):
+    case = case_for("paged_attention_decode")
+    params = {**case.example, "B": 2, "Hk": 1, "group": group, "D": d, "block_size": 16, "max_blocks": 2}
+    args = case.inputs(params, "cpu", group)
+    expected = reference.paged_attention_decode(*args)
+    attention_compare(expected, _triton().paged_attention_decode(*args, num_splits=2), args[2].abs().max().item(), torch.float16, False, 0, "gqa")
+
+
+@needs_triton
+def test_decode_over_reshape_and_cache():
+    """End to end: reshape_and_cache writes K/V (also fp8), decode reads them back."""
+    torch.manual_seed(3)
+    b, hk, group, d, bs, mb = 2, 2, 4, 32, 4, 5
+    lens = [7, 18]
+    nb = b * mb
+    table = torch.randperm(nb).reshape(b, mb).int()
+    for fp8 in (False, True):
+        cache_dtype = FP8_DTYPE if fp8 else torch.float16
+        k_cache = torch.randn(nb, bs, hk, d).to(cache_dtype)
+        v_cache = torch.randn(nb, bs, hk, d).to(cache_dtype)
+        scales = (torch.tensor([0.05]), torch.tensor([0.04])) if fp8 else (None, None)
+        keys = [torch.randn(n, hk, d).half() for n in lens]
+        vals = [torch.randn(n, hk, d).half() for n in lens]
+        slots = torch.cat([table[r, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs for r, n in enumerate(lens)])
+        graphsafe.reshape_and_cache(torch.cat(keys), torch.cat(vals), k_cache, v_cache, slots, *scales)
+        q = torch.randn(b, hk * group, d).half()
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        with graphsafe.use_backend("triton"):
+            out = graphsafe.paged_attention_decode(q, k_cache, v_cache, table, seq_lens, d**-0.5, *scales)
+        for r, n in enumerate(lens):
+            want = naive_attention(q[r : r + 1], keys[r], vals[r], d**-0.5, torch.ones(1, n, dtype=torch.bool))[0]
+            tol = 0.1 if fp8 else 2e-3  # fp8 cache: e4m3 rounding of every cached value
+            torch.testing.assert_close(out[r].double(), want, rtol=tol, atol=tol)
+
+
+def test_split_plan_uses_shapes_only():
+    """The plan is a function of (B, Hk, capacity, SMs): no seq_lens argument exists, so a
+    graph captured at short lengths keeps a valid plan for long ones (vLLM #51119)."""
+    for b, hk, cap, sms in ((1, 8, 4096, 132), (64, 8, 4096, 132), (128, 8, 32768, 132), (1, 1, 64, 132)):
+        s = split_kv.num_kv_splits(b, hk, cap, sms, 64)
+        assert 1 <= s <= split_kv.MAX_SPLITS
+        assert s == 1 or math.ceil(cap / 64) // s >= split_kv.MIN_TILES_PER_SPLIT
+    assert split_kv.num_kv_splits(1, 8, 4096, 132, 64) == 16  # 4096 tokens: 64 tiles of 4
+    assert split_kv.num_kv_splits(64, 8, 4096, 132, 64) == 2  # 512 programs -> 1024 >= 4 x 132
+    assert split_kv.num_kv_splits(128, 8, 4096, 132, 64) == 1
+    assert split_kv.num_kv_splits(0, 8, 4096, 132, 64) == 1
+
+
+@needs_triton
+def test_decode_workspace_helper_is_exact():
+    reset_workspace_managers()
+    case = case_for("paged_attention_decode")
+    params = {**case.example, "B": 1, "Hk": 1, "block_size": 8, "max_blocks": 16, "seq_lens": [100]}
+    args = case.inputs(params, "cpu", 0)
+    b, hq, _ = args[0].shape
+    specs = paged_attention_decode_workspace(b, hq, 1, args[2].shape[3], 16, 8, device="cpu")
+    assert plan_decode_splits(b, 1, 16, 8, "cpu") > 1 and specs
+    with graphsafe.use_backend("triton"):
+        graphsafe.paged_attention_decode(*args)
+    stats = current_workspace_manager("cpu").stats()
+    assert stats.requests.get("paged_attention_decode") == 1
+    assert stats.peak_request_bytes == workspace_bytes(*specs)
+    assert graphsafe.get_op("paged_attention_decode").workspace_bytes(b, hq, 1, args[2].shape[3], 16, 8, device="cpu") == workspace_bytes(*specs)
+
+
+# -- varlen: kernels vs reference --------------------------------------------------------------
+@needs_triton
+@pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1), (128, 64, 8, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_kernel_block_configs(config, causal):
+    """Causal block skipping and the unmasked/masked split with BLOCK_M != BLOCK_N,
+    including the GPU config (128, 64); lengths straddle block edges."""
+    case = case_for("flash_attn_varlen")
+    params = {**case.example, "causal": causal, "max_q": 70, "max_k": 140, "lens_q": [70, 1, 33], "lens_k": [140, 64, 20]}
+    args = case.inputs(params, "cpu", 5)
+    expected = reference.flash_attn_varlen(*args)
+    actual = _triton().flash_attn_varlen(*args, config=config)
+    attention_compare(expected, actual, args[2].abs().max().item(), torch.float16, False, 0, f"config {config}")
+
+
+@needs_triton
+def test_varlen_kernel_mla_head_dims():
+    """D=192 (two dots of 128 + 64) and Dv=128, GQA 4."""
+    case = case_for("flash_attn_varlen")
+    params = {**case.example, "Hk": 1, "group": 4, "D": 192, "Dv": 128, "max_q": 20, "max_k": 24,
+              "lens_q": [20, 3, 0], "lens_k": [24, 3, 5]}
+    args = case.inputs(params, "cpu", 9)
+    for mode in ("off", "on"):
+        call = (*args[:12], mode)
+        expected, actual = reference.flash_attn_varlen(*call), _triton().flash_attn_varlen(*call)
+        vmax = args[2].abs().max().item() * (1 + 2**-4)
+        attention_compare(expected, actual, vmax, torch.float16, mode == "on", args[2].shape[0], f"mla {mode}")
+
+
+@needs_triton
+def test_quantisation_kernel_is_bit_exact():
+    """The Triton per-tensor quantisation equals torch's, also on values where the
+    interpreter's own fp32 -> e4m3 cast is wrong (carries into the next binade,
+    subnormals, ties to even)."""
+    from graphsafe.ops.attention._triton_quant import quantize_into
+
+    special = torch.tensor([448.0, 31.8, 15.9, 0.00117, 2**-10, 3 * 2**-10, 2**-9 * 1.5, 17.0, 19.0, -31.9, 0.0, 240.0, 232.0, 247.9, 1.0625, -1.1875])
+    x = torch.cat([special, torch.randn(16 * 64 - 16) * 20]).reshape(16, 4, 16).half().float()
+    for src in (x.half(), x.bfloat16()):
+        want, want_descale = quantize_per_tensor(src)
+        got = torch.empty(16, 4, 16, dtype=FP8_DTYPE)
+        vt = torch.empty(4, 16, 16, dtype=FP8_DTYPE)  # transposed destination [H, D, T]
+        scales = torch.zeros(8)
+        quantize_into(src, got, scales, 0)
+        quantize_into(src, vt, scales, 1, (1, vt.stride(0), vt.stride(1)))
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(vt.permute(2, 0, 1).view(torch.uint8), want.view(torch.uint8))
+        assert scales[3].item() == want_descale.item() == scales[4].item()
+
+
+def _rel_l2(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# Measured (CPU, unit-Gaussian q/k/v, scale D^-0.5): relative L2 error of the fp8 path
+# against the bf16/fp16 result is about 0.03-0.04; the documented bound is 0.06.
+FP8_REL_L2_BOUND = 0.06
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp8_quantisation_accuracy_reference(causal):
+    """The fp8 path's numerics (per-tensor q/k/v quantisation) against the exact result,
+    at a prefill-like shape (the reference emulates the quantisation exactly)."""
+    torch.manual_seed(11)
+    seqs, n, hq, hk, d = 2, 256, 4, 2, 128
+    q, k, v = torch.randn(seqs * n, hq, d).bfloat16(), torch.randn(seqs * n, hk, d).bfloat16(), torch.randn(seqs * n, hk, d).bfloat16()
+    cu = torch.arange(seqs + 1, dtype=torch.int32) * n
+    on = reference.flash_attn_varlen(q, k, v, cu, cu, n, n, d**-0.5, causal, fp8="on")
+    off = reference.flash_attn_varlen(q, k, v, cu, cu, n, n, d**-0.5, causal, fp8="off")
+    err = _rel_l2(on, off)
+    assert 0 < err <= FP8_REL_L2_BOUND, err
+
+
+@needs_triton
+def test_fp8_kernel_accuracy_against_half_reference():
+    """The interpreted fp8 kernel (fp8 dots, P cast to fp8) against the fp16 reference."""
+    torch.manual_seed(12)
+    seqs, n, hq, hk, d = 2, 48, 2, 1, 64
+    q, k, v = torch.randn(seqs * n, hq, d).half(), torch.randn(seqs * n, hk, d).half(), torch.randn(seqs * n, hk, d).half()
+    cu = torch.arange(seqs + 1, dtype=torch.int32) * n
+    off = reference.flash_attn_varlen(q, k, v, cu, cu, n, n, d**-0.5, True, fp8="off")
+    fp8 = _triton().flash_attn_varlen(q, k, v, cu, cu, n, n, d**-0.5, True, fp8="on")
+    assert _rel_l2(fp8, off) <= FP8_REL_L2_BOUND
+
+
+@needs_triton
+def test_fp8_inputs_with_per_sequence_descales():
+    case = case_for("flash_attn_varlen")
+    params = {**case.example, "mode": "fp8_inputs", "descale": "per_seq"}
+    args = case.inputs(params, "cpu", 4)
+    expected = reference.flash_attn_varlen(*args)
+    q, k, v, cu_q, cu_k, _, _, scale, causal, qd, kd, vd, _ = args
+    loops = naive_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, scale, causal, (qd, kd, vd))
+    _close(expected, loops, torch.bfloat16, "fp8-input reference")
+    actual = _triton().flash_attn_varlen(*args)
+    vmax = (v.float().abs().amax() * vd.abs().amax()).item()
+    attention_compare(expected, actual, vmax, torch.bfloat16, True, v.shape[0], "fp8 inputs")
+
+
+@needs_triton
+def test_varlen_workspace_helper_covers_the_fp8_call():
+    specs = flash_attn_varlen_workspace(100, 120, 8, 2, 128, 128)
+    assert workspace_bytes(*specs) >= 120 * 2 * 128 + 2 * 128 * 128  # k in fp8, V^T in fp8 (q: in-kernel)
+    assert flash_attn_varlen_workspace(100, 120, 8, 2, 128, 128, fp8=False) == []
+    reset_workspace_managers()
+    case = case_for("flash_attn_varlen")
+    for mode in ("on", "fp8_inputs"):
+        args = case.inputs({**case.example, "mode": mode}, "cpu", 0)
+        q, k, v = args[:3]
+        _triton().flash_attn_varlen(*args)
+        peak = current_workspace_manager("cpu").stats().peak_request_bytes
+        assert 0 < peak <= workspace_bytes(*flash_attn_varlen_workspace(q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2]))
+
+
+@needs_triton
+def test_fp8_probe_kernel_logic_in_the_interpreter():
+    """The probe's own kernel and expected values agree (on the GPU it decides 'auto')."""
+    from graphsafe.ops.attention._triton_quant import run_fp8_probe
+
+    assert run_fp8_probe(torch.device("cpu"))
+
+
+# -- the aiter adapter's glue, against stand-ins that follow aiter's documented API ---------
+_FAKE_AITER_LIB = None
+
+
+def _fake_aiter(monkeypatch, calls):
+    """A stand-in `aiter` module and `torch.ops.aiter.paged_attention_v1` (CPU, reference
+    math), recording the arguments the adapter passes."""
+    global _FAKE_AITER_LIB
+    import sys
+    import types
+
+    if _FAKE_AITER_LIB is None:
+        _FAKE_AITER_LIB = torch.library.Library("aiter", "FRAGMENT")
+        _FAKE_AITER_LIB.define(
+            "paged_attention_v1(Tensor(a!) out, Tensor(b!) workspace_buffer, Tensor query, Tensor key_cache, "
+            "Tensor value_cache, float scale, Tensor block_tables, Tensor? cu_query_lens, Tensor context_lens, "
+            "int max_context_len, Tensor? alibi_slopes, str kv_cache_dtype, str kv_cache_layout, float logits_soft_cap, "
+            "Tensor k_scale, Tensor v_scale, Tensor? fp8_out_scale=None, int partition_size=256) -> ()"
+        )
+
+        def impl(out, ws, q, kc, vc, scale, table, cu, lens, max_len, alibi, kv_dtype, layout, cap, ks, vs, fo=None, part=256):
+            _FAKE_AITER_LIB.calls.append({"layout": layout, "max_len": max_len, "kv_dtype": kv_dtype, "cu": cu.clone(), "lens": lens.clone(), "ks": ks.item(), "part": part, "ws": ws.numel()})
+            out.copy_(reference.paged_attention_decode(q, kc, vc, table, lens, scale))
+            out[lens <= 0] = 5.0  # undocumented value for empty requests
+
+        _FAKE_AITER_LIB.impl("paged_attention_v1", impl, "CPU")
+    _FAKE_AITER_LIB.calls = calls
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, dropout_p=0.0, softmax_scale=None, causal=False):
+        calls.append({"dropout_p": dropout_p, "scale": softmax_scale, "causal": causal})
+        out = reference.flash_attn_varlen(q, k, v, cu_q, cu_k, mq, mk, softmax_scale, causal, fp8="off")
+        out[int(cu_q[-1]) :] = 7.0  # aiter leaves rows after the last sequence unset
+        return (out,)  # older aiter returns a 1-tuple
+
+    monkeypatch.setitem(sys.modules, "aiter", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+
+
+@needs_triton
+def test_aiter_adapter_glue(monkeypatch):
+    from graphsafe.ops.attention import aiter as adapter
+
+    calls: list[dict] = []
+    _fake_aiter(monkeypatch, calls)
+    case = case_for("flash_attn_varlen")
+    args = case.inputs({**case.example, "pad_q": 3}, "cpu", 0)
+    out = adapter.flash_attn_varlen(*args)
+    assert calls[-1] == {"dropout_p": 0.0, "scale": args[7], "causal": args[8]}
+    torch.testing.assert_close(out, reference.flash_attn_varlen(*args), rtol=0, atol=0)
+
+    dcase = case_for("paged_attention_decode")
+    params = {**dcase.example, "D": 64, "block_size": 16, "max_blocks": 3, "seq_lens": [0, 40, 48]}
+    dargs = dcase.inputs(params, "cpu", 0)
+    out = adapter.paged_attention_decode(*dargs)
+    call = calls[-1]
+    assert call["layout"] == "NHD" and call["max_len"] == 48 and call["kv_dtype"] == "auto" and call["ks"] == 1.0
+    assert call["cu"].tolist() == [0, 1, 2] and call["lens"].tolist() == [0, 40, 48] and call["part"] == 256
+    assert call["ws"] >= 3 * 8 * 1 * 64 * 2 + 2 * 3 * 8 * 4
+    torch.testing.assert_close(out, reference.paged_attention_decode(*dargs), rtol=0, atol=0)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))

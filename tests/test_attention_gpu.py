@@ -1,0 +1,176 @@
+"""GPU checks of the attention family (run by the lead on H100/H200): realistic Llama /
+DeepSeek shapes against the reference, bf16 (which the CPU interpreter cannot check),
+the fp8 prefill path and its accuracy bound, split-KV plans frozen into CUDA graphs and
+replayed with other lengths (vLLM #51119), workspace sizing helpers, no host sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphsafe
+from graphsafe.device_info import has_fp8_matrix_units
+from graphsafe.ops.attention import (
+    flash_attn_varlen_workspace,
+    fp8_prefill_supported,
+    paged_attention_decode_workspace,
+    plan_decode_splits,
+    reference,
+)
+from graphsafe.ops.attention.fp8 import FP8_DTYPE, quantize_per_tensor
+from graphsafe.testing import no_sync
+from graphsafe.testing.cases import case_for
+from graphsafe.testing.cases.attention import attention_compare, varlen_uses_fp8_products
+from graphsafe.workspace import current_workspace_manager, reset_workspace_managers, workspace_bytes
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+FP8_REL_L2_BOUND = 0.06  # same bound as tests/test_attention.py and the op's docstring
+
+
+def _triton():
+    from graphsafe.ops.attention import triton as T
+
+    return T
+
+
+def _rel_l2(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+LLAMA_DECODE = {"B": 64, "Hk": 8, "group": 4, "D": 128, "Dv": None, "block_size": 16, "max_blocks": 256,
+                "dtype": torch.bfloat16, "fp8_cache": False, "strided_cache": False}
+
+
+@pytest.mark.parametrize("splits", [None, 1, 5, 64])
+def test_decode_llama_bf16_against_reference(splits):
+    case = case_for("paged_attention_decode")
+    args = case.inputs(LLAMA_DECODE, CUDA, seed=21)
+    expected = reference.paged_attention_decode(*args)
+    actual = _triton().paged_attention_decode(*args, num_splits=splits)
+    torch.cuda.synchronize()
+    assert not actual.isnan().any()
+    attention_compare(expected, actual, args[2].abs().max().item(), torch.bfloat16, False, 0, f"splits={splits}")
+
+
+def test_decode_graph_captured_short_replayed_long():
+    """Capture with every request at length 1, replay at full capacity with new block
+    tables: the split plan (shapes only) must serve both."""
+    reset_workspace_managers()
+    case = case_for("paged_attention_decode")
+    params = {**LLAMA_DECODE, "B": 8, "max_blocks": 512}  # ctx up to 8192
+    q, kc, vc, table, lens, scale, _, _ = case.inputs({**params, "seq_lens": [1] * 8}, CUDA, seed=1)
+    fresh = case.inputs({**params, "seq_lens": [8192, 8191, 1, 0, 4096, 17, 8000, 2]}, CUDA, seed=2)
+    b, hq, d = q.shape
+    assert plan_decode_splits(b, 8, 512, 16, CUDA) > 1
+    manager = current_workspace_manager(CUDA)
+    manager.reserve(*paged_attention_decode_workspace(b, hq, 8, d, 512, 16, device=CUDA, head_dim=d))
+    static = [q, kc, vc, table, lens]
+    graphsafe.paged_attention_decode(*static, scale)  # warm-up (Triton compiles)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with manager.locked(), torch.cuda.graph(graph):
+        out = graphsafe.paged_attention_decode(*static, scale)
+    for dst, src in zip(static, fresh[:5]):
+        dst.copy_(src)
+    graph.replay()
+    expected = reference.paged_attention_decode(*fresh)
+    torch.cuda.synchronize()
+    attention_compare(expected, out, fresh[2].abs().max().item(), torch.bfloat16, False, 0, "graph replay")
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+def test_decode_no_sync_and_workspace_from_helper():
+    reset_workspace_managers()
+    case = case_for("paged_attention_decode")
+    args = case.inputs(LLAMA_DECODE, CUDA, seed=3)
+    graphsafe.paged_attention_decode(*args)
+    torch.cuda.synchronize()
+    with no_sync():
+        graphsafe.paged_attention_decode(*args)
+    torch.cuda.synchronize()
+    specs = paged_attention_decode_workspace(64, 32, 8, 128, 256, 16, device=CUDA, head_dim=128)
+    assert current_workspace_manager(CUDA).stats().peak_request_bytes <= workspace_bytes(*specs)
+
+
+GQA_PREFILL = {"B": 8, "max_q": 1024, "max_k": 1024, "self_attn": True, "Hk": 8, "group": 4, "D": 128, "Dv": None,
+               "causal": True, "dtype": torch.bfloat16, "mode": "off", "descale": "tensor", "pad_q": 5, "pad_k": 0}
+MLA_PREFILL = {**GQA_PREFILL, "B": 4, "max_q": 1024, "max_k": 2048, "self_attn": False, "Hk": 16, "group": 1,
+               "D": 192, "Dv": 128}
+
+
+@pytest.mark.parametrize("params", [GQA_PREFILL, {**GQA_PREFILL, "causal": False, "dtype": torch.float16}, MLA_PREFILL],
+                         ids=["gqa-causal-bf16", "gqa-full-fp16", "mla-192-128"])
+def test_varlen_half_against_reference(params):
+    case = case_for("flash_attn_varlen")
+    args = case.inputs(params, CUDA, seed=4)
+    expected = reference.flash_attn_varlen(*args)
+    actual = _triton().flash_attn_varlen(*args)
+    torch.cuda.synchronize()
+    attention_compare(expected, actual, args[2].abs().max().item(), params["dtype"], False, 0, "varlen")
+
+
+def test_fp8_probe_matches_the_hardware():
+    assert fp8_prefill_supported(CUDA) == has_fp8_matrix_units(CUDA), (
+        "fp8 matrix units present but the fp8 probe kernel failed (or the reverse)"
+    )
+
+
+@pytest.mark.parametrize("params", [GQA_PREFILL, MLA_PREFILL], ids=["gqa", "mla"])
+def test_fp8_path_accuracy_bound(params):
+    """'auto' takes the fp8 path on fp8-capable GPUs; its output stays within the stated
+    relative L2 bound of the bf16 reference, and matches the reference's emulation of
+    the quantisation within the P-rounding bound."""
+    if not fp8_prefill_supported(CUDA):
+        pytest.skip("no fp8 prefill on this GPU")
+    case = case_for("flash_attn_varlen")
+    args = case.inputs({**params, "mode": "auto"}, CUDA, seed=6)
+    assert varlen_uses_fp8_products(args)
+    fp8_out = graphsafe.flash_attn_varlen(*args)
+    bf16_ref = reference.flash_attn_varlen(*args[:12], "off")
+    emulated = reference.flash_attn_varlen(*args)
+    torch.cuda.synchronize()
+    err = _rel_l2(fp8_out, bf16_ref)
+    print(f"fp8 path relative L2 error vs bf16 reference: {err:.4f}")
+    assert err <= FP8_REL_L2_BOUND
+    vmax = args[2].abs().max().item() * (1 + 2**-4)
+    attention_compare(emulated, fp8_out, vmax, torch.bfloat16, True, args[2].shape[0], "fp8 vs emulation")
+
+
+def test_quantisation_kernel_bit_exact_on_gpu():
+    from graphsafe.ops.attention._triton_quant import quantize_into
+
+    x = torch.randn(4096, 32, 128, device=CUDA, dtype=torch.bfloat16) * 3
+    want, want_descale = quantize_per_tensor(x)
+    got = torch.empty_like(x, dtype=FP8_DTYPE)
+    scales = torch.zeros(8, device=CUDA)
+    quantize_into(x, got, scales, 0)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert scales[3].item() == want_descale.item()
+
+
+def test_varlen_fp8_graph_capture_with_reserved_workspace():
+    """The fp8 path (quantisation scratch from the workspace) captures into a graph
+    after `flash_attn_varlen_workspace` sized the arena, and replays with new lengths."""
+    reset_workspace_managers()
+    case = case_for("flash_attn_varlen")
+    params = {**GQA_PREFILL, "B": 4, "max_q": 512, "max_k": 512, "mode": "auto"}
+    static = list(case.inputs(params, CUDA, seed=1))
+    fresh = case.inputs(params, CUDA, seed=2)
+    q, k, v = static[:3]
+    manager = current_workspace_manager(CUDA)
+    manager.reserve(*flash_attn_varlen_workspace(q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2]))
+    graphsafe.flash_attn_varlen(*static)  # warm-up: Triton compiles, the fp8 probe runs
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with manager.locked(), torch.cuda.graph(graph):
+        out = graphsafe.flash_attn_varlen(*static)
+    for i in range(5):
+        static[i].copy_(fresh[i])
+    graph.replay()
+    expected = graphsafe.flash_attn_varlen(*fresh)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # same kernels, same inputs
+    with no_sync():
+        graphsafe.flash_attn_varlen(*fresh)
+    torch.cuda.synchronize()
