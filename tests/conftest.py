@@ -39,9 +39,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_backend_choice():
-    """Every test starts from automatic backend selection."""
+def _fresh_backend_choice_and_workspace():
+    """Every test starts from automatic backend selection and fresh workspace arenas
+    (a graph captured by one test must not pin the arena of the next)."""
     import graphsafe
+    from graphsafe.workspace import reset_workspace_managers
 
     with graphsafe.use_backend(None):
         yield
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+    reset_workspace_managers()

@@ -226,14 +226,34 @@ def measure_ceilings(device: torch.device, matmul_dtypes: tuple[torch.dtype, ...
 
 
 # -- running and reporting ----------------------------------------------------------------
+def _interleaved_host_us(problem: Problem, device: torch.device, rounds: int = 7) -> dict[str, float | Exception]:
+    """Host us per call of each impl, measured round-robin (impl A, B, C, A, B, C, ...)
+    so that clock ramps and background load hit every impl alike; median over rounds."""
+    samples: dict[str, list[float]] = {label: [] for label in problem.impls}
+    failed: dict[str, Exception] = {}
+    for _ in range(rounds):
+        for label, fn in problem.impls.items():
+            if label in failed:
+                continue
+            try:
+                samples[label].append(time_loop_us(fn, device, reps=5))
+            except Exception as err:  # noqa: BLE001 - reported in the impl's row
+                failed[label] = err
+    return {label: failed.get(label) or statistics.median(samples[label]) for label in problem.impls}
+
+
 def run_problem(problem: Problem, device: torch.device, ceilings: Ceilings) -> list[Row]:
     rows: list[Row] = []
     first_ms = None
+    host_us = _interleaved_host_us(problem, device) if problem.unit == "us" else {}
     for label, fn in problem.impls.items():
         eager_ms = None
         try:
             if problem.unit == "us":
-                ms = time_loop_us(fn, device) / 1e3
+                value = host_us[label]
+                if isinstance(value, Exception):
+                    raise value
+                ms = value / 1e3
             else:
                 ms = eager_ms = time_ms(fn, device)
                 if device.type == "cuda" and problem.graph:

@@ -32,8 +32,10 @@ def scatter_tokens(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torc
     slots = slot_mapping.long()
     valid = (slots >= 0) & (slots < num_blocks * block_size)
     writes_slot0 = valid & (slots == 0)
-    slot0_writer = writes_slot0.int().argmax()  # a token that writes slot 0, if any
-    slot0_final = torch.where(writes_slot0.any(), values[slot0_writer], cache[0, 0])
+    # A token that writes slot 0, if any. index_select, not values[t]: indexing with a
+    # 0-dim tensor converts it to a Python int, a host sync.
+    slot0_writer = writes_slot0.int().argmax().view(1)
+    slot0_final = torch.where(writes_slot0.any(), values.index_select(0, slot0_writer)[0], cache[0, 0])
     target = torch.where(valid, slots, 0)
     keep = valid.view(-1, *([1] * (values.dim() - 1)))
     cache[target // block_size, target % block_size] = torch.where(keep, values, slot0_final)

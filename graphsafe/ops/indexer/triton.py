@@ -33,7 +33,7 @@ import triton.language as tl
 
 from graphsafe.device_info import compute_capability, num_sms
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))  # jit code reads only constexpr globals
 
 
 @functools.cache
