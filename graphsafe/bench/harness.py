@@ -156,6 +156,12 @@ def time_graph_ms(fn: Callable[[], Any], device: torch.device, reps: int = 30) -
         e.record()
     torch.cuda.synchronize(device)
     del graph
+    torch.cuda.synchronize(device)
+    # The graph is destroyed: later problems may grow the arenas it pinned again.
+    from graphsafe.workspace import all_workspace_managers
+
+    for manager in all_workspace_managers():
+        manager.forget_captures()
     return statistics.median(s.elapsed_time(e) for s, e in events) / k
 
 

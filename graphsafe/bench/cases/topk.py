@@ -27,35 +27,10 @@ def _raw_topk(logits: torch.Tensor, topk: int):
     return lambda: torch.topk(logits, topk, dim=1)
 
 
-_lanes = iter(range(1000, 2000))
-
-
-def _graph_replay(fn, device: torch.device):
-    """The op captured in a CUDA graph: its GPU time without host launch overhead, as
-    inside a captured decode step. Captured on a private workspace lane: a capture pins
-    its arena, and the following benchmark cases must stay free to grow the main one."""
-    if device.type != "cuda":
-        return None
-    from graphsafe.workspace import workspace_lane
-
-    with workspace_lane(next(_lanes)):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    return graph.replay
-
 
 def _impls(spec, args, device, logits, topk):
+    # The harness times every impl from CUDA-graph replays too (the "time" column).
     impls = op_peers(spec, args, device)
-    replay = _graph_replay(next(iter(impls.values())), device)
-    if replay is not None:
-        impls["graphsafe graph replay"] = replay
     impls["torch.topk raw rows"] = _raw_topk(logits, topk)
     return impls
 
