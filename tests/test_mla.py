@@ -118,6 +118,32 @@ def test_triton_decode_with_forced_splits(dtype, num_splits):
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all(), "empty request: 0, -inf"
 
 
+# The 64-head GPU tiles hold the value columns as two chunks (value_chunks=2); the same
+# code path at interpreter-sized tiles, with R a multiple of the chunk (32), a ragged one
+# (24: the second chunk partly masked) and R = 16 (the second chunk all padding).
+CHUNKED = splits.KernelConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, value_chunks=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("r,p", [(32, 16), (24, 8), (16, 0)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_decode_with_value_chunks(dtype, r, p, num_splits):
+    args = _decode_args(dtype, [0, 1, 9, 96], R=r, P=p, H=17)
+    out, lse = tri.mla_decode(*args, config=CHUNKED, num_splits=num_splits)
+    _check(ref.mla_decode(*args), (out, lse))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_sparse_with_value_chunks(dtype):
+    params = {**cases.EXAMPLE_SPARSE, "T": 3, "K": 70, "R": 24, "P": 8, "num_blocks": 8, "dtype": dtype, "strided": True}
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 4)
+    idx[1] = -1
+    out, lse = tri.sparse_mla(q, kv, idx, scale, r, config=CHUNKED, num_splits=2)
+    _check(ref.sparse_mla(q, kv, idx, scale, r), (out, lse))
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
 @pytest.mark.parametrize("num_splits", [1, 4, 7])
 def test_triton_sparse_with_forced_splits(num_splits):
     params = {**cases.EXAMPLE_SPARSE, "T": 4, "K": 100, "num_blocks": 8, "dtype": torch.bfloat16, "strided": True}
@@ -347,6 +373,48 @@ def test_workspace_request_is_the_published_worst_case(op):
     assert requests == [(op, published)] * 2
 
 
+def test_many_head_tiles_follow_the_shared_memory_of_the_device():
+    """64x64 tiles in two value chunks where the device offers Hopper's 227 KiB; the older
+    64x16 tiles on 163 KiB (A100); 16-head tiles on consumer GPUs and MI300 (64 KiB).
+    Head counts up to 32 never depend on it."""
+    wide = splits.kernel_config(128, "cuda", 232448)
+    assert (wide.block_h, wide.block_n, wide.num_warps, wide.num_stages, wide.value_chunks) == (64, 64, 8, 2, 2)
+    assert splits.kernel_config(128, "cuda") == wide, "unknown shared memory: a Hopper-class GPU"
+    assert (splits.kernel_config(128, "cuda", 166912).block_h, splits.kernel_config(128, "cuda", 166912).block_n) == (64, 16)
+    assert splits.kernel_config(128, "cuda", 65536).block_h == 16
+    for heads in (1, 16, 32):
+        assert splits.kernel_config(heads, "cuda", 65536) == splits.kernel_config(heads, "cuda", 232448)
+    assert splits.max_shared_memory(torch.device("cpu")) is None
+
+
+def test_launch_drops_a_stage_when_shared_memory_runs_out(monkeypatch):
+    """A Triton that allocates more shared memory than the config assumes gets one stage
+    fewer (same tiles, so the same split plan and workspace), remembered per variant."""
+    from triton.runtime import OutOfResources
+
+    calls, fits = [], {"stages": 1}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **kw):
+                calls.append(num_stages)
+                if num_stages > fits["stages"]:
+                    raise OutOfResources(240000, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(tri, "_mla_attn_kernel", Kernel())
+    monkeypatch.setattr(tri, "_STAGES", {})
+    cfg = splits.KernelConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, value_chunks=2)
+    constexprs = {"SPARSE": False, "SPLIT": True}
+    tri._launch((1,), (), constexprs, cfg, ("cuda", torch.bfloat16, 576))
+    tri._launch((1,), (), constexprs, cfg, ("cuda", torch.bfloat16, 576))
+    assert calls == [3, 2, 1, 1], "retries down to one stage once, then launches with it directly"
+    monkeypatch.setattr(tri, "_STAGES", {})
+    fits["stages"] = 0  # not even one stage fits: the error reaches the caller
+    with pytest.raises(OutOfResources):
+        tri._launch((1,), (), constexprs, cfg, ("cuda", torch.bfloat16, 576))
+
+
 def test_kernel_config_tiles_are_legal_dot_shapes():
     for heads in (1, 16, 17, 32, 64, 128):
         for dev in ("cpu", "cuda"):
@@ -435,3 +503,98 @@ def test_aiter_adapter_builds_the_csr_and_call_aiter_documents(op, monkeypatch):
     small = graphsafe.get_op(op).case.inputs(graphsafe.get_op(op).case.example, CPU, 13)
     _check(C.run_backend(graphsafe.get_op(op), "reference", small), getattr(adapter, op)(*small))
     assert "persistent" not in calls
+
+
+# -- GPU compilation, without a GPU ------------------------------------------------
+# Records the launches the Triton wrappers make at DeepSeek dims with the GPU tile
+# configs (the kernels never run), then compiles each for sm_90 with the launcher's own
+# specialisation (pointers and ints divisible by 16, ints equal to 1 as constants).
+_COMPILE_SCRIPT = r"""
+import sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+import torch
+from graphsafe.ops.mla import splits, triton as tri
+
+launches = []
+
+class Recorder:
+    def __init__(self, fn):
+        self.fn = fn
+    def __getitem__(self, grid):
+        return lambda *args, **kw: launches.append((self.fn, args, kw))
+
+tri._mla_attn_kernel = Recorder(tri._mla_attn_kernel)
+tri._combine_kernel = Recorder(tri._combine_kernel)
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+
+def specialise(fn, args, kw):
+    sig, consts, attrs, pos = {}, {}, {}, iter(args)
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", kw[p.name]
+            continue
+        v = next(pos)
+        if isinstance(v, torch.Tensor):
+            sig[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        elif v == 1:
+            sig[p.name], consts[p.name] = "constexpr", 1
+        else:
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+for heads in (16, 128):
+    cfg = splits.kernel_config(heads, "cuda")
+    q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
+    kv = torch.randn(64, 64, 576, dtype=torch.bfloat16)
+    table = torch.arange(64, dtype=torch.int32).view(2, 32)
+    lens = torch.full((2,), 2048, dtype=torch.int32)
+    tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=4)
+    tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=1)
+    idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
+    tri.sparse_mla(q, kv, idx, 0.04, 512, config=cfg, num_splits=2)
+seen = set()
+for fn, args, kw in launches:
+    key = (fn.__name__, tuple(sorted((k, v) for k, v in kw.items())))
+    if key in seen:
+        continue
+    seen.add(key)
+    opts = {"num_warps": kw.pop("num_warps"), "num_stages": kw.pop("num_stages", 2)}
+    if kw.get("BLOCK_H") == 64:  # recorded on CPU tensors: what a CUDA tensor turns on
+        kw["PREFETCH"] = splits.kernel_config(128, "cuda").l2_prefetch
+    k = triton.compile(specialise(fn, args, kw), target=GPUTarget("cuda", 90, 32), options=opts)
+    wgmma = "wgmma.mma_async" in k.asm["ptx"]
+    print("compiled", fn.__name__, kw.get("BLOCK_H"), kw.get("SPARSE"), kw.get("SPLIT"), "shared", k.metadata.shared, "wgmma", wgmma)
+    if fn.__name__ == "_mla_attn_kernel" and kw["BLOCK_H"] == 64:
+        assert wgmma, "64-head tiles must use wgmma"
+        assert "prefetch.global.L2" in k.asm["ptx"], "64-head tiles prefetch the next key tile into L2"
+        assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+print("OK")
+"""
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter never compiles: catch GPU-only errors (types, constexpr misuse,
+    ints specialised to 1) and check that the 64-head tiles use wgmma within Hopper's
+    227 KiB of shared memory, by compiling the GPU launches for sm_90 with ptxas."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    if "NO_BACKEND" in proc.stdout:
+        pytest.skip("this triton build cannot compile for CUDA")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("compiled _mla_attn_kernel") == 6 and "compiled _combine_kernel" in proc.stdout, proc.stdout

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import graphsafe
-from graphsafe.bench.cases.mla import decode_inputs, sparse_inputs
-from graphsafe.bench.harness import measure_copy_bandwidth, time_ms
+from graphsafe.bench.cases.mla import TUNE_TILES, decode_inputs, sparse_inputs
+from graphsafe.bench.harness import measure_copy_bandwidth, measure_matmul_peak, time_ms
 from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
 from graphsafe.ops.mla import reference as ref
+from graphsafe.ops.mla import splits
 from graphsafe.ops.mla import triton as tri
 from graphsafe.testing import no_sync
 from graphsafe.testing.cases import mla as cases
@@ -60,6 +61,18 @@ def test_decode_long_context_matches_reference():
     _close(ref.mla_decode(*args), graphsafe.mla_decode(*args))
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_lone_long_request_uses_many_splits_and_matches_reference(heads):
+    """B = 1 at 32k tokens: the plan spreads the request over the GPU (256 splits of 128
+    tokens for 16 heads), and the combine merges them."""
+    q, kv, bt, _, scale, r = decode_inputs(1, heads, 32768, CUDA, seed=14)
+    _, plan = splits.plan_launch(1, heads, 32768, CUDA)
+    assert plan.num_splits >= 64, plan
+    for n in (32768, 30001, 5):
+        args = (q, kv, bt, torch.tensor([n], dtype=torch.int32, device=CUDA), scale, r)
+        _close(ref.mla_decode(*args), graphsafe.mla_decode(*args))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
@@ -69,6 +82,34 @@ def test_sparse_deepseek_shapes_match_reference(dtype, heads, num_splits):
     idx[2, 700:] = -1  # later splits empty
     idx[3, ::3] = idx[3, 1::3][: idx[3, ::3].shape[0]]  # duplicates
     _close(ref.sparse_mla(q, kv, idx, scale, r), tri.sparse_mla(q, kv, idx, scale, r, num_splits=num_splits))
+
+
+@pytest.mark.parametrize("tiles", [(128, t) for t in TUNE_TILES[128]] + [(16, t) for t in TUNE_TILES[16]], ids=str)
+def test_tuning_and_fallback_tiles_match_reference(tiles):
+    """Every tile set the tune bench times (the fallbacks for GPUs with less shared memory
+    among them) is correct, dense and sparse, with splits."""
+    heads, t = tiles
+    cfg = splits.KernelConfig(*t)
+    q, kv, bt, _, scale, r = decode_inputs(6, heads, 2048, CUDA, seed=11)
+    args = (q, kv, bt, _random_lens(6, 2048, 11), scale, r)
+    _close(ref.mla_decode(*args), tri.mla_decode(*args, config=cfg))
+    _close(ref.mla_decode(*args), tri.mla_decode(*args, config=cfg, num_splits=3))
+    q, kv, idx, scale, r = sparse_inputs(6, heads, 2048, CUDA, seed=12)
+    idx[1, 500:] = -1
+    _close(ref.sparse_mla(q, kv, idx, scale, r), tri.sparse_mla(q, kv, idx, scale, r, config=cfg, num_splits=2))
+
+
+def test_wide_tiles_fit_the_shared_memory_of_hopper():
+    """128 heads run 64x64 tiles with 2 stages (216 KiB of shared memory) on H100/H200. If
+    this Triton needs more, the launch falls back to one stage (correct, slower): flag it."""
+    if torch.version.hip is not None or torch.cuda.get_device_capability(CUDA) != (9, 0):
+        pytest.skip("sm_90 only")
+    cfg, _ = splits.plan_launch(4, 128, 4096, CUDA)
+    assert (cfg.block_n, cfg.value_chunks) == (64, 2), (cfg, splits.max_shared_memory(CUDA))
+    q, kv, bt, lens, scale, r = decode_inputs(4, 128, 4096, CUDA, seed=13)
+    tri.mla_decode(q, kv, bt, lens, scale, r)
+    launched = [n for key, n in tri._STAGES.items() if key[0] == cfg]
+    assert launched and set(launched) == {cfg.num_stages}, f"stages {launched}: this Triton needs more shared memory"
 
 
 def test_triton_serves_cuda_on_nvidia():
@@ -203,3 +244,14 @@ def test_decode_bandwidth_floor_at_the_anchor_shape():
     moved = 64 * 8192 * D * 2
     ratio = moved / (ms / 1e3) / measure_copy_bandwidth(CUDA)
     assert ratio > 0.35, f"mla_decode B=64 H=16 ctx=8192: {ms:.3f} ms, {100 * ratio:.0f}% of copy bandwidth"
+
+
+@pytest.mark.slow
+def test_many_head_decode_compute_floor():
+    """128 heads are compute-bound: a loose floor over the measured bf16 matmul peak (the
+    64x16 tiles before reached 15%): catches a fallback to narrow tiles or heavy spills."""
+    args = decode_inputs(64, 128, 8192, CUDA)
+    ms = time_ms(lambda: graphsafe.mla_decode(*args), CUDA)
+    flops = 2 * 64 * 128 * 8192 * (D + R)
+    ratio = flops / (ms / 1e3) / measure_matmul_peak(CUDA)
+    assert ratio > 0.2, f"mla_decode B=64 H=128 ctx=8192: {ms:.3f} ms, {100 * ratio:.0f}% of matmul peak"

@@ -14,7 +14,8 @@ scores; where that would need more than ~20 GB it is left out and the shape labe
 so ("no eager").
 
 `mla_tune` compares kernel tiles and split counts at the anchor shapes (for picking the
-defaults in splits.kernel_config / plan_kv_splits on a new GPU).
+defaults in splits.kernel_config / plan_kv_splits on a new GPU): `TUNE_TILES` says
+what each candidate tests.
 """
 
 from __future__ import annotations
@@ -111,36 +112,59 @@ def sparse_mla(device: torch.device):
             del args
 
 
+# mla_tune candidates: (block_h, block_n, num_warps, num_stages, ctas_per_sm, value_chunks
+# [, l2_prefetch]). With num_stages >= 5 Triton (3.9 at least) keeps 3 key-tile buffers and
+# issues each tile two iterations ahead (the block-table / index load takes a stage of its
+# own); with 2-4 stages the next tile is issued at the end of the current iteration, so
+# part of its latency is exposed (what l2_prefetch works around). 128 heads: the default
+# without the L2 prefetch; 64/32/w8/s5 (latency hidden, but q.k wgmmas of N = 16); one
+# [64, 512] value tile; the earlier default 64/16; 16-head tiles. 16 heads: the default
+# with the L2 prefetch, deeper pipelines of the default tile (s5: 94 KB, still two
+# programs per SM) and of 16-key tiles, and 64-key tiles.
+TUNE_TILES = {
+    16: [(16, 32, 4, 2, 2, 1, True), (16, 32, 4, 5, 2, 1), (16, 16, 4, 5, 2, 1), (16, 32, 4, 3, 2, 1), (16, 64, 8, 2, 1, 1)],
+    128: [(64, 64, 8, 2, 1, 2), (64, 32, 8, 5, 1, 2), (64, 64, 8, 2, 1, 1), (64, 16, 8, 2, 1, 1), (16, 32, 4, 2, 2, 1)],
+}
+
+
+def _tiles_label(c) -> str:
+    pf = "/pf" if c.l2_prefetch else ""
+    return f"{c.block_h}/{c.block_n}/w{c.num_warps}/s{c.num_stages}/c{c.value_chunks}{pf}"
+
+
+def _tune_impls(call, heads: int, cfg, splits_list) -> dict:
+    from graphsafe.ops.mla.splits import KernelConfig
+
+    impls = {f"default {_tiles_label(cfg)}": lambda: call()}
+    for t in TUNE_TILES[heads]:
+        c = KernelConfig(*t)
+        impls[f"tiles {_tiles_label(c)}"] = lambda c=c: call(config=c)
+    for n in splits_list:
+        impls[f"splits {n}"] = lambda n=n: call(num_splits=n)
+    return impls
+
+
 @bench_case("mla_tune")
 def mla_tune(device: torch.device):
     """Tiles and split counts of the Triton kernel at the anchor shapes (graphsafe only)."""
     from graphsafe.ops.mla import triton as backend
-    from graphsafe.ops.mla.splits import KernelConfig, plan_launch
+    from graphsafe.ops.mla.splits import plan_launch
 
-    tiles = {
-        16: [(16, 32, 4, 2), (16, 32, 4, 3), (16, 16, 4, 3), (16, 16, 4, 4), (16, 64, 8, 2)],
-        128: [(64, 16, 8, 2), (64, 32, 8, 2), (64, 16, 8, 3), (32, 32, 8, 2), (32, 16, 4, 3), (16, 32, 4, 2)],
-    }
-    for heads, ctx in ((16, 8192), (16, 32768), (128, 8192)):
+    for heads, ctx in ((16, 8192), (16, 32768), (128, 8192), (128, 32768)):
         args = decode_inputs(64, heads, ctx, device)
         cfg, plan = plan_launch(64, heads, ctx, device)
-        impls = {f"default {cfg.block_h}/{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages} S={plan.num_splits}": lambda: backend.mla_decode(*args)}
-        for t in tiles[heads]:
-            c = KernelConfig(*t)
-            impls[f"tiles {t[0]}/{t[1]}/w{t[2]}/s{t[3]}"] = lambda c=c: backend.mla_decode(*args, config=c)
-        for s in (4, 8, 16, 32, 64):
-            impls[f"splits {s}"] = lambda s=s: backend.mla_decode(*args, num_splits=s)
+        impls = _tune_impls(lambda **kw: backend.mla_decode(*args, **kw), heads, cfg, (2, 4, 8, 16, 32))
         total = 64 * ctx * D * 2 + 2 * nbytes(args[0])
-        yield Problem(case="mla_tune decode", shape=f"B=64 H={heads} ctx={ctx}", impls=impls, bytes=total, flops=2 * 64 * heads * ctx * (D + R))
+        flops = 2 * 64 * heads * ctx * (D + R)
+        yield Problem(case="mla_tune decode", shape=f"B=64 H={heads} ctx={ctx} (plan S={plan.num_splits})", impls=impls,
+                      bytes=total, flops=flops, bound="compute" if flops / total > RIDGE_FLOPS_PER_BYTE else "memory")
         del args
     for heads in (16, 128):
         args = sparse_inputs(64, heads, 2048, device)
-        impls = {"default": lambda: backend.sparse_mla(*args)}
-        for t in tiles[heads]:
-            c = KernelConfig(*t)
-            impls[f"tiles {t[0]}/{t[1]}/w{t[2]}/s{t[3]}"] = lambda c=c: backend.sparse_mla(*args, config=c)
-        for s in (4, 8, 16):
-            impls[f"splits {s}"] = lambda s=s: backend.sparse_mla(*args, num_splits=s)
+        cfg, plan = plan_launch(64, heads, 2048, device)
+        impls = _tune_impls(lambda **kw: backend.sparse_mla(*args, **kw), heads, cfg, (2, 4, 8))
         total = 64 * 2048 * D * 2 + 2 * nbytes(args[0]) + nbytes(args[2])
-        yield Problem(case="mla_tune sparse", shape=f"T=64 H={heads} K=2048", impls=impls, bytes=total, flops=2 * 64 * heads * 2048 * (D + R))
+        flops = 2 * 64 * heads * 2048 * (D + R)
+        yield Problem(case="mla_tune sparse", shape=f"T=64 H={heads} K=2048 (plan S={plan.num_splits})", impls=impls,
+                      bytes=total, flops=flops, bound="compute" if flops / total > RIDGE_FLOPS_PER_BYTE else "memory")
         del args

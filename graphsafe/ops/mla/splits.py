@@ -24,8 +24,11 @@ resident slots (`plan_kv_splits`): whole waves, plus a per-split overhead for th
 partials. On the CPU (Triton's interpreter, tests only) the plan is two tiles per split,
 so tiny test shapes exercise the combine.
 
-Everything here is pure Python (no triton import), so the registry can hold the
-workspace helpers without importing a kernel.
+The kernel tiles (`kernel_config`) depend on the head count and, for 64-head tiles, on the
+device's shared memory per block; like the SM count, a fixed property of the device.
+
+Everything here is pure Python (triton is imported lazily, only for the shared-memory
+query), so the registry can hold the workspace helpers without importing a kernel.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ MIN_TOKENS_PER_SPLIT = 128
 # What one more split costs, in key rows: its f32 partial output written and read back by
 # the combine (16 heads x 512 x 4 B x 2 ~ 56 rows of 1152 B) plus the program's start-up.
 SPLIT_OVERHEAD_TOKENS = 64
-# Upper bound of splits per query (bounds the combine's loop and the workspace).
-MAX_SPLITS = 128
+# Upper bound of splits per query (bounds the combine's tile and the workspace). 256 lets
+# a lone 32k-token request with 16 heads fill 264 program slots with 128-token splits.
+MAX_SPLITS = 256
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     ctas_per_sm: int = 1  # resident programs per SM (registers / shared memory), an estimate
+    value_chunks: int = 1  # the R value columns as 1 or 2 tiles, each with its own accumulator
+    l2_prefetch: bool = False  # prefetch the next key tile into L2 (PTX; NVIDIA only)
 
 
 @dataclass(frozen=True)
@@ -66,18 +72,44 @@ class SplitPlan:
     tokens_per_split: int  # a multiple of the kernel's block_n
 
 
-def kernel_config(num_heads: int, device_type: str) -> KernelConfig:
-    """Default tiles per head count.
+# Shared memory (bytes per block, opt-in) a device must offer for the 64-head tiles, for
+# R + P = 576 in 16-bit: q [64, 576] + 2 stages of [64, 576] keys = 216 KiB, plus a little
+# for barriers (Hopper and datacenter Blackwell offer 227 KiB); the older [64, 16]-key
+# tiles need 128 KiB (A100: 163 KiB). Less (consumer GPUs, MI300's 64 KiB): 16-head tiles.
+SMEM_WIDE_TILES = 220 * 1024
+SMEM_NARROW_TILES = 132 * 1024
+
+
+def kernel_config(num_heads: int, device_type: str, max_shared: int | None = None) -> KernelConfig:
+    """Default tiles per head count (and, for 64-head tiles, the device's shared memory).
 
     GPU: 16 heads (DeepSeek TP8) fill one 16-row MMA tile, so each cache row is read
-    once per request; 128 heads (TP1) run as two 64-head tiles (wgmma-sized M; the
-    second tile re-reads the rows from L2). CPU (Triton interpreter, tests only): the
-    smallest legal tiles, so tiny test shapes span several tiles and splits.
+    once per request (memory-bound: mma.sync tiles, two programs per SM). 128 heads (TP1)
+    are compute-bound and run as two 64-head tiles, the wgmma M on Hopper (the second
+    tile re-reads the rows from L2), with 64 keys per iteration, 8 warps and the 512
+    value columns as two accumulators of 256 (`value_chunks=2`).
 
-    Chosen from ptxas (sm_90a, R = 512, P = 64, Triton 3.9) register reports: 16/32/w4
-    uses 192 registers and 56 KB of shared memory, no spills (64-row key tiles spill at 4 warps);
-    32/32/w8 uses 128-185; 64/16/w8 (wgmma) 254-255 with no spills, where 64/32/w8
-    spills. Timings on the target GPU: bench case `mla_tune`.
+    Why these 64-head tiles (sm_90a, R = 512, P = 64, ptxas reports of Triton 3.9; bench
+    case `mla_tune` measures the alternatives): Triton lays the chained q.k dot out on
+    all 8 warps along M, so both warpgroups compute the whole [64, N] score tile and each
+    keeps half of the [64, 512] f32 accumulator (128 registers). The q.k wgmmas then have
+    N = block_n / 2 and read their q operand (in shared memory) once per instruction: at
+    N = 8 (block_n 16, the earlier default) that shared-memory traffic caps q.k at about
+    a fifth of the tensor-core rate, at N = 32 (block_n 64) at two thirds. The 36 q
+    descriptors are loop-invariant and live in registers; with block_n 64 some of them
+    spill (reloaded from L1 once per iteration, not per key), least with the value
+    columns as two tiles (fewer live row pointers: 200 B of stack, 240 B with the L2
+    prefetch below, against 320 B for one [64, 512] tile). With 2 stages Triton issues the next key tile at the end of an
+    iteration (the block-table load before it is an indirection), so the tile's load
+    overlaps only the p @ V wgmmas: the kernel therefore prefetches the next tile's rows
+    into L2 (`l2_prefetch`, PTX `prefetch.global.L2`) right after the q.k wgmmas, so the
+    copy at the end of the iteration reads L2. 64/32 tiles with 5 stages prefetch two
+    tiles ahead in shared memory instead, but pay N = 16 q.k wgmmas (`mla_tune` times
+    these variants, prefetch off included). block_n 64 with 2 stages needs
+    `SMEM_WIDE_TILES`; devices with less shared memory get the older tiles, or 16-head
+    tiles.
+    CPU (Triton interpreter, tests only): the smallest legal tiles, so tiny test shapes
+    span several tiles and splits.
     """
     if device_type != "cuda":
         return KernelConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
@@ -85,7 +117,27 @@ def kernel_config(num_heads: int, device_type: str) -> KernelConfig:
         return KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=2)
     if num_heads <= 32:
         return KernelConfig(block_h=32, block_n=32, num_warps=8, num_stages=2, ctas_per_sm=1)
-    return KernelConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, ctas_per_sm=1)
+    smem = SMEM_WIDE_TILES if max_shared is None else max_shared
+    if smem >= SMEM_WIDE_TILES:
+        return KernelConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, value_chunks=2,
+                            l2_prefetch=True)
+    if smem >= SMEM_NARROW_TILES:
+        return KernelConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, ctas_per_sm=1)
+    return KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1)
+
+
+@functools.cache
+def max_shared_memory(device: torch.device) -> int | None:
+    """Opt-in shared memory per block of a CUDA/HIP device (Triton's driver query), or None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from triton.runtime import driver
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - no driver: assume a Hopper-class GPU
+        return None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -153,7 +205,7 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 @functools.lru_cache(maxsize=1024)
 def _plan(rows: int, num_heads: int, kv_capacity: int, device: torch.device, config: KernelConfig | None) -> tuple[KernelConfig, SplitPlan]:
-    cfg = config or kernel_config(num_heads, device.type)
+    cfg = config or kernel_config(num_heads, device.type, max_shared_memory(device))
     if device.type != "cuda":
         # Triton's interpreter (CPU, tests only): splits of two tiles each, so tiny test
         # shapes cover both the online softmax across tiles and the split/combine path.

@@ -9,13 +9,18 @@ heads of a request for H = 16, or a 64-head tile for H = 128), so every cache ro
 once per request and head tile, and streams BLOCK_N rows at a time: scores through
 `tl.dot` (f32 accumulation; wgmma/mma on the GPU), the online softmax in f32 (base 2),
 and `acc[BLOCK_H, R] += p @ V` where V is the first R columns of the very tile just
-loaded (the latent cache has no separate V). With one split the kernel writes the final
+loaded (the latent cache has no separate V). The R columns are one tile, or (64-head
+tiles, `KernelConfig.value_chunks = 2`) two tiles of R/2 columns, each with its own q
+tile, key tile and accumulator: fewer live row pointers per thread, so fewer spills
+(splits.kernel_config says why). With one split the kernel writes the final
 outputs; with several it writes f32 partials into the workspace (a split without a valid
 key writes out 0, lse -inf) and `_combine_kernel` merges them, giving out 0, lse -inf
 to a row whose splits are all empty.
 
 The split plan comes from shapes only (see splits.py), so the launch captured into a
-CUDA graph is right for every replay.
+CUDA graph is right for every replay. The cache's block size is a compile-time constant
+(a shift, not an integer division, per key row); 64-head tiles on NVIDIA also prefetch
+the next key tile into L2 while the current one is scored (`KernelConfig.l2_prefetch`).
 
 Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly; there (and only
 there) bf16 dots run on f32 copies of the operands (DOT_F32), after rounding the
@@ -27,6 +32,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import OutOfResources
 
 from graphsafe.backends import triton_interpreter_enabled
 from graphsafe.ops.mla.splits import KernelConfig, forced_plan, partial_specs, plan_launch
@@ -36,10 +42,23 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
     if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """PTX `prefetch.global.L2` of each address (a hint: never faults, changes no data)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _load_cols(rows, cols, row_mask, col_mask):
+    """rows [N] pointers x cols [C] -> [N, C]; 0 where a row or a column is masked."""
+    return tl.load(rows[:, None] + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -47,13 +66,13 @@ def _mla_attn_kernel(
     q_ptr, kv_ptr, map_ptr, lens_ptr,
     out_ptr, lse_ptr, pout_ptr, plse_ptr,
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
-    num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity,
-    block_size, num_slots,
+    num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity, num_slots,
     stride_qr, stride_qh, stride_kb, stride_kt, stride_map,
     stride_or, stride_oh, stride_lr,
-    R: tl.constexpr, P: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPARSE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    PREFETCH: tl.constexpr, LINES: tl.constexpr,
 ):
     # Head tile varies fastest: the tiles of one (query, split) read the same rows
     # back to back, the second from L2.
@@ -64,16 +83,22 @@ def _mla_attn_kernel(
 
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
-    rr = tl.arange(0, BLOCK_R)
-    # All-true along the features when R (P) is a power of two: the masks then vary
+    # The R value columns are CHUNKS (1 or 2) chunks of BLOCK_R columns, each with its own
+    # key tile, q tile and accumulator (why 2 for 64-head tiles: splits.kernel_config).
+    # Column masks are all-true when the chunks cover R exactly: the masks then vary
     # along rows only, which keeps the row loads 16-byte vectorised.
-    rmask = rr < R if BLOCK_R != R else tl.full([BLOCK_R], 1, tl.int1)
-    q_rows = q_ptr + row * stride_qr + heads[:, None].to(tl.int64) * stride_qh
-    q_nope = tl.load(q_rows + rr[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
+    c0 = tl.arange(0, BLOCK_R)
+    c0_mask = c0 < R if BLOCK_R * CHUNKS != R else tl.full([BLOCK_R], 1, tl.int1)
+    q_rows = q_ptr + row * stride_qr + heads.to(tl.int64) * stride_qh
+    q0 = _load_cols(q_rows, c0, hmask, c0_mask)
+    if CHUNKS == 2:
+        c1 = BLOCK_R + c0
+        c1_mask = c1 < R if BLOCK_R * CHUNKS != R else tl.full([BLOCK_R], 1, tl.int1)
+        q1 = _load_cols(q_rows, c1, hmask, c1_mask)
     if P > 0:
         pp = tl.arange(0, BLOCK_P)
         pmask = pp < P if BLOCK_P != P else tl.full([BLOCK_P], 1, tl.int1)
-        q_pe = tl.load(q_rows + R + pp[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
+        q_pe = _load_cols(q_rows + R, pp, hmask, pmask)
 
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, kv_capacity)
@@ -84,7 +109,9 @@ def _mla_attn_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    if CHUNKS == 2:
+        acc1 = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     map_row = map_ptr + row * stride_map
     for n0 in tl.range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
@@ -93,18 +120,44 @@ def _mla_attn_kernel(
             slot = tl.load(map_row + offs, mask=nmask, other=-1)
             nmask = nmask & (slot >= 0) & (slot < num_slots)
             slot = tl.where(nmask, slot, 0)
-            blk = slot // block_size
-            off = slot % block_size
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
         else:
             # Masked: block-table entries past the sequence may be garbage.
-            blk = tl.load(map_row + offs // block_size, mask=nmask, other=0)
-            off = offs % block_size
+            blk = tl.load(map_row + offs // BLOCK_SIZE, mask=nmask, other=0)
+            off = offs % BLOCK_SIZE
         kv_rows = kv_ptr + blk.to(tl.int64) * stride_kb + off.to(tl.int64) * stride_kt
-        k_nope = tl.load(kv_rows[:, None] + rr[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
-        s = _dot(q_nope, tl.trans(k_nope), DOT_F32)
+        if PREFETCH:
+            # Triton issues the next tile's copy at the end of this iteration (2 stages),
+            # where only the p @ V wgmmas overlap its latency. Pull the next tile's rows
+            # into L2 now, one prefetch per 128-byte line, issued after the q.k wgmmas
+            # (below) so that the index load here has landed by then.
+            nxt = offs + BLOCK_N
+            nxt_mask = nxt < end
+            if SPARSE:
+                nxt_slot = tl.load(map_row + nxt, mask=nxt_mask, other=0)
+                nxt_mask = nxt_mask & (nxt_slot >= 0) & (nxt_slot < num_slots)
+                nxt_blk = nxt_slot // BLOCK_SIZE
+                nxt_off = nxt_slot % BLOCK_SIZE
+            else:
+                nxt_blk = tl.load(map_row + nxt // BLOCK_SIZE, mask=nxt_mask, other=0)
+                nxt_off = nxt % BLOCK_SIZE
+            nxt_rows = kv_ptr + nxt_blk.to(tl.int64) * stride_kb + nxt_off.to(tl.int64) * stride_kt
+            lines = tl.arange(0, LINES) * 64  # 128-byte lines of 16-bit elements
+            line_ok = nxt_mask[:, None] & (lines < R + P)[None, :]
+            # Rows past the end (garbage block ids) prefetch the cache's first line instead.
+            nxt_lines = tl.where(line_ok, nxt_rows[:, None] + lines[None, :], kv_ptr)
+        # Masked rows load as 0 (never garbage, which could be NaN): p = 0 times 0.
+        k0 = _load_cols(kv_rows, c0, nmask, c0_mask)
+        s = _dot(q0, tl.trans(k0), None, DOT_F32)
+        if CHUNKS == 2:
+            k1 = _load_cols(kv_rows, c1, nmask, c1_mask)
+            s = _dot(q1, tl.trans(k1), s, DOT_F32)
         if P > 0:
-            k_pe = tl.load(kv_rows[:, None] + R + pp[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
-            s += _dot(q_pe, tl.trans(k_pe), DOT_F32)
+            k_pe = _load_cols(kv_rows + R, pp, nmask, pmask)
+            s = _dot(q_pe, tl.trans(k_pe), s, DOT_F32)
+        if PREFETCH:
+            _prefetch_l2(nxt_lines)
         s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no valid key so far keeps m = -inf; shift it by 0 (not -inf - -inf).
@@ -112,34 +165,48 @@ def _mla_attn_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(kv_ptr.dtype.element_ty), k_nope, DOT_F32)
+        # The value of a key is the first R columns of the very tiles just loaded.
+        p = p.to(kv_ptr.dtype.element_ty)
+        acc0 = _dot(p, k0, acc0 * alpha[:, None], DOT_F32)
+        if CHUNKS == 2:
+            acc1 = _dot(p, k1, acc1 * alpha[:, None], DOT_F32)
         m_i = m_new
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
-    o = acc / l_safe[:, None]
     lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    omask = hmask[:, None] & rmask[None, :]
     if SPLIT:
         part = (row * num_splits + split) * num_heads + heads.to(tl.int64)
-        tl.store(pout_ptr + part[:, None] * R + rr[None, :], o, mask=omask)
+        o_rows = pout_ptr + part * R
+        tl.store(o_rows[:, None] + c0[None, :], acc0 / l_safe[:, None], mask=hmask[:, None] & c0_mask[None, :])
+        if CHUNKS == 2:
+            tl.store(o_rows[:, None] + c1[None, :], acc1 / l_safe[:, None], mask=hmask[:, None] & c1_mask[None, :])
         tl.store(plse_ptr + part, lse, mask=hmask)
     else:
-        o_rows = out_ptr + row * stride_or + heads[:, None].to(tl.int64) * stride_oh
-        tl.store(o_rows + rr[None, :], o.to(out_ptr.dtype.element_ty), mask=omask)
+        o_rows = out_ptr + row * stride_or + heads.to(tl.int64) * stride_oh
+        o_ty = out_ptr.dtype.element_ty
+        o0 = (acc0 / l_safe[:, None]).to(o_ty)
+        tl.store(o_rows[:, None] + c0[None, :], o0, mask=hmask[:, None] & c0_mask[None, :])
+        if CHUNKS == 2:
+            o1 = (acc1 / l_safe[:, None]).to(o_ty)
+            tl.store(o_rows[:, None] + c1[None, :], o1, mask=hmask[:, None] & c1_mask[None, :])
         tl.store(lse_ptr + row * stride_lr + heads, lse, mask=hmask)
 
 
 @triton.jit
 def _combine_kernel(
     pout_ptr, plse_ptr, out_ptr, lse_ptr,
-    num_heads, num_splits, stride_or, stride_oh, stride_lr,
+    num_heads, num_splits, r_chunks, stride_or, stride_oh, stride_lr,
     R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """out[row, h] = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s (natural log)."""
+    """out[row, h] = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s (natural log).
+
+    One program per (row, head, chunk of BLOCK_R columns): a batch of one request still
+    spreads the partials' read over many SMs."""
     pid = tl.program_id(0)
-    h = pid % num_heads
-    row = (pid // num_heads).to(tl.int64)
+    chunk = pid % r_chunks
+    h = (pid // r_chunks) % num_heads
+    row = (pid // (r_chunks * num_heads)).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     smask = s < num_splits
     part = (row * num_splits + s) * num_heads + h
@@ -151,17 +218,39 @@ def _combine_kernel(
     has_key = total > 0.0
     total_safe = tl.where(has_key, total, 1.0)
     scale = w / total_safe
-    for r0 in tl.static_range(0, R, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        rmask = rr < R
-        vals = tl.load(pout_ptr + part[:, None] * R + rr[None, :], mask=smask[:, None] & rmask[None, :], other=0.0)
-        o = tl.sum(vals * scale[:, None], 0)
-        tl.store(out_ptr + row * stride_or + h * stride_oh + rr, o.to(out_ptr.dtype.element_ty), mask=rmask)
-    tl.store(lse_ptr + row * stride_lr + h, tl.where(has_key, m_use + tl.log(total_safe), float("-inf")))
+    rr = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rr < R
+    vals = tl.load(pout_ptr + part[:, None] * R + rr[None, :], mask=smask[:, None] & rmask[None, :], other=0.0)
+    o = tl.sum(vals * scale[:, None], 0)
+    tl.store(out_ptr + row * stride_or + h * stride_oh + rr, o.to(out_ptr.dtype.element_ty), mask=rmask)
+    lse = tl.where(has_key, m_use + tl.log(total_safe), float("-inf"))
+    tl.store(lse_ptr + row * stride_lr + h, lse, mask=chunk == 0)
 
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(triton.next_power_of_2(max(n, 1)), least)
+
+
+# Pipeline depth that compiled within the device's shared memory, per (config, device,
+# dtype, head dim, variant). The configs are sized for their GPUs (splits.kernel_config);
+# this only guards against a Triton version that allocates a little more shared memory:
+# one stage fewer keeps the tiles, so the split plan and the workspace stay the same.
+_STAGES: dict[tuple, int] = {}
+
+
+def _launch(grid, args, constexprs, cfg: KernelConfig, where: tuple) -> None:
+    key = (cfg, *where, constexprs["SPARSE"], constexprs["SPLIT"])
+    stages = _STAGES.get(key, cfg.num_stages)
+    while True:
+        try:
+            _mla_attn_kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=stages)
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            continue
+        _STAGES[key] = stages
+        return
 
 
 def _attention(
@@ -195,24 +284,33 @@ def _attention(
     nb, bs = kv_cache.shape[:2]
     head_tiles = triton.cdiv(num_heads, cfg.block_h)
     dot_f32 = q.dtype == torch.bfloat16 and q.device.type == "cpu" and triton_interpreter_enabled()
-    _mla_attn_kernel[(head_tiles * plan.num_splits * rows,)](
-        q, kv_cache, key_map, seq_lens if seq_lens is not None else key_map,
-        out, lse, pout, plse,
-        float(sm_scale) * LOG2E,
-        num_heads, head_tiles, plan.num_splits, plan.tokens_per_split, kv_capacity,
-        bs, nb * bs,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0),
-        R=r, P=p, BLOCK_R=_pow2(r), BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        SPARSE=seq_lens is None, SPLIT=split, DOT_F32=dot_f32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    _launch(
+        (head_tiles * plan.num_splits * rows,),
+        (
+            q, kv_cache, key_map, seq_lens if seq_lens is not None else key_map,
+            out, lse, pout, plse,
+            float(sm_scale) * LOG2E,
+            num_heads, head_tiles, plan.num_splits, plan.tokens_per_split, kv_capacity, nb * bs,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0),
+            out.stride(0), out.stride(1), lse.stride(0),
+        ),
+        dict(
+            R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks, BLOCK_P=_pow2(p),
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=seq_lens is None, SPLIT=split, DOT_F32=dot_f32,
+            # PTX prefetch: NVIDIA only (not the interpreter, not ROCm)
+            PREFETCH=cfg.l2_prefetch and q.device.type == "cuda" and torch.version.hip is None,
+            LINES=_pow2(triton.cdiv(head_dim, 64), 1),
+        ),
+        cfg,
+        (q.device, q.dtype, head_dim),
     )
     if split:
         block_s = _pow2(plan.num_splits, 2)
         block_r = min(_pow2(r), max(32, 4096 // block_s))
-        _combine_kernel[(rows * num_heads,)](
+        r_chunks = triton.cdiv(r, block_r)
+        _combine_kernel[(rows * num_heads * r_chunks,)](
             pout, plse, out, lse,
-            num_heads, plan.num_splits, out.stride(0), out.stride(1), lse.stride(0),
+            num_heads, plan.num_splits, r_chunks, out.stride(0), out.stride(1), lse.stride(0),
             R=r, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4,
         )
     return out, lse
