@@ -8,6 +8,7 @@ interpreter computes bf16 dots wrongly; bf16 is checked on the GPU).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -266,17 +267,26 @@ def test_decode_workspace_helper_is_exact():
 
 # -- varlen: kernels vs reference --------------------------------------------------------------
 @needs_triton
-@pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1), (128, 64, 8, 1)])
+@pytest.mark.parametrize(
+    "config,mode",
+    [(c, "off") for c in ((16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1), (128, 64, 8, 1), (64, 128, 4, 1))]
+    + [(c, "on") for c in ((16, 32, 4, 1), (128, 64, 8, 1))],
+)
 @pytest.mark.parametrize("causal", [True, False])
-def test_varlen_kernel_block_configs(config, causal):
+def test_varlen_kernel_block_configs(config, mode, causal):
     """Causal block skipping and the unmasked/masked split with BLOCK_M != BLOCK_N,
-    including the GPU config (128, 64); lengths straddle block edges."""
+    including the GPU configs; lengths straddle block edges. In fp8 ("on") the key
+    frame is aligned to 16 tokens: sequences 2 and 3 start at keys 140 and 204 (lead
+    12), so they get a masked lead block before their unmasked run."""
     case = case_for("flash_attn_varlen")
-    params = {**case.example, "causal": causal, "max_q": 70, "max_k": 140, "lens_q": [70, 1, 33], "lens_k": [140, 64, 20]}
+    params = {**case.example, "causal": causal, "max_q": 70, "max_k": 140, "lens_q": [70, 1, 33],
+              "lens_k": [140, 64, 20], "mode": mode}
     args = case.inputs(params, "cpu", 5)
     expected = reference.flash_attn_varlen(*args)
     actual = _triton().flash_attn_varlen(*args, config=config)
-    attention_compare(expected, actual, args[2].abs().max().item(), torch.float16, False, 0, f"config {config}")
+    fp8 = mode == "on"
+    vmax = args[2].abs().max().item() * (1 + 2**-4 if fp8 else 1)
+    attention_compare(expected, actual, vmax, torch.float16, fp8, args[2].shape[0] if fp8 else 0, f"config {config}")
 
 
 @needs_triton
@@ -293,25 +303,104 @@ def test_varlen_kernel_mla_head_dims():
         attention_compare(expected, actual, vmax, torch.float16, mode == "on", args[2].shape[0], f"mla {mode}")
 
 
-@needs_triton
-def test_quantisation_kernel_is_bit_exact():
-    """The Triton per-tensor quantisation equals torch's, also on values where the
-    interpreter's own fp32 -> e4m3 cast is wrong (carries into the next binade,
-    subnormals, ties to even)."""
-    from graphsafe.ops.attention._triton_quant import quantize_into
+def _quantise_with_kernels(q, k, v):
+    """The fp8 path's quantisation launches on their own: prepare (reset the slots),
+    amax of q/k/v in one launch, k and V^T in one launch."""
+    from graphsafe.ops.attention import _triton_quant as Q
 
-    special = torch.tensor([448.0, 31.8, 15.9, 0.00117, 2**-10, 3 * 2**-10, 2**-9 * 1.5, 17.0, 19.0, -31.9, 0.0, 240.0, 232.0, 247.9, 1.0625, -1.1875])
-    x = torch.cat([special, torch.randn(16 * 64 - 16) * 20]).reshape(16, 4, 16).half().float()
-    for src in (x.half(), x.bfloat16()):
-        want, want_descale = quantize_per_tensor(src)
-        got = torch.empty(16, 4, 16, dtype=FP8_DTYPE)
-        vt = torch.empty(4, 16, 16, dtype=FP8_DTYPE)  # transposed destination [H, D, T]
-        scales = torch.zeros(8)
-        quantize_into(src, got, scales, 0)
-        quantize_into(src, vt, scales, 1, (1, vt.stride(0), vt.stride(1)))
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-        assert torch.equal(vt.permute(2, 0, 1).view(torch.uint8), want.view(torch.uint8))
-        assert scales[3].item() == want_descale.item() == scales[4].item()
+    tk, hk, d = k.shape
+    k8 = torch.full((tk, hk, d), float("nan"), dtype=torch.float32).to(FP8_DTYPE)  # poison
+    vt = torch.full((hk, v.shape[2], Q.vt_columns(tk)), 3.0).to(FP8_DTYPE)  # poison, padding too
+    scales = torch.full((8,), 123.0)  # poison: prepare_varlen must reset the slots
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
+    Q.prepare_varlen(out, torch.zeros(1, dtype=torch.int32), scales)
+    Q.amax_into(q, k, v, scales)
+    Q.quantize_kv_into(k, v, k8, vt, scales)
+    return k8, vt, scales
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens", [16, 37])
+def test_quantisation_kernels_are_bit_exact(tokens):
+    """The Triton per-tensor amax and quantisation equal torch's, also on values where the
+    interpreter's own fp32 -> e4m3 cast is wrong (carries into the next binade,
+    subnormals, ties to even); V^T is v transposed with zeroed padding columns."""
+    from graphsafe.ops.attention import _triton_quant as Q
+
+    special = torch.tensor(
+        [448.0, 31.8, 15.9, 0.00117, 2**-10, 3 * 2**-10, 2**-9 * 1.5, 17.0, 19.0, -31.9, 0.0, 240.0, 232.0, 247.9, -0.0,
+         -1.1875]
+    )
+    spread = torch.randn(tokens * 64 - 16) * torch.exp2(torch.randint(-20, 5, (tokens * 64 - 16,)).float())
+    x = torch.cat([special, spread]).reshape(tokens, 4, 16).half().float()
+    for dtype in (torch.float16, torch.bfloat16):
+        src = x.to(dtype)
+        big = torch.randn(tokens, 4, 2, 24).to(dtype) * 3  # strided k: [T, 4, 16] of a wider tensor
+        k = big[:, :, 0, :16]
+        q = torch.randn(tokens + 3, 8, 16).to(dtype) * 500  # q only gets its amax
+        k8, vt, scales = _quantise_with_kernels(q, k, src)
+        want_k, want_kd = quantize_per_tensor(k)
+        want_v, want_vd = quantize_per_tensor(src)
+        assert torch.equal(k8.view(torch.uint8), want_k.view(torch.uint8))
+        assert torch.equal(vt[..., :tokens].permute(2, 0, 1).view(torch.uint8), want_v.view(torch.uint8))
+        assert torch.equal(vt[..., tokens:].view(torch.uint8), torch.zeros_like(vt[..., tokens:]).view(torch.uint8))
+        assert scales[Q.AMAX_Q].item() == q.float().abs().max().item()
+        assert scales[Q.DESCALE_K].item() == want_kd.item() and scales[Q.DESCALE_V].item() == want_vd.item()
+        assert scales[Q.ONE].item() == 1.0
+
+
+def _rn32(value: Fraction) -> float:
+    """A rational rounded to the nearest float32 (ties to even), exactly."""
+    if value == 0:
+        return 0.0
+    sign, value = (-1 if value < 0 else 1), abs(value)
+    e = max(value.numerator.bit_length() - value.denominator.bit_length(), -126)
+    if Fraction(2) ** e > value:
+        e -= 1
+    m = value * Fraction(2) ** (23 - e)
+    q, rem = divmod(m.numerator, m.denominator)
+    if 2 * rem > m.denominator or (2 * rem == m.denominator and q % 2):
+        q += 1
+    return sign * float(Fraction(q) / Fraction(2) ** (23 - e))
+
+
+def test_quantisation_division_is_exact_for_every_bf16():
+    """The kernels divide by the descale as q = x * y (y = 1/d correctly rounded), then
+    q + fma(x - q * d) * y: this emulation (float64 where it is exact, rationals where
+    a double rounding could hide) equals the IEEE float32 quotient for every bf16 x
+    over every bf16 amax mantissa (the rounding pattern is scale-free)."""
+    import numpy as np
+
+    mantissas = np.arange(128, 256, dtype=np.float64)
+    xs = np.concatenate([mantissas * 2.0 ** (e - 7) for e in range(-14, 1)])
+    xs = np.concatenate([xs, -xs]).astype(np.float32)
+    for amax in (mantissas / 128).astype(np.float32):
+        d = np.float32(_rn32(Fraction(float(amax)) / 448))
+        y = np.float64(_rn32(1 / Fraction(float(d))))
+        x = xs[np.abs(xs) <= amax].astype(np.float64)
+        q0 = (x * y).astype(np.float32).astype(np.float64)  # exact product, one rounding
+        r = (x - q0 * np.float64(d)).astype(np.float32).astype(np.float64)  # exact difference, one rounding
+        ry = r * y  # exact
+        total = q0 + ry  # may round: redo the float32 midpoints exactly
+        q1 = total.astype(np.float32)
+        up = np.nextafter(q1, np.float32(np.inf)).astype(np.float64)
+        down = np.nextafter(q1, np.float32(-np.inf)).astype(np.float64)
+        q64 = q1.astype(np.float64)
+        for i in np.nonzero((total == (q64 + up) / 2) | (total == (q64 + down) / 2))[0]:
+            q1[i] = _rn32(Fraction(float(q0[i])) + Fraction(float(ry[i])))
+        want = (torch.from_numpy(x.astype(np.float32)) / torch.tensor(d)).numpy()
+        assert np.array_equal(q1, want), (amax, x[q1 != want][:4])
+
+
+@needs_triton
+def test_v_transpose_copy_of_fp8_inputs():
+    from graphsafe.ops.attention import _triton_quant as Q
+
+    v = torch.randn(21, 2, 2, 32).to(FP8_DTYPE)[:, :, 1]  # strided
+    vt = torch.full((2, 32, Q.vt_columns(21)), 3.0).to(FP8_DTYPE)
+    Q.quantize_kv_into(v, v, None, vt, torch.zeros(8), quant=False)
+    assert torch.equal(vt[..., :21].permute(2, 0, 1).view(torch.uint8), v.view(torch.uint8))
+    assert not vt[..., 21:].view(torch.uint8).any()
 
 
 def _rel_l2(a, b):
@@ -361,6 +450,27 @@ def test_fp8_inputs_with_per_sequence_descales():
     actual = _triton().flash_attn_varlen(*args)
     vmax = (v.float().abs().amax() * vd.abs().amax()).item()
     attention_compare(expected, actual, vmax, torch.bfloat16, True, v.shape[0], "fp8 inputs")
+
+
+@needs_triton
+def test_negative_and_zero_score_scales():
+    """The kernel moves a negative scale (or a negative product of descales) into q's sign
+    bits and keeps qk_scale > 0; a zero scale gives uniform attention, not NaN."""
+    case = case_for("flash_attn_varlen")
+    base = case.inputs({**case.example, "mode": "fp8_inputs", "descale": "per_seq"}, "cpu", 6)
+    q, k, v, cu_q, cu_k, mq, mk, scale, causal, qd, kd, vd, mode = base
+    qd = qd * torch.tensor([[1.0, -1.0], [-2.0, 1.0], [1.0, 1.0]])  # some products negative
+    qh, kh, vh = (x.float().half() for x in (q, k, v))
+    for args, fp8 in (
+        ((q, k, v, cu_q, cu_k, mq, mk, -scale, causal, qd, kd, vd, mode), True),
+        ((qh, kh, vh, cu_q, cu_k, mq, mk, -0.7, causal, None, None, None, "off"), False),
+        ((qh, kh, vh, cu_q, cu_k, mq, mk, 0.0, causal, None, None, None, "off"), False),
+    ):
+        expected = reference.flash_attn_varlen(*args)
+        actual = _triton().flash_attn_varlen(*args)
+        assert not actual.isnan().any()
+        vmax = args[2].float().abs().max().item() * (vd.abs().max().item() if fp8 else 1.0)
+        attention_compare(expected, actual, vmax, expected.dtype, fp8, args[2].shape[0] if fp8 else 0, f"scale {args[7]}")
 
 
 @needs_triton

@@ -137,16 +137,94 @@ def test_fp8_path_accuracy_bound(params):
     attention_compare(emulated, fp8_out, vmax, torch.bfloat16, True, args[2].shape[0], "fp8 vs emulation")
 
 
-def test_quantisation_kernel_bit_exact_on_gpu():
-    from graphsafe.ops.attention._triton_quant import quantize_into
+def test_quantisation_kernels_bit_exact_on_gpu():
+    """amax of q/k/v (one launch, atomic max) and k / V^T quantisation (one launch) equal
+    `quantize_per_tensor` bit for bit at a Llama prefill shape; V^T padding is zero."""
+    from graphsafe.ops.attention import _triton_quant as Q
 
-    x = torch.randn(4096, 32, 128, device=CUDA, dtype=torch.bfloat16) * 3
-    want, want_descale = quantize_per_tensor(x)
-    got = torch.empty_like(x, dtype=FP8_DTYPE)
-    scales = torch.zeros(8, device=CUDA)
-    quantize_into(x, got, scales, 0)
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    assert scales[3].item() == want_descale.item()
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    tk = 4096 * 8 + 5  # not a multiple of 16: V^T has padding columns
+    q = torch.randn(tk, 32, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) * 5
+    k = torch.randn(tk, 8, 128, device=CUDA, dtype=torch.bfloat16, generator=gen) * 3
+    v = torch.randn(tk, 8, 2, 128, device=CUDA, dtype=torch.bfloat16, generator=gen)[:, :, 1]  # strided
+    k8 = torch.empty(tk, 8, 128, device=CUDA, dtype=FP8_DTYPE)
+    vt = torch.full((8, 128, Q.vt_columns(tk)), 3.0, device=CUDA).to(FP8_DTYPE)
+    scales = torch.full((8,), 77.0, device=CUDA)
+    out = torch.empty(tk, 32, 128, device=CUDA, dtype=torch.bfloat16)
+    Q.prepare_varlen(out, torch.zeros(1, device=CUDA, dtype=torch.int32), scales)
+    Q.amax_into(q, k, v, scales)
+    Q.quantize_kv_into(k, v, k8, vt, scales)
+    (want_k, kd), (want_v, vd) = quantize_per_tensor(k), quantize_per_tensor(v)
+    assert torch.equal(k8.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vt[..., :tk].permute(2, 0, 1).view(torch.uint8), want_v.view(torch.uint8))
+    assert not vt[..., tk:].view(torch.uint8).any()
+    assert scales[Q.AMAX_Q].item() == q.float().abs().max().item()
+    assert scales[Q.DESCALE_K].item() == kd.item() and scales[Q.DESCALE_V].item() == vd.item()
+
+
+RAGGED_FP8 = {**GQA_PREFILL, "B": 4, "max_q": 2048, "max_k": 2048, "lens_q": [2048 - 5, 17, 1000, 3], "pad_q": 3,
+              "mode": "on"}
+
+
+@pytest.mark.parametrize("config", [None, (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)])
+@pytest.mark.parametrize("params", [RAGGED_FP8, {**MLA_PREFILL, "mode": "on"}, {**RAGGED_FP8, "causal": False}],
+                         ids=["gqa-ragged", "mla", "gqa-full"])
+def test_fp8_kernel_configs_against_emulation(config, params):
+    """The default fp8 tiles and the benchmark's alternatives (graphsafe/bench/cases/
+    attention.py) against the reference's emulation of the quantisation. Sequences start
+    at keys that are not multiples of 16 (the kernel's masked lead block)."""
+    if not fp8_prefill_supported(CUDA):
+        pytest.skip("no fp8 prefill on this GPU")
+    case = case_for("flash_attn_varlen")
+    args = case.inputs(params, CUDA, seed=8)
+    actual = _triton().flash_attn_varlen(*args, config=config)
+    emulated = reference.flash_attn_varlen(*args)
+    torch.cuda.synchronize()
+    vmax = args[2].abs().max().item() * (1 + 2**-4)
+    attention_compare(emulated, actual, vmax, torch.bfloat16, True, args[2].shape[0], f"fp8 tiles {config}")
+    assert _rel_l2(actual, reference.flash_attn_varlen(*args[:12], "off")) <= FP8_REL_L2_BOUND
+
+
+@pytest.mark.parametrize("lens", [[20, 19, 30], [300, 190, 400]])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp8_neighbour_nan_stays_out(lens, causal):
+    """The fp8 kernel reads V^T in 16-token groups across sequence bounds (its aligned
+    key frame); a NaN value in a neighbouring sequence must still not reach a sequence's
+    output (p = 0 there, but 0 * NaN = NaN unless those values are zeroed). GPU only:
+    Triton's CPU interpreter does not treat e4m3 0x7F as NaN."""
+    if not fp8_prefill_supported(CUDA):
+        pytest.skip("no fp8 prefill on this GPU")
+    case = case_for("flash_attn_varlen")
+    params = {**GQA_PREFILL, "B": 3, "max_q": max(lens), "lens_q": lens, "lens_k": lens, "causal": causal,
+              "mode": "fp8_inputs", "descale": "tensor", "pad_q": 0, "pad_k": 0}
+    args = list(case.inputs(params, CUDA, seed=3))
+    first, last = lens[0], lens[0] + lens[1] - 1  # sequence 1's first and last tokens
+    v = args[2].clone()
+    v[[first, first + 1, last - 1, last]] = float("nan")
+    args[2] = v
+    actual = _triton().flash_attn_varlen(*args)
+    expected = reference.flash_attn_varlen(*args)
+    torch.cuda.synchronize()
+    clean = torch.ones(actual.shape[0], dtype=torch.bool, device=CUDA)
+    clean[first : last + 1] = False  # sequences 0 and 2 see no NaN
+    assert not expected[clean].isnan().any()
+    assert not actual[clean].isnan().any(), "a neighbouring sequence's NaN reached the output"
+    vmax = torch.nan_to_num(v.float(), nan=0.0).abs().max().item() * args[11].item()
+    attention_compare(expected[clean], actual[clean], vmax, torch.bfloat16, True, v.shape[0], "neighbour NaN")
+
+
+def test_negative_scales_on_gpu():
+    """A negative score scale moves into q's sign bits (bf16 and fp8 kernels)."""
+    case = case_for("flash_attn_varlen")
+    for mode in ("off", "on"):
+        args = list(case.inputs({**GQA_PREFILL, "B": 2, "max_q": 256, "max_k": 256, "mode": mode}, CUDA, seed=9))
+        args[7] = -args[7]
+        actual = _triton().flash_attn_varlen(*args)
+        expected = reference.flash_attn_varlen(*args)
+        torch.cuda.synchronize()
+        vmax = args[2].abs().max().item() * (1 + 2**-4 if mode == "on" else 1)
+        attention_compare(expected, actual, vmax, torch.bfloat16, mode == "on", args[2].shape[0] if mode == "on" else 0,
+                          f"negative scale {mode}")
 
 
 def test_varlen_fp8_graph_capture_with_reserved_workspace():

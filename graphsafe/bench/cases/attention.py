@@ -133,17 +133,47 @@ def _varlen_peers(q, k, v, seqs: int, n: int, scale: float, device) -> tuple[dic
     return impls, "; ".join(notes)
 
 
+# Alternative fp8 tile configs (BLOCK_M, BLOCK_N, num_warps, num_stages) timed next to
+# the default (`triton.varlen_config`) on fp8 inputs: one CTA of 128 x 64 tiles per SM
+# (the default at D <= 128 is 128 x 128, 8 warps, 3 stages), and two CTAs of 64 x 128 per
+# SM (softmax of one overlaps the MMAs of the other, at twice the L2 -> SM traffic).
+FP8_CONFIG_VARIANTS = {128: [(64, 128, 4, 3), (128, 64, 8, 3)], 192: [(64, 64, 4, 3), (128, 64, 8, 3)]}
+
+
 def _fp8_impls(public, q, k, v, cu, n: int, scale: float) -> dict:
     """graphsafe's fp8 path quantising inside the op (bf16 in and out), on pre-quantised
-    fp8 inputs, and its bf16 path for the ratio."""
+    fp8 inputs (also with other tile configs), the quantisation launches alone, and the
+    bf16 path for the ratio."""
+    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention import triton as T
     from graphsafe.ops.attention.fp8 import quantize_per_tensor
+    from graphsafe.workspace import current_workspace_manager
 
     (q8, qd), (k8, kd), (v8, vd) = (quantize_per_tensor(x) for x in (q, k, v))
-    return {
+    impls = {
         "graphsafe fp8 (bf16 in)": lambda: public(q, k, v, cu, cu, n, n, scale, True, None, None, None, "on"),
         "graphsafe fp8 (fp8 in)": lambda: public(q8, k8, v8, cu, cu, n, n, scale, True, qd, kd, vd),
         "graphsafe bf16": lambda: public(q, k, v, cu, cu, n, n, scale, True, None, None, None, "off"),
     }
+    for config in FP8_CONFIG_VARIANTS.get(q.shape[2], []):
+        impls[f"graphsafe fp8 (fp8 in) tiles {config}"] = (
+            lambda c=config: T.flash_attn_varlen(q8, k8, v8, cu, cu, n, n, scale, True, qd, kd, vd, config=c)
+        )
+    tq, hq, d = q.shape
+    tk, hk, dv = v.shape
+    out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
+
+    def quantise_only():
+        """The three launches before the attention kernel (workspace as in the op)."""
+        vt, k8w, scales = current_workspace_manager(q.device).get_simultaneous(
+            *T.varlen_workspace_specs(tq, tk, hq, hk, d, dv, quantize=True), owner="bench"
+        )
+        Q.prepare_varlen(out, cu, scales)
+        Q.amax_into(q, k, v, scales)
+        Q.quantize_kv_into(k, v, k8w, vt, scales)
+
+    impls["fp8 quantisation launches only"] = quantise_only
+    return impls
 
 
 @bench_case("flash_attn_varlen")
@@ -170,5 +200,7 @@ def flash_attn_varlen(device: torch.device):
         del impls, peers
         yield Problem(case=spec.name, shape=f"{label} fp8", impls=_fp8_impls(spec.public, q, k, v, cu, n, scale),
                       bytes=io_bytes, flops=flops, bound="compute", peak_dtype=torch.float8_e4m3fn,
-                      note="fp8 (bf16 in) includes the per-tensor quantisation of q, k, v")
+                      note="fp8 (bf16 in) includes the per-tensor quantisation of q, k, v (amax of q/k/v in "
+                           "one pass, k and V^T written once, q quantised per tile in the kernel); "
+                           "'quantisation launches only' times that prefix alone (its TFLOP/s is meaningless)")
         del q, k, v, args

@@ -11,7 +11,23 @@ products (128 + 64) instead of padding to 256.
 
 FP8: q, k and V^T are float8e4nv. V is read from a transposed (token-contiguous) buffer
 so both products have K-major operands, as Hopper's fp8 wgmma requires. P is scaled by
-P_SCALE before its fp8 cast (e4m3 has no room below 2^-9); the output undoes it.
+P_SCALE before its fp8 cast (e4m3 has no room below 2^-9): the scale is folded into the
+exponent (`exp2(s - m + log2(P_SCALE))`), so l and acc both carry it and `acc / l`
+cancels it without an extra multiply per element.
+
+Aligned key frame (KV_ALIGN > 1, the fp8 path): the V^T rows of a sequence start at token
+`k_start`, which is arbitrary, so V^T tile addresses would have no known alignment and
+Triton could neither copy them asynchronously (cp.async needs >= 4 aligned bytes) nor
+pipeline them; the tile would go through registers byte by byte. The kernel therefore
+walks keys from `kv0 = k_start` rounded down to KV_ALIGN tokens: key n of the frame is
+key `n - lead` of the sequence (`lead = k_start - kv0`), keys n < lead are masked (only
+block 0 of a sequence with lead > 0 pays a masked block). Masked blocks load V^T in
+whole KV_ALIGN-token groups (still 16-byte copies) and zero the values of keys outside
+the sequence in registers, so a neighbour's NaN never meets a p = 0.
+
+Softmax arithmetic per score: the row max is taken over the raw q.k (qk_scale > 0: the
+kernel moves a negative scale's sign into q), the exponent is one FMA, the fp8 P cast
+needs no multiply, and acc is rescaled and then accumulated in place by the MMA.
 """
 
 from __future__ import annotations
@@ -19,19 +35,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphsafe.ops.attention._triton_quant import cast_fp8
-from graphsafe.ops.attention.fp8 import AMAX_EPS, FP8_MAX, P_SCALE
+from graphsafe.ops.attention._triton_quant import cast_fp8, descale_of, prepare_varlen, quantize_values
+from graphsafe.ops.attention.fp8 import P_SCALE
 
 LOG2E = 1.4426950408889634
-_P_SCALE = tl.constexpr(P_SCALE)
-_EPS = tl.constexpr(AMAX_EPS)
-_MAX = tl.constexpr(FP8_MAX)
+# V^T rows are read from multiples of KV_ALIGN tokens (16 fp8 bytes: cp.async's widest copy).
+KV_ALIGN = 16
+_P_LOG2 = tl.constexpr(int(P_SCALE).bit_length() - 1)  # exp2 shift: P_SCALE = 2^_P_LOG2
+assert 2.0**_P_LOG2.value == P_SCALE
+_FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # smallest normal float32
 
 
 @triton.jit
-def _quantize_tile(x, descale, EMULATE: tl.constexpr):
-    """The per-tensor quantisation of `fp8.quantize_per_tensor`, bit for bit."""
-    return cast_fp8(tl.clamp(tl.math.div_rn(x.to(tl.float32), descale), -_MAX, _MAX), EMULATE)
+def _negate_if(x, flip, FP8: tl.constexpr):
+    """-x where the scalar `flip` holds, by flipping sign bits (exact, also for fp8,
+    which has no arithmetic of its own). x: fp8 if FP8, else bf16/fp16."""
+    if FP8:
+        sign = tl.where(flip, -128, 0).to(tl.int8)
+        return (x.to(tl.int8, bitcast=True) ^ sign).to(x.dtype, bitcast=True)
+    else:
+        sign = tl.where(flip, -32768, 0).to(tl.int16)
+        return (x.to(tl.int16, bitcast=True) ^ sign).to(x.dtype, bitcast=True)
 
 
 @triton.jit
@@ -50,48 +74,71 @@ def _load_kt(base, rel_n, offs_d, stride_kt, n_mask, D: tl.constexpr, NMASK: tl.
 
 @triton.jit
 def _key_block(
-    acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, k_len, diag, qk_scale,
+    acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, lead, k_hi, diag, qk_scale,
     stride_kt, stride_vt, stride_vd,
     D: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr, EMULATE: tl.constexpr,
+    KV_ALIGN: tl.constexpr,
 ):
-    """Keys [start_n, start_n + BLOCK_N) (at pointers k_blk, v_blk) into the online
-    softmax; MASKED blocks check lengths and causality."""
+    """Keys [start_n, start_n + BLOCK_N) of the (aligned) key frame, at pointers k_blk,
+    v_blk, into the online softmax. MASKED blocks hide keys outside [lead, k_hi) and,
+    when CAUSAL, keys past row i's diagonal (n > i + diag)."""
     rel_n = tl.arange(0, BLOCK_N)
     offs_n = start_n + rel_n
-    n_mask = offs_n < k_len
+    n_mask = offs_n < k_hi
     offs_da = tl.arange(0, BLOCK_DA)
     s = tl.dot(q_a, _load_kt(k_blk, rel_n, offs_da, stride_kt, n_mask, D, MASKED, BLOCK_DA > D))
     if BLOCK_DB > 0:
         offs_db = BLOCK_DA + tl.arange(0, BLOCK_DB)
         s = tl.dot(q_b, _load_kt(k_blk, rel_n, offs_db, stride_kt, n_mask, D, MASKED, BLOCK_DA + BLOCK_DB > D), s)
-    s = s * qk_scale
+    # qk_scale > 0 (the kernel folded any sign into q): the row max of the raw scores
+    # scaled is the max of the scaled scores, and the exponent is one FMA per score.
     if MASKED:
         visible = n_mask[None, :]
+        if KV_ALIGN > 1:
+            visible = visible & (offs_n[None, :] >= lead)
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
     else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         m_ref = m_new
-    p = tl.exp2(s - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
+    if FP8:
+        # p * P_SCALE straight from the exponent: P's fp8 operand without a multiply.
+        m_ref = m_ref - _P_LOG2
+    p = tl.exp2(s * qk_scale - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
     offs_dv = tl.arange(0, BLOCK_DV)
     v_ptrs = v_blk + rel_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd
     if MASKED:
-        v = tl.load(v_ptrs, mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if KV_ALIGN > 1:
+            # The load masks whole KV_ALIGN-token groups (V^T rows are token-contiguous, so
+            # a per-token mask would break it into byte loads); keys of a neighbouring
+            # sequence that it brings in are then zeroed in registers: p = 0 there, but
+            # 0 * NaN is not 0, and a neighbour's NaN must not reach this sequence.
+            group_ok = (offs_n // KV_ALIGN) * KV_ALIGN < k_hi
+            v = tl.load(v_ptrs, mask=group_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            if (lead > 0) | (k_hi % KV_ALIGN != 0):  # (sequences on group bounds skip this)
+                v_bits = v.to(tl.int8, bitcast=True)
+                token_ok = n_mask & (offs_n >= lead)
+                v = tl.where(token_ok[:, None], v_bits, tl.zeros_like(v_bits)).to(v.dtype, bitcast=True)
+        else:
+            v = tl.load(v_ptrs, mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
     elif BLOCK_DV > DV:
         v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
     else:
         v = tl.load(v_ptrs)
+    # Rescale first, then accumulate in place (the MMA adds into acc: no second
+    # accumulator tile in registers).
+    acc = acc * alpha[:, None]
     if FP8:
-        acc = acc * alpha[:, None] + tl.dot(cast_fp8(p * _P_SCALE, EMULATE), v)
+        acc = tl.dot(cast_fp8(p, EMULATE), v, acc)
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
 
 
@@ -104,10 +151,11 @@ def _varlen_fwd_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FP8: tl.constexpr, HAS_DESCALE: tl.constexpr, Q_QUANT: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, KV_ALIGN: tl.constexpr,
 ):
     """Q_QUANT: q is bf16/fp16 and `qd_ptr` holds its amax; the program quantises its own
-    query tile (saving a pass over q, the largest input under GQA)."""
+    query tile once, before the key loop (saving a pass over q, the largest input under
+    GQA). KV_ALIGN: see the module docstring (1: keys from k_start itself)."""
     pid = tl.program_id(0)
     seq_head = pid // num_m_blocks
     m_block = num_m_blocks - 1 - pid % num_m_blocks  # heaviest causal block first
@@ -121,6 +169,8 @@ def _varlen_fwd_kernel(
         return
     k_start = tl.load(cu_k_ptr + b)
     k_len = tl.load(cu_k_ptr + b + 1) - k_start
+    kv0 = (k_start // KV_ALIGN) * KV_ALIGN  # a multiple of KV_ALIGN: aligned V^T rows
+    lead = k_start - kv0  # frame keys [0, lead) belong to the previous sequence: masked
 
     rel_m = tl.arange(0, BLOCK_M)
     offs_m = m0 + rel_m
@@ -136,54 +186,76 @@ def _varlen_fwd_kernel(
         q_b = q_a
     if HAS_DESCALE:
         if Q_QUANT:
-            q_descale = tl.math.div_rn(tl.maximum(tl.load(qd_ptr), _EPS), _MAX)
-            q_a = _quantize_tile(q_a, q_descale, EMULATE)
+            # The per-tensor quantisation of `fp8.quantize_per_tensor`, bit for bit.
+            q_descale, q_inv = descale_of(tl.load(qd_ptr))
+            q_a = quantize_values(q_a, q_descale, q_inv, EMULATE)
             if BLOCK_DB > 0:
-                q_b = _quantize_tile(q_b, q_descale, EMULATE)
+                q_b = quantize_values(q_b, q_descale, q_inv, EMULATE)
         else:
             q_descale = tl.load(qd_ptr + b * stride_qd_b + kv_head * stride_qd_h)
         qk_scale = qk_scale * q_descale
         qk_scale = qk_scale * tl.load(kd_ptr + b * stride_kd_b + kv_head * stride_kd_h)
-    k_base = k_ptr + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-    v_base = v_ptr + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    # The key loop wants qk_scale > 0: a negative one (a negative scale or descale) moves
+    # its sign into q (exact: a sign-bit flip), and 0 becomes the smallest normal float
+    # (scores ~0 either way, and -inf * qk_scale stays -inf for masked keys).
+    q_a = _negate_if(q_a, qk_scale < 0, FP8)
+    if BLOCK_DB > 0:
+        q_b = _negate_if(q_b, qk_scale < 0, FP8)
+    qk_scale = tl.maximum(tl.abs(qk_scale), _FLT_MIN)
+    k_base = k_ptr + kv0.to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + kv0.to(tl.int64) * stride_vt + kv_head * stride_vh
 
-    # Keys [0, full_end) are visible to every row of the block; [full_end, hi) need masks.
-    diag = k_len - q_len  # bottom-right causal alignment: row i sees keys j <= i + diag
+    # Frame keys [lead, k_hi) are the sequence's; row i sees n <= i + diag (bottom-right
+    # causal alignment, shifted by lead). Blocks [lo, full_end) are visible to every row
+    # of the query block (no mask at all); block 0 when lead > 0 and [full_end, hi) are
+    # masked.
+    k_hi = k_len + lead
+    diag = k_len - q_len + lead
     if CAUSAL:
-        hi = tl.maximum(tl.minimum(k_len, m0 + BLOCK_M + diag), 0)
-        full_end = tl.maximum(tl.minimum(k_len, m0 + diag + 1), 0)
+        hi = tl.maximum(tl.minimum(k_hi, m0 + BLOCK_M + diag), 0)
+        full_end = tl.maximum(tl.minimum(k_hi, m0 + diag + 1), 0)
     else:
-        hi = k_len
-        full_end = k_len
+        hi = k_hi
+        full_end = k_hi
     full_end = (full_end // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # Block 0 holds keys of the previous sequence when lead > 0: masked, before the
+    # unmasked run (when it is not a masked tail block anyway).
+    lead_block = (lead > 0) & (full_end > 0)
+    lo = tl.where(lead_block, BLOCK_N, 0)
+    if KV_ALIGN > 1:
+        if lead_block:
+            acc, l_i, m_i = _key_block(
+                acc, l_i, m_i, q_a, q_b, k_base, v_base, 0, offs_m, lead, k_hi, diag, qk_scale,
+                stride_kt, stride_vt, stride_vd, D, BLOCK_DA, BLOCK_DB, DV, BLOCK_DV, BLOCK_N,
+                True, CAUSAL, FP8, EMULATE, KV_ALIGN,
+            )
     # Block pointers advance in 64-bit (long sequences overflow int32 offsets); the
-    # masked phase continues where the unmasked one stopped (full_end is block aligned).
-    k_blk = k_base
-    v_blk = v_base
-    for start_n in range(0, full_end, BLOCK_N):
+    # masked phase continues where the unmasked one stopped (full_end is block aligned,
+    # and lo <= full_end: a lead block implies full_end >= BLOCK_N).
+    k_blk = k_base + lo * stride_kt
+    v_blk = v_base + lo * stride_vt
+    for start_n in range(lo, full_end, BLOCK_N):
         acc, l_i, m_i = _key_block(
-            acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, k_len, diag, qk_scale,
+            acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, lead, k_hi, diag, qk_scale,
             stride_kt, stride_vt, stride_vd, D, BLOCK_DA, BLOCK_DB, DV, BLOCK_DV, BLOCK_N,
-            False, CAUSAL, FP8, EMULATE,
+            False, CAUSAL, FP8, EMULATE, KV_ALIGN,
         )
         k_blk += BLOCK_N * stride_kt
         v_blk += BLOCK_N * stride_vt
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _key_block(
-            acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, k_len, diag, qk_scale,
+            acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, lead, k_hi, diag, qk_scale,
             stride_kt, stride_vt, stride_vd, D, BLOCK_DA, BLOCK_DB, DV, BLOCK_DV, BLOCK_N,
-            True, CAUSAL, FP8, EMULATE,
+            True, CAUSAL, FP8, EMULATE, KV_ALIGN,
         )
         k_blk += BLOCK_N * stride_kt
         v_blk += BLOCK_N * stride_vt
 
     norm = tl.where(l_i > 0.0, l_i, 1.0)  # rows that see no key: acc is 0, out is 0
-    if FP8:
-        norm = norm * _P_SCALE
     if HAS_DESCALE:
         acc = acc * tl.load(vd_ptr + b * stride_vd_b + kv_head * stride_vd_h)
     o = acc / norm[:, None]
@@ -193,27 +265,9 @@ def _varlen_fwd_kernel(
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_dv[None, :] < DV))
 
 
-@triton.jit
-def _zero_tail_kernel(out_ptr, cu_q_ptr, batch, n_rows, row_len, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows outside every sequence (t >= cu_seqlens_q[B]) get 0. `out` is contiguous."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    first = tl.load(cu_q_ptr + batch)
-    rows_mask = (rows >= first) & (rows < n_rows)
-    if tl.sum(rows_mask.to(tl.int32), axis=0) > 0:
-        for c0 in range(0, row_len, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            ptrs = out_ptr + rows[:, None].to(tl.int64) * row_len + cols[None, :]
-            zeros = tl.zeros([BLOCK_R, BLOCK_C], dtype=out_ptr.dtype.element_ty)
-            tl.store(ptrs, zeros, mask=rows_mask[:, None] & (cols[None, :] < row_len))
-
-
 def launch_zero_tail(out, cu_q) -> None:
     """Zero the rows of contiguous `out` [Tq, Hq, Dv] past `cu_q[B]` (read on the device)."""
-    tq, hq, dv = out.shape
-    if tq > 0 and hq * dv > 0:
-        _zero_tail_kernel[(triton.cdiv(tq, 64),)](
-            out, cu_q, cu_q.shape[0] - 1, tq, hq * dv, BLOCK_R=64, BLOCK_C=min(1024, triton.next_power_of_2(hq * dv))
-        )
+    prepare_varlen(out, cu_q)
 
 
 def _split_head_dim(d: int, min_block: int) -> tuple[int, int]:
@@ -227,14 +281,14 @@ def _split_head_dim(d: int, min_block: int) -> tuple[int, int]:
 def launch_varlen(
     q, k, v, out, cu_q, cu_k, max_seqlen_q, scale, causal, descales, v_strides, fp8, config, emulate, q_quant=False
 ):
-    """Launch the forward kernel (and the tail zeroing). `descales` is None or three
-    (tensor, stride_b, stride_h); `v_strides` (t, h, d) of `v` (transposed for fp8).
-    `q_quant`: q is bf16/fp16 and the first descale entry points at its amax."""
+    """Launch the forward kernel (the caller zeroes the output tail: `prepare_varlen`).
+    `descales` is None or three (tensor, stride_b, stride_h); `v_strides` (t, h, d) of `v`
+    (transposed for fp8). `q_quant`: q is bf16/fp16 and the first descale entry points
+    at its amax."""
     hq, d = q.shape[1:]
     hk, dv = k.shape[1], out.shape[2]
     batch = cu_q.shape[0] - 1
     block_m, block_n, num_warps, num_stages = config
-    launch_zero_tail(out, cu_q)
     num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
     if batch == 0 or num_m_blocks == 0 or hq == 0:
         return
@@ -252,5 +306,5 @@ def launch_varlen(
         GROUP=hq // hk, D=d, BLOCK_DA=block_da, BLOCK_DB=block_db,
         DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, FP8=fp8, HAS_DESCALE=descales is not None, Q_QUANT=q_quant, EMULATE=emulate,
-        num_warps=num_warps, num_stages=num_stages,
+        KV_ALIGN=KV_ALIGN if fp8 else 1, num_warps=num_warps, num_stages=num_stages,
     )

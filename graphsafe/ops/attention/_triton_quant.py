@@ -1,8 +1,20 @@
 """Triton pieces of the fp8 prefill path: per-tensor amax and quantisation into workspace
 buffers, the fp8 cast helper, and the device probe behind `fp8_prefill_supported`.
 
+Launches of the fp8 path (bf16/fp16 inputs): `prepare_varlen` (zero the output tail and
+reset the scale slots), `amax_into` (amax of q, k and v, one pass each, one launch, float
+atomic max), `quantize_kv_into` (k and V^T into the workspace, one launch), then the
+attention kernel, which quantises each query tile once, from q's amax. fp8 inputs skip
+the amax and k: `quantize_kv_into(..., quant=False)` only builds V^T.
+
 Quantisation matches `fp8.quantize_per_tensor` bit for bit: `descale = max(amax, EPS) /
-448` and `x / descale` use IEEE division (`div_rn`), the cast rounds to nearest even.
+448` uses IEEE division (`div_rn`), and so does `x / descale` in effect: each element
+takes a multiply by the correctly rounded reciprocal and one FMA correction step
+(Markstein's), three instructions instead of a full division (about fifteen, with a
+slow-path check) per element. For finite inputs this is the correctly rounded quotient:
+checked exactly (rational arithmetic) for every bf16 and every fp16 input against every
+bf16 / fp16 amax mantissa; the tests compare it with torch's division bit for bit. The
+cast rounds to nearest even.
 Triton's CPU interpreter (3.9) casts fp32 -> e4m3 wrongly (it drops the carry into the
 next binade: 31.8 -> 16, and flushes subnormals), so under the interpreter `cast_fp8`
 first rounds in fp32 (exact bit arithmetic) and then casts a value the interpreter
@@ -16,6 +28,7 @@ import triton
 import triton.language as tl
 
 from graphsafe.backends import triton_interpreter_enabled
+from graphsafe.device_info import num_sms
 from graphsafe.ops.attention.fp8 import AMAX_EPS, FP8_MAX
 
 EMULATE_FP8_CAST = triton_interpreter_enabled()
@@ -36,7 +49,8 @@ def _round_to_e4m3(x):
     r = tl.floor(y + 0.5)
     tie_to_odd = ((r - y) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) == 1.0)
     r = tl.where(tie_to_odd, r - 1.0, r)
-    return tl.where(x < 0, -r * quantum, r * quantum)
+    negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 stays -0.0
+    return tl.where(negative, -(r * quantum), r * quantum)
 
 
 @triton.jit
@@ -47,89 +61,216 @@ def cast_fp8(x, EMULATE: tl.constexpr):
     return x.to(tl.float8e4nv)
 
 
+# Scale slots of the fp8 path's float32 scratch `scales[8]`: amax of q, k, v (atomic max
+# targets, zeroed by `prepare_varlen` first), descales of k and v (written by the quantise
+# kernel), and a constant 1.0 (stands in for descales a caller left out).
+AMAX_Q, AMAX_K, AMAX_V, DESCALE_K, DESCALE_V, ONE = 0, 1, 2, 4, 5, 7
+_AMAX_Q = tl.constexpr(AMAX_Q)
+_AMAX_K = tl.constexpr(AMAX_K)
+_AMAX_V = tl.constexpr(AMAX_V)
+_DESCALE_K = tl.constexpr(DESCALE_K)
+_DESCALE_V = tl.constexpr(DESCALE_V)
+_ONE = tl.constexpr(ONE)
+
+
+@triton.jit
+def _tile_absmax(
+    x_ptr, n_tokens, n_heads, stride_t, stride_h, pid, nprog,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """max |x| over the tiles (BLOCK_T tokens of one head) of x [T, H, D] that program
+    `pid` of `nprog` owns (grid-stride). The running max stays elementwise: one
+    reduction at the end, not one per tile."""
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    run = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    n_tiles = tl.cdiv(n_tokens, BLOCK_T) * n_heads
+    for tile in range(pid, n_tiles, nprog):
+        t_tile = tile // n_heads  # one division per tile, not per row
+        h = tile - t_tile * n_heads
+        t = t_tile * BLOCK_T + offs_t
+        src = x_ptr + h.to(tl.int64) * stride_h + t[:, None].to(tl.int64) * stride_t + offs_d[None, :]
+        x = tl.load(src, mask=(t < n_tokens)[:, None] & (offs_d[None, :] < D), other=0.0)
+        run = tl.maximum(run, tl.abs(x.to(tl.float32)))
+    return tl.max(tl.max(run, axis=1), axis=0)
+
+
 @triton.jit
 def _amax_kernel(
-    x_ptr, amax_ptr, n_tokens, stride_t, stride_h, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr
+    q_ptr, k_ptr, v_ptr, scales_ptr, tq, tk, hq, hk,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_t[:, None] < n_tokens) & (offs_d[None, :] < D)
-    src = x_ptr + offs_t[:, None].to(tl.int64) * stride_t + head * stride_h + offs_d[None, :]
-    x = tl.load(src, mask=mask, other=0.0)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
+    """amax(|q|), amax(|k|), amax(|v|) in one launch: every program reduces its share of
+    each tensor and folds it into the slots with one float atomic max each (|x| >= 0,
+    so the float order is the integer order of the bits)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    aq = _tile_absmax(q_ptr, tq, hq, sq_t, sq_h, pid, nprog, D, BLOCK_T, BLOCK_D)
+    tl.atomic_max(scales_ptr + _AMAX_Q, aq)
+    ak = _tile_absmax(k_ptr, tk, hk, sk_t, sk_h, pid, nprog, D, BLOCK_T, BLOCK_D)
+    tl.atomic_max(scales_ptr + _AMAX_K, ak)
+    av = _tile_absmax(v_ptr, tk, hk, sv_t, sv_h, pid, nprog, DV, BLOCK_T, BLOCK_DV)
+    tl.atomic_max(scales_ptr + _AMAX_V, av)
 
 
 @triton.jit
-def _quant_kernel(
-    x_ptr, dst_ptr, amax_ptr, descale_ptr, n_tokens,
-    stride_t, stride_h, dst_t, dst_h, dst_d,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, EMULATE: tl.constexpr,
-):
-    """dst[t, h, d] (any strides: V is written transposed) = fp8(x / descale), or a plain
-    copy of fp8 x when not QUANT."""
-    pid_t = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_t[:, None] < n_tokens) & (offs_d[None, :] < D)
-    src = x_ptr + offs_t[:, None].to(tl.int64) * stride_t + head * stride_h + offs_d[None, :]
-    x = tl.load(src, mask=mask, other=0.0)
+def descale_of(amax):
+    """`max(amax, EPS) / 448` (IEEE division) and its correctly rounded reciprocal."""
+    descale = tl.math.div_rn(tl.maximum(amax, _EPS), _MAX)
+    return descale, tl.math.div_rn(1.0, descale)
+
+
+@triton.jit
+def quantize_values(x, descale, inv_descale, EMULATE: tl.constexpr):
+    """fp8(clamp(x / descale, +-448)), x / descale correctly rounded: q = x * (1/d) is
+    within about an ulp, r = x - q * d is one FMA, q + r * (1/d) rounds to the quotient
+    (see the module docstring). Zeros keep their sign (the FMAs would give +0)."""
+    x = x.to(tl.float32)
+    q = x * inv_descale
+    r = tl.fma(q, 0.0 - descale, x)
+    q = tl.fma(r, inv_descale, q)
+    q = tl.where(x == 0.0, x, q)
+    return cast_fp8(tl.clamp(q, -_MAX, _MAX), EMULATE)
+
+
+@triton.jit
+def _quantize(x, amax_ptr, QUANT: tl.constexpr, EMULATE: tl.constexpr):
+    """fp8(x / descale) with `descale = max(amax, EPS) / 448` (bit for bit
+    `fp8.quantize_per_tensor`); x itself (already fp8) when not QUANT."""
     if QUANT:
-        descale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), _EPS), _MAX)
-        if (pid_t == 0) & (head == 0):
-            tl.store(descale_ptr, descale)
-        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), descale), -_MAX, _MAX)
-        x = cast_fp8(x, EMULATE)
-    dst = dst_ptr + offs_t[:, None].to(tl.int64) * dst_t + head * dst_h + offs_d[None, :].to(tl.int64) * dst_d
-    tl.store(dst, x, mask=mask)
+        descale, inv_descale = descale_of(tl.load(amax_ptr))
+        x = quantize_values(x, descale, inv_descale, EMULATE)
+    return x
 
 
-def _tiles(n_tokens: int, d: int) -> tuple[int, int, int]:
-    block_d = triton.next_power_of_2(max(d, 1))
-    block_t = 16 if EMULATE_FP8_CAST else max(16, min(256, 32768 // block_d))
-    return block_t, block_d, triton.cdiv(n_tokens, block_t)
+@triton.jit
+def _quant_kv_kernel(
+    k_ptr, v_ptr, k8_ptr, vt_ptr, scales_ptr, n_tokens, n_heads, n_k_tiles,
+    sk_t, sk_h, sv_t, sv_h, vt_h, vt_d,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    QUANT: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """One launch for both operands of the attention kernel. Programs [0, n_k_tiles) of
+    axis 0 quantise a tile of BLOCK_T tokens of k (one head: axis 1) into k8 [T, H, D]
+    (contiguous); the rest write a tile of v, quantised (QUANT) or copied (fp8 inputs),
+    transposed into V^T rows `vt[h, d, t]` (token-contiguous; columns [T, T_pad) get 0,
+    so the attention kernel may read whole 16-token groups)."""
+    pid = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    if QUANT:
+        if (pid == 0) & (head == 0):
+            tl.store(scales_ptr + _DESCALE_K, descale_of(tl.load(scales_ptr + _AMAX_K))[0])
+            tl.store(scales_ptr + _DESCALE_V, descale_of(tl.load(scales_ptr + _AMAX_V))[0])
+    offs = tl.arange(0, BLOCK_T)
+    # (Names differ between the branches: the compiler wants one type per name.)
+    if pid < n_k_tiles:
+        if QUANT:  # fp8 inputs: k is used as given
+            tk = pid * BLOCK_T + offs
+            offs_dk = tl.arange(0, BLOCK_D)
+            k_mask = (tk < n_tokens)[:, None] & (offs_dk[None, :] < D)
+            k_src = k_ptr + tk[:, None].to(tl.int64) * sk_t + head * sk_h + offs_dk[None, :]
+            k8 = _quantize(tl.load(k_src, mask=k_mask, other=0.0), scales_ptr + _AMAX_K, QUANT, EMULATE)
+            k_dst = k8_ptr + (tk[:, None].to(tl.int64) * n_heads + head) * D + offs_dk[None, :]
+            tl.store(k_dst, k8, mask=k_mask)
+    else:
+        tv = (pid - n_k_tiles) * BLOCK_T + offs
+        offs_dv = tl.arange(0, BLOCK_DV)
+        v_src = v_ptr + tv[:, None].to(tl.int64) * sv_t + head * sv_h + offs_dv[None, :]
+        v8 = tl.load(v_src, mask=(tv < n_tokens)[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        v8 = _quantize(v8, scales_ptr + _AMAX_V, QUANT, EMULATE)
+        # [BLOCK_DV, BLOCK_T] with t contiguous: the store goes out in 16-byte rows.
+        vt_dst = vt_ptr + head * vt_h + offs_dv[:, None].to(tl.int64) * vt_d + tv[None, :]
+        tl.store(vt_dst, tl.trans(v8), mask=(offs_dv[:, None] < DV) & (tv[None, :] < vt_d))
 
 
-def amax_into(x: torch.Tensor, scales: torch.Tensor, slot: int) -> None:
-    """`scales[slot] = max(scales[slot], amax(|x|))` for `x` [T, H, D] (zero it first)."""
-    t, h, d = x.shape
-    if t == 0 or h == 0:
+@triton.jit
+def _prepare_kernel(
+    out_ptr, cu_q_ptr, scales_ptr, batch, n_rows, row_len,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SCALES: tl.constexpr,
+):
+    """Rows of contiguous `out` outside every sequence (t >= cu_seqlens_q[B]) get 0, and
+    (HAS_SCALES) program 0 resets the scale slots: amax slots 0 (atomic max targets), the
+    ONE slot 1.0. The attention kernel later writes every other row."""
+    pid = tl.program_id(0)
+    if HAS_SCALES:
+        if pid == 0:
+            slots = tl.arange(0, 8)
+            tl.store(scales_ptr + slots, tl.where(slots == _ONE, 1.0, 0.0))
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    first = tl.load(cu_q_ptr + batch)
+    rows_mask = (rows >= first) & (rows < n_rows)
+    if tl.sum(rows_mask.to(tl.int32), axis=0) > 0:
+        for c0 in range(0, row_len, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            ptrs = out_ptr + rows[:, None].to(tl.int64) * row_len + cols[None, :]
+            zeros = tl.zeros([BLOCK_R, BLOCK_C], dtype=out_ptr.dtype.element_ty)
+            tl.store(ptrs, zeros, mask=rows_mask[:, None] & (cols[None, :] < row_len))
+
+
+def prepare_varlen(out: torch.Tensor, cu_q: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+    """Zero the rows of contiguous `out` [Tq, Hq, Dv] past `cu_q[B]` (read on the device)
+    and reset `scales` (float32 [8]) when given. One launch, at least one program when
+    `scales` is given (so the reset always happens)."""
+    tq, hq, dv = out.shape
+    row_len = hq * dv
+    if scales is None and (tq == 0 or row_len == 0):
         return
-    block_t, block_d, grid_t = _tiles(t, d)
-    _amax_kernel[(grid_t, h)](
-        x, scales[slot:], t, x.stride(0), x.stride(1), D=d, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=8
+    _prepare_kernel[(max(1, triton.cdiv(tq, 64)),)](
+        out, cu_q, scales if scales is not None else out, cu_q.shape[0] - 1, tq, row_len, BLOCK_R=64,
+        BLOCK_C=min(1024, triton.next_power_of_2(max(row_len, 1))), HAS_SCALES=scales is not None,
     )
 
 
-def quantize_into(x: torch.Tensor, dst: torch.Tensor, scales: torch.Tensor, slot: int, dst_strides=None) -> None:
-    """Quantise `x` [T, H, D] per tensor into `dst` (fp8; `dst_strides` (t, h, d) overrides
-    dst's own, e.g. a transposed layout). `scales[slot]` receives amax (must be zero
-    beforehand) and `scales[slot + 3]` the descale. Two launches, no host sync."""
-    t, h, d = x.shape
-    if t == 0 or h == 0:
-        return
-    amax_into(x, scales, slot)
-    block_t, block_d, grid_t = _tiles(t, d)
-    amax, descale = scales[slot:], scales[slot + 3:]
-    st, sh, sd = dst_strides or dst.stride()
-    _quant_kernel[(grid_t, h)](
-        x, dst, amax, descale, t, x.stride(0), x.stride(1), st, sh, sd,
-        D=d, BLOCK_T=block_t, BLOCK_D=block_d, QUANT=True, EMULATE=EMULATE_FP8_CAST, num_warps=8,
+def _programs(device: torch.device, tiles: int) -> int:
+    """Grid of the grid-stride amax: a few programs per SM, all resident at once (enough
+    loads in flight to stream at full bandwidth, no second wave), never more than there
+    are tiles."""
+    per_device = 6 * num_sms(device) if device.type == "cuda" else 3
+    return max(1, min(per_device, tiles))
+
+
+def amax_into(q, k, v, scales: torch.Tensor) -> None:
+    """`scales[AMAX_*] = max(scales[AMAX_*], amax(|x|))` for q, k, v [T, H, D] in one
+    launch (reset the slots first: `prepare_varlen`)."""
+    tq, hq, d = q.shape
+    tk, hk, dv = v.shape
+    block_d, block_dv = triton.next_power_of_2(max(d, 1)), triton.next_power_of_2(max(dv, 1))
+    # 8 KiB of bf16 per tile (4 warps: 64 bytes per thread per tile, four 16-byte loads);
+    # 6 programs per SM (~64 registers each: all resident) keep ~48 KiB in flight per SM.
+    block_t = 16 if EMULATE_FP8_CAST else max(16, 4096 // max(block_d, block_dv))
+    tiles = max(triton.cdiv(tq, block_t) * hq, triton.cdiv(tk, block_t) * hk)
+    _amax_kernel[(_programs(q.device, tiles),)](
+        q, k, v, scales, tq, tk, hq, hk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4,
     )
 
 
-def copy_fp8_into(x: torch.Tensor, dst: torch.Tensor, dst_strides) -> None:
-    """Copy fp8 `x` [T, H, D] into `dst` with strides `dst_strides` (t, h, d)."""
-    t, h, d = x.shape
-    if t == 0 or h == 0:
+def vt_columns(n_tokens: int) -> int:
+    """Token columns of a V^T buffer: T rounded up to 16 (16-byte aligned fp8 rows)."""
+    return -(-n_tokens // 16) * 16
+
+
+def quantize_kv_into(k, v, k8, vt: torch.Tensor, scales: torch.Tensor, quant: bool = True) -> None:
+    """One launch: k -> k8 [Tk, Hk, D] (contiguous) and v -> V^T `vt` [Hk, Dv, Tk_pad]
+    (contiguous, Tk_pad = `vt_columns(Tk)`), quantised per tensor from the amax slots
+    (`amax_into` first; the descales land in scales[DESCALE_K/V]). `quant=False` (fp8
+    inputs): only V^T, a transposed copy of v; k and k8 are not touched (k8 may be None)."""
+    tk, hk, d = k.shape
+    dv = v.shape[2]
+    assert vt.is_contiguous() and tuple(vt.shape) == (hk, dv, vt_columns(tk)), vt.shape
+    if hk == 0 or tk == 0:
         return
-    block_t, block_d, grid_t = _tiles(t, d)
-    st, sh, sd = dst_strides
-    _quant_kernel[(grid_t, h)](
-        x, dst, x, x, t, x.stride(0), x.stride(1), st, sh, sd,
-        D=d, BLOCK_T=block_t, BLOCK_D=block_d, QUANT=False, EMULATE=EMULATE_FP8_CAST, num_warps=8,
+    block_d, block_dv = triton.next_power_of_2(max(d, 1)), triton.next_power_of_2(max(dv, 1))
+    block_t = 16 if EMULATE_FP8_CAST else 64
+    k_tiles = triton.cdiv(tk, block_t) if quant else 0
+    v_tiles = triton.cdiv(vt.shape[2], block_t)
+    _quant_kv_kernel[(k_tiles + v_tiles, hk)](
+        k, v, k8 if quant else vt, vt, scales, tk, hk, k_tiles,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), vt.stride(0), vt.stride(1),
+        D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, QUANT=quant, EMULATE=EMULATE_FP8_CAST,
+        num_warps=4,
     )
 
 

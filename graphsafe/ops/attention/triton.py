@@ -14,14 +14,23 @@ from graphsafe.fake_impls.attention import FP8, output_dtype
 from graphsafe.ops.attention import reference
 from graphsafe.ops.attention._triton_decode import launch_paged_decode
 from graphsafe.ops.attention._triton_prefill import launch_varlen
-from graphsafe.ops.attention._triton_quant import EMULATE_FP8_CAST, amax_into, copy_fp8_into, quantize_into
+from graphsafe.ops.attention._triton_quant import (
+    AMAX_Q,
+    DESCALE_K,
+    DESCALE_V,
+    EMULATE_FP8_CAST,
+    ONE,
+    amax_into,
+    prepare_varlen,
+    quantize_kv_into,
+    vt_columns,
+)
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
 from graphsafe.ops.attention.split_kv import decode_block_n, plan_decode_splits
 from graphsafe.workspace import current_workspace_manager
 
 DECODE_OWNER = "paged_attention_decode"
 VARLEN_OWNER = "flash_attn_varlen"
-V_TOKEN_ALIGN = 16  # V^T rows padded to 16 tokens: 16-byte aligned fp8 rows
 
 
 def _hopper_or_newer(device: torch.device) -> bool:
@@ -61,35 +70,39 @@ def paged_attention_decode(
 
 # -- varlen prefill -----------------------------------------------------------------------
 def varlen_config(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes and host ints only."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes and host ints only.
+
+    fp8 on Hopper: 128 x 128 tiles (fp8 wgmma m64n128k32; one CTA of two warpgroups per
+    SM at ~255 registers, no spills in the key loop), 3 stages of K and V^T tiles
+    (115 KB of shared memory at D = 128; 2 stages at D = 192). bf16/fp16: 128 x 64."""
     if device.type != "cuda":
         return 16, 16, 4, 1  # interpreter: small tiles, so tiny tests cover several blocks
     wide = max(d, dv) > 128
     block_m = 128 if max_seqlen_q > 64 else 64
-    block_n = 128 if fp8 and not wide else 64  # fp8 tiles are half the bytes
-    stages = 2 if wide or not _hopper_or_newer(device) else 3
-    return block_m, block_n, 8 if block_m == 128 else 4, stages
-
-
-def _vt_shape(tk: int, hk: int, dv: int) -> tuple[int, int, int]:
-    return hk, dv, -(-tk // V_TOKEN_ALIGN) * V_TOKEN_ALIGN
+    num_warps = 8 if block_m == 128 else 4
+    hopper = _hopper_or_newer(device)
+    stages = 3 if hopper and not wide else 2
+    if fp8 and (hopper or not wide):  # (sm89 has 99 KB of shared memory per block)
+        return block_m, 128, num_warps, stages
+    return block_m, 64, num_warps, stages
 
 
 def varlen_workspace_specs(
     total_q: int, total_k: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, quantize: bool
 ):
-    """Scratch of one fp8 call: V^T (fp8), k in fp8 when quantising bf16/fp16 inputs (q
-    is quantised tile by tile inside the attention kernel), and 8 float32 scale slots
-    (amax x3, descale x3). The bf16/fp16 path needs none."""
-    specs = [(_vt_shape(total_k, num_kv_heads, head_dim_v), FP8)]
+    """Scratch of one fp8 call: V^T (fp8, token-contiguous rows padded to 16 tokens), k in
+    fp8 when quantising bf16/fp16 inputs (q is quantised tile by tile inside the attention
+    kernel), and 8 float32 scale slots (`_triton_quant.AMAX_Q` ...). The bf16/fp16 path
+    needs none."""
+    specs = [((num_kv_heads, head_dim_v, vt_columns(total_k)), FP8)]
     if quantize:
         specs += [((total_k, num_kv_heads, head_dim), FP8)]
     return specs + [((8,), torch.float32)]
 
 
-def _descale_arg(x: torch.Tensor | None, ones: torch.Tensor):
+def _descale_arg(x: torch.Tensor | None, one: torch.Tensor):
     if x is None:
-        return ones, 0, 0
+        return one, 0, 0
     return (x, x.stride(0), x.stride(1)) if x.dim() == 2 else (x, 0, 0)
 
 
@@ -97,7 +110,7 @@ def flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
     q_descale=None, k_descale=None, v_descale=None, fp8="auto", *, config=None,
 ):
-    """`config` (tests only) overrides (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    """`config` (tests and benchmarks only) overrides (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     device = q.device
     tq, hq, d = q.shape
     tk, hk, dv = v.shape
@@ -111,28 +124,30 @@ def flash_attn_varlen(
             q_descale, k_descale, v_descale, fp8,
         )
     out = torch.empty((tq, hq, dv), dtype=output_dtype(q.dtype), device=device)
+    if out.numel() == 0:
+        return out
     config = config or varlen_config(device, d, dv, use_fp8, max_seqlen_q)
     descales = None
     v_strides = (v.stride(0), v.stride(1), v.stride(2))
-    if use_fp8:
+    if not use_fp8:
+        prepare_varlen(out, cu_seqlens_q)
+    else:
         bufs = current_workspace_manager(device).get_simultaneous(
             *varlen_workspace_specs(tq, tk, hq, hk, d, dv, quantize), owner=VARLEN_OWNER
         )
         vt, scales = bufs[0], bufs[-1]
-        vt_strides = (1, vt.stride(0), vt.stride(1))  # V^T [Hk, Dv, Tk_pad] seen as [Tk, Hk, Dv]
+        prepare_varlen(out, cu_seqlens_q, scales)  # also resets the amax slots and the 1.0
         if quantize:
             k8 = bufs[1]
-            scales.zero_()  # amax slots accumulate with atomic max
-            amax_into(q, scales, 0)  # the kernel quantises q itself, from this amax
-            quantize_into(k, k8, scales, 1)
-            quantize_into(v, vt, scales, 2, vt_strides)
+            amax_into(q, k, v, scales)  # the attention kernel quantises q itself, from its amax
+            quantize_kv_into(k, v, k8, vt, scales)
             k = k8
-            descales = ((scales[0:1], 0, 0), (scales[4:5], 0, 0), (scales[5:6], 0, 0))
+            descales = tuple((scales[i : i + 1], 0, 0) for i in (AMAX_Q, DESCALE_K, DESCALE_V))
         else:
-            copy_fp8_into(v, vt, vt_strides)
-            scales.fill_(1.0)  # stands in for descales the caller left out
-            descales = tuple(_descale_arg(x, scales[:1]) for x in (q_descale, k_descale, v_descale))
-        v, v_strides = vt, vt_strides
+            quantize_kv_into(k, v, None, vt, scales, quant=False)  # V^T only
+            one = scales[ONE : ONE + 1]  # stands in for descales the caller left out
+            descales = tuple(_descale_arg(x, one) for x in (q_descale, k_descale, v_descale))
+        v, v_strides = vt, (1, vt.stride(0), vt.stride(1))  # V^T [Hk, Dv, Tk_pad] seen as [Tk, Hk, Dv]
     launch_varlen(
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal, descales, v_strides, use_fp8,
         config, EMULATE_FP8_CAST and device.type == "cpu", q_quant=quantize,
