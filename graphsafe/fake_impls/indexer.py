@@ -49,6 +49,17 @@ def _k_cache(op: str, kv_cache, head_dim: int, device, groups: int | None = None
     return (width - head_dim) // 4
 
 
+def _covers_max_model_len(op: str, block_table, bs, max_model_len) -> None:
+    need = -(-max_model_len // bs)
+    if block_table.shape[1] < need:
+        c.fail(
+            op, "block_table",
+            f"wide enough for max_model_len = {max_model_len} "
+            f"(at least ceil({max_model_len} / block_size {bs}) = {need} columns)",
+            f"shape {list(block_table.shape)}",
+        )
+
+
 # -- indexer_k_quant_and_cache ---------------------------------------------------------
 def check_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
     op = "indexer_k_quant_and_cache"
@@ -65,6 +76,7 @@ def check_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size,
     _k_cache(op, kv_cache, d, dev, groups=d // quant_block_size)
     c.tensor(op, "slot_mapping", slot_mapping, dtypes=SLOT_DTYPES, ndim=1, device=dev)
     c.shape(op, "slot_mapping", slot_mapping, (t,), "[T]")
+    c.contiguous(op, "slot_mapping", slot_mapping)
 
 
 def fake_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
@@ -90,6 +102,7 @@ def check_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_tabl
     c.last_dim_contiguous(op, "block_table", block_table)
     c.tensor(op, "cu_seq_lens", cu_seq_lens, dtypes=I32, ndim=1, device=dev)
     c.shape(op, "cu_seq_lens", cu_seq_lens, (block_table.shape[0] + 1,), "[B + 1]")
+    c.contiguous(op, "cu_seq_lens", cu_seq_lens)
 
 
 def fake_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
@@ -114,6 +127,7 @@ def check_fp8_mqa_logits(q, k, k_scale, weights, ks, ke) -> None:
     for name, x in (("ks", ks), ("ke", ke)):
         c.tensor(op, name, x, dtypes=I32, ndim=1, device=dev)
         c.shape(op, name, x, (m,), "[M]")
+        c.contiguous(op, name, x)
 
 
 def fake_fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
@@ -136,18 +150,12 @@ def check_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, 
     c.shape(op, "weights", weights, (b * next_n, h), "[B * next_n, H]")
     c.tensor(op, "context_lens", context_lens, dtypes=I32, ndim=1, device=dev)
     c.shape(op, "context_lens", context_lens, (b,), "[B]")
+    c.contiguous(op, "context_lens", context_lens)
     c.tensor(op, "block_table", block_table, dtypes=I32, ndim=2, device=dev)
     c.shape(op, "block_table", block_table, (b, None), "[B, max_blocks]")
     c.last_dim_contiguous(op, "block_table", block_table)
     c.positive(op, "max_model_len", max_model_len)
-    bs = kv_cache.shape[1]
-    need = -(-max_model_len // bs)
-    if block_table.shape[1] < need:
-        c.fail(
-            op, "block_table",
-            f"wide enough for max_model_len = {max_model_len} (at least ceil({max_model_len} / block_size {bs}) = {need} columns)",
-            f"shape {list(block_table.shape)}",
-        )
+    _covers_max_model_len(op, block_table, kv_cache.shape[1], max_model_len)
 
 
 def fake_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len):
@@ -162,6 +170,7 @@ def check_req_local_to_global_slots(req_id_per_token, block_table, topk_indices,
     dev = topk_indices.device
     c.tensor(op, "req_id_per_token", req_id_per_token, dtypes=I32, ndim=1, device=dev)
     c.shape(op, "req_id_per_token", req_id_per_token, (topk_indices.shape[0],), "[T]")
+    c.contiguous(op, "req_id_per_token", req_id_per_token)
     c.tensor(op, "block_table", block_table, dtypes=I32, ndim=2, device=dev)
     c.last_dim_contiguous(op, "block_table", block_table)
     c.positive(op, "block_size", block_size)
@@ -170,3 +179,110 @@ def check_req_local_to_global_slots(req_id_per_token, block_table, topk_indices,
 def fake_req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block_size):
     check_req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block_size)
     return topk_indices.new_empty(topk_indices.shape)
+
+
+# -- composites: sparse_attn_indexer_decode / _prefill ---------------------------------
+def _composite_common(op: str, kv_cache, q, k, weights, slot_mapping, scale_fmt):
+    """The new tokens' tensors of a composite: returns (device, T, H, D)."""
+    c.tensor(op, "kv_cache", kv_cache, dtypes=U8, ndim=3)
+    dev = kv_cache.device
+    c.tensor(op, "q", q, dtypes=FP8, ndim=3, device=dev)
+    t, h, d = q.shape
+    _head_dim(op, "q", d)
+    c.last_dim_contiguous(op, "q", q)
+    # One scale per token: the logits kernels read the DeepSeek-V3.2 layout `D + 4`.
+    _k_cache(op, kv_cache, d, dev, groups=1)
+    c.tensor(op, "k", k, dtypes=c.FLOAT_DTYPES, ndim=2, device=dev)
+    c.shape(op, "k", k, (t, d), "[T, D]")
+    c.last_dim_contiguous(op, "k", k)
+    c.tensor(op, "weights", weights, dtypes=F32, ndim=2, device=dev)
+    c.shape(op, "weights", weights, (t, h), "[T, H]")
+    c.tensor(op, "slot_mapping", slot_mapping, dtypes=SLOT_DTYPES, ndim=1, device=dev)
+    c.shape(op, "slot_mapping", slot_mapping, (t,), "[T]")
+    c.contiguous(op, "slot_mapping", slot_mapping)
+    if scale_fmt not in SCALE_FMTS:
+        c.fail(op, "scale_fmt", 'None or "ue8m0"', repr(scale_fmt))
+    return dev, t, h, d
+
+
+def _topk_buffer(op: str, topk_indices, rows, topk: int, dev) -> None:
+    c.tensor(op, "topk_indices", topk_indices, dtypes=I32, ndim=2, device=dev)
+    if topk_indices.shape[0] < rows:
+        c.fail(
+            op, "topk_indices", f"of shape [>= T, K] with at least T = {rows} rows", f"shape {list(topk_indices.shape)}"
+        )
+    c.last_dim_contiguous(op, "topk_indices", topk_indices)
+    if topk < 0 or topk > topk_indices.shape[1]:
+        c.fail(op, "topk", f"an int in [0, topk_indices.shape[1]] = [0, {topk_indices.shape[1]}]", topk)
+
+
+def _non_negative(op: str, arg: str, value: int) -> None:
+    if value < 0:
+        c.fail(op, arg, "an int >= 0", value)
+
+
+def check_sparse_attn_indexer_decode(
+    kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
+    scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0,
+) -> None:
+    op = "sparse_attn_indexer_decode"
+    dev, t, _, _ = _composite_common(op, kv_cache, q, k, weights, slot_mapping, scale_fmt)
+    if not 1 <= next_n <= MAX_NEXT_N:
+        c.fail(op, "next_n", f"an int in [1, {MAX_NEXT_N}]", next_n)
+    c.tensor(op, "seq_lens", seq_lens, dtypes=I32, ndim=1, device=dev)
+    c.contiguous(op, "seq_lens", seq_lens)
+    b = seq_lens.shape[0]
+    if t != b * next_n:
+        c.fail(
+            op, "q", f"of shape [B * next_n, H, D] with B * next_n = {b} * {next_n} = {b * next_n} tokens",
+            f"shape {list(q.shape)}",
+        )
+    c.tensor(op, "block_table", block_table, dtypes=I32, ndim=2, device=dev)
+    c.shape(op, "block_table", block_table, (b, None), "[B, max_blocks]")
+    c.last_dim_contiguous(op, "block_table", block_table)
+    c.positive(op, "max_model_len", max_model_len)
+    _covers_max_model_len(op, block_table, kv_cache.shape[1], max_model_len)
+    _topk_buffer(op, topk_indices, t, topk, dev)
+    _non_negative(op, "max_num_batched_tokens", max_num_batched_tokens)
+
+
+def fake_sparse_attn_indexer_decode(
+    kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
+    scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0,
+) -> None:
+    check_sparse_attn_indexer_decode(
+        kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
+        scale_fmt, topk, max_model_len, next_n, max_num_batched_tokens,
+    )
+
+
+def check_sparse_attn_indexer_prefill(
+    kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, topk_indices,
+    scale_fmt, topk, total_seq_lens, max_chunk_bytes=512 << 20, max_num_batched_tokens=0, max_total_seq_lens=0,
+) -> None:
+    op = "sparse_attn_indexer_prefill"
+    dev, t, _, _ = _composite_common(op, kv_cache, q, k, weights, slot_mapping, scale_fmt)
+    c.tensor(op, "block_table", block_table, dtypes=I32, ndim=2, device=dev)
+    c.last_dim_contiguous(op, "block_table", block_table)
+    c.tensor(op, "cu_seq_lens", cu_seq_lens, dtypes=I32, ndim=1, device=dev)
+    c.shape(op, "cu_seq_lens", cu_seq_lens, (block_table.shape[0] + 1,), "[B + 1]")
+    c.contiguous(op, "cu_seq_lens", cu_seq_lens)
+    for name, x in (("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)):
+        c.tensor(op, name, x, dtypes=I32, ndim=1, device=dev)
+        c.shape(op, name, x, (t,), "[T]")
+        c.contiguous(op, name, x)
+    _topk_buffer(op, topk_indices, t, topk, dev)
+    _non_negative(op, "total_seq_lens", total_seq_lens)
+    c.positive(op, "max_chunk_bytes", max_chunk_bytes)
+    _non_negative(op, "max_num_batched_tokens", max_num_batched_tokens)
+    _non_negative(op, "max_total_seq_lens", max_total_seq_lens)
+
+
+def fake_sparse_attn_indexer_prefill(
+    kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, topk_indices,
+    scale_fmt, topk, total_seq_lens, max_chunk_bytes=512 << 20, max_num_batched_tokens=0, max_total_seq_lens=0,
+) -> None:
+    check_sparse_attn_indexer_prefill(
+        kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, topk_indices,
+        scale_fmt, topk, total_seq_lens, max_chunk_bytes, max_num_batched_tokens, max_total_seq_lens,
+    )

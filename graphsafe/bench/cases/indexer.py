@@ -1,6 +1,7 @@
 """Benchmarks of the sparse-indexer ops (issue 3): paged decode logits, prefill logits,
-K-cache quantise/gather and the slot mapping, each against the reference eager and the
-reference under torch.compile on the same inputs.
+K-cache quantise/gather, the slot mapping and the decode composite, each against the
+reference eager and the reference under torch.compile on the same inputs; and the launch
+configurations of the paged-logits kernel (`fp8_paged_mqa_logits_tune`).
 
 Large inputs are drawn on the device (seeded) so that setting up B=128 x 32k contexts
 does not take minutes on the host. Peak memory stays under ~20 GB: the largest is the
@@ -135,3 +136,68 @@ def req_local_to_global_slots(device: torch.device):
             impls=op_peers(spec, args, device),
             bytes=nbytes(req, idx) + idx.numel() * 4,
         )
+
+
+# fp8_paged_mqa_logits_tune candidates (BLOCK_N, num_warps, num_stages), next to the
+# default (PAGED_CONFIG): the earlier num_stages=3 (two tile buffers), 7 (Triton 3.9 makes
+# 3 buffers for 5 and 6, 4 for 7; fewer CTAs fit), 8 warps (two MMA warpgroups per key
+# tile, fewer CTAs), and 64-key tiles (half the bytes per tile, more CTAs).
+PAGED_TUNE = [(128, 4, 3), (128, 4, 7), (128, 8, 5), (64, 4, 5)]
+
+
+@bench_case("fp8_paged_mqa_logits_tune")
+def fp8_paged_mqa_logits_tune(device: torch.device):
+    """Launch configurations of the paged-logits kernel at the target shape (graphsafe only)."""
+    from graphsafe.ops.indexer import triton as backend
+
+    for next_n in (1, 2):
+        args = paged_inputs(128, 32768, next_n, device)
+        q, cache, weights, lens, table, length = args
+        out = torch.empty((128 * next_n, length), dtype=torch.float32, device=device)
+        d = backend.PAGED_CONFIG["cuda"]
+        impls = {
+            f"default {d['BLOCK_N']}/w{d['num_warps']}/s{d['num_stages']}": lambda: backend.paged_mqa_logits_into(out, *args)
+        }
+        for block_n, warps, stages in PAGED_TUNE:
+            cfg = {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+            impls[f"{block_n}/w{warps}/s{stages}"] = lambda cfg=cfg: backend.paged_mqa_logits_into(out, *args, config=cfg)
+        yield Problem(
+            case="fp8_paged_mqa_logits_tune",
+            shape=f"B=128 ctx=32768 H={H} D={D} next_n={next_n} bs=64",
+            impls=impls,
+            bytes=128 * 32768 * (D + 4) + 128 * next_n * 32768 * 4 + nbytes(q, weights, lens, table),
+        )
+        del args, q, cache, weights, lens, table, out
+
+
+def decode_step_inputs(batch: int, ctx: int, next_n: int, topk: int, device: torch.device):
+    """One decode step of `sparse_attn_indexer_decode`: every request holds `ctx` tokens,
+    the last `next_n` of them new (their keys are written again at every call)."""
+    q, cache, weights, lens, table, length = paged_inputs(batch, ctx, next_n, device)
+    gen = _gen(device, 1)
+    t = batch * next_n
+    pos = (lens.long()[:, None] - next_n + torch.arange(next_n, device=device)[None, :])
+    slots = (table.long().gather(1, pos // 64) * 64 + pos % 64).reshape(t)
+    k = torch.randn((t, D), device=device, generator=gen).to(torch.bfloat16)
+    idx = torch.empty((t, topk), dtype=torch.int32, device=device)
+    return (cache, q.view(t, H, D), k, weights, slots, lens, table, idx, "ue8m0", topk, length, next_n, t)
+
+
+@bench_case("sparse_attn_indexer_decode")
+def sparse_attn_indexer_decode(device: torch.device):
+    spec = get_op("sparse_attn_indexer_decode")
+    topk = 2048
+    for batch in (32, 128):
+        args = decode_step_inputs(batch, 32768, 1, topk, device)
+        cache, q, k, weights, slots, lens, table, idx = args[:8]
+        yield Problem(
+            case=spec.name,
+            shape=f"B={batch} ctx=32768 H={H} D={D} next_n=1 topk={topk} bs=64",
+            impls=op_peers(spec, args, device),
+            # The keys read once, the new keys written, the indices written: a fused kernel
+            # needs no logits round trip (this composite writes and reads them once).
+            bytes=batch * 32768 * (D + 4) + nbytes(q, k, weights, slots, lens, table, idx) + k.shape[0] * (D + 4),
+            flops=2 * batch * 32768 * H * D,
+            note="bytes leave out the logits round trip ([B, ctx] f32 written and read by the top-k)",
+        )
+        del args, cache, q, k, weights, slots, lens, table, idx

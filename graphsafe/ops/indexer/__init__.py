@@ -7,6 +7,11 @@ the first `block_size * D` bytes are the e4m3fn values token by token, then
 `block_size * G` float32 scales (token-major); G = D // quant_block_size scales per
 token, G = 1 for DeepSeek-V3.2 (`D + 4`). Slot s is token `s % block_size` of block
 `s // block_size`. Helpers to pack/unpack it: `graphsafe.ops.indexer.layout`.
+
+The composites `sparse_attn_indexer_decode` / `_prefill` run one layer's whole indexer
+step (vLLM's `sparse_attn_indexer` custom op, split into its decode and prefill halves):
+cache the new keys, compute the logits into workspace scratch, and write the top-k
+request-local positions into a shared `topk_indices` buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +21,31 @@ from typing import Optional
 from torch import Tensor
 
 from graphsafe.fake_impls import indexer as fakes
+from graphsafe.ops.indexer.plan import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    prefill_chunk_bytes,
+    prefill_chunk_rows,
+    prefill_chunks,
+    sparse_attn_indexer_decode_workspace,
+    sparse_attn_indexer_prefill_workspace,
+)
 from graphsafe.registry import register_op
+
+__all__ = [
+    "indexer_k_quant_and_cache",
+    "cp_gather_indexer_k_quant_cache",
+    "fp8_mqa_logits",
+    "fp8_paged_mqa_logits",
+    "req_local_to_global_slots",
+    "sparse_attn_indexer_decode",
+    "sparse_attn_indexer_prefill",
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "prefill_chunk_bytes",
+    "prefill_chunk_rows",
+    "prefill_chunks",
+    "sparse_attn_indexer_decode_workspace",
+    "sparse_attn_indexer_prefill_workspace",
+]
 
 
 def _backends(name: str, aiter: bool = True) -> dict[str, str]:
@@ -179,4 +208,160 @@ def req_local_to_global_slots(req_id_per_token: Tensor, block_table: Tensor, top
 
     Returns:
         slots: `[T, K]` int32, contiguous.
+    """
+
+
+_COMPOSITE = {
+    "reference": "graphsafe.ops.indexer.reference:{}",
+    "triton": "graphsafe.ops.indexer.composite:{}",
+}
+
+
+@register_op(
+    "sparse_attn_indexer_decode",
+    fake=fakes.fake_sparse_attn_indexer_decode,
+    check=fakes.check_sparse_attn_indexer_decode,
+    mutates_args=("kv_cache", "topk_indices"),
+    family="indexer",
+    workspace=sparse_attn_indexer_decode_workspace,
+    backends={k: v.format("sparse_attn_indexer_decode") for k, v in _COMPOSITE.items()},
+)
+def sparse_attn_indexer_decode(
+    kv_cache: Tensor,
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    slot_mapping: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    topk_indices: Tensor,
+    scale_fmt: Optional[str],
+    topk: int,
+    max_model_len: int,
+    next_n: int = 1,
+    max_num_batched_tokens: int = 0,
+) -> None:
+    """One layer's DSA indexer step for B decode requests of `next_n` tokens each (vLLM's
+    `sparse_attn_indexer`, decode half).
+
+    1. `indexer_k_quant_and_cache(k, kv_cache, slot_mapping, D, scale_fmt)`: the new
+       tokens' keys enter the cache (slot < 0: padding, skipped).
+    2. `fp8_paged_mqa_logits` of `q` viewed `[B, next_n, H, D]` into workspace scratch
+       `[T, max_model_len]` f32: row `t = b * next_n + i` scores keys
+       `n < seq_lens[b] - next_n + i + 1` (its own position included).
+    3. `top_k_per_row_decode` into `topk_indices[:T]`: the request-local positions n of
+       each row's `topk` largest logits (order unspecified; ties: any such set), `-1`
+       for the rest of the row (short contexts, padding requests with `seq_lens[b] = 0`)
+       and for columns `>= topk`. Map them to cache slots with `req_local_to_global_slots`.
+
+    Every size comes from shapes and host ints, so the op captures into a CUDA graph and
+    replays with other `seq_lens`, block tables and slots. The logits and the top-k
+    scratch come from the workspace manager; before carving, the call reserves the worst
+    case of `max(T, max_num_batched_tokens)` tokens
+    (`sparse_attn_indexer_decode_workspace`), so a warm-up call at the largest batch sizes
+    the arena for every later capture.
+
+    Args:
+        kv_cache: `uint8 [num_blocks, block_size, D + 4]`, mutated: the indexer K cache
+            (module docstring), one float32 scale per token.
+        q: `[T, H, D]` float8_e4m3fn, T = B * next_n query tokens, request-major (token i of
+            request b is row `b * next_n + i`, its newest token last); last dim contiguous.
+            The query's own quantisation scale is folded into `weights` (vLLM does so).
+        k: `[T, D]` bf16/fp16/fp32, the new tokens' indexer keys; last dim contiguous.
+        weights: `[T, H]` float32, per-head weights of each token (softmax scale folded in).
+        slot_mapping: `[T]` int64 (int32 accepted), contiguous: the cache slot of each new
+            token, `-1` for padding tokens.
+        seq_lens: `[B]` int32, contiguous: tokens in each request's cache, the new ones
+            included (`0` for a padding request). Keys are read up to `max_model_len`.
+        block_table: `[B, max_blocks]` int32, last dim contiguous;
+            `max_blocks * block_size >= max_model_len` (checked). Entries below a
+            request's context must be valid block ids.
+        topk_indices: `[>= T, K]` int32, mutated: the shared top-k buffer (e.g. vLLM's
+            `topk_indices_buffer` of `max_num_batched_tokens` rows); rows `[0, T)` are
+            written entirely, the rest is left untouched. Last dim contiguous.
+        scale_fmt: None (float32 key scales) or "ue8m0" (power-of-two scales, DeepSeek-V3.2).
+        topk: positions per row, `0 <= topk <= K` (2048 for DeepSeek-V3.2).
+        max_model_len: the logits width (a host int: shapes never depend on data).
+        next_n: query tokens per request, 1 to 4 (MTP: 2).
+        max_num_batched_tokens: the largest T the caller will pass (sizes the workspace
+            reservation); 0 means this call's T.
+
+    Returns None; mutates `kv_cache` (the new tokens' slots) and `topk_indices` (rows < T).
+    """
+
+
+@register_op(
+    "sparse_attn_indexer_prefill",
+    fake=fakes.fake_sparse_attn_indexer_prefill,
+    check=fakes.check_sparse_attn_indexer_prefill,
+    mutates_args=("kv_cache", "topk_indices"),
+    family="indexer",
+    workspace=sparse_attn_indexer_prefill_workspace,
+    backends={k: v.format("sparse_attn_indexer_prefill") for k, v in _COMPOSITE.items()},
+)
+def sparse_attn_indexer_prefill(
+    kv_cache: Tensor,
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    slot_mapping: Tensor,
+    block_table: Tensor,
+    cu_seq_lens: Tensor,
+    cu_seqlen_ks: Tensor,
+    cu_seqlen_ke: Tensor,
+    topk_indices: Tensor,
+    scale_fmt: Optional[str],
+    topk: int,
+    total_seq_lens: int,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    max_num_batched_tokens: int = 0,
+    max_total_seq_lens: int = 0,
+) -> None:
+    """One layer's DSA indexer step for T prefill tokens of B requests (vLLM's
+    `sparse_attn_indexer`, prefill half, with the window metadata of its
+    `DeepseekV32IndexerPrefillChunkMetadata`).
+
+    1. `indexer_k_quant_and_cache(k, kv_cache, slot_mapping, D, scale_fmt)`.
+    2. `cp_gather_indexer_k_quant_cache` of every request's context (the new keys
+       included) into workspace rows `[cu_seq_lens[b], cu_seq_lens[b + 1])` of a
+       `[total_seq_lens, D]` fp8 buffer and its scales.
+    3. In chunks of query rows: `fp8_mqa_logits` of the chunk against all gathered keys
+       (windows `[cu_seqlen_ks[t], cu_seqlen_ke[t])`) into workspace scratch, then
+       `top_k_per_row_prefill`, which writes `n - cu_seqlen_ks[t]`, the request-local
+       positions, into `topk_indices[t]` (`-1` tail as in decode). A padding token gets
+       an empty window (`cu_seqlen_ke <= cu_seqlen_ks`) and slot -1: its row is all -1.
+
+    A chunk holds the most rows whose logits `[rows, N]` f32 and nested top-k scratch fit
+    `max_chunk_bytes` (`prefill_chunk_rows`; at least one row). The plan depends on
+    (T, total_seq_lens, topk, max_chunk_bytes) only, never on data. Before carving, the
+    call reserves the worst case of `max(T, max_num_batched_tokens)` tokens and
+    `max(total_seq_lens, max_total_seq_lens)` keys (`sparse_attn_indexer_prefill_workspace`).
+
+    Args:
+        kv_cache: `uint8 [num_blocks, block_size, D + 4]`, mutated: the indexer K cache.
+        q: `[T, H, D]` float8_e4m3fn, the prefill queries; last dim contiguous.
+        k: `[T, D]` bf16/fp16/fp32, their indexer keys; last dim contiguous.
+        weights: `[T, H]` float32, per-head weights (softmax and q scales folded in).
+        slot_mapping: `[T]` int64 (int32 accepted), contiguous; `-1` for padding tokens.
+        block_table: `[B, max_blocks]` int32, last dim contiguous: the requests' blocks.
+            Entries below each request's context must be valid block ids.
+        cu_seq_lens: `[B + 1]` int32, contiguous, non-decreasing, `cu_seq_lens[B] <=
+            total_seq_lens`: request b's context (the new tokens included) is gathered
+            into rows `[cu_seq_lens[b], cu_seq_lens[b + 1])`.
+        cu_seqlen_ks: `[T]` int32, contiguous: first gathered key of token t's window
+            (`cu_seq_lens[b]` for a token of request b).
+        cu_seqlen_ke: `[T]` int32, contiguous: end of token t's window (exclusive),
+            `cu_seq_lens[b] + (its position in the request) + 1` for causal prefill.
+            Windows must lie inside the gathered rows `[0, cu_seq_lens[B])`.
+        topk_indices: `[>= T, K]` int32, mutated; rows `[0, T)` written entirely (pass a
+            row slice of the shared buffer, e.g. after the decode tokens).
+        scale_fmt: None or "ue8m0".
+        topk: positions per row, `0 <= topk <= K`.
+        total_seq_lens: N, the gathered key rows: a host int `>= cu_seq_lens[B]` (an upper
+            bound is fine; rows past `cu_seq_lens[B]` are never scored).
+        max_chunk_bytes: bound of one chunk's logits plus top-k scratch (default 512 MiB).
+        max_num_batched_tokens: the largest T the caller will pass (0: this call's T).
+        max_total_seq_lens: the largest N the caller will pass (0: this call's N).
+
+    Returns None; mutates `kv_cache` (the new tokens' slots) and `topk_indices` (rows < T).
     """

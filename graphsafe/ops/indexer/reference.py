@@ -3,7 +3,9 @@
 No host sync anywhere (no .item(), no boolean-mask indexing, no data-dependent shapes):
 invalid entries are redirected to a safe index and masked with `torch.where` instead.
 The logits ops loop over heads (never over tokens) so that the largest temporary is one
-`[rows, keys]` float32 matrix rather than `[rows, heads, keys]`.
+`[rows, keys]` float32 matrix rather than `[rows, heads, keys]`. The composites are the
+composition of the reference ops (the top-k ones through the registry's reference
+backend), with the prefill logits chunked by the same plan as the Triton backend.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.ops.cache.reference import scatter_tokens
-from graphsafe.ops.indexer import layout
+from graphsafe.ops.indexer import layout, plan
 
 NEG_INF = float("-inf")
 
@@ -114,3 +116,42 @@ def req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block
     blk = block_table[req.clamp(0, b - 1)[:, None], logical.clamp(0, max_blocks - 1)].long()
     slots = blk * block_size + pos % block_size
     return _dense(torch.where(valid, slots, -1).to(torch.int32))
+
+
+def _reference(op: str):
+    from graphsafe.registry import get_op
+
+    return get_op(op).backend_impl("reference")
+
+
+def sparse_attn_indexer_decode(
+    kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
+    scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0,
+) -> None:
+    t, h, d = q.shape
+    indexer_k_quant_and_cache(k, kv_cache, slot_mapping, d, scale_fmt)
+    if t == 0:
+        return
+    b = seq_lens.shape[0]
+    logits = fp8_paged_mqa_logits(q.view(b, next_n, h, d), kv_cache, weights, seq_lens, block_table, max_model_len)
+    _reference("top_k_per_row_decode")(logits, next_n, seq_lens, topk_indices[:t], topk)
+
+
+def sparse_attn_indexer_prefill(
+    kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, topk_indices,
+    scale_fmt, topk, total_seq_lens, max_chunk_bytes=plan.DEFAULT_MAX_CHUNK_BYTES,
+    max_num_batched_tokens=0, max_total_seq_lens=0,
+) -> None:
+    t, h, d = q.shape
+    indexer_k_quant_and_cache(k, kv_cache, slot_mapping, d, scale_fmt)
+    if t == 0:
+        return
+    # Zeros, not empty: rows past cu_seq_lens[B] are never scored, but stay defined.
+    keys = torch.zeros((total_seq_lens, d), dtype=torch.uint8, device=q.device).view(layout.FP8)
+    scales = torch.zeros((total_seq_lens,), dtype=torch.float32, device=q.device)
+    cp_gather_indexer_k_quant_cache(kv_cache, keys, scales, block_table, cu_seq_lens)
+    select = _reference("top_k_per_row_prefill")
+    for m0, m1 in plan.prefill_chunks(t, total_seq_lens, topk, max_chunk_bytes):
+        ks, ke = cu_seqlen_ks[m0:m1], cu_seqlen_ke[m0:m1]
+        logits = fp8_mqa_logits(q[m0:m1], keys, scales, weights[m0:m1], ks, ke)
+        select(logits, ks, ke, topk_indices[m0:m1], topk)

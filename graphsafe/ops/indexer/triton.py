@@ -9,6 +9,12 @@ Design notes (H100/H200 targets in the issue):
   program; each key tile `[BLOCK_N, D]` is the A operand of an fp8 `tl.dot` against
   `q[b, i]^T` (`[D, H]`, both K-major as Hopper's fp8 wgmma wants), so the reduction over
   heads runs along the accumulator's N axis: a few in-thread adds and quad shuffles.
+  With next_n > 1 each query is its own dot over the same key tile in shared memory:
+  stacking the queries into one `[D, next_n*H]` operand would double the live
+  accumulator (fewer CTAs per SM, the kernel's real limit: latency hiding) and split the
+  head reduction. The key tiles are pipelined by Triton (three buffers); the per-key
+  scales are prefetched by hand one tile ahead (see the kernel). `clean=False` leaves
+  the -inf columns past each context unwritten (for readers of the valid range only).
 * `fp8_mqa_logits` (prefill) is compute-bound: a program owns a `[BLOCK_M, BLOCK_N]`
   logits tile, keeps its K tile resident and loops over heads (`q[:, h]` tiles stream
   from L2). Tiles entirely outside every row's `[ks, ke)` window skip the head loop and
@@ -234,7 +240,7 @@ def _mqa_logits_kernel(
     M, N, H,
     stride_qm, stride_qh, stride_kn, stride_ks, stride_wm, stride_wh, stride_out,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    FP8_DOT: tl.constexpr,
+    FP8_DOT: tl.constexpr, CLEAN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # fastest: neighbouring programs share the q rows (L2)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -270,7 +276,10 @@ def _mqa_logits_kernel(
     logits = acc * scale[None, :]
     valid = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-    tl.store(out, tl.where(valid, logits, NEG_INF), mask=m_in[:, None] & n_in[None, :])
+    if CLEAN:
+        tl.store(out, tl.where(valid, logits, NEG_INF), mask=m_in[:, None] & n_in[None, :])
+    else:  # a dead tile is outside every row's window: nobody reads it, skip the store
+        tl.store(out, tl.where(valid, logits, NEG_INF), mask=tl.where(live, m_in[:, None] & n_in[None, :], False))
 
 
 # Launch configurations, per device type; the lead tunes the CUDA ones on the H100/H200.
@@ -281,8 +290,15 @@ MQA_CONFIG = {
 # Paged decode: `programs_per_sm` sets how many (request, chunk) programs the grid aims
 # for; `min_tiles` keeps at least that many key tiles per program so the loads of the
 # next tiles overlap the current one's dots (num_stages > 1 needs a loop to pipeline).
+# num_stages=5: the key tile's load chain (block id, then keys) takes two stages, so 5
+# gives three tile buffers and one more tile in flight while a tile is computed (sm_90,
+# Triton 3.9: 3 buffers, 124/156 registers and 59/68 KB of shared memory for next_n 1/2,
+# 3 CTAs per SM, i.e. 6 tiles of ~17 KB in flight per SM). num_stages=3 had 2 buffers:
+# each tile's copy was issued after the previous tile's math and waited for in full, and
+# next_n=2 (150 registers) ran 3 CTAs per SM against next_n=1's 4 (114): measured 53%
+# and 69% of copy bandwidth, near that 3:4 ratio.
 PAGED_CONFIG = {
-    "cuda": dict(BLOCK_N=128, num_warps=4, num_stages=3, programs_per_sm=8, min_tiles=2),
+    "cuda": dict(BLOCK_N=128, num_warps=4, num_stages=5, programs_per_sm=8, min_tiles=2),
     "cpu": dict(BLOCK_N=16, num_warps=4, num_stages=1, programs_per_sm=1, min_tiles=1),
 }
 
@@ -299,8 +315,13 @@ def fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
     return out
 
 
-def mqa_logits_into(out, q, k, k_scale, weights, ks, ke, *, fp8_dot: bool | None = None, config: dict | None = None) -> None:
-    """Write every element of `out` `[M, N]`; `fp8_dot`/`config` override the device choice (tests)."""
+def mqa_logits_into(
+    out, q, k, k_scale, weights, ks, ke, *, fp8_dot: bool | None = None, config: dict | None = None, clean: bool = True,
+) -> None:
+    """Write every element of `out` `[M, N]`; `fp8_dot`/`config` override the device choice (tests).
+
+    `clean=False` (the composite: the top-k reads only the windows) skips the tiles
+    outside every row's window; the rest of those tiles' rows is still -inf."""
     m, h, d = q.shape
     n = k.shape[0]
     if m == 0 or n == 0:
@@ -315,7 +336,7 @@ def mqa_logits_into(out, q, k, k_scale, weights, ks, ke, *, fp8_dot: bool | None
         q, k, k_scale, weights, ks, ke, out,
         m, n, h,
         q.stride(0), q.stride(1), k.stride(0), k_scale.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d, 32), FP8_DOT=fp8_dot,
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d, 32), FP8_DOT=fp8_dot, CLEAN=clean,
         **cfg,
     )
 
@@ -346,13 +367,24 @@ def _store_row(out_row, n, logits, limit, stop):
 
 
 @triton.jit
+def _tile_blocks(bt_ptr, b, stride_bt, n, compute_stop, BS: tl.constexpr):
+    """Cache block of each key position `n` of request b (0 past the computed range)."""
+    return tl.load(bt_ptr + b * stride_bt + n // BS, mask=n < compute_stop, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_scales(scale_ptr, blk, n, compute_stop, stride_blk_f32, scale_base, BS: tl.constexpr):
+    return tl.load(scale_ptr + blk * stride_blk_f32 + scale_base + (n % BS), mask=n < compute_stop, other=0.0)
+
+
+@triton.jit
 def _paged_mqa_logits_kernel(
     q_ptr, val_ptr, scale_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
     stride_qb, stride_qn, stride_qh, stride_wr, stride_wh,
     stride_blk, stride_blk_f32, scale_base, stride_bt, stride_out, max_model_len, chunk,
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NEXT_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_DOT: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    FP8_DOT: tl.constexpr, ROW_ALIGN: tl.constexpr, CLEAN: tl.constexpr,
 ):
     b = tl.program_id(0)
     start = tl.program_id(1) * chunk
@@ -379,16 +411,27 @@ def _paged_mqa_logits_kernel(
         q3, w3 = _load_query(q_ptr, w_ptr, b, 3, stride_qb, stride_qn, stride_qh, stride_wr, stride_wh,
                              offs_d, offs_h, H, D, NEXT_N, FP8_DOT)
     d_in = offs_d < D
+    # The key tiles are software-pipelined by Triton (async copies, num_stages), their
+    # block ids included. The scales are not (their loads feed no dot): loaded in the
+    # tile that uses them, their latency was exposed on top of the tiles' (on sm_90 the
+    # scale is converted to the MMA layout before the dot, so the load is waited on at
+    # once). So they are prefetched by hand in registers: block ids two tiles ahead,
+    # scales one tile ahead, each load's address ready when it issues.
+    n = start + offs_n
+    sblk_nxt = _tile_blocks(bt_ptr, b, stride_bt, n + BLOCK_N, compute_stop, BS)
+    scale = _tile_scales(scale_ptr, _tile_blocks(bt_ptr, b, stride_bt, n, compute_stop, BS), n, compute_stop,
+                         stride_blk_f32, scale_base, BS)
     for n0 in range(start, compute_stop, BLOCK_N):
         n = n0 + offs_n
         live = n < compute_stop
+        sblk_far = _tile_blocks(bt_ptr, b, stride_bt, n + 2 * BLOCK_N, compute_stop, BS)
+        scale_nxt = _tile_scales(scale_ptr, sblk_nxt, n + BLOCK_N, compute_stop, stride_blk_f32, scale_base, BS)
         blk = tl.load(bt_ptr + b * stride_bt + n // BS, mask=live, other=0).to(tl.int64)
         off = (n % BS).to(tl.int64)
         row = tl.multiple_of(blk * stride_blk + off * D, ROW_ALIGN)
         k = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=live[:, None] & d_in[None, :], other=0.0)
         if not FP8_DOT:  # bytes
             k = _e4m3_bytes_to_f16(k)
-        scale = tl.load(scale_ptr + blk * stride_blk_f32 + scale_base + off, mask=live, other=0.0)
         _store_row(out_row, n, _row_logits(k, q0, w0, scale), limit, stop)
         if NEXT_N > 1:
             _store_row(out_row + stride_out, n, _row_logits(k, q1, w1, scale), limit + 1, stop)
@@ -396,13 +439,16 @@ def _paged_mqa_logits_kernel(
             _store_row(out_row + 2 * stride_out, n, _row_logits(k, q2, w2, scale), limit + 2, stop)
         if NEXT_N > 3:
             _store_row(out_row + 3 * stride_out, n, _row_logits(k, q3, w3, scale), limit + 3, stop)
-    # The whole [B*next_n, max_model_len] output is written: -inf past the context.
-    tail = start + tl.cdiv(tl.maximum(compute_stop - start, 0), BLOCK_N) * BLOCK_N
-    neg = tl.full([BLOCK_N], NEG_INF, tl.float32)
-    for n0 in range(tail, stop, BLOCK_N):
-        n = n0 + offs_n
-        for i in tl.static_range(NEXT_N):
-            tl.store(out_row + i * stride_out + n, neg, mask=n < stop)
+        sblk_nxt = sblk_far
+        scale = scale_nxt
+    if CLEAN:
+        # The whole [B*next_n, max_model_len] output is written: -inf past the context.
+        tail = start + tl.cdiv(tl.maximum(compute_stop - start, 0), BLOCK_N) * BLOCK_N
+        neg = tl.full([BLOCK_N], NEG_INF, tl.float32)
+        for n0 in range(tail, stop, BLOCK_N):
+            n = n0 + offs_n
+            for i in tl.static_range(NEXT_N):
+                tl.store(out_row + i * stride_out + n, neg, mask=n < stop)
 
 
 def paged_grid(
@@ -429,10 +475,13 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_mo
 
 def paged_mqa_logits_into(
     out, q, kv_cache, weights, context_lens, block_table, max_model_len,
-    *, fp8_dot: bool | None = None, config: dict | None = None,
+    *, fp8_dot: bool | None = None, config: dict | None = None, clean: bool = True,
 ) -> None:
     """Write every element of `out` `[B*next_n, max_model_len]`; `fp8_dot`/`config`
-    override the device choice (tests use them for the fp16 path and many small chunks)."""
+    override the device choice (tests use them for the fp16 path and many small chunks).
+
+    `clean=False` (the composite: the top-k reads only each row's valid range) writes the
+    key tiles below each context only, not the -inf tail up to `max_model_len`."""
     b, next_n, h, d = q.shape
     if b == 0:
         return
@@ -449,7 +498,7 @@ def paged_mqa_logits_into(
         kv_cache.stride(0), kv_cache.stride(0) // 4, bs * d // 4, block_table.stride(0), out.stride(0),
         max_model_len, chunk,
         H=h, D=d, BS=bs, NEXT_N=next_n, BLOCK_H=_pow2(h, 16), BLOCK_D=_pow2(d, 32), BLOCK_N=block_n,
-        FP8_DOT=fp8_dot, ROW_ALIGN=_row_align(kv_cache.stride(0), d),
+        FP8_DOT=fp8_dot, ROW_ALIGN=_row_align(kv_cache.stride(0), d), CLEAN=clean,
         **cfg,
     )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.ops.indexer import layout
+from graphsafe.ops.indexer import layout, plan, reference
 from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
 from graphsafe.testing.compare import assert_same, default_compare
 from graphsafe.testing.contract import clone_tensor
@@ -450,6 +450,359 @@ register_case(
         gpu_examples=(
             {"T": 512, "B": 64, "K": 2048, "block_size": 64, "max_blocks": 512},
             {"T": 8192, "B": 4, "K": 2048, "block_size": 64, "max_blocks": 2048},
+        ),
+    )
+)
+
+
+# -- composites: shared comparison -------------------------------------------------------
+def compare_new_keys(k, slots, ce, ca, what: str) -> None:
+    """The caches after writing `k` at `slots`: scales and untouched bytes exact, written
+    fp8 values within one e4m3 step (aiter's quantiser multiplies by 1/s)."""
+    ce, ca, slots = ce.cpu(), ca.cpu(), slots.cpu().long()
+    d = k.shape[1]
+    nb, bs, _ = ce.shape
+    written = slots[(slots >= 0) & (slots < nb * bs)]
+    blk, off = written // bs, written % bs
+    ve, se = layout.cache_views(ce, d)
+    va, sa = layout.cache_views(ca, d)
+    assert_same(ve[blk, off].view(FP8), va[blk, off].view(FP8), f"{what} cache values")
+    torch.testing.assert_close(sa[blk, off], se[blk, off], rtol=0, atol=0, msg=lambda m: f"{what} cache scales: {m}")
+    patched = clone_tensor(ca)
+    layout.cache_views(patched, d)[0][blk, off] = ve[blk, off]
+    assert torch.equal(patched, ce), f"{what}: cache bytes outside the new tokens' slots changed"
+
+
+def assert_topk_near(logits, lo, hi, shift, indices, topk: int, what: str, tol: float = 2 * LOGIT_TOL) -> None:
+    """`indices` is a top-`topk` of each row's range `[lo, hi)` of `logits` up to `tol`.
+
+    Exact structure: `min(topk, hi - lo)` distinct in-range positions (minus `shift`),
+    then -1 to the end of the row. Values: every chosen score is >= the row's k-th
+    largest minus `tol * max|row|`, every score left out is <= it plus that much. With
+    `tol = 0` this is the set-of-scores comparison (any set of tied scores passes); a
+    positive `tol` admits the swaps at the k-th value that a backend whose logits differ
+    by rounding (fp8 tensor cores) may make. A top-k of logits within `e` of these is
+    within `2e` of this bound (the k-th value moves by at most `e` too): hence the
+    default of twice the logits tolerance.
+    """
+    logits = logits.detach().double()  # on its device: realistic prefill rows sort fast on a GPU
+    dev = logits.device
+    indices, lo, hi, shift = indices.to(dev), lo.to(dev).long(), hi.to(dev).long(), shift.to(dev).long()
+    rows, width = logits.shape
+    k_cols = indices.shape[1]
+    count = torch.minimum(hi - lo, torch.full_like(hi, topk)).clamp_min(0)
+    cols = torch.arange(k_cols, device=dev)
+    want = cols[None, :] < count[:, None]
+    bad = ((indices != -1) != want).any(dim=1)
+    assert not bad.any(), f"{what}: the -1 tail is wrong in rows {bad.nonzero().flatten()[:8].tolist()}"
+    absolute = indices.long() + shift[:, None]
+    inside = (absolute >= lo[:, None]) & (absolute < hi[:, None])
+    bad = (want & ~inside).any(dim=1)
+    assert not bad.any(), f"{what}: positions outside the valid range in rows {bad.nonzero().flatten()[:8].tolist()}"
+    if width == 0 or rows == 0:
+        return
+    chosen = torch.zeros(rows, width + 1, dtype=torch.int64, device=dev)
+    chosen.scatter_add_(1, torch.where(want, absolute, width).clamp(0, width), want.long())
+    assert chosen[:, :width].max() <= 1, f"{what}: repeated positions"
+    chosen = chosen[:, :width].bool()
+    grid = torch.arange(width, device=dev)
+    valid = (grid[None, :] >= lo[:, None]) & (grid[None, :] < hi[:, None])
+    vals = torch.where(valid, logits, float("-inf"))
+    kth = vals.sort(dim=1, descending=True).values.gather(1, (count - 1).clamp_min(0)[:, None])[:, 0]
+    slack = tol * torch.where(valid, logits.abs(), 0.0).amax(dim=1)
+    low = torch.where(chosen, logits, float("inf")).amin(dim=1)
+    high = torch.where(valid & ~chosen, logits, float("-inf")).amax(dim=1)
+    has = count > 0
+    bad = has & ((low < kth - slack) | (high > kth + slack))
+    assert not bad.any(), (
+        f"{what}: not a top-{topk} (tolerance {tol}) in rows {bad.nonzero().flatten()[:8].tolist()}: "
+        f"k-th {kth[bad][:4].tolist()}, lowest chosen {low[bad][:4].tolist()}, highest left {high[bad][:4].tolist()}"
+    )
+
+
+def _decode_check_rows(args, what: str) -> None:
+    """The top-k rows of a decode step's args (after the call) against the reference
+    logits of its own cache."""
+    cache, q, _, w, _, lens, table, idx, _, topk, length, next_n, _ = args
+    t, h, d = q.shape
+    logits = reference.fp8_paged_mqa_logits(q.view(-1, next_n, h, d), cache, w, lens, table, length)
+    i = torch.arange(t, device=lens.device) % next_n
+    hi = (lens.long().repeat_interleave(next_n) - next_n + i + 1).clamp(0, length)
+    zero = torch.zeros_like(hi)
+    assert_topk_near(logits, zero, hi, zero, idx[:t], topk, what)
+
+
+def compare_composite_decode(e, a, ea, aa, p) -> None:
+    assert e is None and a is None
+    k, slots = ea[2], ea[4]
+    compare_new_keys(k, slots, ea[0], aa[0], "sparse_attn_indexer_decode")
+    t = ea[1].shape[0]
+    assert torch.equal(ea[7][t:].cpu(), aa[7][t:].cpu()), "sparse_attn_indexer_decode: topk_indices rows >= T changed"
+    _decode_check_rows(ea, "sparse_attn_indexer_decode expected")
+    _decode_check_rows(aa, "sparse_attn_indexer_decode actual")
+
+
+# -- sparse_attn_indexer_decode -----------------------------------------------------------
+def _params_composite_decode():
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries(
+        {
+            "B": st.integers(1, 3),
+            "next_n": st.sampled_from([1, 2]),
+            "H": st.sampled_from([16, 32, 64]),
+            "D": st.sampled_from([64, 128]),
+            "block_size": st.sampled_from([1, 4, 16, 64]),
+            "max_model_len": st.integers(1, 60),
+            "topk": st.sampled_from([1, 4, 16, 40]),
+            "extra_cols": st.sampled_from([0, 3]),
+            "extra_rows": st.sampled_from([0, 2]),
+            "dtype": st.sampled_from(DTYPES),
+            "scale_fmt": st.sampled_from([None, "ue8m0"]),
+            "pad": st.sampled_from([0.0, 0.3]),
+        }
+    )
+
+
+def _decode_slots(lens, next_n, table, bs, pad) -> torch.Tensor:
+    """Slots of the new tokens: request b's tokens are positions lens[b] - next_n + i
+    (-1 for padding requests and for positions below 0)."""
+    b = lens.shape[0]
+    pos = lens.long()[:, None] - next_n + torch.arange(next_n)[None, :]
+    ok = (pos >= 0) & ~pad[:, None]
+    blk = table.long().gather(1, torch.where(ok, pos, 0) // bs)
+    slots = blk * bs + torch.where(ok, pos, 0) % bs
+    return torch.where(ok, slots, -1).reshape(b * next_n)
+
+
+def _make_composite_decode(p: Params, device, gen):
+    b, nn, h, d, bs, length = p["B"], p["next_n"], p["H"], p["D"], p["block_size"], p["max_model_len"]
+    t = b * nn
+    mb = _cdiv(length, bs) + p.get("extra_blocks", 0)
+    nb = b * mb + 1
+    cache = random_cache(nb, bs, d, 1, device, gen)
+    table = torch.randperm(nb, generator=gen)[: b * mb].view(b, mb).int()
+    lens = paged_context_lens(b, nn, length, gen)
+    pad = torch.rand(b, generator=gen) < p["pad"]
+    lens = torch.where(pad, 0, lens).int()  # padding requests: no context, slot -1
+    slots = _decode_slots(lens, nn, table, bs, pad)
+    q = fp8_randn((t, h, d), device, gen)
+    k = (torch.randn((t, d), generator=gen) * MAGNITUDES[torch.randint(1, 4, (t, 1), generator=gen)]).to(p["dtype"])
+    weights = randn((t, h), torch.float32, device, gen)
+    idx = poison((t + p["extra_rows"], p["topk"] + p["extra_cols"]), torch.int32, device, gen)
+    return (
+        cache, q, k.to(device), weights, slots.to(device), lens.to(device), table.to(device), idx,
+        p["scale_fmt"], p["topk"], length, nn, p.get("reserve_tokens", 0),
+    )
+
+
+EXAMPLE_COMPOSITE_DECODE: Params = {
+    "B": 3, "next_n": 2, "H": 16, "D": 64, "block_size": 4, "max_model_len": 30, "topk": 8,
+    "extra_cols": 2, "extra_rows": 2, "dtype": torch.bfloat16, "scale_fmt": "ue8m0", "pad": 0.3,
+}
+
+
+def _bad_composite_decode(device, gen):
+    args = _make_composite_decode(EXAMPLE_COMPOSITE_DECODE, device, gen)
+    cache, q, k, w, slots, lens, table, idx, fmt, topk, length, nn, mnbt = args
+
+    def bad(**kw):
+        names = ("kv_cache", "q", "k", "weights", "slot_mapping", "seq_lens", "block_table", "topk_indices",
+                 "scale_fmt", "topk", "max_model_len", "next_n", "max_num_batched_tokens")
+        return tuple(kw.get(n, v) for n, v in zip(names, args))
+
+    return [
+        BadInput("block_table too short for max_model_len", bad(block_table=table[:, :-1]), "block_table", "wide enough"),
+        BadInput("q bfloat16", bad(q=q.bfloat16()), "q", "dtype"),
+        BadInput("q tokens not B * next_n", bad(q=q[:-1], k=k[:-1], weights=w[:-1], slot_mapping=slots[:-1]), "q", r"B \* next_n"),
+        BadInput("weights [T, H + 1]", bad(weights=torch.cat([w, w[:, :1]], 1)), "weights", r"\[T, H\]"),
+        BadInput("seq_lens int64", bad(seq_lens=lens.long()), "seq_lens", "dtype"),
+        BadInput("topk_indices with fewer rows than T", bad(topk_indices=idx[:3]), "topk_indices", "at least"),
+        BadInput("topk above K", bad(topk=idx.shape[1] + 1), "topk", r"\[0, "),
+        BadInput("kv_cache with two scales per token", bad(kv_cache=torch.cat([cache, cache[..., :4]], 2)), "kv_cache", r"D \+ 4"),
+        BadInput("unknown scale_fmt", bad(scale_fmt="e4m3"), "scale_fmt", "ue8m0"),
+        BadInput("next_n 5", bad(next_n=5), "next_n", r"\[1, 4\]"),
+        BadInput("k on the meta device", bad(k=k.to("meta")), "k", "device"),
+    ]
+
+
+register_case(
+    OpCase(
+        op="sparse_attn_indexer_decode",
+        params=_params_composite_decode,
+        example=EXAMPLE_COMPOSITE_DECODE,
+        make=_make_composite_decode,
+        compare=compare_composite_decode,
+        bad_inputs=_bad_composite_decode,
+        edge_cases=(
+            {**EXAMPLE_COMPOSITE_DECODE, "B": 1, "next_n": 1, "block_size": 1, "max_model_len": 1, "topk": 1, "pad": 0.0},
+            {**EXAMPLE_COMPOSITE_DECODE, "H": 64, "D": 128, "block_size": 64, "max_model_len": 130, "topk": 64,
+             "scale_fmt": None, "dtype": torch.float32, "reserve_tokens": 16},
+            {**EXAMPLE_COMPOSITE_DECODE, "H": 32, "next_n": 1, "max_model_len": 20, "topk": 0, "extra_blocks": 2},
+            {**EXAMPLE_COMPOSITE_DECODE, "pad": 1.0},  # every request is padding
+        ),
+        gpu_examples=(
+            {"B": 32, "next_n": 1, "H": 64, "D": 128, "block_size": 64, "max_model_len": 8192, "topk": 2048,
+             "extra_cols": 0, "extra_rows": 0, "dtype": torch.bfloat16, "scale_fmt": "ue8m0", "pad": 0.1},
+            {"B": 16, "next_n": 2, "H": 64, "D": 128, "block_size": 64, "max_model_len": 16384, "topk": 2048,
+             "extra_cols": 0, "extra_rows": 8, "dtype": torch.bfloat16, "scale_fmt": "ue8m0", "pad": 0.0,
+             "reserve_tokens": 256},
+            {"B": 8, "next_n": 1, "H": 32, "D": 128, "block_size": 1, "max_model_len": 4096, "topk": 512,
+             "extra_cols": 16, "extra_rows": 0, "dtype": torch.float16, "scale_fmt": None, "pad": 0.2},
+        ),
+    )
+)
+
+
+# -- sparse_attn_indexer_prefill ----------------------------------------------------------
+def _params_composite_prefill():
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries(
+        {
+            "B": st.integers(1, 3),
+            "T": st.integers(0, 12),
+            "max_ctx": st.integers(1, 24),
+            "H": st.sampled_from([16, 32]),
+            "D": st.sampled_from([64, 128]),
+            "block_size": st.sampled_from([1, 4, 16, 64]),
+            "topk": st.sampled_from([1, 4, 16, 40]),
+            "extra_cols": st.sampled_from([0, 3]),
+            "extra_rows": st.sampled_from([0, 2]),
+            "dtype": st.sampled_from(DTYPES),
+            "scale_fmt": st.sampled_from([None, "ue8m0"]),
+            "chunk": st.sampled_from(["default", "1", "2", "3", "3-1", "3+1"]),
+        }
+    )
+
+
+def prefill_chunk_bound(chunk: str, tokens: int, keys: int, topk: int) -> int:
+    """max_chunk_bytes for a case: "default", "R" (exactly R rows' need), "R-1", "R+1"."""
+    if chunk == "default":
+        return plan.DEFAULT_MAX_CHUNK_BYTES
+    rows, _, delta = chunk.partition("-") if "-" in chunk else chunk.partition("+")
+    need = plan.prefill_chunk_bytes(int(rows), keys, topk)
+    return need - int(delta or 0) if "-" in chunk else need + int(delta or 0)
+
+
+def prefill_batch(b: int, t: int, max_ctx: int, gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query tokens, prior context) per request and the number of padding tokens: T query
+    tokens spread over B requests of at most `max_ctx` tokens each, the rest padding."""
+    q_lens = torch.zeros(b, dtype=torch.int64)
+    left = t - int(torch.randint(0, t // 4 + 1, (), generator=gen))  # some padding at the end
+    for r in range(b):  # test-input builder: host loop over requests
+        q_lens[r] = min(left, max_ctx) if r == b - 1 else min(left, int(torch.randint(0, max_ctx + 1, (), generator=gen)))
+        left -= int(q_lens[r])
+    prior = (torch.rand(b, generator=gen) * (max_ctx - q_lens + 1)).long().clamp(0, max_ctx)
+    prior = torch.where(torch.rand(b, generator=gen) < 0.3, 0, prior)  # context exactly the new tokens
+    return q_lens, prior, t - int(q_lens.sum())
+
+
+def _make_composite_prefill(p: Params, device, gen):
+    b, t, max_ctx, h, d, bs, topk = p["B"], p["T"], p["max_ctx"], p["H"], p["D"], p["block_size"], p["topk"]
+    n = b * max_ctx  # total_seq_lens: an upper bound of the gathered rows (shapes from params)
+    mb = _cdiv(max_ctx, bs) + 1
+    nb = b * mb + 1
+    cache = random_cache(nb, bs, d, 1, device, gen)
+    table = torch.randperm(nb, generator=gen)[: b * mb].view(b, mb).int()
+    q_lens, prior, _ = prefill_batch(b, t, max_ctx, gen)
+    ctx = prior + q_lens
+    cu = torch.zeros(b + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(ctx, 0)
+    req = torch.repeat_interleave(torch.arange(b), q_lens)  # request of each real token
+    j = torch.arange(req.shape[0]) - torch.repeat_interleave(torch.cumsum(q_lens, 0) - q_lens, q_lens)
+    pos = prior[req] + j  # position of each real token in its request
+    slots = table.long()[req, pos // bs] * bs + pos % bs
+    pad = t - req.shape[0]
+    slots = torch.cat([slots, torch.full((pad,), -1, dtype=torch.int64)])
+    ks = torch.cat([cu[req], torch.zeros(pad, dtype=torch.int64)])
+    ke = torch.cat([cu[req] + pos + 1, torch.zeros(pad, dtype=torch.int64)])  # padding: empty window
+    q = fp8_randn((t, h, d), device, gen)
+    k = (torch.randn((t, d), generator=gen) * MAGNITUDES[torch.randint(1, 4, (t, 1), generator=gen)]).to(p["dtype"])
+    weights = randn((t, h), torch.float32, device, gen)
+    idx = poison((t + p["extra_rows"], topk + p["extra_cols"]), torch.int32, device, gen)
+    bound = prefill_chunk_bound(p["chunk"], t, n, topk)
+    return (
+        cache, q, k.to(device), weights, slots.to(device), table.to(device), cu.int().to(device),
+        ks.int().to(device), ke.int().to(device), idx, p["scale_fmt"], topk, n, bound,
+        p.get("reserve_tokens", 0), p.get("reserve_keys", 0),
+    )
+
+
+def _prefill_check_rows(args, what: str) -> None:
+    """The same for a prefill step: reference gather and logits of its own cache."""
+    cache, q, _, w, _, table, cu, ks, ke, idx, _, topk, n = args[:13]
+    t, _, d = q.shape
+    keys = torch.zeros((n, d), dtype=torch.uint8, device=q.device).view(FP8)
+    scales = torch.zeros((n,), dtype=torch.float32, device=q.device)
+    reference.cp_gather_indexer_k_quant_cache(cache, keys, scales, table, cu)
+    logits = reference.fp8_mqa_logits(q, keys, scales, w, ks, ke)
+    lo = ks.long().clamp(0, n)
+    hi = torch.maximum(ke.long().clamp(max=n), lo)
+    assert_topk_near(logits, lo, hi, ks.long(), idx[:t], topk, what)
+
+
+def compare_composite_prefill(e, a, ea, aa, p) -> None:
+    assert e is None and a is None
+    compare_new_keys(ea[2], ea[4], ea[0], aa[0], "sparse_attn_indexer_prefill")
+    t = ea[1].shape[0]
+    assert torch.equal(ea[9][t:].cpu(), aa[9][t:].cpu()), "sparse_attn_indexer_prefill: topk_indices rows >= T changed"
+    _prefill_check_rows(ea, "sparse_attn_indexer_prefill expected")
+    _prefill_check_rows(aa, "sparse_attn_indexer_prefill actual")
+
+
+EXAMPLE_COMPOSITE_PREFILL: Params = {
+    "B": 3, "T": 12, "max_ctx": 20, "H": 16, "D": 64, "block_size": 4, "topk": 8, "extra_cols": 2,
+    "extra_rows": 2, "dtype": torch.bfloat16, "scale_fmt": "ue8m0", "chunk": "3",
+}
+
+
+def _bad_composite_prefill(device, gen):
+    args = _make_composite_prefill(EXAMPLE_COMPOSITE_PREFILL, device, gen)
+    names = ("kv_cache", "q", "k", "weights", "slot_mapping", "block_table", "cu_seq_lens", "cu_seqlen_ks",
+             "cu_seqlen_ke", "topk_indices", "scale_fmt", "topk", "total_seq_lens", "max_chunk_bytes",
+             "max_num_batched_tokens", "max_total_seq_lens")
+    a = dict(zip(names, args))
+
+    def bad(**kw):
+        return tuple(kw.get(n, a[n]) for n in names)
+
+    return [
+        BadInput("q float16", bad(q=a["q"].half()), "q", "dtype"),
+        BadInput("k with another D", bad(k=a["k"][:, :32]), "k", r"\[T, D\]"),
+        BadInput("cu_seq_lens of B entries", bad(cu_seq_lens=a["cu_seq_lens"][1:]), "cu_seq_lens", r"\[B \+ 1\]"),
+        BadInput("cu_seqlen_ks int64", bad(cu_seqlen_ks=a["cu_seqlen_ks"].long()), "cu_seqlen_ks", "dtype"),
+        BadInput("cu_seqlen_ke strided", bad(cu_seqlen_ke=a["cu_seqlen_ke"].repeat_interleave(2)[::2]), "cu_seqlen_ke", "contiguous"),
+        BadInput("topk_indices with fewer rows than T", bad(topk_indices=a["topk_indices"][:2]), "topk_indices", "at least"),
+        BadInput("max_chunk_bytes 0", bad(max_chunk_bytes=0), "max_chunk_bytes", "positive"),
+        BadInput("total_seq_lens -1", bad(total_seq_lens=-1), "total_seq_lens", ">= 0"),
+        BadInput("kv_cache with two scales per token", bad(kv_cache=torch.cat([a["kv_cache"], a["kv_cache"][..., :4]], 2)), "kv_cache", r"D \+ 4"),
+        BadInput("block_table on the meta device", bad(block_table=a["block_table"].to("meta")), "block_table", "device"),
+    ]
+
+
+register_case(
+    OpCase(
+        op="sparse_attn_indexer_prefill",
+        params=_params_composite_prefill,
+        example=EXAMPLE_COMPOSITE_PREFILL,
+        make=_make_composite_prefill,
+        compare=compare_composite_prefill,
+        bad_inputs=_bad_composite_prefill,
+        edge_cases=(
+            {**EXAMPLE_COMPOSITE_PREFILL, "T": 0},
+            {**EXAMPLE_COMPOSITE_PREFILL, "B": 1, "T": 1, "max_ctx": 1, "block_size": 1, "topk": 1, "chunk": "default"},
+            {**EXAMPLE_COMPOSITE_PREFILL, "H": 64, "D": 128, "block_size": 64, "max_ctx": 70, "topk": 64,
+             "scale_fmt": None, "dtype": torch.float32, "chunk": "3-1", "reserve_tokens": 40, "reserve_keys": 300},
+            {**EXAMPLE_COMPOSITE_PREFILL, "H": 32, "topk": 0, "chunk": "1"},
+        ),
+        gpu_examples=(
+            {"B": 4, "T": 2048, "max_ctx": 4096, "H": 64, "D": 128, "block_size": 64, "topk": 2048, "extra_cols": 0,
+             "extra_rows": 0, "dtype": torch.bfloat16, "scale_fmt": "ue8m0", "chunk": "default"},
+            {"B": 2, "T": 1000, "max_ctx": 3000, "H": 64, "D": 128, "block_size": 64, "topk": 2048, "extra_cols": 0,
+             "extra_rows": 4, "dtype": torch.bfloat16, "scale_fmt": "ue8m0", "chunk": "300+1"},
+            {"B": 8, "T": 512, "max_ctx": 512, "H": 32, "D": 128, "block_size": 1, "topk": 512, "extra_cols": 0,
+             "extra_rows": 0, "dtype": torch.float16, "scale_fmt": None, "chunk": "7"},
         ),
     )
 )
