@@ -13,16 +13,20 @@ import types
 
 import pytest
 import torch
-from hypothesis import given, settings
+import triton
+import triton.language as tl
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import graphsafe
 from graphsafe.ops.topk import plan
 from graphsafe.ops.topk import reference as ref
+from graphsafe.ops.topk.triton import _bisect
 from graphsafe.testing import contract as C
 from graphsafe.testing.cases.topk import (
     assert_topk_rows,
     decode_ranges,
+    final_paths,
     make_logits,
     prefill_ranges,
     sortable_keys,
@@ -163,16 +167,16 @@ def test_ties_return_any_set_with_the_top_scores(backend):
 
 # -- every path of the Triton selection --------------------------------------------
 def _triton_run(logits, starts, ends, topk, k_cols=None, **overrides):
-    """Run the Triton prefill on private scratch; return (indices, per-row state)."""
+    """Run the Triton prefill on private scratch sized for the (overridden) plan;
+    return (indices, per-program state, candidates, plan)."""
     tt = _tt()
     rows, width = logits.shape
-    g_cols, cap, block_f = plan.plan_sizes(width, topk)
-    g_cols = overrides.get("g_cols", g_cols)
-    cap = overrides.get("cap", cap)
-    scratch = [torch.empty(shape, dtype=dtype) for shape, dtype in plan.specs(rows, g_cols, cap, topk)]
+    forced = {k: v for k, v in overrides.items() if k in ("p1", "reg", "margin", "max_slots")}
+    pl = plan.choose(rows, width, topk, **forced)
+    scratch = [torch.empty(shape, dtype=dtype) for shape, dtype in plan.specs(rows, pl.p1, pl.cap)]
     idx = torch.full((rows, k_cols or topk), 77, dtype=torch.int32)
     tt.top_k_per_row_prefill(logits, starts, ends, idx, topk, scratch=scratch, **overrides)
-    return idx, scratch[0]
+    return idx, scratch[0], scratch[1], pl
 
 
 def _check_against_reference(logits, starts, ends, idx, topk):
@@ -186,76 +190,159 @@ def _full_rows(rows, width):
     return torch.zeros(rows, dtype=torch.int32), torch.full((rows,), width, dtype=torch.int32)
 
 
-def _ties_below_bound(rows=2, width=300):
-    # The top-k are all 0.3 (nonzero low mantissa bits): the 16-bit bound falls below them.
-    x = torch.full((rows, width), 0.3)
-    x[:, ::100] = 0.7
-    x[-1, 5] = float("-inf")
+def _randn(rows, width, seed):
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+
+
+def _top_in_one_program(rows=2, width=1000, topk=16):
+    # The topk largest scores all lie in program 0's granules (P1 = 4: granules 0, 4, 8,
+    # ... of 16 entries): with no margin its bound sits above the row's k-th largest.
+    x = _randn(rows, width, 5)
+    x[:, 0:16] += 10.0
     return x
 
 
 PATHS = {
-    # name: (logits, topk, overrides, check on (n_gt, n_eq, cap, block_f))
-    "registers": (lambda: torch.randn(3, 1000, generator=torch.Generator().manual_seed(1)), 16, {},
-                  lambda gt, eq, cap, bf: (gt >= 16) & (gt <= bf)),
-    "list_radix": (lambda: torch.randn(3, 1000, generator=torch.Generator().manual_seed(2)), 16, {"block_f": 16},
-                   lambda gt, eq, cap, bf: (gt > bf) & (gt <= cap)),
-    "row_radix": (_ties_below_bound, 8, {}, lambda gt, eq, cap, bf: gt > cap),
-    "row_radix_neg_inf": (lambda: torch.full((2, 300), float("-inf")), 8, {}, lambda gt, eq, cap, bf: gt > cap),
-    "ties_at_bound": (lambda: torch.where(torch.arange(300) % 37 == 0, 2.0, 1.0).expand(2, 300).contiguous(), 20, {},
-                      lambda gt, eq, cap, bf: (gt < 20) & (gt + eq >= 20)),
-    "bound_zero_when_few_columns": (lambda: torch.randn(2, 1000, generator=torch.Generator().manual_seed(3)), 16,
-                                    {"g_cols": 8}, lambda gt, eq, cap, bf: gt > bf),
+    # name: (logits, topk, overrides, expected final path of every row)
+    "one_program_exact": (lambda: _randn(3, 1000, 1), 16, {}, "registers"),
+    "programs_share_rows": (lambda: _randn(3, 1000, 2), 16, {"p1": 4}, "registers"),
+    "eight_programs_short_rows": (lambda: _randn(2, 300, 3), 16, {"p1": 8}, "registers"),
+    "list_radix": (lambda: _randn(3, 1000, 4), 16, {"p1": 4, "max_slots": 64}, "list"),
+    "row_after_slot_overflow": (lambda: _randn(2, 1000, 6), 16, {"p1": 2, "reg": 4}, "row"),
+    "row_after_failed_check": (_top_in_one_program, 16, {"p1": 4, "margin": 0.0}, "row"),
+    "row_after_too_few_kept": (lambda: _randn(2, 1000, 7), 16, {"p1": 4, "margin": -3.0}, "row"),
+    "equal_scores": (lambda: torch.full((2, 700), 0.3), 16, {"p1": 4}, "registers"),
+    "neg_inf_rows": (lambda: torch.full((2, 700), float("-inf")), 16, {}, "registers"),
+    "ties_at_the_bound": (lambda: torch.where(torch.arange(900) % 37 == 0, 2.0, 1.0).expand(2, 900).contiguous(), 20,
+                          {"p1": 2}, "registers"),
+    "periodic_in_g": (lambda: _randn(1, 256, 8).repeat(2, 4), 16, {"p1": 2, "reg": 16}, "row"),
 }
 
 
 @needs_interpreter
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_triton_selection_paths(path):
-    make, topk, overrides, taken = PATHS[path]
+    make, topk, overrides, want = PATHS[path]
     logits = make()
     rows, width = logits.shape
     starts, ends = _full_rows(rows, width)
-    idx, state = _triton_run(logits, starts, ends, topk, k_cols=topk + 3, **overrides)
-    _, cap, block_f = plan.plan_sizes(width, topk)
-    cap, block_f = overrides.get("cap", cap), overrides.get("block_f", block_f)
-    assert taken(state[:, 2], state[:, 3], cap, block_f).all(), f"{path} not taken: state {state[:, :5].tolist()}"
+    idx, meta, cand, pl = _triton_run(logits, starts, ends, topk, k_cols=topk + 3, **overrides)
+    lo, hi, _ = prefill_ranges(starts, ends, width)
+    assert final_paths(meta, cand, pl, lo, hi, topk) == [want] * rows, f"{path}: meta {meta[:, :, :3].tolist()}"
     _check_against_reference(logits, starts, ends, idx, topk)
+
+
+@triton.jit
+def _bisect_probe(keys_ptr, out_ptr, n, k_lo, k_hi, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    key = tl.load(keys_ptr + offs, mask=offs < n, other=0).to(tl.uint32, bitcast=True)
+    v, m = _bisect(key[None, :], k_lo, k_hi, n)
+    tl.store(out_ptr, v.to(tl.int32, bitcast=True))
+    tl.store(out_ptr + 1, m)
+
+
+@needs_interpreter
+@settings(max_examples=25)
+@given(
+    keys=st.lists(st.integers(1, 2**32 - 1) | st.sampled_from([1, 7, 2**31, 2**31 + 5, 2**32 - 1]), min_size=1, max_size=64),
+    k=st.integers(1, 64),
+    slack=st.sampled_from([0, 0, 3]),
+)
+@example(keys=[2**31 + 5] * 4 + [7], k=2, slack=0)  # ties: the search runs to the last bit
+@example(keys=[2**32 - 1, 2**32 - 1, 1], k=2, slack=0)
+@example(keys=[2**31, 2**31 - 1, 2**31 - 1], k=2, slack=0)  # keys that differ in the top bit
+@example(keys=[12345] * 9, k=3, slack=3)  # all equal: the prefix is the key
+def test_bisect_finds_the_kth_largest_key(keys, k, slack):
+    """The bound search behind both launches: run to the last bit it returns the k-th
+    largest key; else it stops at a prefix with k..k+slack keys at or above it."""
+    k = min(k, len(keys))
+    t = torch.tensor(keys, dtype=torch.int64)
+    out = torch.zeros(2, dtype=torch.int32)
+    _bisect_probe[(1,)](t.to(torch.int32), out, len(keys), k, k + slack, BLOCK=64)
+    v, m = int(out[0]) & 0xFFFFFFFF, int(out[1])
+    kth = int(t.sort(descending=True).values[k - 1])
+    assert m == int((t >= v).sum()) >= k, "n counts the keys at or above the bound"
+    assert v <= kth, "the bound is never above the k-th largest key"
+    assert m <= k + slack or v == kth, "the search stops once k..k+slack keys lie above, or on the k-th key"
+
+
+@needs_interpreter
+def test_programs_split_a_run_of_high_scores_evenly():
+    # A run of high scores (recent tokens): granules interleave across programs, so each
+    # program holds about its share and every row passes the check with the default margin.
+    x = _randn(2, 1000, 9)
+    x[:, 700:900] += 3.0
+    starts, ends = _full_rows(2, 1000)
+    idx, meta, cand, pl = _triton_run(x, starts, ends, 16, p1=4)
+    assert final_paths(meta, cand, pl, *prefill_ranges(starts, ends, 1000)[:2], 16) == ["registers"] * 2
+    _check_against_reference(x, starts, ends, idx, 16)
 
 
 @needs_interpreter
 @settings(max_examples=10)
 @given(
     rows=st.integers(1, 3),
-    width=st.integers(1, 400),
+    width=st.integers(1, 700),
     topk=st.integers(1, 24),
     mode=st.sampled_from(["normal", "ties", "ties_inf", "neg_inf_rows"]),
-    block_f=st.sampled_from([None, 16]),
-    cap_extra=st.sampled_from([None, 0, 5]),
+    p1=st.sampled_from([None, 2, 4, 8]),
+    reg=st.sampled_from([None, None, 8, 32]),
+    margin=st.sampled_from([None, 12.0, 0.0, -2.0]),
+    max_slots=st.sampled_from([None, 32]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_triton_matches_reference_with_small_capacities(rows, width, topk, mode, block_f, cap_extra, seed):
-    """Small register blocks and candidate lists (down to topk) push rows through every fallback."""
-    cap = None if cap_extra is None else topk + cap_extra
+def test_triton_matches_reference_with_forced_plans(rows, width, topk, mode, p1, reg, margin, max_slots, seed):
+    """Forced program counts, small slot regions and register blocks, and weak bounds push
+    rows through every path, on random ranges (empty, short, partial, full)."""
     gen = torch.Generator().manual_seed(seed)
     logits = make_logits(rows, width, mode, "cpu", gen)
     starts = torch.randint(-3, width + 1, (rows,), generator=gen, dtype=torch.int32)
     ends = torch.randint(0, width + 4, (rows,), generator=gen, dtype=torch.int32)
-    overrides = {k: v for k, v in (("block_f", block_f), ("cap", cap)) if v is not None}
-    idx, _ = _triton_run(logits, starts, ends, topk, k_cols=topk + 2, **overrides)
+    overrides = {k: v for k, v in dict(p1=p1, reg=reg, margin=margin, max_slots=max_slots).items() if v is not None}
+    idx, *_ = _triton_run(logits, starts, ends, topk, k_cols=topk + 2, **overrides)
     _check_against_reference(logits, starts, ends, idx, topk)
 
 
 @needs_interpreter
 def test_triton_rows_of_other_lengths_in_one_call():
     # Rows shorter than topk, empty, just above topk and full, in one launch.
-    logits = torch.randn(5, 700, generator=torch.Generator().manual_seed(4))
+    logits = _randn(5, 700, 4)
     starts = torch.tensor([0, 100, 50, 0, 690], dtype=torch.int32)
     ends = torch.tensor([700, 100, 83, 700, 700], dtype=torch.int32)
-    idx, _ = _triton_run(logits, starts, ends, 32, k_cols=40)
-    _check_against_reference(logits, starts, ends, idx, 32)
+    for p1 in (None, 4):
+        idx, *_ = _triton_run(logits, starts, ends, 32, k_cols=40, p1=p1)
+        _check_against_reference(logits, starts, ends, idx, 32)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_triton_decode_with_programs_sharing_rows(next_n):
+    # MTP rows (next_n = 2) and contexts of exactly next_n, empty and past L, with P1 = 4.
+    tt = _tt()
+    width, topk = 600, 12
+    seq_lens = torch.tensor([600, 2, 0, 650, 40], dtype=torch.int32)
+    rows = seq_lens.shape[0] * next_n
+    logits = _randn(rows, width, 10 + next_n)
+    pl = plan.choose(rows, width, topk, p1=4)
+    scratch = [torch.empty(shape, dtype=dtype) for shape, dtype in plan.specs(rows, pl.p1, pl.cap)]
+    idx = torch.full((rows, topk + 1), 5, dtype=torch.int32)
+    tt.top_k_per_row_decode(logits, next_n, seq_lens, idx, topk, scratch=scratch, p1=4)
+    expected = torch.empty_like(idx)
+    ref.top_k_per_row_decode(logits, next_n, seq_lens, expected, topk)
+    lo, hi, shift = decode_ranges(seq_lens, next_n, width)
+    assert_topk_rows(logits, lo, hi, shift, expected, idx, topk, "triton decode indices")
+
+
+def test_plan_keeps_programs_and_slots_in_bounds():
+    # DeepSeek decode widths: tiles fit the registers (<= MAX_TILE), the final selection
+    # fits its register block, and the declared worst case covers every row count's plan.
+    for width in (8192, 32768, 65536, 131072, 163840):
+        need_p1, need_cap = plan._row_need(width, 2048)
+        for rows in (1, 32, 128, 2048):
+            pl = plan.choose(rows, width, 2048)
+            assert pl.tile <= plan.MAX_TILE and pl.in_registers, (width, rows, pl)
+            assert pl.p1 <= need_p1 and pl.cap <= need_cap and pl.cap >= 2048
+            assert pl.bj * pl.p1 == pl.g and pl.dp * pl.g >= width
 # -- workspace ----------------------------------------------------------------------
 @needs_interpreter
 @pytest.mark.parametrize("name", [PREFILL, DECODE])
@@ -352,8 +439,8 @@ except ImportError:
 from graphsafe.ops.topk import triton as tt
 
 def sig_of(fn, ones):
-    sig, consts = {}, {}
-    for p in fn.params:
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
         name = p.name
         if p.is_constexpr:
             sig[name] = "constexpr"
@@ -361,26 +448,32 @@ def sig_of(fn, ones):
             sig[name], consts[name] = "constexpr", 1
         elif name.endswith("_ptr"):
             sig[name] = "*fp32" if name == "logits_ptr" else "*i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"
-    return sig, consts
+            if name.startswith("stride") or name == "width":  # multiples of 16 at realistic shapes
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
 
 target = GPUTarget("cuda", 90, 32)
+B, F = tt._bound_kernel, tt._final_kernel
 cases = [
-    (tt._threshold_kernel, {"G": 8192, "BJ": 1024, "GI": 8, "DECODE": True}, (), tt.NUM_WARPS),
-    (tt._select_kernel, {"BLOCK": tt.BLOCK, "LBLOCK": tt.LBLOCK, "BLOCK_F": 4096, "DECODE": False,
-                         "PREFETCH": tt.PREFETCH}, (), tt.NUM_WARPS_SELECT),
-    (tt._threshold_kernel, {"G": 64, "BJ": 64, "GI": 1, "DECODE": False}, ("topk", "next_n", "progs_per_row"), 4),
-    (tt._select_kernel, {"BLOCK": 64, "LBLOCK": 64, "BLOCK_F": 16, "DECODE": True, "PREFETCH": True},
-     ("topk", "next_n", "cap", "chunks_per_row", "blocks_per_chunk", "out_cols"), 4),
+    # decode at 128K (P1 = 8), at 32K (P1 = 4), prefill (one program a row), tiny shapes
+    (B, dict(P1=8, BJ=2048, DP=8, REG=1024, SEGW=16, MARGIN=12.0, DECODE=True), ("next_n",), 8),
+    (B, dict(P1=4, BJ=4096, DP=2, REG=1024, SEGW=16, MARGIN=12.0, DECODE=True), ("next_n",), 16),
+    (B, dict(P1=1, BJ=8192, DP=1, REG=4096, SEGW=16, MARGIN=12.0, DECODE=False), (), 16),
+    (B, dict(P1=2, BJ=128, DP=4, REG=64, SEGW=16, MARGIN=12.0, DECODE=False), ("next_n", "width"), 1),
+    (F, dict(P1=8, REG=1024, IN_REGS=True, LBLOCK=1024, DECODE=True), ("next_n",), 16),
+    (F, dict(P1=1, REG=4096, IN_REGS=True, LBLOCK=1024, DECODE=False), (), 8),
+    (F, dict(P1=16, REG=1024, IN_REGS=False, LBLOCK=1024, DECODE=True), ("next_n", "out_cols", "width"), 8),
     (tt._finish_external_kernel, {"LOCALIZE": True, "BLOCK": 1024}, ("topk",), 4),
     (tt._decode_row_ends_kernel, {"BLOCK": 1024}, ("next_n",), 4),
 ]
 for fn, constexprs, ones, warps in cases:
-    sig, consts = sig_of(fn, ones)
-    triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**constexprs, **consts}), target=target,
-                   options={"num_warps": warps})
-    print("compiled", fn.__name__, sorted(consts))
+    sig, consts, attrs = sig_of(fn, ones)
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**constexprs, **consts}, attrs=attrs),
+                       target=target, options={"num_warps": warps})
+    print("compiled", fn.__name__, sorted(consts), "shared", k.metadata.shared)
 print("OK")
 """
 

@@ -1,17 +1,39 @@
-"""Scratch sizes of the Triton top-k, from shapes only (no triton import: the registry
-reads the worst case through `workspace_specs` without loading a backend)."""
+"""Launch geometry and scratch sizes of the Triton top-k, from shapes only (no triton
+import: the registry reads the worst case through `workspace_specs` without loading a
+backend). See triton.py for the algorithm these numbers serve.
+"""
 
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import torch
 
-# Per-row int32 state: [0] pass-1 ticket, [1] threshold key bits, [2] #(key > t),
-# [3] #(key == t), [4] pass-2 ticket; padded to 32 bytes.
-NSTATE = 8
-# Largest candidate list selected in registers.
-BLOCK_F_MAX = 4096
+# Width (elements) of the granule a bound program owns: 64 B, one DRAM burst, so the
+# programs of a row split each burst-aligned block of the row without sharing bursts.
+SEGW = 16
+# Elements a bound program holds in registers (64 per thread with 8 warps).
+MAX_TILE = 16384
+# Candidate slots the final program selects among in registers; more go through the
+# looped radix select.
+MAX_SLOTS = 8192
+# Bound programs wanted per call (about 8 per SM on a 132-SM GPU); rows x programs per row.
+TARGET_PROGRAMS = 1024
+# A program's share of the row's top-k is about mu = topk * its entries / the row's
+# entries; its bound ranks mu + MARGIN*sqrt(mu) + 2 column maxima, so the bound lies above
+# the row's k-th largest score (and the final program falls back to the slow exact
+# select over the row) only when the program holds more than MARGIN standard deviations
+# above its share (scores drawn independently; when scores come in clumps of c equal
+# values, about MARGIN/sqrt(c) of them: 3 at c = 16, ~0.5% of rows).
+MARGIN = 12.0
+# More programs per row only while each holds >= this many top-k entries on average: the
+# margin costs MARGIN/sqrt(mu) of extra candidates (53% at 512); 128K-wide rows need 8
+# programs anyway (MAX_TILE), and 2048 / 8 = 256 (75%).
+MIN_SHARE = 512
+# Per-row state of a bound program: [bound key bits, #(key > bound), #(key == bound), pad].
+NMETA = 4
 
 
 def pow2(n: int) -> int:
@@ -19,31 +41,124 @@ def pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def pow2_floor(n: int) -> int:
+    """The largest power of two <= max(n, 1)."""
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def bound_rank(topk: int, p1: int, n_c: int, n: int, margin: float = MARGIN) -> int:
+    """Column maxima a bound program ranks (mirrors the kernel; n_c of the row's n entries)."""
+    if p1 == 1:
+        return topk
+    mu = topk * n_c / n
+    return int(mu + margin * math.sqrt(mu)) + 2
+
+
+def slack(kc: int) -> int:
+    """The bound search stops once at most kc + slack(kc) column maxima lie above it."""
+    return kc // 16 + 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    p1: int  # bound programs per row
+    g: int  # strided columns of a row (G); program c owns the SEGW-granules g with g % p1 == c
+    bj: int  # columns per program (g // p1)
+    dp: int  # G-rows per program tile (power of two >= ceil(width / g))
+    reg: int  # candidate slots per program
+    margin: float
+    max_slots: int
+
+    @property
+    def cap(self) -> int:
+        return self.p1 * self.reg
+
+    @property
+    def in_registers(self) -> bool:
+        return self.cap <= self.max_slots
+
+    @property
+    def tile(self) -> int:
+        return self.dp * self.bj
+
+
+def _geometry(width: int, topk: int, p1: int) -> tuple[int, int, int]:
+    wp = pow2(width)
+    g = max(min(max(8 * pow2(topk), 256), wp), SEGW * p1)
+    bj = g // p1
+    dp = pow2(-(-width // g))
+    return g, bj, dp
+
+
+def _reg(width: int, topk: int, p1: int, g: int, margin: float) -> int:
+    """Slots for what one program of a full-width row keeps, with room to spare.
+
+    A program keeps its entries >= its bound: kc..kc+slack column maxima and the other
+    entries of those columns above the bound. With f = (kc+slack)/columns of the
+    program's columns selected and D entries per column, random rows keep about
+    per * (1 - (1-f)^(1/D)) entries (per = the program's entries); the extra entries
+    beyond the maxima vary little (a few times their square root).
+    """
+    per = -(-width // p1)
+    kc = bound_rank(topk, p1, per, width, margin)
+    kh = kc + slack(kc)
+    ncols = g // p1 if width >= g else per
+    if kh >= ncols:
+        expect = float(per)
+    else:
+        depth = max(width / g, 1.0)
+        expect = per * (1.0 - (1.0 - kh / ncols) ** (1.0 / depth))
+    reg = pow2(math.ceil(expect + 6.0 * math.sqrt(max(expect - kc, 1.0)) + 16))
+    return max(1, min(reg, pow2(per)))
+
+
+def _p1_range(width: int, topk: int) -> tuple[int, int]:
+    p1_min = max(1, pow2(width) // MAX_TILE)
+    p1_max = max(p1_min, pow2_floor(max(topk // MIN_SHARE, 1)))
+    return p1_min, p1_max
+
+
+@functools.lru_cache(maxsize=1024)
+def choose(
+    rows: int, width: int, topk: int, p1: int | None = None, reg: int | None = None,
+    margin: float = MARGIN, max_slots: int = MAX_SLOTS,
+) -> Plan:
+    """The plan of one call; `p1`/`reg`/`margin`/`max_slots` override it (tests)."""
+    if p1 is None:
+        p1_min, p1_max = _p1_range(width, topk)
+        p1 = max(p1_min, min(p1_max, pow2(-(-TARGET_PROGRAMS // max(rows, 1)))))
+    p1 = pow2(p1)
+    g, bj, dp = _geometry(width, topk, p1)
+    reg = pow2(reg) if reg is not None else _reg(width, topk, p1, g, margin)
+    return Plan(p1=p1, g=g, bj=bj, dp=dp, reg=reg, margin=float(margin), max_slots=max_slots)
+
+
 @functools.lru_cache(maxsize=256)
-def plan_sizes(width: int, topk: int) -> tuple[int, int, int]:
-    """(G strided columns, candidate capacity, register block of the final select)."""
-    # With G columns, random rows leave about -G*ln(1 - topk/G) candidates: 1.15*topk for
-    # G = 4*topk (1.39*topk for 2*topk), so they fit the register block (2*topk).
-    # No more columns than the row has positions.
-    g_cols = min(max(4 * pow2(topk), 64), max(pow2(width), 64), 16384)
-    # 4*topk leaves room for rows with structure (periodic scores, near-ties).
-    cap = max(1, min(4 * topk, width))
-    block_f = min(BLOCK_F_MAX, max(16, 2 * pow2(topk)))
-    return g_cols, cap, block_f
+def _row_need(width: int, topk: int) -> tuple[int, int]:
+    """(programs, slots) per row that any row count's plan may use: the worst case."""
+    p1_min, p1_max = _p1_range(width, topk)
+    p1s, caps = [], []
+    p1 = p1_min
+    while p1 <= p1_max:
+        plan = choose(1, width, topk, p1=p1)
+        p1s.append(plan.p1)
+        caps.append(plan.cap)
+        p1 *= 2
+    return max(p1s), max(caps)
 
 
-def specs(rows: int, g_cols: int, cap: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """state, column maxima, candidate keys, candidate positions, tie positions."""
-    return [
-        ((rows, NSTATE), torch.int32),
-        ((rows, g_cols), torch.int32),
-        ((rows, cap), torch.int32),
-        ((rows, cap), torch.int32),
-        ((rows, max(topk, 1)), torch.int32),
-    ]
+def specs(rows: int, p1: int, cap: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Per-program state [rows, p1, NMETA] int32; candidates [rows, 2*cap] int32 (the
+    keys of the P1 regions of REG slots, then their positions)."""
+    return [((rows, max(p1, 1), NMETA), torch.int32), ((rows, 2 * max(cap, 1)), torch.int32)]
 
 
 def workspace_specs(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Scratch of one call with `num_rows` rows of `width` logits (the worst case is the need)."""
-    g_cols, cap, _ = plan_sizes(width, topk)
-    return specs(num_rows, g_cols, cap, topk)
+    """Scratch of one call with `num_rows` rows of `width` logits (the worst case is the need).
+
+    Sized for the largest plan any row count could pick, so the bytes grow linearly with
+    the rows (the indexer's prefill chunking searches on that)."""
+    if num_rows <= 0 or width <= 0 or topk <= 0:
+        return specs(max(num_rows, 0), 1, 1)
+    p1, cap = _row_need(width, topk)
+    return specs(num_rows, p1, cap)

@@ -1,74 +1,68 @@
-"""Triton backend of the per-row top-k ops: two streaming passes over each row.
+"""Triton backend of the per-row top-k ops: each logit read from HBM once, two launches.
 
 Keys are the order-preserving uint32 image of the float bits (`_sortable_key`, the same
 order as the reference's `sortable_keys`). A row's valid range is [lo, hi); rows with at
 most `topk` valid entries need no data: their positions are written directly.
 
-Pass 1 (`_threshold_kernel`) finds a lower bound `t` on the topk-th largest key. View
-the row as a [g, G] matrix (column j holds positions j, j+G, j+2G, ...; G = 4*topk) and
-take each column's maximum. The topk-th largest column maximum `T` is a valid bound:
-topk distinct valid entries (the maxima of topk columns) are >= T. Columns are strided,
-so neighbouring positions (whose scores are correlated) fall into different columns, and
-few entries besides the true top-k exceed T: -G*ln(1 - topk/G) ~ 1.15*topk on random
-rows, about topk on rows that trend with position. The programs of a row each reduce a
-block of columns; the last to finish (an atomic ticket) finds T's top 16 bits by a
-bisection over the G maxima and stores `t` = T rounded down to them.
+Launch 1 (`_bound_kernel`, rows x P1 programs; P1 = 4 at 32K-64K wide rows, 8 at 128K). View
+the row as G ~ 8*topk strided columns (column j holds positions j, j+G, j+2G, ...).
+Program c of a row owns the 16-entry granules g with g % P1 == c of every G-row: it
+reads whole 64-byte bursts, and all P1 programs see the same mix of the row (a run of
+high scores, e.g. recent tokens, is split evenly among them). A program
+  1. loads its [DP G-rows, BJ columns] tile with every load in flight at once and keeps
+     only the BJ column maxima (registers bound how many programs share an SM);
+  2. finds a bound w with about kc of its column maxima >= w: a two-bits-a-round
+     bisection, stopped once kc..kc+kc/16 lie above. kc = mu + 12*sqrt(mu) + 2, where
+     mu = topk * (its entries / the row's entries) is its expected share of the row's
+     top-k (kc = topk when one program owns the row). Each of those columns holds an
+     entry >= w, so the program holds >= kc entries >= w; kc is far enough above mu
+     that the row's k-th largest score is >= w unless the program's share of the top-k
+     is > 12 sigma above its mean (rows of i.i.d. scores), or 3 sigma when scores come
+     in clumps of 16 equal values;
+  3. reads its tile again (it just loaded it: L1/L2 hits) and keeps every entry > w,
+     then the entries == w that still fit, in its own REG slots of the row's candidate
+     list (keys, then positions), in column order: slots from one scan over per-column
+     counts, no atomics. Random rows keep ~1.15*kc entries a program. It records
+     (w, #(> w), #(== w)).
 
-Pass 2 (`_select_kernel`) streams the row again, in the reverse program order so that
-the rows pass 1 read last (still in L2) come first. Entries with key > t are appended
-(key, position) to a candidate list of capacity `cap` (4*topk), entries with key == t
-to a tie list of capacity topk; each block reserves its slots with one relaxed atomic
-add and places its entries with a prefix sum. The last program of the row (again an
-atomic ticket) writes the answer:
-  * #(key > t) < topk: all of them, then the first topk - #(key > t) ties;
-  * else an exact selection among the candidates: a 32-bit bisection (two bits per
-    CTA-wide reduction) in registers when they fit BLOCK_F (the common case), a radix
-    select (four 8-bit histogram rounds) over the list otherwise, or over the row itself
-    when the list overflowed (adversarial rows only: many equal scores with nonzero low
-    bits, or scores periodic in G).
-Columns past topk (and past the row length) get -1.
+Launch 2 (`_final_kernel`, one program per row) loads the P1 x REG candidate slots and
+finds t, the topk-th largest kept key (the same bisection, run until exactly topk keys
+lie above its prefix, or to the last bit). If no program had more entries > w than
+slots and t >= every program's w, the kept entries are a valid top-k: every entry of
+the row > t is > its program's w, so it was kept, and >= topk kept entries are >= t.
+It then writes the kept entries > t and ties == t up to topk. Otherwise (a program's
+share far above its mean, or rows built to defeat the bound, e.g. periodic in G) it
+runs an exact radix select over the row itself: slow, correct. Columns past topk (and
+past the row length) get -1.
 
-The hand-offs between programs follow the usual pattern: every thread's stores, a CTA
-barrier, then one thread's acq_rel atomic ticket; the last program reads the shared
-data with L2 (.cg) loads. Scratch (per-row state, column maxima, candidate and tie
-lists) comes from the workspace manager; the per-row counters are zeroed with one
-memset per call. Launch geometry depends on shapes only, never on sequence lengths, so
+Nothing is zeroed and no counter is shared: no memset, no atomic, a deterministic
+result. Scratch (per-program state, candidate regions) comes from the workspace
+manager; launch geometry depends on shapes only, never on sequence lengths, so
 CUDA-graph replays stay valid.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from graphsafe.device_info import num_sms
-from graphsafe.ops.topk.plan import NSTATE, plan_sizes, pow2, specs as _specs, workspace_specs  # noqa: F401
+from graphsafe.ops.topk import plan as _plan
+from graphsafe.ops.topk.plan import NMETA, SEGW, pow2
 from graphsafe.workspace import current_workspace_manager
 
-# Streaming block of pass 2 (elements per iteration).
-BLOCK = 2048
-# Pass 2 loads block b+1 before the reductions and atomics of block b, so a block's
-# loads are in flight during the previous block's latency chain (sum, atomic, scan).
-PREFETCH = True
-# Block of the final stage's list loops (radix rounds, copies, the -1 tail).
+# Block of the looped paths (radix rounds over a list or a row, the short-row writes).
 LBLOCK = 1024
-# Register counts on sm_90 with triton 3.6 (ptxas): pass 1 ~77 at G=8192 (3 CTAs/SM);
-# pass 2 ~128 with BLOCK=2048, BLOCK_F=4096 and the prefetch (2 CTAs/SM, a few words
-# spilled outside the streaming loop). Two CTAs per SM overlap each other's barrier and
-# atomic latency and run two rows' final selections at once (prefill has many rows).
-NUM_WARPS = 8
-NUM_WARPS_SELECT = 8
-_NSTATE = tl.constexpr(NSTATE)  # kernels may only read constexpr globals
+_NMETA = tl.constexpr(NMETA)  # kernels may only read constexpr globals
 
 
 @triton.jit
 def _sortable_key(x):
     """float32 -> uint32 with the float order (negatives flipped, positives offset)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    return tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+    bits = x.to(tl.int32, bitcast=True)
+    # Sign-extended sign bit: all ones for negatives (flip every bit), else set the top
+    # bit. Two ALU ops, no predicate (predicate registers are scarce next to masked loads).
+    return (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -89,97 +83,171 @@ def _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE: 
 
 
 @triton.jit
-def _kth_largest(keys, valid, k, NBITS: tl.constexpr):
-    """Largest v whose low 32-NBITS bits are 0 with #(valid & keys >= v) >= k; 0 if none.
-
-    Two bits per round: the counts of the three candidate extensions are packed in one
-    int64 (21 bits each; callers pass < 2^21 keys) and summed in one reduction, so a
-    32-bit search costs 16 CTA-wide reductions (each a barrier round) instead of 32.
-    """
-    v = tl.full([], 0, tl.uint32)
-    for r in tl.static_range(NBITS // 2):
-        SH = 30 - 2 * r
-        c1 = v | (1 << SH)
-        c2 = v | (2 << SH)
-        c3 = v | (3 << SH)
-        packed = (
-            (valid & (keys >= c1)).to(tl.int64)
-            + ((valid & (keys >= c2)).to(tl.int64) << 21)
-            + ((valid & (keys >= c3)).to(tl.int64) << 42)
-        )
-        total = tl.sum(packed, axis=0)
-        n1 = (total & 0x1FFFFF).to(tl.int32)
-        n2 = ((total >> 21) & 0x1FFFFF).to(tl.int32)
-        n3 = (total >> 42).to(tl.int32)
-        best = tl.where(n3 >= k, 3, tl.where(n2 >= k, 2, tl.where(n1 >= k, 1, 0)))
-        v = v | (best.to(tl.uint32) << SH)
-    return v
-
-
-@triton.jit(do_not_specialize=["topk"])
-def _threshold_kernel(
-    logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
-    colmax_ptr, state_ptr, progs_per_row,
-    G: tl.constexpr, BJ: tl.constexpr, GI: tl.constexpr, DECODE: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    row = pid // progs_per_row
-    cb = pid - row * progs_per_row
-    lo, hi, _shift = _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
-    if hi - lo > topk:
-        cols = cb * BJ + tl.arange(0, BJ)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
-        acc = tl.zeros([BJ], dtype=tl.uint32)
-        for i0 in range(lo // G, (hi + G - 1) // G, GI):
-            n = (i0 + tl.arange(0, GI))[:, None] * G + cols[None, :]
-            m = (n >= lo) & (n < hi)
-            x = tl.load(row_ptr + n, mask=m, other=0.0)
-            key = tl.where(m, _sortable_key(x), tl.zeros([GI, BJ], dtype=tl.uint32))
-            acc = tl.maximum(acc, tl.max(key, axis=0))
-        col_base = colmax_ptr + row.to(tl.int64) * G
-        tl.store(col_base + cols, acc.to(tl.int32, bitcast=True))
-        # Every thread's stores are issued before the ticket (acq_rel) is taken.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(state_ptr + row * _NSTATE, 1)
-        if ticket == progs_per_row - 1:
-            allc = tl.arange(0, G)
-            colmax = tl.load(col_base + allc, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-            # Empty columns hold 0 and every tested bound is >= 2^16: they never count.
-            t = _kth_largest(colmax, allc < G, topk, 16)
-            tl.store(state_ptr + row * _NSTATE + 1, t.to(tl.int32, bitcast=True))
+def _max_min(a_hi, a_lo, b_hi, b_lo):
+    return tl.maximum(a_hi, b_hi), tl.minimum(a_lo, b_lo)
 
 
 @triton.jit
-def _src_block(
-    FROM_ROW: tl.constexpr, b, row_ptr, lo, hi, shift, t, key_base, pos_base, n_src,
-    BLOCK: tl.constexpr,
+def _bisect(keys, k_lo, k_hi, n_valid):
+    """(v, n) with n = #(keys >= v) >= k_lo, searched two bits a round from the top.
+
+    `keys` is [R, C] with 0 in the slots that hold no key: every tested bound is >= 1,
+    so they never count (callers never pass a real key of 0); `n_valid` counts the
+    others. Stops as soon as n <= k_hi; run to the last bit it returns the largest such
+    v (the k_lo-th largest key). With n_valid <= k_hi it returns a v at most every key.
+    The bits above the highest bit in which the smallest and the largest key differ are
+    common to all keys: the search starts below them. The three counts of a round are
+    packed in one int64 (21 bits each: < 2^21 keys) and summed by one CTA-wide reduction.
+    """
+    hi, lo = tl.reduce((keys, tl.where(keys != 0, keys, tl.full([], 0xFFFFFFFF, tl.uint32))), 1, _max_min)
+    hi, lo = tl.reduce((hi, lo), 0, _max_min)
+    # Index of the highest differing bit, from the float exponent (rounding may say one
+    # too many: an extra round on a bit that is already fixed, harmless).
+    e = ((((lo ^ hi).to(tl.float32).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127)
+    e = tl.minimum(tl.maximum(e, 0), 31)
+    v = lo & ~((tl.full([], 2, tl.uint32) << e.to(tl.uint32)) - 1)
+    n = n_valid
+    sh = e & ~1  # rounds test bits (sh + 1, sh) and end on bit 0
+    while (sh >= 0) & (n > k_hi):
+        one = tl.full([], 1, tl.uint32) << sh.to(tl.uint32)
+        total = tl.sum(tl.sum(
+            (keys >= (v | one)).to(tl.int64)
+            + ((keys >= (v | (one * 2))).to(tl.int64) << 21)
+            + ((keys >= (v | (one * 3))).to(tl.int64) << 42),
+            axis=1), axis=0)
+        n1 = (total & 0x1FFFFF).to(tl.int32)
+        n2 = ((total >> 21) & 0x1FFFFF).to(tl.int32)
+        n3 = (total >> 42).to(tl.int32)
+        best = tl.where(n3 >= k_lo, 3, tl.where(n2 >= k_lo, 2, tl.where(n1 >= k_lo, 1, 0)))
+        n = tl.where(best == 3, n3, tl.where(best == 2, n2, tl.where(best == 1, n1, n)))
+        v = v | (best.to(tl.uint32) * one)
+        sh -= 2
+    return v, n
+
+
+@triton.jit
+def _prefix2d(x):
+    """Inclusive prefix sums of a [R, C] tensor in row-major order, and its total."""
+    row_sums = tl.sum(x, axis=1)
+    before = tl.cumsum(row_sums, axis=0) - row_sums
+    return tl.cumsum(x, axis=1) + before[:, None], tl.sum(row_sums, axis=0)
+
+
+@triton.jit
+def _owned(x, c, P1: tl.constexpr, SEGW: tl.constexpr):
+    """#{y < x : (y // SEGW) % P1 == c}: the positions of program c before x (x >= 0)."""
+    span = SEGW * P1
+    return (x // span) * SEGW + tl.minimum(tl.maximum(x % span - c * SEGW, 0), SEGW)
+
+
+@triton.jit
+def _tile_keys(row_ptr, pos, lo, hi, lo_al, hi_al):
+    """Keys of the entries at `pos` (0 outside [lo, hi)). Loads are masked by whole
+    granules (the range rounded out to SEGW multiples, still inside the row), so that
+    vectorised loads stay whole; the exact range then masks the keys."""
+    x = tl.load(row_ptr + pos, mask=(pos >= lo_al) & (pos < hi_al), other=0.0)
+    return tl.where((pos >= lo) & (pos < hi), _sortable_key(x), 0)
+
+
+@triton.jit(do_not_specialize=["topk", "zero"])
+def _bound_kernel(
+    logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
+    meta_ptr, stride_mr, cand_ptr, stride_cr, zero,
+    P1: tl.constexpr, BJ: tl.constexpr, DP: tl.constexpr, REG: tl.constexpr, SEGW: tl.constexpr,
+    MARGIN: tl.constexpr, DECODE: tl.constexpr,
 ):
-    """Block b of a selection source: the candidate list, or the row filtered by key > t."""
+    pid = tl.program_id(0)
+    row = pid // P1
+    c = pid - row * P1
+    lo, hi, shift = _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
+    n = hi - lo
+    if n > topk:
+        G: tl.constexpr = BJ * P1
+        base = (lo // G) * G
+        jj = tl.arange(0, BJ)
+        col = (jj // SEGW) * (SEGW * P1) + c * SEGW + (jj % SEGW)
+        pos = base + tl.arange(0, DP)[:, None] * G + col[None, :]
+        lo_al = (lo // SEGW) * SEGW
+        hi_al = tl.minimum(((hi + SEGW - 1) // SEGW) * SEGW, width)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
+        # 1. The whole tile in one go (every load in flight at once), reduced to its
+        #    column maxima; the tile is not kept (registers bound the programs per SM).
+        colmax = tl.max(_tile_keys(row_ptr, pos, lo, hi, lo_al, hi_al), axis=0)
+        # 2. The bound: about kc column maxima lie at or above it. Empty columns hold 0
+        #    and every tested bound is >= 1: they never count.
+        n_c = _owned(hi, c, P1, SEGW) - _owned(lo, c, P1, SEGW)
+        n_cols = tl.where(n >= G, BJ, n_c)  # a row shorter than G has one entry a column
+        if P1 == 1:
+            kc = topk
+        else:
+            mu = topk.to(tl.float32) * n_c.to(tl.float32) / n.to(tl.float32)
+            kc = (mu + MARGIN * tl.sqrt(mu)).to(tl.int32) + 2
+        w, _n_w = _bisect(colmax[None, :], kc, kc + kc // 16 + 1, n_cols)
+        # 3. Keep every entry > w, then the entries == w that fit (a row of equal scores
+        #    must not overflow the slots). Entries outside the range have key 0: a bound
+        #    of 0 keeps only keys > 0 (the one NaN pattern with key 0 is then never kept;
+        #    the final check sees too few kept entries if the row needs it). The tile is
+        #    read again (this program just loaded it: L1/L2 hits) through a pointer of
+        #    unknown alignment, so that loads and the scattered stores share one
+        #    element-per-thread layout (no layout conversion through shared memory).
+        #    Slots: a column's entries are consecutive; the column bases come from one
+        #    scan over the per-column counts (> w and == w packed in one int32).
+        again = row_ptr + zero
+        d_end = (hi - base + G - 1) // G  # G-rows that hold entries of the row
+        counts = tl.zeros([BJ], dtype=tl.int32)
+        for d in range(d_end):
+            key = _tile_keys(again, base + d * G + col, lo, hi, lo_al, hi_al)
+            counts += (key > w).to(tl.int32) + (((key == w) & (key != 0)).to(tl.int32) << 16)
+        run = tl.cumsum(counts, axis=0) - counts
+        total = tl.sum(counts, axis=0)
+        n_gt = total & 0xFFFF
+        cand = cand_ptr + row.to(tl.int64) * stride_cr + c * REG
+        for d in range(d_end):
+            pos_d = base + d * G + col
+            key = _tile_keys(again, pos_d, lo, hi, lo_al, hi_al)
+            gt = key > w
+            eq = (key == w) & (key != 0)
+            slot = tl.where(gt, run & 0xFFFF, n_gt + (run >> 16))
+            keep = (gt | eq) & (slot < REG)
+            # Keys in the first P1*REG slots of the row's candidates, positions after.
+            tl.store(cand + slot, key.to(tl.int32, bitcast=True), mask=keep)
+            tl.store(cand + P1 * REG + slot, pos_d - shift, mask=keep)
+            run += gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+        meta = meta_ptr + row.to(tl.int64) * stride_mr + c * _NMETA
+        tl.store(meta, w.to(tl.int32, bitcast=True))
+        tl.store(meta + 1, n_gt)
+        tl.store(meta + 2, total >> 16)
+
+
+# -- looped exact selection (candidate lists too large for registers, and the row) -----
+@triton.jit
+def _src_block(
+    FROM_ROW: tl.constexpr, b, row_ptr, lo, hi, shift, cand_row, cand_gap, meta_row,
+    P1: tl.constexpr, REG: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Block b of a selection source: the row's valid entries, or the kept candidates."""
     offs = b * BLOCK + tl.arange(0, BLOCK)
     if FROM_ROW:
-        m0 = (offs >= lo) & (offs < hi)
-        key = _sortable_key(tl.load(row_ptr + offs, mask=m0, other=0.0))
-        m = m0 & (key > t)
+        m = (offs >= lo) & (offs < hi)
+        key = _sortable_key(tl.load(row_ptr + offs, mask=m, other=0.0))
         pos = offs - shift
     else:
-        m = offs < n_src
-        key = tl.load(key_base + offs, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-        pos = tl.load(pos_base + offs, mask=m, other=-1, cache_modifier=".cg")
+        inside = offs < P1 * REG
+        meta = meta_row + (offs // REG) * _NMETA
+        kept = tl.minimum(tl.load(meta + 1, mask=inside, other=0) + tl.load(meta + 2, mask=inside, other=0), REG)
+        m = inside & ((offs % REG) < kept)
+        key = tl.load(cand_row + offs, mask=m, other=0).to(tl.uint32, bitcast=True)
+        pos = tl.load(cand_row + cand_gap + offs, mask=m, other=-1)
     return key, pos, m
 
 
 @triton.jit
-def _select_looped(
-    FROM_ROW: tl.constexpr, row_ptr, lo, hi, shift, t, key_base, pos_base, n_src, topk, out_row,
-    BLOCK: tl.constexpr,
+def _radix_kth(
+    FROM_ROW: tl.constexpr, b0, b1, row_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, topk,
+    P1: tl.constexpr, REG: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Exact top-`topk` of a source too large for registers: radix select, 8 bits a round."""
-    if FROM_ROW:
-        b0 = lo // BLOCK
-        b1 = (hi + BLOCK - 1) // BLOCK
-    else:
-        b0 = n_src * 0
-        b1 = (n_src + BLOCK - 1) // BLOCK
+    """(t, need): the topk-th largest key of the source (radix select, 8 bits a round)
+    and how many entries == t complete the top-k after those > t."""
     bins = tl.arange(0, 256)
     prefix = tl.full([], 0, tl.uint32)
     need = topk  # entries still to take among those matching `prefix` so far
@@ -187,7 +255,7 @@ def _select_looped(
         SHIFT = 24 - 8 * d
         hist = tl.zeros([256], dtype=tl.int32)
         for b in range(b0, b1):
-            key, pos, m = _src_block(FROM_ROW, b, row_ptr, lo, hi, shift, t, key_base, pos_base, n_src, BLOCK)
+            key, pos, m = _src_block(FROM_ROW, b, row_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, P1, REG, BLOCK)
             if d > 0:
                 m = m & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
             hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=m)
@@ -196,14 +264,22 @@ def _select_looped(
         digit = tl.max(tl.where(suffix >= need, bins, 0), axis=0)
         need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
         prefix = prefix | (digit.to(tl.uint32) << SHIFT)
-    # Write: every key > prefix, then the first `need` keys == prefix.
+    return prefix, need
+
+
+@triton.jit
+def _radix_write(
+    FROM_ROW: tl.constexpr, b0, b1, row_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, t, need, topk, out_row,
+    P1: tl.constexpr, REG: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Write every key > t, then the first `need` keys == t."""
     n_above = topk - need
     c_above = need * 0
     c_eq = need * 0
     for b in range(b0, b1):
-        key, pos, m = _src_block(FROM_ROW, b, row_ptr, lo, hi, shift, t, key_base, pos_base, n_src, BLOCK)
-        above = m & (key > prefix)
-        tie = m & (key == prefix)
+        key, pos, m = _src_block(FROM_ROW, b, row_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, P1, REG, BLOCK)
+        above = m & (key > t)
+        tie = m & (key == t)
         slot = c_above + tl.cumsum(above.to(tl.int32), 0) - 1
         rank = c_eq + tl.cumsum(tie.to(tl.int32), 0) - 1
         tl.store(out_row + slot, pos, mask=above)
@@ -213,119 +289,87 @@ def _select_looped(
 
 
 @triton.jit
-def _select_registers(key_base, pos_base, n_src, topk, out_row, BLOCK_F: tl.constexpr):
-    """Exact top-`topk` of at most BLOCK_F candidates held in registers."""
-    c = tl.arange(0, BLOCK_F)
-    m = c < n_src
-    key = tl.load(key_base + c, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-    pos = tl.load(pos_base + c, mask=m, other=-1, cache_modifier=".cg")
-    kth = _kth_largest(key, m, topk, 32)
-    above = m & (key > kth)
-    n_above = tl.sum(above.to(tl.int32), axis=0)
-    tie = m & (key == kth)
-    rank = tl.cumsum(tie.to(tl.int32), 0) - 1
-    sel = above | (tie & (rank < topk - n_above))
-    slot = tl.cumsum(sel.to(tl.int32), 0) - 1
-    tl.store(out_row + slot, pos, mask=sel)
+def _select_row(row_ptr, lo, hi, shift, topk, out_row, BLOCK: tl.constexpr):
+    """Exact top-k of the row itself (the fallback)."""
+    b0 = lo // BLOCK
+    b1 = (hi + BLOCK - 1) // BLOCK
+    t, need = _radix_kth(True, b0, b1, row_ptr, lo, hi, shift, row_ptr, 0, row_ptr, topk, 1, 1, BLOCK)
+    _radix_write(True, b0, b1, row_ptr, lo, hi, shift, row_ptr, 0, row_ptr, t, need, topk, out_row, 1, 1, BLOCK)
 
 
 @triton.jit
-def _copy_prefix(src, dst, n, BLOCK: tl.constexpr):
-    for c0 in range(0, n, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        tl.store(dst + c, tl.load(src + c, mask=c < n, cache_modifier=".cg"), mask=c < n)
-
-
-@triton.jit
-def _finish_row(
-    row, lo, hi, shift, t, row_ptr, out_row, out_cols, topk, st, cand_key_ptr, cand_pos_ptr, eq_pos_ptr, cap,
-    BLOCK: tl.constexpr, BLOCK_F: tl.constexpr,
-):
-    # BLOCK here is the small block of the list loops (LBLOCK): the fused final stage
-    # must not raise the register count of the streaming loop it shares a kernel with.
-    n_gt = tl.atomic_add(st + 2, 0)  # an L2 read of the final count
-    key_base = cand_key_ptr + row.to(tl.int64) * cap
-    pos_base = cand_pos_ptr + row.to(tl.int64) * cap
-    if n_gt >= topk:
-        if n_gt > cap:  # the list overflowed: select from the row itself
-            _select_looped(True, row_ptr, lo, hi, shift, t, key_base, pos_base, n_gt, topk, out_row, BLOCK)
-        elif n_gt <= BLOCK_F:
-            _select_registers(key_base, pos_base, n_gt, topk, out_row, BLOCK_F)
-        else:
-            _select_looped(False, row_ptr, lo, hi, shift, t, key_base, pos_base, n_gt, topk, out_row, BLOCK)
-    else:
-        # #(key >= t) >= topk, so the tie list holds at least topk - n_gt entries.
-        _copy_prefix(pos_base, out_row, n_gt, BLOCK)
-        _copy_prefix(eq_pos_ptr + row.to(tl.int64) * topk, out_row + n_gt, topk - n_gt, BLOCK)
-    for c0 in range(topk, out_cols, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        tl.store(out_row + c, tl.full([BLOCK], -1, tl.int32), mask=c < out_cols)
+def _select_kept_registers(key, pos, kept, max_w, n_kept, topk, out_row, REG: tl.constexpr):
+    """Top-k of the kept candidates ([P1, REG] keys and positions, the first kept[c] of
+    row c valid) held in registers; 1 if written, 0 if not provably the row's top-k."""
+    valid = tl.arange(0, REG)[None, :] < kept[:, None]
+    key = tl.where(valid, key, 0)  # kept keys are >= 1 (a bound program never keeps key 0)
+    v, _n = _bisect(key, topk, topk, n_kept)
+    # The topk-th largest kept key (v itself when the search ran to the last bit).
+    t = tl.min(tl.min(tl.where(valid & (key >= v), key, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=1), axis=0)
+    ok = (t >= max_w).to(tl.int32)
+    if ok != 0:
+        above = valid & (key > t)
+        tie = valid & (key == t)
+        incl, total = _prefix2d(above.to(tl.int32) + (tie.to(tl.int32) << 16))
+        n_above = total & 0xFFFF
+        slot = tl.where(above, (incl & 0xFFFF) - 1, n_above + (incl >> 16) - 1)
+        tl.store(out_row + slot, pos, mask=above | (tie & (slot < topk)))
+    return ok
 
 
 @triton.jit(do_not_specialize=["topk"])
-def _select_kernel(
+def _final_kernel(
     logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
-    out_ptr, stride_or, out_cols,
-    state_ptr, cand_key_ptr, cand_pos_ptr, eq_pos_ptr, cap,
-    chunks_per_row, blocks_per_chunk,
-    BLOCK: tl.constexpr, LBLOCK: tl.constexpr, BLOCK_F: tl.constexpr, DECODE: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    out_ptr, stride_or, out_cols, meta_ptr, stride_mr, cand_ptr, stride_cr,
+    P1: tl.constexpr, REG: tl.constexpr, IN_REGS: tl.constexpr, LBLOCK: tl.constexpr, DECODE: tl.constexpr,
 ):
-    # Reverse order: pass 1 read the last rows last, so they are the ones still in L2.
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    row = pid // chunks_per_row
-    ch = pid - row * chunks_per_row
+    row = tl.program_id(0)
     lo, hi, shift = _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
     out_row = out_ptr + row.to(tl.int64) * stride_or
-    offs = tl.arange(0, BLOCK)
+    offs = tl.arange(0, LBLOCK)
     if hi - lo <= topk:
         # Short row: every valid position, then -1; no data needed.
-        if ch == 0:
-            for c0 in range(0, out_cols, BLOCK):
-                c = c0 + offs
-                tl.store(out_row + c, tl.where(c < hi - lo, lo - shift + c, -1), mask=c < out_cols)
+        for c0 in range(0, out_cols, LBLOCK):
+            c = c0 + offs
+            tl.store(out_row + c, tl.where(c < hi - lo, lo - shift + c, -1), mask=c < out_cols)
     else:
-        st = state_ptr + row * _NSTATE
-        t = tl.load(st + 1).to(tl.uint32, bitcast=True)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
-        cand_base = row.to(tl.int64) * cap
-        eq_base = eq_pos_ptr + row.to(tl.int64) * topk
-        b_first = tl.maximum(ch * blocks_per_chunk, lo // BLOCK)
-        b_last = tl.minimum((ch + 1) * blocks_per_chunk, (hi + BLOCK - 1) // BLOCK)
-        # Loads stop at the end of this program's chunk (limit), not only at the row end.
-        limit = tl.minimum(hi, b_last * BLOCK)
-        n = b_first * BLOCK + offs
-        x = tl.load(row_ptr + n, mask=(n >= lo) & (n < limit), other=0.0)
-        for b in range(b_first, b_last):
-            n = b * BLOCK + offs
-            m = (n >= lo) & (n < hi)
-            key = _sortable_key(x)
-            if PREFETCH:
-                # The next block's loads are in flight while this one waits on its atomics.
-                x = tl.load(row_ptr + n + BLOCK, mask=n + BLOCK < limit, other=0.0)
-            gt = m & (key > t)
-            tie = m & (key == t)
-            # Both counts in one reduction (one barrier): a block holds < 65536 entries.
-            counts = tl.sum(gt.to(tl.int32) + tie.to(tl.int32) * 65536, axis=0)
-            n_gt = counts & 65535
-            n_tie = counts >> 16
-            if n_gt > 0:
-                slot = tl.atomic_add(st + 2, n_gt, sem="relaxed") + tl.cumsum(gt.to(tl.int32), 0) - 1
-                ok = gt & (slot < cap)
-                tl.store(cand_key_ptr + cand_base + slot, key.to(tl.int32, bitcast=True), mask=ok)
-                tl.store(cand_pos_ptr + cand_base + slot, n - shift, mask=ok)
-            if n_tie > 0:
-                slot = tl.atomic_add(st + 3, n_tie, sem="relaxed") + tl.cumsum(tie.to(tl.int32), 0) - 1
-                tl.store(eq_base + slot, n - shift, mask=tie & (slot < topk))
-            if not PREFETCH:
-                x = tl.load(row_ptr + n + BLOCK, mask=n + BLOCK < limit, other=0.0)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(st + 4, 1)
-        if ticket == chunks_per_row - 1:
-            _finish_row(
-                row, lo, hi, shift, t, row_ptr, out_row, out_cols, topk, st,
-                cand_key_ptr, cand_pos_ptr, eq_pos_ptr, cap, LBLOCK, BLOCK_F,
-            )
+        meta_row = meta_ptr + row.to(tl.int64) * stride_mr
+        cand_row = cand_ptr + row.to(tl.int64) * stride_cr
+        cand_gap = P1 * REG  # a candidate's position lies this far after its key
+        if IN_REGS:
+            # Every slot, unmasked: these loads need not wait for the counts below
+            # (slots past a program's count are ignored).
+            slots = tl.arange(0, P1)[:, None] * REG + tl.arange(0, REG)[None, :]
+            key = tl.load(cand_row + slots).to(tl.uint32, bitcast=True)
+            pos = tl.load(cand_row + cand_gap + slots)
+        prog = tl.arange(0, P1)
+        w = tl.load(meta_row + prog * _NMETA).to(tl.uint32, bitcast=True)
+        n_gt = tl.load(meta_row + prog * _NMETA + 1)
+        kept = tl.minimum(n_gt + tl.load(meta_row + prog * _NMETA + 2), REG)
+        n_kept = tl.sum(kept, axis=0)
+        max_w = tl.max(w, axis=0)
+        # Every entry > w must have been kept, and the kept ones must cover topk.
+        ok = ((tl.max(n_gt, axis=0) <= REG) & (n_kept >= topk)).to(tl.int32)
+        if ok != 0:
+            if IN_REGS:
+                ok = _select_kept_registers(key, pos, kept, max_w, n_kept, topk, out_row, REG)
+            else:
+                b1 = (P1 * REG + LBLOCK - 1) // LBLOCK
+                t, need = _radix_kth(
+                    False, 0, b1, logits_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, topk, P1, REG, LBLOCK,
+                )
+                ok = (t >= max_w).to(tl.int32)
+                if ok != 0:
+                    _radix_write(
+                        False, 0, b1, logits_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, t, need, topk, out_row,
+                        P1, REG, LBLOCK,
+                    )
+        if ok == 0:
+            row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
+            _select_row(row_ptr, lo, hi, shift, topk, out_row, LBLOCK)
+        for c0 in range(topk, out_cols, LBLOCK):
+            c = c0 + offs
+            tl.store(out_row + c, tl.full([LBLOCK], -1, tl.int32), mask=c < out_cols)
 
 
 @triton.jit
@@ -355,58 +399,54 @@ def _decode_row_ends_kernel(seq_lens_ptr, ends_ptr, rows, next_n, width, BLOCK: 
 
 
 # -- host side ----------------------------------------------------------------------
-_pow2 = pow2
+def _bound_warps(plan) -> int:
+    """At most 8 of a G-row's and 64 of the tile's entries a thread. On sm_90 a [8, 2048]
+    tile takes 8 warps and ~73 registers: 3 programs (192 KiB of loads) an SM."""
+    return max(1, min(16, plan.bj // 256), min(16, plan.tile // 2048))
 
 
-@functools.lru_cache(maxsize=1024)
-def _geometry(rows: int, width: int, topk: int, sms: int, g_cols: int, block: int) -> tuple[int, int, int, int, int]:
-    """Programs per row of both passes, sized so that >= ~4 programs per SM exist."""
-    want = max(1, -(-4 * sms // max(rows, 1)))
-    progs1 = min(_pow2(want), max(1, g_cols // 64))
-    bj = g_cols // progs1
-    g_rows = -(-width // g_cols)
-    gi = max(1, min(_pow2(g_rows), max(1, 8192 // bj)))
-    blocks_per_row = max(1, -(-width // block))
-    chunks = min(want, blocks_per_row)
-    per_chunk = -(-blocks_per_row // chunks)
-    chunks = -(-blocks_per_row // per_chunk)
-    return progs1, bj, gi, chunks, per_chunk
+def _final_warps(plan) -> int:
+    """16 candidate slots a thread: 16 warps for the 8K slots of a 128K-wide decode row."""
+    return max(1, min(16, min(plan.cap, plan.max_slots) // 512))
 
 
 def _launch(
     logits, starts, ends, seq_lens, next_n, indices, topk, decode: bool,
-    *, scratch=None, g_cols=None, cap=None, block_f=None, block=None,
+    *, scratch=None, p1=None, reg=None, margin=None, max_slots=None,
 ) -> None:
-    """Run both passes. `scratch` (the views of `workspace_specs`) lets a composite that
-    already holds workspace views pass its own; the keyword overrides exist for tests."""
+    """Run both launches. `scratch` (the views of `workspace_specs`) lets a caller pass its
+    own; the keyword overrides force plans and paths (tests)."""
     rows, width = logits.shape
-    if indices.numel() == 0:
-        return
-    if rows == 0:
+    if rows == 0 or indices.numel() == 0:
         return
     if topk == 0 or width == 0:
         indices.fill_(-1)
         return
-    g0, cap0, bf0 = plan_sizes(width, topk)
-    g_cols, cap, block_f = g_cols or g0, cap or cap0, block_f or bf0
-    block = block or min(BLOCK, max(64, _pow2(width)))
-    # A row with fewer than topk keys above the bound copies them all from the list.
-    assert cap >= min(topk, width), f"candidate capacity {cap} < topk {topk}"
-    if scratch is None:
-        specs = _specs(rows, g_cols, cap, topk)
-        scratch = current_workspace_manager(logits.device).get_simultaneous(*specs, owner=_OWNER[decode])
-    state, colmax, cand_key, cand_pos, eq_pos = scratch
-    state.zero_()
-    progs1, bj, gi, chunks, per_chunk = _geometry(rows, width, topk, num_sms(logits.device), g_cols, block)
-    common = (logits, logits.stride(0), starts, ends, seq_lens, next_n, width, topk)
-    _threshold_kernel[(rows * progs1,)](
-        *common, colmax, state, progs1, G=g_cols, BJ=bj, GI=gi, DECODE=decode, num_warps=NUM_WARPS,
+    plan = _plan.choose(
+        rows, width, topk, p1=p1, reg=reg,
+        margin=_plan.MARGIN if margin is None else float(margin),
+        max_slots=_plan.MAX_SLOTS if max_slots is None else int(max_slots),
     )
-    _select_kernel[(rows * chunks,)](
-        *common, indices, indices.stride(0), indices.shape[1],
-        state, cand_key, cand_pos, eq_pos, cap, chunks, per_chunk,
-        BLOCK=block, LBLOCK=min(block, LBLOCK), BLOCK_F=block_f, DECODE=decode, PREFETCH=PREFETCH,
-        num_warps=NUM_WARPS_SELECT,
+    if scratch is None:
+        specs = _plan.workspace_specs(rows, width, topk)
+        if specs[0][0][1] < plan.p1 or specs[1][0][1] < 2 * plan.cap:  # overrides beyond the worst case
+            specs = _plan.specs(rows, plan.p1, plan.cap)
+        scratch = current_workspace_manager(logits.device).get_simultaneous(*specs, owner=_OWNER[decode])
+    meta, cand = scratch
+    assert meta.shape[1] >= plan.p1 and cand.shape[1] >= 2 * plan.cap, "scratch smaller than the plan"
+    # Counts of a program's tile and of the final register block are packed in 16 bits.
+    assert plan.tile < 65536 and (not plan.in_registers or plan.cap < 65536), plan
+    common = (logits, logits.stride(0), starts, ends, seq_lens, next_n, width, topk)
+    _bound_kernel[(rows * plan.p1,)](
+        *common, meta, meta.stride(0), cand, cand.stride(0), 0,
+        P1=plan.p1, BJ=plan.bj, DP=plan.dp, REG=plan.reg, SEGW=SEGW, MARGIN=plan.margin, DECODE=decode,
+        num_warps=_bound_warps(plan),
+    )
+    _final_kernel[(rows,)](
+        *common, indices, indices.stride(0), indices.shape[1], meta, meta.stride(0), cand, cand.stride(0),
+        P1=plan.p1, REG=plan.reg, IN_REGS=plan.in_registers, LBLOCK=min(LBLOCK, pow2(max(width, plan.cap))),
+        DECODE=decode,
+        num_warps=_final_warps(plan),
     )
 
 
@@ -427,7 +467,7 @@ def finish_external(src: torch.Tensor, indices: torch.Tensor, topk: int, row_sta
     rows, cols = indices.shape
     if rows == 0 or cols == 0:
         return
-    blk = min(1024, _pow2(cols))
+    blk = min(1024, pow2(cols))
     _finish_external_kernel[(rows, triton.cdiv(cols, blk))](
         src, src.stride(0), indices, indices.stride(0),
         row_starts if row_starts is not None else indices, topk, cols,

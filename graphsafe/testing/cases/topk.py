@@ -78,6 +78,28 @@ def assert_topk_rows(logits, lo, hi, shift, expected, actual, topk: int, what: s
     )
 
 
+def final_paths(meta, cand, plan, lo, hi, topk: int) -> list[str]:
+    """The selection the Triton final program takes for each row, from the scratch the
+    bound programs wrote (mirrors `_final_kernel`): "short", "registers", "list" or "row"
+    (the exact select over the row itself, the slow fallback)."""
+    meta, cand, lo, hi = meta.cpu().long(), cand.cpu().long(), lo.cpu().long(), hi.cpu().long()
+    paths = []
+    for r in range(meta.shape[0]):
+        if int(hi[r] - lo[r]) <= topk:
+            paths.append("short")
+            continue
+        w = meta[r, : plan.p1, 0] & 0xFFFFFFFF
+        n_gt, n_eq = meta[r, : plan.p1, 1], meta[r, : plan.p1, 2]
+        kept = torch.clamp(n_gt + n_eq, max=plan.reg)
+        if bool((n_gt > plan.reg).any()) or int(kept.sum()) < topk:
+            paths.append("row")
+            continue
+        keys = torch.cat([cand[r, c * plan.reg : c * plan.reg + int(kept[c])] & 0xFFFFFFFF for c in range(plan.p1)])
+        t = int(keys.sort(descending=True).values[topk - 1])
+        paths.append("row" if t < int(w.max()) else ("registers" if plan.in_registers else "list"))
+    return paths
+
+
 def compare_prefill(expected, actual, exp_args, act_args, params) -> None:
     assert expected is None and actual is None
     logits, starts, ends, idx_e, topk = exp_args
