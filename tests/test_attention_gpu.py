@@ -166,7 +166,7 @@ RAGGED_FP8 = {**GQA_PREFILL, "B": 4, "max_q": 2048, "max_k": 2048, "lens_q": [20
               "mode": "on"}
 
 
-@pytest.mark.parametrize("config", [None, (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)])
+@pytest.mark.parametrize("config", [None, (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)])
 @pytest.mark.parametrize("params", [RAGGED_FP8, {**MLA_PREFILL, "mode": "on"}, {**RAGGED_FP8, "causal": False}],
                          ids=["gqa-ragged", "mla", "gqa-full"])
 def test_fp8_kernel_configs_against_emulation(config, params):

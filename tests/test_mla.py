@@ -575,7 +575,9 @@ for fn, args, kw in launches:
     print("compiled", fn.__name__, kw.get("BLOCK_H"), kw.get("SPARSE"), kw.get("SPLIT"), "shared", k.metadata.shared, "wgmma", wgmma)
     if fn.__name__ == "_mla_attn_kernel" and kw["BLOCK_H"] == 64:
         assert wgmma, "64-head tiles must use wgmma"
-        assert "prefetch.global.L2" in k.asm["ptx"], "64-head tiles prefetch the next key tile into L2"
+        # The default no longer prefetches into L2 (measured slower on an H200): the PTX
+        # carries the prefetch exactly when the config asks for it.
+        assert ("prefetch.global.L2" in k.asm["ptx"]) == kw["PREFETCH"], "L2 prefetch as configured"
         assert k.metadata.shared <= 227 * 1024, k.metadata.shared
 print("OK")
 """

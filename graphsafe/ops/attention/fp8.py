@@ -84,6 +84,9 @@ def quantize_inputs(mode: str, dtype: torch.dtype, device: torch.device) -> bool
 def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x8 float8_e4m3fn, descale f32 `[1]`) with x ~= x8 * descale. No host sync."""
     amax = x.abs().amax().float() if x.numel() > 0 else x.new_zeros((), dtype=torch.float32)
-    descale = torch.clamp(amax, min=AMAX_EPS) / FP8_MAX
+    # Divide by a tensor, not a Python float: CUDA turns `tensor / scalar` into a multiply
+    # by the rounded reciprocal (not IEEE division), so the descale would differ by an ulp
+    # from the kernels' and the CPU's (seen on an H200: 17 to 140790 bytes of V^T off by one).
+    descale = torch.clamp(amax, min=AMAX_EPS) / amax.new_full((), FP8_MAX)
     x8 = (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return x8, descale.reshape(1)
