@@ -20,5 +20,6 @@ VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     "$VPY" -m pip install -q "torch==2.13.0"
 fi
-"$VPY" -m pip install -q -e ".[test]"
+# oracle: transformers, the reference the model tests compare with (no torch dependency).
+"$VPY" -m pip install -q -e ".[test,oracle]"
 "$VPY" -c "import torch, graphsafe; print(f'graphsafe {graphsafe.__version__} with torch {torch.__version__}, cuda available: {torch.cuda.is_available()}')"
