@@ -1,8 +1,9 @@
-"""Command line: `python -m graphsafe {list,check,bench}`.
+"""Command line: `python -m graphsafe {list,check,bench,demo}`.
 
     list    every op, its schema, the backend serving it on each device here, its fake
     check   the op contract on every op, on every device here; a table; exit 1 on failure
     bench   benchmarks (GPU for meaningful numbers); a table, optionally JSON
+    demo    greedy decoding with the demo model: eager, compiled, compiled + CUDA graphs; a table
 """
 
 from __future__ import annotations
@@ -140,6 +141,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from graphsafe import demo
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    opts = demo.default_options(device)
+    for name in ("steps", "prompt_len", "backend", "warmup", "seed", "plot", "threads"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(opts, name, value)
+    if args.batch:
+        opts.batches = tuple(args.batch)
+    if args.mode:
+        opts.modes = tuple(m for m in demo.MODES if m in args.mode)
+    opts.progress = not args.no_progress
+    try:
+        opts.model_overrides = dict(demo.parse_override(o) for o in args.model or ())
+        rows = demo.run_demo(opts)
+    except demo.DemoError as err:
+        print(f"demo: {err}", file=sys.stderr)
+        return 2
+    return demo.exit_code(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphsafe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,11 +177,27 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
     bench.add_argument("--json", help="also write the rows as JSON to this path")
     bench.add_argument("--list", action="store_true", help="list the benchmark cases")
+    dm = sub.add_parser("demo", help="decode with the demo model: eager, compiled, compiled + CUDA graphs; one table")
+    dm.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present, else cpu")
+    dm.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: 1 4 on the CPU, 1 8 64 on a GPU)")
+    dm.add_argument("--steps", type=int, help="greedy decode steps per run (default: 16 on the CPU, 64 on a GPU)")
+    dm.add_argument("--prompt-len", type=int, help="prompt tokens per request (default: 16 on the CPU, 4032 on a GPU)")
+    dm.add_argument("--backend", help="torch.compile backend (default: inductor; aot_eager compiles fastest)")
+    dm.add_argument("--warmup", type=int, help="leading steps left out of the latency median (default: 2, 4 on a GPU)")
+    dm.add_argument("--seed", type=int, help="seed of the weights and the prompts (default: 0)")
+    dm.add_argument("--mode", action="append", choices=["eager", "compiled", "compiled+graphs"],
+                    help="only this mode (repeatable; eager is the reference the tokens are compared with)")
+    dm.add_argument("--model", action="append", metavar="KEY=VALUE",
+                    help="override a field of the demo model's config, e.g. num_hidden_layers=60 (repeatable)")
+    dm.add_argument("--threads", type=int, help="CPU threads during the run (default: 1, the tiny model's matrices "
+                    "gain nothing from more; 0: torch's default)")
+    dm.add_argument("--plot", metavar="PATH", help="draw step latency per mode and batch size (needs matplotlib)")
+    dm.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command == "check" and not torch.cuda.is_available():
         # Kernel backends are checked through Triton's interpreter on CPU-only machines.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench}[args.command](args)
+    return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "demo": cmd_demo}[args.command](args)
 
 
 if __name__ == "__main__":
