@@ -1,4 +1,4 @@
-"""GPU checks of the attention family (run by the lead on H100/H200): realistic Llama /
+"""GPU checks of the attention family (H100/H200): realistic Llama /
 DeepSeek shapes against the reference, bf16 (which the CPU interpreter cannot check),
 the fp8 prefill path and its accuracy bound, split-KV plans frozen into CUDA graphs and
 replayed with other lengths (vLLM #51119), workspace sizing helpers, no host sync."""

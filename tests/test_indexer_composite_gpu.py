@@ -1,4 +1,4 @@
-"""GPU tests of the composite indexer steps (the lead runs them on the H100/H200): both
+"""GPU tests of the composite indexer steps: both
 composites against the reference at realistic shapes, captured in CUDA graphs and
 replayed with other context lengths, several batch buckets sharing one reserved and
 locked workspace, no host sync, no caching-allocator allocation, and a decode step's

@@ -1,4 +1,4 @@
-"""GPU tests of the sparse-indexer family (the lead runs them on the H100/H200): realistic
+"""GPU tests of the sparse-indexer family: realistic
 shapes against the reference with NaN-poisoned outputs, bit-exact quantisation across
 devices, the fp16 fallback path, and a whole indexer pipeline captured in one CUDA graph
 and replayed with new context lengths, without host syncs."""

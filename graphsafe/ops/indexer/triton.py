@@ -282,7 +282,7 @@ def _mqa_logits_kernel(
         tl.store(out, tl.where(valid, logits, NEG_INF), mask=tl.where(live, m_in[:, None] & n_in[None, :], False))
 
 
-# Launch configurations, per device type; the lead tunes the CUDA ones on the H100/H200.
+# Launch configurations, per device type; the CUDA ones are tuned on an H100/H200 (bench case `fp8_paged_mqa_logits_tune`).
 MQA_CONFIG = {
     "cuda": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     "cpu": dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1),
