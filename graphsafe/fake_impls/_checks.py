@@ -78,3 +78,15 @@ def contiguous(op: str, arg: str, t: torch.Tensor) -> None:
 def positive(op: str, arg: str, value: int) -> None:
     if value <= 0:
         fail(op, arg, "a positive int", value)
+
+
+def fp8_cache_scale(op: str, arg: str, scale: object, cache: torch.Tensor, device: torch.device, when: str) -> None:
+    """`scale` must be a 1-element float32 tensor when `cache` is float8_e4m3fn (ignored
+    otherwise); `when` completes the message, e.g. "when 'kv_cache' is float8_e4m3fn"."""
+    if cache.dtype not in FP8_DTYPES:
+        return
+    if scale is None:
+        fail(op, arg, f"a float32 tensor of 1 element {when}", None)
+    tensor(op, arg, scale, dtypes=(torch.float32,), device=device)
+    if scale.numel() != 1:
+        fail(op, arg, "a tensor of 1 element", f"shape {tuple(scale.shape)}")

@@ -15,16 +15,6 @@ def _check_heads(op: str, arg: str, hk, hq) -> None:
         c.fail(op, arg, f"a head count Hk >= 1 that divides Hq = {hq} (GQA)", f"Hk = {hk}")
 
 
-def _check_cache_scale(op: str, arg: str, scale, cache: torch.Tensor, device) -> None:
-    if cache.dtype != FP8:
-        return  # ignored for bf16/fp16 caches
-    if scale is None:
-        c.fail(op, arg, "a float32 tensor of 1 element when the caches are float8_e4m3fn", None)
-    c.tensor(op, arg, scale, dtypes=(torch.float32,), device=device)
-    if scale.numel() != 1:
-        c.fail(op, arg, "a tensor of 1 element", f"shape {tuple(scale.shape)}")
-
-
 def check_paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -53,8 +43,8 @@ def check_paged_attention_decode(
     c.shape(op, "seq_lens", seq_lens, (b,), "[B]")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         c.last_dim_contiguous(op, name, x)
-    _check_cache_scale(op, "k_scale", k_scale, k_cache, dev)
-    _check_cache_scale(op, "v_scale", v_scale, v_cache, dev)
+    c.fp8_cache_scale(op, "k_scale", k_scale, k_cache, dev, "when the caches are float8_e4m3fn")
+    c.fp8_cache_scale(op, "v_scale", v_scale, v_cache, dev, "when the caches are float8_e4m3fn")
 
 
 def fake_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):

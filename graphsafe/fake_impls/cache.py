@@ -10,15 +10,6 @@ SLOT_DTYPES = (torch.int64, torch.int32)
 CACHE_FP8 = torch.float8_e4m3fn
 
 
-def _check_scale(op: str, arg: str, scale: torch.Tensor | None, cache_arg: str, cache: torch.Tensor, device) -> None:
-    if cache.dtype == CACHE_FP8:
-        if scale is None:
-            c.fail(op, arg, f"a float32 tensor of 1 element when '{cache_arg}' is float8_e4m3fn", None)
-        c.tensor(op, arg, scale, dtypes=(torch.float32,), device=device)
-        if scale.numel() != 1:
-            c.fail(op, arg, "a tensor of 1 element", f"shape {tuple(scale.shape)}")
-
-
 def check_concat_and_cache_mla(
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
@@ -40,7 +31,7 @@ def check_concat_and_cache_mla(
     c.shape(op, "slot_mapping", slot_mapping, (t,), "[T]")
     for name, x in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache)):
         c.last_dim_contiguous(op, name, x)
-    _check_scale(op, "scale", scale, "kv_cache", kv_cache, dev)
+    c.fp8_cache_scale(op, "scale", scale, kv_cache, dev, "when 'kv_cache' is float8_e4m3fn")
 
 
 def fake_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
@@ -73,8 +64,8 @@ def check_reshape_and_cache(
     c.shape(op, "slot_mapping", slot_mapping, (t,), "[T]")
     for name, x in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
         c.last_dim_contiguous(op, name, x)
-    _check_scale(op, "k_scale", k_scale, "key_cache", key_cache, dev)
-    _check_scale(op, "v_scale", v_scale, "value_cache", value_cache, dev)
+    c.fp8_cache_scale(op, "k_scale", k_scale, key_cache, dev, "when 'key_cache' is float8_e4m3fn")
+    c.fp8_cache_scale(op, "v_scale", v_scale, value_cache, dev, "when 'value_cache' is float8_e4m3fn")
 
 
 def fake_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:

@@ -61,3 +61,15 @@ def default_compare(spec: Any, expected_out: Any, actual_out: Any, expected_args
     exp_mut, act_mut = mutated_args(spec, expected_args), mutated_args(spec, actual_args)
     for name in exp_mut:
         assert_same(exp_mut[name], act_mut[name], f"{spec.name} mutated '{name}'", exact)
+
+
+def exact_compare(op: str):
+    """An `OpCase.compare` for ops whose results are copies or integers: bit-exact
+    (fp8 aside, see `assert_same`), outputs and mutated args."""
+
+    def compare(expected, actual, expected_args, actual_args, params) -> None:
+        from graphsafe.registry import get_op
+
+        default_compare(get_op(op), expected, actual, expected_args, actual_args, exact=True)
+
+    return compare

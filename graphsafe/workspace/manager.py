@@ -90,7 +90,7 @@ _stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: 
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and _stream_capturing()
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
-from graphsafe.testing.compare import default_compare
-from graphsafe.testing.registry_access import spec
+from graphsafe.testing.compare import exact_compare
 from graphsafe.testing.tensors import distinct_slots, poison, randn
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -78,7 +77,7 @@ register_case(
         params=_params_mla,
         example=EXAMPLE_MLA,
         make=_make_mla,
-        compare=lambda e, a, ea, aa, p: default_compare(spec("concat_and_cache_mla"), e, a, ea, aa, exact=True),
+        compare=exact_compare("concat_and_cache_mla"),
         bad_inputs=_bad_mla,
         edge_cases=(
             {**EXAMPLE_MLA, "T": 0},
@@ -154,7 +153,7 @@ register_case(
         params=_params_kv,
         example=EXAMPLE_KV,
         make=_make_kv,
-        compare=lambda e, a, ea, aa, p: default_compare(spec("reshape_and_cache"), e, a, ea, aa, exact=True),
+        compare=exact_compare("reshape_and_cache"),
         bad_inputs=_bad_kv,
         edge_cases=(
             {**EXAMPLE_KV, "T": 0},

@@ -10,9 +10,8 @@ import torch
 
 from graphsafe.ops.indexer import layout, plan, reference
 from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
-from graphsafe.testing.compare import assert_same, default_compare
+from graphsafe.testing.compare import assert_same, exact_compare
 from graphsafe.testing.contract import clone_tensor
-from graphsafe.testing.registry_access import spec
 from graphsafe.testing.tensors import distinct_slots, poison, randint, randn
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -227,7 +226,7 @@ register_case(
         params=_params_gather,
         example=EXAMPLE_GATHER,
         make=_make_gather,
-        compare=lambda e, a, ea, aa, p: default_compare(spec("cp_gather_indexer_k_quant_cache"), e, a, ea, aa, exact=True),
+        compare=exact_compare("cp_gather_indexer_k_quant_cache"),
         bad_inputs=_bad_gather,
         edge_cases=(
             {**EXAMPLE_GATHER, "B": 1, "max_seq": 1, "block_size": 1},
@@ -440,7 +439,7 @@ register_case(
         params=_params_slots,
         example=EXAMPLE_SLOTS,
         make=_make_slots,
-        compare=lambda e, a, ea, aa, p: default_compare(spec("req_local_to_global_slots"), e, a, ea, aa, exact=True),
+        compare=exact_compare("req_local_to_global_slots"),
         bad_inputs=_bad_slots,
         edge_cases=(
             {**EXAMPLE_SLOTS, "T": 0},

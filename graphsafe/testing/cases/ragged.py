@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
-from graphsafe.testing.compare import default_compare
-from graphsafe.testing.registry_access import spec
+from graphsafe.testing.compare import exact_compare
 from graphsafe.testing.tensors import randint
 
 
@@ -46,7 +45,7 @@ register_case(
         params=_params,
         example=EXAMPLE,
         make=_make,
-        compare=lambda e, a, ea, aa, p: default_compare(spec("build_ragged_indices_from_dense"), e, a, ea, aa, exact=True),
+        compare=exact_compare("build_ragged_indices_from_dense"),
         bad_inputs=_bad,
         edge_cases=(
             {"N": 0, "W": 4, "num_rows": 3},
