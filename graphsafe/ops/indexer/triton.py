@@ -170,7 +170,10 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale
 
 
 # -- cp_gather_indexer_k_quant_cache -----------------------------------------------------
-@triton.jit
+# n_iter is not specialised: at 1 (a batch of one request) Triton unrolls the search loop
+# and Triton 3.6's layout pass then fails on the masks below ("arith.select ... expected
+# condition type to have the same shape"; found by the demo at B=1 on an H200).
+@triton.jit(do_not_specialize=["n_iter"])
 def _gather_kernel(
     val_ptr, scale_ptr, dst_k_ptr, dst_s_ptr, bt_ptr, cu_ptr,
     num_rows, num_reqs, num_blocks, max_blocks, block_size,
