@@ -98,6 +98,13 @@ class Row:
 
 
 # -- measurement helpers --------------------------------------------------------------------
+# What sync-debug "warn" says of a synchronizing call. Matched exactly: the first
+# set_sync_debug_mode() of a process also warns, once, that the mode "does not yet detect
+# all synchronizing operations", which an earlier looser match counted as a sync (a
+# phantom 1/60 per step in one row of the first GPU run).
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 class _Counters:
     """Host syncs (sync-debug "warn" warnings) and caching-allocator allocations inside
     `window()` blocks, summed over the measured steps. Counts nothing off CUDA."""
@@ -122,7 +129,7 @@ class _Counters:
                 yield
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
-        self.syncs += sum("synchroniz" in str(w.message) for w in caught)
+        self.syncs += sum(SYNC_WARNING in str(w.message) for w in caught)
         self.allocs += torch.cuda.memory_stats(self.device).get("allocation.all.allocated", 0) - before
 
 

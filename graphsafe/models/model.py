@@ -320,6 +320,10 @@ class DeepseekV32Model(nn.Module):
         b = x.shape[0]
         cos, sin = self.rope_cos[inputs.positions], self.rope_sin[inputs.positions]
         req_ids = torch.arange(b, dtype=torch.int32, device=x.device)
+        # Under backed_size_oblivious (one graph for every batch size, B = 1 included)
+        # torch 2.11 cannot tell that b fits the buffer and gives the slice an unbacked
+        # length, which the ops' shape checks then fail to compare with b: say it.
+        torch._check(b <= self.topk_buffer.shape[0])
         topk_rows = self.topk_buffer[:b]
         for i, layer in enumerate(self.layers):
             q_nope, q_pe, kv_c, k_pe, iq8, ik, w = self._project(layer, x, cos, sin)
