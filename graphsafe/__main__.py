@@ -156,7 +156,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         opts.modes = tuple(m for m in demo.MODES if m in args.mode)
     opts.progress = not args.no_progress
     try:
-        opts.model_overrides = dict(demo.parse_override(o) for o in args.model or ())
+        opts.model_overrides = {**opts.model_overrides, **dict(demo.parse_override(o) for o in args.model or ())}
         rows = demo.run_demo(opts)
     except demo.DemoError as err:
         print(f"demo: {err}", file=sys.stderr)

@@ -272,8 +272,11 @@ class DeepseekV32Model(nn.Module):
         q_c = rms_norm(q_c, layer.q_a_norm, 1e-6)
         kv_c = rms_norm(kv_c, layer.kv_a_norm, 1e-6)
         ik = F.layer_norm(ik, (cfg.index_head_dim,), layer.ik_norm_w, layer.ik_norm_b, 1e-6)
-        b = F.linear(q_c, layer.w_b)
-        q, iq = b.split([cfg.num_heads * cfg.qk_head_dim, cfg.index_n_heads * cfg.index_head_dim], dim=-1)
+        # Two GEMMs over row blocks of w_b (contiguous slices), not one GEMM split after:
+        # a column slice of the product is non-contiguous, and Inductor's view lowering
+        # then asks whether T == 1 (torch 2.11), a guard that gives B = 1 its own graph.
+        n_q = cfg.num_heads * cfg.qk_head_dim
+        q, iq = F.linear(q_c, layer.w_b[:n_q]), F.linear(q_c, layer.w_b[n_q:])
         q_nope, q_pe = q.view(t, cfg.num_heads, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         cos_h, sin_h = cos[:, None, :], sin[:, None, :]
         q_pe = apply_interleaved(q_pe, cos_h, sin_h)
