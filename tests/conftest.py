@@ -50,3 +50,27 @@ def _fresh_backend_choice_and_workspace():
     if HAS_CUDA:
         torch.cuda.synchronize()
     reset_workspace_managers()
+
+
+@pytest.fixture
+def compile_for_sm90():
+    """Run a script that compiles Triton kernels for sm_90 (no GPU needed: Triton's whole
+    pipeline and ptxas run on the CPU) in a fresh interpreter without TRITON_INTERPRET,
+    and return its stdout. The script prints NO_BACKEND when this triton build cannot
+    target CUDA (the test is skipped) and ends with OK when every kernel compiled."""
+    import pathlib
+    import subprocess
+    import sys
+
+    def run(script: str, timeout: int = 600) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        root = str(pathlib.Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+        if "NO_BACKEND" in proc.stdout:
+            pytest.skip("this triton build cannot compile for CUDA")
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-4000:]
+        return proc.stdout
+
+    return run

@@ -494,18 +494,7 @@ print("OK")
 """
 
 
-def test_kernels_compile_for_sm90_without_a_gpu():
+def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     """The interpreter never compiles: catch GPU-only errors and check the fp8 logits
     kernels use wgmma without spilling, by compiling the launch variants for sm_90."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    if "NO_BACKEND" in proc.stdout:
-        pytest.skip("this triton build cannot compile for CUDA")
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-4000:]
+    compile_for_sm90(_COMPILE_SCRIPT)
