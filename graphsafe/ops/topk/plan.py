@@ -19,8 +19,15 @@ MAX_TILE = 16384
 # Candidate slots the final program selects among in registers; more go through the
 # looped radix select.
 MAX_SLOTS = 8192
-# Bound programs wanted per call (about 8 per SM on a 132-SM GPU); rows x programs per row.
-TARGET_PROGRAMS = 1024
+# Bound programs wanted per call; rows x programs per row. Fewer, larger programs won on
+# an H200 (128 rows: 2 programs a row at 32K, 8 at 128K, where MAX_TILE sets the floor):
+# every program adds a margin of candidates, and the final selection's time grows with
+# them (benchmarks/NOTES.md, "Top-k").
+TARGET_PROGRAMS = 256
+# Strided columns of a row per top-k entry (G = COLS_PER_TOPK * pow2(topk)): the bound
+# ranks column maxima, so fewer columns mean a cheaper search over them (at 32K wide rows
+# 8 columns per entry left only two entries a column) and a few more candidates.
+COLS_PER_TOPK = 4
 # A program's share of the row's top-k is about mu = topk * its entries / the row's
 # entries; its bound ranks mu + MARGIN*sqrt(mu) + 2 column maxima, so the bound lies above
 # the row's k-th largest score (and the final program falls back to the slow exact
@@ -84,7 +91,7 @@ class Plan:
 
 def _geometry(width: int, topk: int, p1: int) -> tuple[int, int, int]:
     wp = pow2(width)
-    g = max(min(max(8 * pow2(topk), 256), wp), SEGW * p1)
+    g = max(min(max(COLS_PER_TOPK * pow2(topk), 256), wp), SEGW * p1)
     bj = g // p1
     dp = pow2(-(-width // g))
     return g, bj, dp
@@ -148,9 +155,9 @@ def _row_need(width: int, topk: int) -> tuple[int, int]:
 
 
 def specs(rows: int, p1: int, cap: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Per-program state [rows, p1, NMETA] int32; candidates [rows, 2*cap] int32 (the
-    keys of the P1 regions of REG slots, then their positions)."""
-    return [((rows, max(p1, 1), NMETA), torch.int32), ((rows, 2 * max(cap, 1)), torch.int32)]
+    """Per-program state [rows, p1, NMETA] int32; candidates [rows, cap] int64 (P1
+    regions of REG slots; a slot holds key << 32 | position)."""
+    return [((rows, max(p1, 1), NMETA), torch.int32), ((rows, max(cap, 1)), torch.int64)]
 
 
 def workspace_specs(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -4,30 +4,29 @@ Keys are the order-preserving uint32 image of the float bits (`_sortable_key`, t
 order as the reference's `sortable_keys`). A row's valid range is [lo, hi); rows with at
 most `topk` valid entries need no data: their positions are written directly.
 
-Launch 1 (`_bound_kernel`, rows x P1 programs; P1 = 4 at 32K-64K wide rows, 8 at 128K). View
-the row as G ~ 8*topk strided columns (column j holds positions j, j+G, j+2G, ...).
+Launch 1 (`_bound_kernel`, rows x P1 programs; P1 = 2 at 32K-wide rows, 8 at 128K). View
+the row as G ~ 4*topk strided columns (column j holds positions j, j+G, j+2G, ...).
 Program c of a row owns the 16-entry granules g with g % P1 == c of every G-row: it
 reads whole 64-byte bursts, and all P1 programs see the same mix of the row (a run of
 high scores, e.g. recent tokens, is split evenly among them). A program
   1. loads its [DP G-rows, BJ columns] tile with every load in flight at once and keeps
-     only the BJ column maxima (registers bound how many programs share an SM);
-  2. finds a bound w with about kc of its column maxima >= w: a two-bits-a-round
-     bisection, stopped once kc..kc+kc/16 lie above. kc = mu + 12*sqrt(mu) + 2, where
-     mu = topk * (its entries / the row's entries) is its expected share of the row's
-     top-k (kc = topk when one program owns the row). Each of those columns holds an
-     entry >= w, so the program holds >= kc entries >= w; kc is far enough above mu
+     it in registers as keys (64 a thread), with its BJ column maxima;
+  2. finds a bound w with about kc of its column maxima >= w (`_radix_search`, three
+     bits a round, stopped once kc..kc+kc/16 lie above). kc = mu + 12*sqrt(mu) + 2,
+     where mu = topk * (its entries / the row's entries) is its expected share of the
+     row's top-k (kc = topk when one program owns the row). Each of those columns holds
+     an entry >= w, so the program holds >= kc entries >= w; kc is far enough above mu
      that the row's k-th largest score is >= w unless the program's share of the top-k
      is > 12 sigma above its mean (rows of i.i.d. scores), or 3 sigma when scores come
      in clumps of 16 equal values;
-  3. reads its tile again (it just loaded it: L1/L2 hits) and keeps every entry > w,
-     then the entries == w that still fit, in its own REG slots of the row's candidate
-     list (keys, then positions), in column order: slots from one scan over per-column
-     counts, no atomics. Random rows keep ~1.15*kc entries a program. It records
+  3. keeps every entry > w, then the entries == w that still fit, in its own REG slots
+     of the row's candidate list (one int64 a candidate: key << 32 | position), in
+     column order: slots from one scan over per-column counts, no atomics. It records
      (w, #(> w), #(== w)).
 
 Launch 2 (`_final_kernel`, one program per row) loads the P1 x REG candidate slots and
-finds t, the topk-th largest kept key (the same bisection, run until exactly topk keys
-lie above its prefix, or to the last bit). If no program had more entries > w than
+finds t, the topk-th largest kept key (the same search over the kept keys >= every
+program's bound, run until exactly topk keys lie above its prefix, or to the last bit). If no program had more entries > w than
 slots and t >= every program's w, the kept entries are a valid top-k: every entry of
 the row > t is > its program's w, so it was kept, and >= topk kept entries are >= t.
 It then writes the kept entries > t and ties == t up to topk. Otherwise (a program's
@@ -88,40 +87,64 @@ def _max_min(a_hi, a_lo, b_hi, b_lo):
 
 
 @triton.jit
-def _bisect(keys, k_lo, k_hi, n_valid):
-    """(v, n) with n = #(keys >= v) >= k_lo, searched two bits a round from the top.
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
-    `keys` is [R, C] with 0 in the slots that hold no key: every tested bound is >= 1,
-    so they never count (callers never pass a real key of 0); `n_valid` counts the
-    others. Stops as soon as n <= k_hi; run to the last bit it returns the largest such
-    v (the k_lo-th largest key). With n_valid <= k_hi it returns a v at most every key.
-    The bits above the highest bit in which the smallest and the largest key differ are
-    common to all keys: the search starts below them. The three counts of a round are
-    packed in one int64 (21 bits each: < 2^21 keys) and summed by one CTA-wide reduction.
+
+@triton.jit
+def _pair(acc, J: tl.constexpr):
+    """Byte fields J and J + 1 of `acc` (a field of 7 bytes) as the two halves of an int32."""
+    lo = ((acc >> (8 * J)) & 255).to(tl.int32)
+    if J + 1 < 7:
+        return lo + (((acc >> (8 * (J + 1))) & 255).to(tl.int32) << 16)
+    else:
+        return lo
+
+
+@triton.jit
+def _radix_search(keys, k_lo, k_hi, n_valid, R: tl.constexpr, C: tl.constexpr):
+    """(v, n) with n = #(keys >= v) >= k_lo, searched three bits a round from the top.
+
+    `keys` is a 1-D [R * C] uint32 tensor with 0 in the slots that hold no key: every
+    tested bound is above the common prefix of the real keys, so they never count
+    (callers never pass a real key of 0); `n_valid` (< 2^16) counts the others. Stops as
+    soon as n <= k_hi; run to the last bit it returns the largest such v (the k_lo-th
+    largest key). With n_valid <= k_hi it returns a v at most every key. The bits above
+    the highest bit in which the smallest and the largest key differ are common to all
+    keys: the search starts below them.
+
+    A round counts the keys at or above the seven bounds v + j * 2^sh (j = 1..7) at once
+    (why: each round ends in a CTA-wide reduction whose latency, not the arithmetic,
+    bounded the old two-bits-a-round search): a key adds a thermometer code (one in the
+    byte fields 0..d-1 of an int64, d its 3-bit digit) to its column of the [R, C] view;
+    the R <= 255 keys of a column cannot overflow a byte, and the columns' bytes are then
+    summed as int32 halves in one reduction. R runs along each thread's own registers
+    when C is the program's thread count.
     """
-    hi, lo = tl.reduce((keys, tl.where(keys != 0, keys, tl.full([], 0xFFFFFFFF, tl.uint32))), 1, _max_min)
-    hi, lo = tl.reduce((hi, lo), 0, _max_min)
+    tl.static_assert(R <= 255, "a column's count must fit a byte")
+    hi = tl.max(keys, axis=0)
+    lo = tl.min(tl.where(keys != 0, keys, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0)
     # Index of the highest differing bit, from the float exponent (rounding may say one
-    # too many: an extra round on a bit that is already fixed, harmless).
+    # too many: a round on a bit that is already fixed, harmless).
     e = ((((lo ^ hi).to(tl.float32).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127)
     e = tl.minimum(tl.maximum(e, 0), 31)
     v = lo & ~((tl.full([], 2, tl.uint32) << e.to(tl.uint32)) - 1)
     n = n_valid
-    sh = e & ~1  # rounds test bits (sh + 1, sh) and end on bit 0
+    sh = (e // 3) * 3  # the first round's digit (bits sh..sh+2) holds bit e; the last ends on bit 0
+    ones = tl.full([], 0x01010101010101, tl.int64)  # seven byte fields
     while (sh >= 0) & (n > k_hi):
-        one = tl.full([], 1, tl.uint32) << sh.to(tl.uint32)
-        total = tl.sum(tl.sum(
-            (keys >= (v | one)).to(tl.int64)
-            + ((keys >= (v | (one * 2))).to(tl.int64) << 21)
-            + ((keys >= (v | (one * 3))).to(tl.int64) << 42),
-            axis=1), axis=0)
-        n1 = (total & 0x1FFFFF).to(tl.int32)
-        n2 = ((total >> 21) & 0x1FFFFF).to(tl.int32)
-        n3 = (total >> 42).to(tl.int32)
-        best = tl.where(n3 >= k_lo, 3, tl.where(n2 >= k_lo, 2, tl.where(n1 >= k_lo, 1, 0)))
-        n = tl.where(best == 3, n3, tl.where(best == 2, n2, tl.where(best == 1, n1, n)))
-        v = v | (best.to(tl.uint32) * one)
-        sh -= 2
+        d = tl.where(keys >= v, tl.minimum((keys - v) >> sh.to(tl.uint32), 7), 0).to(tl.int64)
+        acc = tl.sum(tl.reshape(ones >> (56 - 8 * d), [R, C]), axis=0)
+        c12, c34, c56, c7 = tl.reduce((_pair(acc, 0), _pair(acc, 2), _pair(acc, 4), _pair(acc, 6)), 0, _add4)
+        # c_j = #(keys >= v + j * 2^sh), non-increasing in j: the digit is how many reach k_lo.
+        c1, c2, c3, c4, c5, c6 = c12 & 0xFFFF, c12 >> 16, c34 & 0xFFFF, c34 >> 16, c56 & 0xFFFF, c56 >> 16
+        best = ((c1 >= k_lo).to(tl.int32) + (c2 >= k_lo).to(tl.int32) + (c3 >= k_lo).to(tl.int32)
+                + (c4 >= k_lo).to(tl.int32) + (c5 >= k_lo).to(tl.int32) + (c6 >= k_lo).to(tl.int32)
+                + (c7 >= k_lo).to(tl.int32))
+        n = tl.where(best == 0, n, tl.where(best == 1, c1, tl.where(best == 2, c2, tl.where(
+            best == 3, c3, tl.where(best == 4, c4, tl.where(best == 5, c5, tl.where(best == 6, c6, c7)))))))
+        v = v + (best.to(tl.uint32) << sh.to(tl.uint32))
+        sh -= 3
     return v, n
 
 
@@ -141,20 +164,25 @@ def _owned(x, c, P1: tl.constexpr, SEGW: tl.constexpr):
 
 
 @triton.jit
-def _tile_keys(row_ptr, pos, lo, hi, lo_al, hi_al):
-    """Keys of the entries at `pos` (0 outside [lo, hi)). Loads are masked by whole
-    granules (the range rounded out to SEGW multiples, still inside the row), so that
-    vectorised loads stay whole; the exact range then masks the keys."""
-    x = tl.load(row_ptr + pos, mask=(pos >= lo_al) & (pos < hi_al), other=0.0)
-    return tl.where((pos >= lo) & (pos < hi), _sortable_key(x), 0)
+def _key_of_bits(bits):
+    """int32 float bits -> uint32 key (as `_sortable_key`)."""
+    return (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["topk", "zero"])
+@triton.jit
+def _in_range(pos, lo, hi, DECODE: tl.constexpr):
+    if DECODE:
+        return pos < hi  # decode rows start at column 0
+    else:
+        return (pos >= lo) & (pos < hi)
+
+
+@triton.jit(do_not_specialize=["topk"])
 def _bound_kernel(
     logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
-    meta_ptr, stride_mr, cand_ptr, stride_cr, zero,
+    meta_ptr, stride_mr, cand_ptr, stride_cr,
     P1: tl.constexpr, BJ: tl.constexpr, DP: tl.constexpr, REG: tl.constexpr, SEGW: tl.constexpr,
-    MARGIN: tl.constexpr, DECODE: tl.constexpr,
+    MARGIN: tl.constexpr, DECODE: tl.constexpr, SC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // P1
@@ -164,17 +192,30 @@ def _bound_kernel(
     if n > topk:
         G: tl.constexpr = BJ * P1
         base = (lo // G) * G
-        jj = tl.arange(0, BJ)
-        col = (jj // SEGW) * (SEGW * P1) + c * SEGW + (jj % SEGW)
-        pos = base + tl.arange(0, DP)[:, None] * G + col[None, :]
-        lo_al = (lo // SEGW) * SEGW
-        hi_al = tl.minimum(((hi + SEGW - 1) // SEGW) * SEGW, width)
+        # The tile is a flat [DP * BJ] (entry i: G-row i // BJ, column i % BJ), viewed
+        # as [DP, BJ] for the column work: loads and the scattered candidate stores are
+        # then 1-D accesses of one layout (no register shuffle through shared memory), and
+        # the view keeps each thread's entries of a column in its own registers.
+        ii = tl.arange(0, DP * BJ)
+        jj = ii % BJ
+        pos = base + (ii // BJ) * G + (jj // SEGW) * (SEGW * P1) + c * SEGW + (jj % SEGW)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
-        # 1. The whole tile in one go (every load in flight at once), reduced to its
-        #    column maxima; the tile is not kept (registers bound the programs per SM).
-        colmax = tl.max(_tile_keys(row_ptr, pos, lo, hi, lo_al, hi_al), axis=0)
-        # 2. The bound: about kc column maxima lie at or above it. Empty columns hold 0
-        #    and every tested bound is >= 1: they never count.
+        # 1. The whole tile in one go (every load in flight at once), kept in registers
+        #    as keys (0 outside the row's range). A tile inside the range (full rows)
+        #    needs no masks. Masked loads cover whole granules (the range rounded out to
+        #    SEGW multiples, still inside the row) so that they stay vectorised; the
+        #    exact range then masks the keys.
+        if (base >= lo) & (base + DP * G <= hi):
+            key = _key_of_bits(tl.load(row_ptr + pos).to(tl.int32, bitcast=True))
+        else:
+            lo_al = (lo // SEGW) * SEGW
+            hi_al = tl.minimum(((hi + SEGW - 1) // SEGW) * SEGW, width)
+            x = tl.load(row_ptr + pos, mask=(pos >= lo_al) & (pos < hi_al), other=0.0)
+            key = tl.where(_in_range(pos, lo, hi, DECODE), _key_of_bits(x.to(tl.int32, bitcast=True)), 0)
+        key2 = tl.reshape(key, [DP, BJ])
+        # 2. The bound: about kc of the BJ column maxima lie at or above it. Empty
+        #    columns hold 0 and every tested bound is >= 1: they never count.
+        colmax = tl.max(key2, axis=0)
         n_c = _owned(hi, c, P1, SEGW) - _owned(lo, c, P1, SEGW)
         n_cols = tl.where(n >= G, BJ, n_c)  # a row shorter than G has one entry a column
         if P1 == 1:
@@ -182,37 +223,27 @@ def _bound_kernel(
         else:
             mu = topk.to(tl.float32) * n_c.to(tl.float32) / n.to(tl.float32)
             kc = (mu + MARGIN * tl.sqrt(mu)).to(tl.int32) + 2
-        w, _n_w = _bisect(colmax[None, :], kc, kc + kc // 16 + 1, n_cols)
+        w, _n_w = _radix_search(colmax, kc, kc + kc // 16 + 1, n_cols, BJ // SC, SC)
+        # Key 0 is "no key": a bound of at least 1 never keeps it (the one NaN pattern
+        # with key 0 is then never kept; the final check sees too few kept entries if
+        # the row needs it).
+        w = tl.maximum(w, 1)
         # 3. Keep every entry > w, then the entries == w that fit (a row of equal scores
-        #    must not overflow the slots). Entries outside the range have key 0: a bound
-        #    of 0 keeps only keys > 0 (the one NaN pattern with key 0 is then never kept;
-        #    the final check sees too few kept entries if the row needs it). The tile is
-        #    read again (this program just loaded it: L1/L2 hits) through a pointer of
-        #    unknown alignment, so that loads and the scattered stores share one
-        #    element-per-thread layout (no layout conversion through shared memory).
-        #    Slots: a column's entries are consecutive; the column bases come from one
-        #    scan over the per-column counts (> w and == w packed in one int32).
-        again = row_ptr + zero
-        d_end = (hi - base + G - 1) // G  # G-rows that hold entries of the row
-        counts = tl.zeros([BJ], dtype=tl.int32)
-        for d in range(d_end):
-            key = _tile_keys(again, base + d * G + col, lo, hi, lo_al, hi_al)
-            counts += (key > w).to(tl.int32) + (((key == w) & (key != 0)).to(tl.int32) << 16)
-        run = tl.cumsum(counts, axis=0) - counts
-        total = tl.sum(counts, axis=0)
+        #    must not overflow the slots), from the registers: slots in column order, a
+        #    column's entries consecutive, the column bases from one scan over the
+        #    per-column counts (> w and == w packed in the two halves of an int32).
+        word = (key2 > w).to(tl.int32) + ((key2 == w).to(tl.int32) << 16)
+        col_count = tl.sum(word, axis=0)
+        total = tl.sum(col_count, axis=0)
         n_gt = total & 0xFFFF
+        before = (tl.cumsum(col_count, axis=0) - col_count)[None, :] + tl.cumsum(word, axis=0) - word
+        before = tl.reshape(before, [DP * BJ])
+        gt = key > w
+        slot = tl.where(gt, before & 0xFFFF, n_gt + (before >> 16))
+        # One 8-byte candidate: the key in the high half (its order), the position low.
+        packed = (key.to(tl.uint64) << 32) | (pos - shift).to(tl.uint32).to(tl.uint64)
         cand = cand_ptr + row.to(tl.int64) * stride_cr + c * REG
-        for d in range(d_end):
-            pos_d = base + d * G + col
-            key = _tile_keys(again, pos_d, lo, hi, lo_al, hi_al)
-            gt = key > w
-            eq = (key == w) & (key != 0)
-            slot = tl.where(gt, run & 0xFFFF, n_gt + (run >> 16))
-            keep = (gt | eq) & (slot < REG)
-            # Keys in the first P1*REG slots of the row's candidates, positions after.
-            tl.store(cand + slot, key.to(tl.int32, bitcast=True), mask=keep)
-            tl.store(cand + P1 * REG + slot, pos_d - shift, mask=keep)
-            run += gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+        tl.store(cand + slot, packed.to(tl.int64, bitcast=True), mask=(gt | (key == w)) & (slot < REG))
         meta = meta_ptr + row.to(tl.int64) * stride_mr + c * _NMETA
         tl.store(meta, w.to(tl.int32, bitcast=True))
         tl.store(meta + 1, n_gt)
@@ -222,7 +253,7 @@ def _bound_kernel(
 # -- looped exact selection (candidate lists too large for registers, and the row) -----
 @triton.jit
 def _src_block(
-    FROM_ROW: tl.constexpr, b, row_ptr, lo, hi, shift, cand_row, cand_gap, meta_row,
+    FROM_ROW: tl.constexpr, b, row_ptr, lo, hi, shift, cand_row, meta_row,
     P1: tl.constexpr, REG: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Block b of a selection source: the row's valid entries, or the kept candidates."""
@@ -236,14 +267,15 @@ def _src_block(
         meta = meta_row + (offs // REG) * _NMETA
         kept = tl.minimum(tl.load(meta + 1, mask=inside, other=0) + tl.load(meta + 2, mask=inside, other=0), REG)
         m = inside & ((offs % REG) < kept)
-        key = tl.load(cand_row + offs, mask=m, other=0).to(tl.uint32, bitcast=True)
-        pos = tl.load(cand_row + cand_gap + offs, mask=m, other=-1)
+        packed = tl.load(cand_row + offs, mask=m, other=0)
+        key = (packed.to(tl.uint64, bitcast=True) >> 32).to(tl.uint32)
+        pos = tl.where(m, packed.to(tl.int32), -1)
     return key, pos, m
 
 
 @triton.jit
 def _radix_kth(
-    FROM_ROW: tl.constexpr, b0, b1, row_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, topk,
+    FROM_ROW: tl.constexpr, b0, b1, row_ptr, lo, hi, shift, cand_row, meta_row, topk,
     P1: tl.constexpr, REG: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """(t, need): the topk-th largest key of the source (radix select, 8 bits a round)
@@ -255,7 +287,7 @@ def _radix_kth(
         SHIFT = 24 - 8 * d
         hist = tl.zeros([256], dtype=tl.int32)
         for b in range(b0, b1):
-            key, pos, m = _src_block(FROM_ROW, b, row_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, P1, REG, BLOCK)
+            key, pos, m = _src_block(FROM_ROW, b, row_ptr, lo, hi, shift, cand_row, meta_row, P1, REG, BLOCK)
             if d > 0:
                 m = m & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
             hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=m)
@@ -269,7 +301,7 @@ def _radix_kth(
 
 @triton.jit
 def _radix_write(
-    FROM_ROW: tl.constexpr, b0, b1, row_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, t, need, topk, out_row,
+    FROM_ROW: tl.constexpr, b0, b1, row_ptr, lo, hi, shift, cand_row, meta_row, t, need, topk, out_row,
     P1: tl.constexpr, REG: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Write every key > t, then the first `need` keys == t."""
@@ -277,7 +309,7 @@ def _radix_write(
     c_above = need * 0
     c_eq = need * 0
     for b in range(b0, b1):
-        key, pos, m = _src_block(FROM_ROW, b, row_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, P1, REG, BLOCK)
+        key, pos, m = _src_block(FROM_ROW, b, row_ptr, lo, hi, shift, cand_row, meta_row, P1, REG, BLOCK)
         above = m & (key > t)
         tie = m & (key == t)
         slot = c_above + tl.cumsum(above.to(tl.int32), 0) - 1
@@ -293,21 +325,27 @@ def _select_row(row_ptr, lo, hi, shift, topk, out_row, BLOCK: tl.constexpr):
     """Exact top-k of the row itself (the fallback)."""
     b0 = lo // BLOCK
     b1 = (hi + BLOCK - 1) // BLOCK
-    t, need = _radix_kth(True, b0, b1, row_ptr, lo, hi, shift, row_ptr, 0, row_ptr, topk, 1, 1, BLOCK)
-    _radix_write(True, b0, b1, row_ptr, lo, hi, shift, row_ptr, 0, row_ptr, t, need, topk, out_row, 1, 1, BLOCK)
+    t, need = _radix_kth(True, b0, b1, row_ptr, lo, hi, shift, row_ptr, row_ptr, topk, 1, 1, BLOCK)
+    _radix_write(True, b0, b1, row_ptr, lo, hi, shift, row_ptr, row_ptr, t, need, topk, out_row, 1, 1, BLOCK)
 
 
 @triton.jit
-def _select_kept_registers(key, pos, kept, max_w, n_kept, topk, out_row, REG: tl.constexpr):
+def _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1: tl.constexpr, REG: tl.constexpr,
+                           SC: tl.constexpr):
     """Top-k of the kept candidates ([P1, REG] keys and positions, the first kept[c] of
-    row c valid) held in registers; 1 if written, 0 if not provably the row's top-k."""
-    valid = tl.arange(0, REG)[None, :] < kept[:, None]
-    key = tl.where(valid, key, 0)  # kept keys are >= 1 (a bound program never keeps key 0)
-    v, _n = _bisect(key, topk, topk, n_kept)
-    # The topk-th largest kept key (v itself when the search ran to the last bit).
-    t = tl.min(tl.min(tl.where(valid & (key >= v), key, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=1), axis=0)
-    ok = (t >= max_w).to(tl.int32)
+    row c valid) held in registers; 1 if written, 0 if not provably the row's top-k.
+
+    The kept keys are a valid top-k of the row only if their topk-th largest, t, is at
+    least every program's bound (max_w), that is if >= topk of them are >= max_w: the
+    search runs over those alone (a narrower range of keys: fewer rounds)."""
+    valid = (tl.arange(0, REG)[None, :] < kept[:, None]) & (key >= max_w)
+    key = tl.where(valid, key, 0)  # max_w >= 1: no kept key is 0
+    n_ok = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
+    ok = (n_ok >= topk).to(tl.int32)
     if ok != 0:
+        v, _n = _radix_search(tl.reshape(key, [P1 * REG]), topk, topk, n_ok, P1 * REG // SC, SC)
+        # The topk-th largest of them (v itself when the search ran to the last bit).
+        t = tl.min(tl.min(tl.where(valid & (key >= v), key, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=1), axis=0)
         above = valid & (key > t)
         tie = valid & (key == t)
         incl, total = _prefix2d(above.to(tl.int32) + (tie.to(tl.int32) << 16))
@@ -322,6 +360,7 @@ def _final_kernel(
     logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
     out_ptr, stride_or, out_cols, meta_ptr, stride_mr, cand_ptr, stride_cr,
     P1: tl.constexpr, REG: tl.constexpr, IN_REGS: tl.constexpr, LBLOCK: tl.constexpr, DECODE: tl.constexpr,
+    SC: tl.constexpr,
 ):
     row = tl.program_id(0)
     lo, hi, shift = _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
@@ -335,13 +374,13 @@ def _final_kernel(
     else:
         meta_row = meta_ptr + row.to(tl.int64) * stride_mr
         cand_row = cand_ptr + row.to(tl.int64) * stride_cr
-        cand_gap = P1 * REG  # a candidate's position lies this far after its key
         if IN_REGS:
             # Every slot, unmasked: these loads need not wait for the counts below
             # (slots past a program's count are ignored).
             slots = tl.arange(0, P1)[:, None] * REG + tl.arange(0, REG)[None, :]
-            key = tl.load(cand_row + slots).to(tl.uint32, bitcast=True)
-            pos = tl.load(cand_row + cand_gap + slots)
+            packed = tl.load(cand_row + slots)
+            key = (packed.to(tl.uint64, bitcast=True) >> 32).to(tl.uint32)
+            pos = packed.to(tl.int32)
         prog = tl.arange(0, P1)
         w = tl.load(meta_row + prog * _NMETA).to(tl.uint32, bitcast=True)
         n_gt = tl.load(meta_row + prog * _NMETA + 1)
@@ -352,16 +391,16 @@ def _final_kernel(
         ok = ((tl.max(n_gt, axis=0) <= REG) & (n_kept >= topk)).to(tl.int32)
         if ok != 0:
             if IN_REGS:
-                ok = _select_kept_registers(key, pos, kept, max_w, n_kept, topk, out_row, REG)
+                ok = _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1, REG, SC)
             else:
                 b1 = (P1 * REG + LBLOCK - 1) // LBLOCK
                 t, need = _radix_kth(
-                    False, 0, b1, logits_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, topk, P1, REG, LBLOCK,
+                    False, 0, b1, logits_ptr, lo, hi, shift, cand_row, meta_row, topk, P1, REG, LBLOCK,
                 )
                 ok = (t >= max_w).to(tl.int32)
                 if ok != 0:
                     _radix_write(
-                        False, 0, b1, logits_ptr, lo, hi, shift, cand_row, cand_gap, meta_row, t, need, topk, out_row,
+                        False, 0, b1, logits_ptr, lo, hi, shift, cand_row, meta_row, t, need, topk, out_row,
                         P1, REG, LBLOCK,
                     )
         if ok == 0:
@@ -399,10 +438,20 @@ def _decode_row_ends_kernel(seq_lens_ptr, ends_ptr, rows, next_n, width, BLOCK: 
 
 
 # -- host side ----------------------------------------------------------------------
+def search_columns(n: int, warps: int) -> int:
+    """Columns of `_radix_search`'s [n / SC, SC] view: one a thread (its rows then lie in
+    the thread's registers), and few enough that a column holds at most 255 keys."""
+    sc = min(n, 32 * warps)
+    while n // sc > 255:
+        sc *= 2
+    return sc
+
+
 def _bound_warps(plan) -> int:
-    """At most 8 of a G-row's and 64 of the tile's entries a thread. On sm_90 a [8, 2048]
-    tile takes 8 warps and ~73 registers: 3 programs (192 KiB of loads) an SM."""
-    return max(1, min(16, plan.bj // 256), min(16, plan.tile // 2048))
+    """64 of the tile's entries a thread (they stay in registers from load to store):
+    8 warps for a [4, 4096] tile. More warps with fewer entries each ran slower on an
+    H200 (registers per entry stay the same; fewer programs fit an SM)."""
+    return max(1, min(16, plan.tile // 2048))
 
 
 def _final_warps(plan) -> int:
@@ -429,24 +478,26 @@ def _launch(
     )
     if scratch is None:
         specs = _plan.workspace_specs(rows, width, topk)
-        if specs[0][0][1] < plan.p1 or specs[1][0][1] < 2 * plan.cap:  # overrides beyond the worst case
+        if specs[0][0][1] < plan.p1 or specs[1][0][1] < plan.cap:  # overrides beyond the worst case
             specs = _plan.specs(rows, plan.p1, plan.cap)
         scratch = current_workspace_manager(logits.device).get_simultaneous(*specs, owner=_OWNER[decode])
     meta, cand = scratch
-    assert meta.shape[1] >= plan.p1 and cand.shape[1] >= 2 * plan.cap, "scratch smaller than the plan"
+    assert meta.shape[1] >= plan.p1 and cand.shape[1] >= plan.cap and cand.dtype == torch.int64, "scratch smaller than the plan"
     # Counts of a program's tile and of the final register block are packed in 16 bits.
     assert plan.tile < 65536 and (not plan.in_registers or plan.cap < 65536), plan
     common = (logits, logits.stride(0), starts, ends, seq_lens, next_n, width, topk)
+    bound_warps, final_warps = _bound_warps(plan), _final_warps(plan)
     _bound_kernel[(rows * plan.p1,)](
-        *common, meta, meta.stride(0), cand, cand.stride(0), 0,
+        *common, meta, meta.stride(0), cand, cand.stride(0),
         P1=plan.p1, BJ=plan.bj, DP=plan.dp, REG=plan.reg, SEGW=SEGW, MARGIN=plan.margin, DECODE=decode,
-        num_warps=_bound_warps(plan),
+        SC=search_columns(plan.bj, bound_warps),
+        num_warps=bound_warps,
     )
     _final_kernel[(rows,)](
         *common, indices, indices.stride(0), indices.shape[1], meta, meta.stride(0), cand, cand.stride(0),
         P1=plan.p1, REG=plan.reg, IN_REGS=plan.in_registers, LBLOCK=min(LBLOCK, pow2(max(width, plan.cap))),
-        DECODE=decode,
-        num_warps=_final_warps(plan),
+        DECODE=decode, SC=search_columns(plan.cap, final_warps),
+        num_warps=final_warps,
     )
 
 

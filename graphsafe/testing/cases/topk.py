@@ -94,7 +94,7 @@ def final_paths(meta, cand, plan, lo, hi, topk: int) -> list[str]:
         if bool((n_gt > plan.reg).any()) or int(kept.sum()) < topk:
             paths.append("row")
             continue
-        keys = torch.cat([cand[r, c * plan.reg : c * plan.reg + int(kept[c])] & 0xFFFFFFFF for c in range(plan.p1)])
+        keys = torch.cat([(cand[r, c * plan.reg : c * plan.reg + int(kept[c])] >> 32) & 0xFFFFFFFF for c in range(plan.p1)])
         t = int(keys.sort(descending=True).values[topk - 1])
         paths.append("row" if t < int(w.max()) else ("registers" if plan.in_registers else "list"))
     return paths
