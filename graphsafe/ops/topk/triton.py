@@ -103,15 +103,14 @@ def _pair(acc, J: tl.constexpr):
 
 @triton.jit
 def _radix_search(keys, k_lo, k_hi, n_valid, R: tl.constexpr, C: tl.constexpr):
-    """(v, n) with n = #(keys >= v) >= k_lo, searched three bits a round from the top.
+    """(v, n) with n = #(keys >= v) >= k_lo, searched three bits a round.
 
     `keys` is a 1-D [R * C] uint32 tensor with 0 in the slots that hold no key: every
     tested bound is above the common prefix of the real keys, so they never count
     (callers never pass a real key of 0); `n_valid` (< 2^16) counts the others. Stops as
     soon as n <= k_hi; run to the last bit it returns the largest such v (the k_lo-th
-    largest key). With n_valid <= k_hi it returns a v at most every key. The bits above
-    the highest bit in which the smallest and the largest key differ are common to all
-    keys: the search starts below them.
+    largest key). With n_valid <= k_hi it returns a v at most every key. The search
+    covers [smallest key, largest key] only: rounds ~ log8 of its width.
 
     A round counts the keys at or above the seven bounds v + j * 2^sh (j = 1..7) at once
     (why: each round ends in a CTA-wide reduction whose latency, not the arithmetic,
@@ -124,13 +123,15 @@ def _radix_search(keys, k_lo, k_hi, n_valid, R: tl.constexpr, C: tl.constexpr):
     tl.static_assert(R <= 255, "a column's count must fit a byte")
     hi = tl.max(keys, axis=0)
     lo = tl.min(tl.where(keys != 0, keys, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0)
-    # Index of the highest differing bit, from the float exponent (rounding may say one
-    # too many: a round on a bit that is already fixed, harmless).
-    e = ((((lo ^ hi).to(tl.float32).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127)
-    e = tl.minimum(tl.maximum(e, 0), 31)
-    v = lo & ~((tl.full([], 2, tl.uint32) << e.to(tl.uint32)) - 1)
+    # The search walks up from the smallest key: v = lo, and the k_lo-th largest key lies
+    # in [v, v + 8 * 2^sh) while sh >= 0. The first sh: 2^(b+1) > hi - lo, where b is the
+    # highest set bit of hi - lo, from the float exponent (rounding may say one too many:
+    # an extra round, harmless); a multiple of 3, so that the last round ends on bit 0.
+    b = ((((hi - lo).to(tl.float32).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127)
+    b = tl.minimum(tl.maximum(b, 0), 31)
+    v = lo
     n = n_valid
-    sh = (e // 3) * 3  # the first round's digit (bits sh..sh+2) holds bit e; the last ends on bit 0
+    sh = (b // 3) * 3
     ones = tl.full([], 0x01010101010101, tl.int64)  # seven byte fields
     while (sh >= 0) & (n > k_hi):
         d = tl.where(keys >= v, tl.minimum((keys - v) >> sh.to(tl.uint32), 7), 0).to(tl.int64)
@@ -455,8 +456,10 @@ def _bound_warps(plan) -> int:
 
 
 def _final_warps(plan) -> int:
-    """16 candidate slots a thread: 16 warps for the 8K slots of a 128K-wide decode row."""
-    return max(1, min(16, min(plan.cap, plan.max_slots) // 512))
+    """8 warps for the 4K-8K candidate slots of 32K-128K-wide decode rows (16 a thread at
+    8K): on an H200, 4 / 16 / 32 warps took 1.05-1.5x as long (the rounds of the search
+    are CTA-wide reductions: more warps, longer rounds)."""
+    return max(1, min(8, min(plan.cap, plan.max_slots) // 512))
 
 
 def _launch(
