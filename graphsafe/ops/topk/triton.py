@@ -450,8 +450,9 @@ def search_columns(n: int, warps: int) -> int:
 
 def _bound_warps(plan) -> int:
     """64 of the tile's entries a thread (they stay in registers from load to store):
-    8 warps for a [4, 4096] tile. On an H200, 16 warps of 32 entries ran 1.1-1.3x
-    slower, and so did 4 warps of 64 on smaller tiles at 32K-wide rows."""
+    8 warps for a [4, 4096] tile. On an H200, 16 warps of 32 entries ran 1.1-1.6x
+    slower. (Smaller tiles, i.e. more programs a row, shorten this launch but add
+    candidates, and the final selection then takes longer: plan.TARGET_PROGRAMS.)"""
     return max(1, min(16, plan.tile // 2048))
 
 
