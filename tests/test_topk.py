@@ -333,6 +333,16 @@ def test_triton_decode_with_programs_sharing_rows(next_n):
     assert_topk_rows(logits, lo, hi, shift, expected, idx, topk, "triton decode indices")
 
 
+def test_search_view_keeps_a_column_within_a_byte():
+    # `_radix_search` sums thermometer codes in byte fields per column of an [R, SC]
+    # view: every launch shape must give R <= 255 keys a column and an exact split.
+    tt = _tt()
+    for n in (1, 2, 16, 64, 1024, 4096, 8192, 16384, 65536):
+        for warps in (1, 2, 4, 8, 16):
+            sc = tt.search_columns(n, warps)
+            assert n % sc == 0 and n // sc <= 255, (n, warps, sc)
+
+
 def test_plan_keeps_programs_and_slots_in_bounds():
     # DeepSeek decode widths: tiles fit the registers (<= MAX_TILE), the final selection
     # fits its register block, and the declared worst case covers every row count's plan.
