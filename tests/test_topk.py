@@ -212,6 +212,8 @@ PATHS = {
     "row_after_failed_check": (_top_in_one_program, 16, {"p1": 4, "margin": 0.0}, "row"),
     "row_after_too_few_kept": (lambda: _randn(2, 1000, 7), 16, {"p1": 4, "margin": -3.0}, "row"),
     "equal_scores": (lambda: torch.full((2, 700), 0.3), 16, {"p1": 4}, "registers"),
+    # 40 entries in granules of 16: programs 3..7 own none (their bound must not block the fast path)
+    "programs_without_entries": (lambda: _randn(2, 40, 12), 16, {"p1": 8, "reg": 16}, "registers"),
     "neg_inf_rows": (lambda: torch.full((2, 700), float("-inf")), 16, {}, "registers"),
     "ties_at_the_bound": (lambda: torch.where(torch.arange(900) % 37 == 0, 2.0, 1.0).expand(2, 900).contiguous(), 20,
                           {"p1": 2}, "registers"),

@@ -109,7 +109,7 @@ def _radix_search(keys, k_lo, k_hi, n_valid, R: tl.constexpr, C: tl.constexpr):
     tested bound is above the common prefix of the real keys, so they never count
     (callers never pass a real key of 0); `n_valid` (< 2^16) counts the others. Stops as
     soon as n <= k_hi; run to the last bit it returns the largest such v (the k_lo-th
-    largest key). With n_valid <= k_hi it returns a v at most every key. The search
+    largest key). With n_valid <= k_hi it returns v = 1 (at most every key). The search
     covers [smallest key, largest key] only: rounds ~ log8 of its width.
 
     A round counts the keys at or above the seven bounds v + j * 2^sh (j = 1..7) at once
@@ -122,14 +122,16 @@ def _radix_search(keys, k_lo, k_hi, n_valid, R: tl.constexpr, C: tl.constexpr):
     """
     tl.static_assert(R <= 255, "a column's count must fit a byte")
     hi = tl.max(keys, axis=0)
-    lo = tl.min(tl.where(keys != 0, keys, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0)
+    lo = tl.minimum(tl.min(tl.where(keys != 0, keys, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0), hi)
     # The search walks up from the smallest key: v = lo, and the k_lo-th largest key lies
     # in [v, v + 8 * 2^sh) while sh >= 0. The first sh: 2^(b+1) > hi - lo, where b is the
     # highest set bit of hi - lo, from the float exponent (rounding may say one too many:
     # an extra round, harmless); a multiple of 3, so that the last round ends on bit 0.
     b = ((((hi - lo).to(tl.float32).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127)
     b = tl.minimum(tl.maximum(b, 0), 31)
-    v = lo
+    # With n_valid <= k_hi there is nothing to search: v = 1, the smallest real key (a
+    # bound program that keeps all its entries then never raises the row's max_w).
+    v = tl.where(n_valid <= k_hi, 1, lo)
     n = n_valid
     sh = (b // 3) * 3
     ones = tl.full([], 0x01010101010101, tl.int64)  # seven byte fields
