@@ -82,11 +82,6 @@ def _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE: 
 
 
 @triton.jit
-def _max_min(a_hi, a_lo, b_hi, b_lo):
-    return tl.maximum(a_hi, b_hi), tl.minimum(a_lo, b_lo)
-
-
-@triton.jit
 def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
@@ -106,7 +101,7 @@ def _radix_search(keys, k_lo, k_hi, n_valid, R: tl.constexpr, C: tl.constexpr):
     """(v, n) with n = #(keys >= v) >= k_lo, searched three bits a round.
 
     `keys` is a 1-D [R * C] uint32 tensor with 0 in the slots that hold no key: every
-    tested bound is above the common prefix of the real keys, so they never count
+    tested bound is at least the smallest real key, so they never count
     (callers never pass a real key of 0); `n_valid` (< 2^16) counts the others. Stops as
     soon as n <= k_hi; run to the last bit it returns the largest such v (the k_lo-th
     largest key). With n_valid <= k_hi it returns v = 1 (at most every key). The search
@@ -167,12 +162,6 @@ def _owned(x, c, P1: tl.constexpr, SEGW: tl.constexpr):
 
 
 @triton.jit
-def _key_of_bits(bits):
-    """int32 float bits -> uint32 key (as `_sortable_key`)."""
-    return (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
 def _in_range(pos, lo, hi, DECODE: tl.constexpr):
     if DECODE:
         return pos < hi  # decode rows start at column 0
@@ -206,15 +195,16 @@ def _bound_kernel(
         # 1. The whole tile in one go (every load in flight at once), kept in registers
         #    as keys (0 outside the row's range). A tile inside the range (full rows)
         #    needs no masks. Masked loads cover whole granules (the range rounded out to
-        #    SEGW multiples, still inside the row) so that they stay vectorised; the
-        #    exact range then masks the keys.
+        #    SEGW multiples, still inside the row); the exact range then masks the keys.
+        #    (The loads are not vectorised: Triton gives them the layout of the scattered
+        #    stores below, one element a thread, which spares a shuffle of the tile.)
         if (base >= lo) & (base + DP * G <= hi):
-            key = _key_of_bits(tl.load(row_ptr + pos).to(tl.int32, bitcast=True))
+            key = _sortable_key(tl.load(row_ptr + pos))
         else:
             lo_al = (lo // SEGW) * SEGW
             hi_al = tl.minimum(((hi + SEGW - 1) // SEGW) * SEGW, width)
             x = tl.load(row_ptr + pos, mask=(pos >= lo_al) & (pos < hi_al), other=0.0)
-            key = tl.where(_in_range(pos, lo, hi, DECODE), _key_of_bits(x.to(tl.int32, bitcast=True)), 0)
+            key = tl.where(_in_range(pos, lo, hi, DECODE), _sortable_key(x), 0)
         key2 = tl.reshape(key, [DP, BJ])
         # 2. The bound: about kc of the BJ column maxima lie at or above it. Empty
         #    columns hold 0 and every tested bound is >= 1: they never count.
