@@ -589,3 +589,95 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     227 KiB of shared memory, by compiling the GPU launches for sm_90 with ptxas."""
     out = compile_for_sm90(_COMPILE_SCRIPT, timeout=900)
     assert out.count("compiled _mla_attn_kernel") == 6 and "compiled _combine_kernel" in out, out
+
+
+_GLUON_COMPILE_SCRIPT = r"""
+import re, sys, types
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from graphsafe.ops.mla import _gluon_hopper as G
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+import torch
+from graphsafe.ops.mla import splits, triton as tri
+
+launches = []
+
+class Recorder:
+    def __getitem__(self, grid):
+        return lambda *args, **kw: launches.append((args, kw))
+
+# Record what the launcher passes on an sm_90 device (CPU tensors stand in for CUDA ones).
+tri.warpgroup_split_applies = lambda *a: True
+tri._gluon_module = lambda: types.SimpleNamespace(mla_attn_wgmma_kernel=Recorder(), NUM_WARPS=G.NUM_WARPS)
+
+class Skip:  # the combine is a Triton kernel, compiled by test_kernels_compile_for_sm90_without_a_gpu
+    def __getitem__(self, grid):
+        return lambda *args, **kw: None
+
+tri._combine_kernel = Skip()
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
+
+def specialise(fn, args, kw):
+    sig, consts, attrs, pos = {}, {}, {}, iter(args)
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", kw[p.name]
+            continue
+        v = next(pos)
+        if isinstance(v, torch.Tensor):
+            sig[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        elif v == 1:
+            sig[p.name], consts[p.name] = "constexpr", 1
+        else:
+            sig[p.name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+cfg = splits.kernel_config(128, "cuda")
+for dtype in (torch.bfloat16, torch.float16):
+    q = torch.randn(2, 128, 576, dtype=dtype)
+    kv = torch.randn(64, 64, 576, dtype=dtype)
+    table = torch.arange(64, dtype=torch.int32).view(2, 32)
+    lens = torch.full((2,), 2048, dtype=torch.int32)
+    tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=4)
+    idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
+    tri.sparse_mla(q, kv, idx, 0.04, 512, config=cfg, num_splits=1)
+for args, kw in launches:
+    warps = kw.pop("num_warps")
+    k = triton.compile(specialise(G.mla_attn_wgmma_kernel, args, kw), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    shapes = {}
+    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"]):
+        shapes[m] = shapes.get(m, 0) + 1
+    print("compiled", args[0].dtype, "SPARSE", kw["SPARSE"], "SPLIT", kw["SPLIT"], "shared", k.metadata.shared, shapes)
+    # Per 64 keys each warpgroup scores its 32 keys over 576 columns (36 k-steps of 16) and
+    # accumulates its 256 value columns over the 64 keys (4 k-steps): no duplicated q.k.
+    assert shapes == {"m64n32k16": 36, "m64n256k16": 4}, shapes
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+assert len(launches) == 4, launches
+print("OK")
+"""
+
+
+def test_warpgroup_split_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
+    """The Gluon kernel (sm_90 only, never run by the interpreter), launched as the MLA
+    launcher launches it, compiles for sm_90 with this Triton; each warpgroup issues the
+    wgmmas of its own half of the scores and values (no duplicated q.k) and the kernel
+    fits Hopper's 227 KiB of shared memory."""
+    out = compile_for_sm90(_GLUON_COMPILE_SCRIPT)
+    assert out.count("compiled") == 4, out
+
+
+def test_warpgroup_split_needs_a_hopper_gpu():
+    """On the CPU (and so under the interpreter) the Gluon kernel is never chosen."""
+    cfg = splits.kernel_config(128, "cuda")
+    assert cfg.warpgroup_split
+    q = torch.randn(1, 128, 576, dtype=torch.bfloat16)
+    assert not tri.warpgroup_split_applies(q, cfg, 512, 64)
+    assert not splits.kernel_config(128, "cpu").warpgroup_split

@@ -5,6 +5,8 @@ loose bandwidth floor. Skipped without a CUDA/HIP device."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,17 +101,72 @@ def test_tuning_and_fallback_tiles_match_reference(tiles):
     _close(ref.sparse_mla(q, kv, idx, scale, r), tri.sparse_mla(q, kv, idx, scale, r, config=cfg, num_splits=2))
 
 
-def test_wide_tiles_fit_the_shared_memory_of_hopper():
-    """128 heads run 64x64 tiles with 2 stages (216 KiB of shared memory) on H100/H200. If
-    this Triton needs more, the launch falls back to one stage (correct, slower): flag it."""
+def _sm90():
     if torch.version.hip is not None or torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("sm_90 only")
+
+
+def test_wide_tiles_fit_the_shared_memory_of_hopper():
+    """128 heads run 64x64 tiles: the Gluon kernel (224 KiB of shared memory) by default,
+    the Triton kernel with 2 stages (216 KiB) when asked. If this Triton needs more, the
+    Gluon launch falls back to the Triton kernel, and that one to one stage (correct,
+    slower): flag both."""
+    _sm90()
     cfg, _ = splits.plan_launch(4, 128, 4096, CUDA)
-    assert (cfg.block_n, cfg.value_chunks) == (64, 2), (cfg, splits.max_shared_memory(CUDA))
+    assert (cfg.block_n, cfg.value_chunks, cfg.warpgroup_split) == (64, 2, True), (cfg, splits.max_shared_memory(CUDA))
     q, kv, bt, lens, scale, r = decode_inputs(4, 128, 4096, CUDA, seed=13)
+    assert tri.warpgroup_split_applies(q, cfg, r, q.shape[-1] - r)
     tri.mla_decode(q, kv, bt, lens, scale, r)
-    launched = [n for key, n in tri._STAGES.items() if key[0] == cfg]
-    assert launched and set(launched) == {cfg.num_stages}, f"stages {launched}: this Triton needs more shared memory"
+    tri.sparse_mla(*sparse_inputs(4, 128, 2048, CUDA, seed=13))
+    assert not tri._GLUON_FAILED, f"the Gluon kernel did not compile: {tri._GLUON_FAILED}"
+    triton_cfg = dataclasses.replace(cfg, warpgroup_split=False)
+    tri.mla_decode(q, kv, bt, lens, scale, r, config=triton_cfg)
+    launched = [n for key, n in tri._STAGES.items() if key[0] == triton_cfg]
+    assert launched and set(launched) == {triton_cfg.num_stages}, f"stages {launched}: this Triton needs more shared memory"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("r", [512, 256])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_warpgroup_split_kernel_edges_match_reference(dtype, r, block_size):
+    """The Gluon kernel's own edges: a partial second head tile (80 heads), cache blocks
+    of 1, 16 and 64 rows, lengths at and around the 64-key tile (0, 1, 63, 64, 65, 127,
+    full), R = 256, sparse slots that are -1, out of range or repeated, with and without
+    splits. Before each call, NaN blocks of the outputs' sizes are freed into the caching
+    allocator, which hands them back as the outputs: an unwritten element shows as NaN."""
+    _sm90()
+    gen = torch.Generator(device=CUDA).manual_seed(21)
+    heads, p, capacity = 80, 64, 1024
+    lens = torch.tensor([0, 1, 63, 64, 65, 127, 1000, capacity], dtype=torch.int32, device=CUDA)
+    batch = lens.numel()
+    num_blocks = batch * capacity // block_size + 3
+    kv = torch.randn(num_blocks, block_size, r + p, generator=gen, device=CUDA, dtype=dtype)
+    bt = torch.randperm(num_blocks, generator=gen, device=CUDA)[: batch * capacity // block_size]
+    bt = bt.view(batch, -1).to(torch.int32)
+    q = torch.randn(batch, heads, r + p, generator=gen, device=CUDA, dtype=dtype)
+    scale = (r + p) ** -0.5
+    cfg, _ = splits.plan_launch(batch, 128, capacity, CUDA)
+    assert tri.warpgroup_split_applies(q, cfg, r, p)
+    def poisoned(call):
+        for numel, dt in ((batch * heads * r, dtype), (batch * heads, torch.float32)):
+            del_me = torch.full((numel,), float("nan"), dtype=dt, device=CUDA)
+            del del_me
+        return call()
+
+    for num_splits in (None, 1, 3):
+        expected = ref.mla_decode(q, kv, bt, lens, scale, r)
+        _close(expected, poisoned(lambda: tri.mla_decode(q, kv, bt, lens, scale, r, config=cfg, num_splits=num_splits)))
+    slots = num_blocks * block_size
+    idx = torch.randint(0, slots, (batch, 300), generator=gen, device=CUDA, dtype=torch.int32)
+    idx[0] = -1
+    idx[1, 1:] = -1
+    idx[2, 63:] = -1
+    idx[3, ::5] = slots + 7  # out of range: no key
+    idx[4, 1::2] = idx[4, ::2]
+    for num_splits in (None, 1, 3):
+        expected = ref.sparse_mla(q, kv, idx, scale, r)
+        _close(expected, poisoned(lambda: tri.sparse_mla(q, kv, idx, scale, r, config=cfg, num_splits=num_splits)))
+    assert not tri._GLUON_FAILED, tri._GLUON_FAILED
 
 
 def test_triton_serves_cuda_on_nvidia():
@@ -212,13 +269,14 @@ def test_decode_step_with_cache_write_in_one_graph():
     del graph
 
 
+@pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("op", ["mla_decode", "sparse_mla"])
-def test_no_host_sync_at_deepseek_shapes(op):
+def test_no_host_sync_at_deepseek_shapes(op, heads):
     if op == "mla_decode":
-        args = decode_inputs(64, 16, 8192, CUDA)
+        args = decode_inputs(64, heads, 8192, CUDA)
         args = (*args[:3], _random_lens(64, 8192, 8), *args[4:])
     else:
-        args = sparse_inputs(64, 128, 2048, CUDA)
+        args = sparse_inputs(64, heads, 2048, CUDA)
     fn = getattr(graphsafe, op)
     fn(*args)
     torch.cuda.synchronize()
@@ -227,8 +285,9 @@ def test_no_host_sync_at_deepseek_shapes(op):
     torch.cuda.synchronize()
 
 
-def test_inductor_fullgraph_decode_step():
-    params = {**cases.EXAMPLE_DECODE, **cases.DEEPSEEK, "B": 4, "H": 16, "block_size": 64, "max_blocks": 8, "dtype": torch.bfloat16}
+@pytest.mark.parametrize("heads", [16, 128])
+def test_inductor_fullgraph_decode_step(heads):
+    params = {**cases.EXAMPLE_DECODE, **cases.DEEPSEEK, "B": 4, "H": heads, "block_size": 64, "max_blocks": 8, "dtype": torch.bfloat16}
     args = graphsafe.get_op("mla_decode").case.inputs(params, CUDA, 9)
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, kv, bt, lens: graphsafe.mla_decode(q, kv, bt, lens, args[4], args[5]), fullgraph=True)

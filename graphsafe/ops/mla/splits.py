@@ -62,6 +62,9 @@ class KernelConfig:
     ctas_per_sm: int = 1  # resident programs per SM (registers / shared memory), an estimate
     value_chunks: int = 1  # the R value columns as 1 or 2 tiles, each with its own accumulator
     l2_prefetch: bool = False  # prefetch the next key tile into L2 (PTX; NVIDIA only)
+    # 64-head tiles on sm_90: the Gluon kernel whose two warpgroups split the keys of q.k
+    # (_gluon_hopper.py) where it applies, the Triton kernel elsewhere.
+    warpgroup_split: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,10 @@ def kernel_config(num_heads: int, device_type: str, max_shared: int | None = Non
     these variants, prefetch off included). block_n 64 with 2 stages needs
     `SMEM_WIDE_TILES`; devices with less shared memory get the older tiles, or 16-head
     tiles.
+    On sm_90 (`warpgroup_split`) these 64-head tiles run the Gluon kernel instead
+    (_gluon_hopper.py): each warpgroup scores half of the 64 keys and accumulates half of
+    the value columns, q.k with N = 32 wgmmas but no duplicate; 1.6-1.8x faster than the
+    Triton kernel on an H200 (`mla_tune`), with the same plan and workspace.
     CPU (Triton interpreter, tests only): the smallest legal tiles, so tiny test shapes
     span several tiles and splits.
     """
@@ -124,7 +131,7 @@ def kernel_config(num_heads: int, device_type: str, max_shared: int | None = Non
         # The L2 prefetch (l2_prefetch=True) measured 1.7x SLOWER on an H200 (`mla_tune`,
         # B=64 H=128: 3.92 vs 2.30 ms at 32k; sparse T=64: 0.255 vs 0.184 ms): off.
         return KernelConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1, value_chunks=2,
-                            l2_prefetch=False)
+                            l2_prefetch=False, warpgroup_split=True)
     if smem >= SMEM_NARROW_TILES:
         return KernelConfig(block_h=64, block_n=16, num_warps=8, num_stages=2, ctas_per_sm=1)
     return KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, ctas_per_sm=1)

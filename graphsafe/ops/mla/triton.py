@@ -22,6 +22,10 @@ CUDA graph is right for every replay. The cache's block size is a compile-time c
 (a shift, not an integer division, per key row); 64-head tiles on NVIDIA also prefetch
 the next key tile into L2 while the current one is scored (`KernelConfig.l2_prefetch`).
 
+On sm_90 the 64-head tiles run `_gluon_hopper.mla_attn_wgmma_kernel` instead (same grid,
+plan and partials; `warpgroup_split_applies` says where): Triton's layouts make both
+warpgroups compute the whole q.k score tile of this kernel, the Gluon kernel splits it.
+
 Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly; there (and only
 there) bf16 dots run on f32 copies of the operands (DOT_F32), after rounding the
 probabilities to bf16 as the GPU path does.
@@ -29,13 +33,16 @@ probabilities to bf16 as the GPU path does.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import triton
 import triton.language as tl
 from triton.runtime import OutOfResources
 
 from graphsafe.backends import triton_interpreter_enabled
-from graphsafe.ops.mla.splits import KernelConfig, forced_plan, partial_specs, plan_launch
+from graphsafe.ops.mla.splits import KernelConfig, forced_plan, max_shared_memory, partial_specs, plan_launch
 from graphsafe.workspace import current_workspace_manager
 
 LOG2E = 1.4426950408889634
@@ -253,6 +260,57 @@ def _launch(grid, args, constexprs, cfg: KernelConfig, where: tuple) -> None:
         return
 
 
+@functools.cache
+def _gluon_module():
+    """The Gluon kernel's module, or None where this Triton has no Gluon. Imported on first
+    use only: CPU runs and other GPUs never need it."""
+    try:
+        from graphsafe.ops.mla import _gluon_hopper
+    except (ImportError, AttributeError):  # no Gluon, or one without the Hopper ops used
+        return None
+    return _gluon_hopper
+
+
+# (device, dtype, head dim, variant) keys whose Gluon kernel failed to compile: those
+# calls run the Triton kernel (a warning says why).
+_GLUON_FAILED: set[tuple] = set()
+
+
+def warpgroup_split_applies(q: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
+    """Whether a launch with `cfg` runs the Gluon kernel (_gluon_hopper.py): a 64-head /
+    64-key config that asks for it, a CUDA sm_90 device (wgmma; Blackwell has none), a
+    16-bit dtype, R = 512 (DeepSeek) or 256 with P = 64, and shared memory for q, two key
+    stages and p."""
+    if not cfg.warpgroup_split or cfg.block_h != 64 or cfg.block_n != 64:
+        return False
+    if q.device.type != "cuda" or torch.version.hip is not None or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if r not in (256, 512) or p != 64:  # the shapes its copy layout and GPU tests cover
+        return False
+    smem = max_shared_memory(q.device)
+    if smem is None or 2 * (3 * 64 * (r + p) + 64 * 64) + 1024 > smem:
+        return False
+    return _gluon_module() is not None
+
+
+def _launch_gluon(grid, args, constexprs, where: tuple) -> bool:
+    """Launch the Gluon kernel; False (and a warning) where it does not compile here."""
+    key = (*where, constexprs["SPARSE"], constexprs["SPLIT"])
+    if key in _GLUON_FAILED:
+        return False
+    module = _gluon_module()
+    try:
+        module.mla_attn_wgmma_kernel[grid](*args, **constexprs, num_warps=module.NUM_WARPS)
+    except (OutOfResources, triton.CompilationError) as exc:
+        _GLUON_FAILED.add(key)
+        warnings.warn(f"graphsafe mla: the sm_90 Gluon kernel did not compile for {key} ({exc}); "
+                      "running the Triton kernel", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
 def _attention(
     op: str,
     q: torch.Tensor,
@@ -284,26 +342,29 @@ def _attention(
     nb, bs = kv_cache.shape[:2]
     head_tiles = triton.cdiv(num_heads, cfg.block_h)
     dot_f32 = q.dtype == torch.bfloat16 and q.device.type == "cpu" and triton_interpreter_enabled()
-    _launch(
-        (head_tiles * plan.num_splits * rows,),
-        (
-            q, kv_cache, key_map, seq_lens if seq_lens is not None else key_map,
-            out, lse, pout, plse,
-            float(sm_scale) * LOG2E,
-            num_heads, head_tiles, plan.num_splits, plan.tokens_per_split, kv_capacity, nb * bs,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0),
-            out.stride(0), out.stride(1), lse.stride(0),
-        ),
-        dict(
+    grid = (head_tiles * plan.num_splits * rows,)
+    args = (
+        q, kv_cache, key_map, seq_lens if seq_lens is not None else key_map,
+        out, lse, pout, plse,
+        float(sm_scale) * LOG2E,
+        num_heads, head_tiles, plan.num_splits, plan.tokens_per_split, kv_capacity, nb * bs,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0),
+    )
+    where = (q.device, q.dtype, head_dim)
+    gluon = warpgroup_split_applies(q, cfg, r, p) and _launch_gluon(
+        grid, args,
+        dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=seq_lens is None, SPLIT=split),
+        where,
+    )
+    if not gluon:
+        _launch(grid, args, dict(
             R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks, BLOCK_P=_pow2(p),
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=seq_lens is None, SPLIT=split, DOT_F32=dot_f32,
             # PTX prefetch: NVIDIA only (not the interpreter, not ROCm)
             PREFETCH=cfg.l2_prefetch and q.device.type == "cuda" and torch.version.hip is None,
             LINES=_pow2(triton.cdiv(head_dim, 64), 1),
-        ),
-        cfg,
-        (q.device, q.dtype, head_dim),
-    )
+        ), cfg, where)
     if split:
         block_s = _pow2(plan.num_splits, 2)
         block_r = min(_pow2(r), max(32, 4096 // block_s))

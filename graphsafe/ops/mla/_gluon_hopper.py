@@ -1,0 +1,218 @@
+"""Hopper (sm_90) MLA attention kernel in Gluon: 64-head tiles whose two warpgroups split the work.
+
+Why a second kernel: for 64-head tiles the Triton kernel (triton.py) lets Triton choose
+the wgmma layouts, and Triton gives a q.k dot whose scores feed another dot all 8 warps
+along M. M = 64 is one warpgroup, so both warpgroups compute the whole [64, BLOCK_N]
+score tile: 1.5x the tensor-core work of the tile (benchmarks/NOTES.md, "MLA at 128
+heads"). Gluon states the layouts. Here each warpgroup scores half of the keys
+(`warps_per_cta = [4, 2]` for q.k) and accumulates half of the R value columns (the same
+split for p @ V); the probabilities go through shared memory (`p_smem`), where each
+warpgroup reads the other's half of p.
+
+Program = (64-head tile, split, query), the grid and split plan of the Triton kernel
+(splits.py), so both kernels fill the same workspace partials and share `_combine_kernel`.
+
+Data flow per key tile (BLOCK_N = 64 keys, 8 warps):
+- cp.async copies a tile's rows (`[BLOCK_N, R]` and `[BLOCK_N, P]`, gathered through the
+  block table or the sparse slots; rows without a key are zero-filled) into one of two
+  shared-memory stages while the previous tile is scored. Dense tiles are issued while
+  this tile's q.k wgmmas run; sparse (gathered, longer-latency) tiles before this tile
+  is awaited. The rows of the tile after are read one iteration ahead, so no
+  block-table or slot load sits on the critical path;
+- s = q . k: `[64, 512] x [512, 64]` plus `[64, 64] x [64, 64]` wgmmas from shared memory;
+- online softmax in f32 (base 2); the row sums are kept per thread (`l_acc`) and reduced
+  once at the end, so the only cross-warpgroup step per tile is the row max;
+- p (bf16/fp16) -> `p_smem`, then `acc += p @ V`, V being the first R columns of the very
+  key rows in shared memory.
+Shared memory: q 72 KiB + 2 stages of keys 144 KiB + p 8 KiB = 224 KiB (Hopper: 227 KiB).
+
+Only imported where Gluon exists (Triton >= 3.4); the caller (triton.py) chooses this
+kernel on sm_90 for R = 512, P = 64 and 16-bit dtypes, and keeps the Triton kernel for
+everything else (other GPUs, ROCm, the CPU interpreter, which cannot run Gluon).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# cp.async global -> shared: `async_load` from Triton 3.7 on, `async_copy_global_to_shared`
+# before (3.6 is the GPU machines' Triton; the same arguments).
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+# A CTA-wide barrier (bar.sync): `barrier` from 3.7 on, `thread_barrier` before.
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+NUM_WARPS = 8
+BLOCK_H = 64  # one wgmma M (a warpgroup's 4 warps x 16 rows)
+BLOCK_N = 64  # keys per tile: each warpgroup scores 32 of them
+
+
+@gluon.jit
+def _key_rows(map_row, n0, end, num_slots, stride_kb, stride_kt,
+              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr):
+    """Element offsets of the cache rows of key positions n0 ... n0 + BLOCK_N - 1, and which exist."""
+    offs = n0 + gl.arange(0, BLOCK_N, layout=ROWS)
+    valid = offs < end
+    if SPARSE:
+        slot = gl.load(map_row + offs, mask=valid, other=-1)
+        valid = valid & (slot >= 0) & (slot < num_slots)
+        slot = gl.where(valid, slot, 0)
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+    else:
+        # Masked: block-table entries past the sequence may be garbage.
+        blk = gl.load(map_row + offs // BLOCK_SIZE, mask=valid, other=0)
+        off = offs % BLOCK_SIZE
+    return blk.to(gl.int64) * stride_kb + off.to(gl.int64) * stride_kt, valid
+
+
+@gluon.jit
+def _copy_rows(base, rows, valid, nope_smem, pe_smem, R: gl.constexpr, P: gl.constexpr, LOAD: gl.constexpr):
+    """cp.async rows [N] (element offsets from base) -> nope_smem [N, R], pe_smem [N, P]; invalid rows read as 0."""
+    ptrs = base + rows[:, None]
+    mask = valid[:, None]
+    cols = gl.arange(0, R, layout=gl.SliceLayout(0, LOAD))
+    _cp_async(nope_smem, ptrs + cols[None, :], mask=mask)
+    pe_cols = gl.arange(0, P, layout=gl.SliceLayout(0, LOAD))
+    _cp_async(pe_smem, ptrs + (R + pe_cols)[None, :], mask=mask)
+
+
+@gluon.jit
+def mla_attn_wgmma_kernel(
+    q_ptr, kv_ptr, map_ptr, lens_ptr,
+    out_ptr, lse_ptr, pout_ptr, plse_ptr,
+    qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
+    num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity, num_slots,
+    stride_qr, stride_qh, stride_kb, stride_kt, stride_map,
+    stride_or, stride_oh, stride_lr,
+    R: gl.constexpr, P: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
+):
+    dtype: gl.constexpr = kv_ptr.dtype.element_ty
+    # Copies: 16 bytes per thread, a warp covers 4 rows x 64 columns (four 128-byte lines).
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    ROWS: gl.constexpr = gl.SliceLayout(1, LOAD)
+    # Warpgroup w holds columns [w * N / 2, (w + 1) * N / 2) of each result tile.
+    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                    instr_shape=[16, BLOCK_N // 2, 16])
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                    instr_shape=[16, R // 2, 16])
+    S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
+    S_COL: gl.constexpr = gl.SliceLayout(0, S_MMA)
+    O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
+    O_COL: gl.constexpr = gl.SliceLayout(0, O_MMA)
+
+    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dtype))
+    q_pe = gl.allocate_shared_memory(dtype, [BLOCK_H, P], gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dtype))
+    k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
+    k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, P], gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], dtype))
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))
+
+    # Head tile varies fastest: the tiles of one (query, split) read the same rows
+    # back to back, the second from L2.
+    pid = gl.program_id(0)
+    pid_h = pid % head_tiles
+    split = (pid // head_tiles) % num_splits
+    row = (pid // (head_tiles * num_splits)).to(gl.int64)
+    start = split * tokens_per_split
+    end = gl.minimum(start + tokens_per_split, kv_capacity)
+    if not SPARSE:
+        end = gl.minimum(end, gl.maximum(gl.load(lens_ptr + row), 0))
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+
+    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS)
+    q_rows = row * stride_qr + heads.to(gl.int64) * stride_qh
+    _copy_rows(q_ptr, q_rows, heads < num_heads, q_nope, q_pe, R, P, LOAD)
+    async_copy.commit_group()
+    map_row = map_ptr + row * stride_map
+    rows, valid = _key_rows(map_row, start, end, num_slots, stride_kb, stride_kt, ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
+    _copy_rows(kv_ptr, rows, valid, k_nope.index(0), k_pe.index(0), R, P, LOAD)
+    async_copy.commit_group()
+    rows, valid = _key_rows(map_row, start + BLOCK_N, end, num_slots, stride_kb, stride_kt,
+                            ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=S_ROW)
+    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
+    acc = gl.zeros([BLOCK_H, R], gl.float32, layout=O_MMA)
+    for it in range(n_tiles):
+        stage = it % 2
+        n0 = start + it * BLOCK_N
+        # The next tile goes into the other stage, which the previous tile's wgmmas read:
+        # a barrier after each warpgroup's wait for them frees it. Gathered (sparse) rows
+        # have the longer latency: their next copies start first, so that two tiles are in
+        # flight while this one is awaited. Dense rows are issued once this tile's q.k
+        # wgmmas run, which hides the issue and drops a barrier (measured faster for
+        # each: benchmarks/NOTES.md).
+        if SPARSE:
+            _cta_barrier()
+            _copy_rows(kv_ptr, rows, valid, k_nope.index(1 - stage), k_pe.index(1 - stage), R, P, LOAD)
+            async_copy.commit_group()
+            rows, valid = _key_rows(map_row, n0 + 2 * BLOCK_N, end, num_slots, stride_kb, stride_kt,
+                                    ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
+            async_copy.wait_group(1)
+        else:
+            async_copy.wait_group(0)
+        # This tile's copies (and q's) are complete; the barrier shows them to every warp,
+        # the fence to the wgmma reads (async proxy).
+        _cta_barrier()
+        fence_async_shared()
+        kn = k_nope.index(stage)
+        kp = k_pe.index(stage)
+        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
+        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_pe, kp.permute((1, 0)), s, is_async=True)
+        if not SPARSE:
+            _copy_rows(kv_ptr, rows, valid, k_nope.index(1 - stage), k_pe.index(1 - stage), R, P, LOAD)
+            async_copy.commit_group()
+            rows, valid = _key_rows(map_row, n0 + 2 * BLOCK_N, end, num_slots, stride_kb, stride_kt,
+                                    ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
+        offs = n0 + gl.arange(0, BLOCK_N, layout=S_COL)
+        key_ok = offs < end
+        if SPARSE:
+            slot = gl.load(map_row + offs, mask=key_ok, other=-1)
+            key_ok = key_ok & (slot >= 0) & (slot < num_slots)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+
+        s = gl.where(key_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        # A row with no valid key so far keeps m = -inf; shift it by 0 (not -inf - -inf).
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_acc = l_acc * alpha[:, None] + p
+        m_i = m_new
+
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        _cta_barrier()  # both halves of p are in shared memory
+        acc = acc * gl.convert_layout(alpha, O_ROW)[:, None]
+        acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    async_copy.wait_group(0)  # the last copies (masked: they read nothing) before exit
+
+    l_i = gl.sum(l_acc, axis=1)
+    has_key = l_i > 0.0
+    l_safe = gl.where(has_key, l_i, 1.0)
+    lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o = acc / gl.convert_layout(l_safe, O_ROW)[:, None]
+    heads_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROW)
+    cols = gl.arange(0, R, layout=O_COL)
+    o_mask = (heads_o < num_heads)[:, None]
+    heads_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=S_ROW)
+    if SPLIT:
+        part = (row * num_splits + split) * num_heads
+        gl.store(pout_ptr + (part + heads_o.to(gl.int64))[:, None] * R + cols[None, :], o, mask=o_mask)
+        gl.store(plse_ptr + part + heads_s, lse, mask=heads_s < num_heads)
+    else:
+        o_rows = out_ptr + row * stride_or + heads_o.to(gl.int64) * stride_oh
+        gl.store(o_rows[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        gl.store(lse_ptr + row * stride_lr + heads_s, lse, mask=heads_s < num_heads)
