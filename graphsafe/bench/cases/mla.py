@@ -116,20 +116,23 @@ def sparse_mla(device: torch.device):
 # [, l2_prefetch]). With num_stages >= 5 Triton (3.9 at least) keeps 3 key-tile buffers and
 # issues each tile two iterations ahead (the block-table / index load takes a stage of its
 # own); with 2-4 stages the next tile is issued at the end of the current iteration, so
-# part of its latency is exposed (what l2_prefetch works around). 128 heads: the default
-# without the L2 prefetch; 64/32/w8/s5 (latency hidden, but q.k wgmmas of N = 16); one
+# part of its latency is exposed (what l2_prefetch works around). 128 heads (the default
+# there is the Gluon kernel on sm_90): the Triton kernel's best tiles, with and without
+# the L2 prefetch; 64/32/w8/s5 (latency hidden, but q.k wgmmas of N = 16); one
 # [64, 512] value tile; the earlier default 64/16; 16-head tiles. 16 heads: the default
 # with the L2 prefetch, deeper pipelines of the default tile (s5: 94 KB, still two
 # programs per SM) and of 16-key tiles, and 64-key tiles.
 TUNE_TILES = {
     16: [(16, 32, 4, 2, 2, 1), (16, 32, 4, 5, 2, 1, True), (16, 16, 4, 5, 2, 1), (16, 32, 4, 3, 2, 1), (16, 64, 8, 2, 1, 1)],
-    128: [(64, 64, 8, 2, 1, 2, True), (64, 32, 8, 5, 1, 2), (64, 64, 8, 2, 1, 1), (64, 16, 8, 2, 1, 1), (16, 32, 4, 2, 2, 1)],
+    128: [(64, 64, 8, 2, 1, 2), (64, 64, 8, 2, 1, 2, True), (64, 32, 8, 5, 1, 2), (64, 64, 8, 2, 1, 1), (64, 16, 8, 2, 1, 1),
+          (16, 32, 4, 2, 2, 1)],
 }
 
 
 def _tiles_label(c) -> str:
     pf = "/pf" if c.l2_prefetch else ""
-    return f"{c.block_h}/{c.block_n}/w{c.num_warps}/s{c.num_stages}/c{c.value_chunks}{pf}"
+    wg = "/wgsplit" if c.warpgroup_split else ""
+    return f"{c.block_h}/{c.block_n}/w{c.num_warps}/s{c.num_stages}/c{c.value_chunks}{pf}{wg}"
 
 
 def _tune_impls(call, heads: int, cfg, splits_list) -> dict:
