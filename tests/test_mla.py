@@ -679,5 +679,5 @@ def test_warpgroup_split_needs_a_hopper_gpu():
     cfg = splits.kernel_config(128, "cuda")
     assert cfg.warpgroup_split
     q = torch.randn(1, 128, 576, dtype=torch.bfloat16)
-    assert not tri.warpgroup_split_applies(q, cfg, 512, 64)
+    assert not tri.warpgroup_split_applies(q, q, cfg, 512, 64)
     assert not splits.kernel_config(128, "cpu").warpgroup_split

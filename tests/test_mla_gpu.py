@@ -115,7 +115,7 @@ def test_wide_tiles_fit_the_shared_memory_of_hopper():
     cfg, _ = splits.plan_launch(4, 128, 4096, CUDA)
     assert (cfg.block_n, cfg.value_chunks, cfg.warpgroup_split) == (64, 2, True), (cfg, splits.max_shared_memory(CUDA))
     q, kv, bt, lens, scale, r = decode_inputs(4, 128, 4096, CUDA, seed=13)
-    assert tri.warpgroup_split_applies(q, cfg, r, q.shape[-1] - r)
+    assert tri.warpgroup_split_applies(q, kv, cfg, r, q.shape[-1] - r)
     tri.mla_decode(q, kv, bt, lens, scale, r)
     tri.sparse_mla(*sparse_inputs(4, 128, 2048, CUDA, seed=13))
     assert not tri._GLUON_FAILED, f"the Gluon kernel did not compile: {tri._GLUON_FAILED}"
@@ -146,7 +146,7 @@ def test_warpgroup_split_kernel_edges_match_reference(dtype, r, block_size):
     q = torch.randn(batch, heads, r + p, generator=gen, device=CUDA, dtype=dtype)
     scale = (r + p) ** -0.5
     cfg, _ = splits.plan_launch(batch, 128, capacity, CUDA)
-    assert tri.warpgroup_split_applies(q, cfg, r, p)
+    assert tri.warpgroup_split_applies(q, kv, cfg, r, p)
     def poisoned(call):
         for numel, dt in ((batch * heads * r, dtype), (batch * heads, torch.float32)):
             del_me = torch.full((numel,), float("nan"), dtype=dt, device=CUDA)
@@ -166,6 +166,26 @@ def test_warpgroup_split_kernel_edges_match_reference(dtype, r, block_size):
     for num_splits in (None, 1, 3):
         expected = ref.sparse_mla(q, kv, idx, scale, r)
         _close(expected, poisoned(lambda: tri.sparse_mla(q, kv, idx, scale, r, config=cfg, num_splits=num_splits)))
+    assert not tri._GLUON_FAILED, tri._GLUON_FAILED
+
+
+@pytest.mark.parametrize("layout", ["q_rows_16", "q_rows_8", "cache_rows_8"])
+def test_warpgroup_split_takes_strided_inputs_it_can_copy(layout):
+    """Row strides that are multiples of 16 elements run the Gluon kernel on strided views;
+    others (its 16-byte copies would not compile) run the Triton kernel. Both match."""
+    _sm90()
+    q, kv, bt, lens, scale, r = decode_inputs(6, 128, 2048, CUDA, seed=22)
+    lens = _random_lens(6, 2048, 22)
+    pad = 8 if layout.endswith("_8") else 16
+    if layout.startswith("q"):
+        q = torch.cat([q, torch.randn(*q.shape[:2], pad, device=CUDA, dtype=q.dtype)], -1)[..., : q.shape[-1]]
+    else:
+        kv = torch.cat([kv, torch.randn(*kv.shape[:2], pad, device=CUDA, dtype=kv.dtype)], -1)[..., : kv.shape[-1]]
+    cfg, _ = splits.plan_launch(6, 128, 2048, CUDA)
+    assert tri.warpgroup_split_applies(q, kv, cfg, r, q.shape[-1] - r) == (pad == 16)
+    args = (q, kv, bt, lens, scale, r)
+    _close(ref.mla_decode(*args), tri.mla_decode(*args))
+    _close(ref.mla_decode(*args), tri.mla_decode(*args, num_splits=3))
     assert not tri._GLUON_FAILED, tri._GLUON_FAILED
 
 

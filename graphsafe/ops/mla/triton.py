@@ -276,12 +276,18 @@ def _gluon_module():
 _GLUON_FAILED: set[tuple] = set()
 
 
-def warpgroup_split_applies(q: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
+def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
     """Whether a launch with `cfg` runs the Gluon kernel (_gluon_hopper.py): a 64-head /
     64-key config that asks for it, a CUDA sm_90 device (wgmma; Blackwell has none), a
-    16-bit dtype, R = 512 (DeepSeek) or 256 with P = 64, and shared memory for q, two key
-    stages and p."""
+    16-bit dtype, R = 512 (DeepSeek) or 256 with P = 64, shared memory for q, two key
+    stages and p, and rows the 16-byte copies can address: q and the cache 16-byte
+    aligned, their row strides multiples of 16 elements (what Triton's specialisation
+    proves; without it the cp.async copies do not compile)."""
     if not cfg.warpgroup_split or cfg.block_h != 64 or cfg.block_n != 64:
+        return False
+    if any(t.data_ptr() % 16 for t in (q, kv_cache)) or any(
+        st % 16 for st in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1))
+    ):
         return False
     if q.device.type != "cuda" or torch.version.hip is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -303,7 +309,7 @@ def _launch_gluon(grid, args, constexprs, where: tuple) -> bool:
     module = _gluon_module()
     try:
         module.mla_attn_wgmma_kernel[grid](*args, **constexprs, num_warps=module.NUM_WARPS)
-    except (OutOfResources, triton.CompilationError) as exc:
+    except (OutOfResources, triton.CompilationError, RuntimeError) as exc:  # RuntimeError: a failed MLIR pass
         _GLUON_FAILED.add(key)
         warnings.warn(f"graphsafe mla: the sm_90 Gluon kernel did not compile for {key} ({exc}); "
                       "running the Triton kernel", RuntimeWarning, stacklevel=3)
@@ -352,7 +358,7 @@ def _attention(
         out.stride(0), out.stride(1), lse.stride(0),
     )
     where = (q.device, q.dtype, head_dim)
-    gluon = warpgroup_split_applies(q, cfg, r, p) and _launch_gluon(
+    gluon = warpgroup_split_applies(q, kv_cache, cfg, r, p) and _launch_gluon(
         grid, args,
         dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=seq_lens is None, SPLIT=split),
         where,
