@@ -506,6 +506,31 @@ def test_aiter_adapter_builds_the_csr_and_call_aiter_documents(op, monkeypatch):
 
 
 # -- GPU compilation, without a GPU ------------------------------------------------
+# The launcher's specialisation of a recorded launch: pointers and ints divisible by 16,
+# ints equal to 1 as constants (shared by the compile scripts below).
+_SPECIALISE = r"""
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+
+def specialise(fn, args, kw, source=None):
+    sig, consts, attrs, pos = {}, {}, {}, iter(args)
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", kw[p.name]
+            continue
+        v = next(pos)
+        if isinstance(v, torch.Tensor):
+            sig[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        elif v == 1:
+            sig[p.name], consts[p.name] = "constexpr", 1
+        else:
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return (source or ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+"""
+
 # Records the launches the Triton wrappers make at DeepSeek dims with the GPU tile
 # configs (the kernels never run), then compiles each for sm_90 with the launcher's own
 # specialisation (pointers and ints divisible by 16, ints equal to 1 as constants).
@@ -530,27 +555,7 @@ class Recorder:
 
 tri._mla_attn_kernel = Recorder(tri._mla_attn_kernel)
 tri._combine_kernel = Recorder(tri._combine_kernel)
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
-
-def specialise(fn, args, kw):
-    sig, consts, attrs, pos = {}, {}, {}, iter(args)
-    for i, p in enumerate(fn.params):
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", kw[p.name]
-            continue
-        v = next(pos)
-        if isinstance(v, torch.Tensor):
-            sig[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            sig[p.name] = "fp32"
-        elif v == 1:
-            sig[p.name], consts[p.name] = "constexpr", 1
-        else:
-            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-
+""" + _SPECIALISE + r"""
 for heads in (16, 128):
     cfg = splits.kernel_config(heads, "cuda")
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
@@ -618,27 +623,7 @@ class Skip:  # the combine is a Triton kernel, compiled by test_kernels_compile_
         return lambda *args, **kw: None
 
 tri._combine_kernel = Skip()
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
-
-def specialise(fn, args, kw):
-    sig, consts, attrs, pos = {}, {}, {}, iter(args)
-    for i, p in enumerate(fn.params):
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", kw[p.name]
-            continue
-        v = next(pos)
-        if isinstance(v, torch.Tensor):
-            sig[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            sig[p.name] = "fp32"
-        elif v == 1:
-            sig[p.name], consts[p.name] = "constexpr", 1
-        else:
-            sig[p.name] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-
+""" + _SPECIALISE + r"""
 cfg = splits.kernel_config(128, "cuda")
 for dtype in (torch.bfloat16, torch.float16):
     q = torch.randn(2, 128, 576, dtype=dtype)
@@ -650,7 +635,7 @@ for dtype in (torch.bfloat16, torch.float16):
     tri.sparse_mla(q, kv, idx, 0.04, 512, config=cfg, num_splits=1)
 for args, kw in launches:
     warps = kw.pop("num_warps")
-    k = triton.compile(specialise(G.mla_attn_wgmma_kernel, args, kw), target=GPUTarget("cuda", 90, 32),
+    k = triton.compile(specialise(G.mla_attn_wgmma_kernel, args, kw, GluonASTSource), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
     shapes = {}
     for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"]):

@@ -57,7 +57,10 @@ BLOCK_N = 64  # keys per tile: each warpgroup scores 32 of them
 @gluon.jit
 def _key_rows(map_row, n0, end, num_slots, stride_kb, stride_kt,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr):
-    """Element offsets of the cache rows of key positions n0 ... n0 + BLOCK_N - 1, and which exist."""
+    """Element offsets of the cache rows of key positions n0 ... n0 + BLOCK_N - 1, and which exist.
+
+    The mapping of triton.py's kernel, written again: a Gluon kernel cannot call a
+    `triton.jit` helper, and its aranges carry layouts."""
     offs = n0 + gl.arange(0, BLOCK_N, layout=ROWS)
     valid = offs < end
     if SPARSE:
