@@ -54,6 +54,13 @@ BLOCK_H = 64  # one wgmma M (a warpgroup's 4 warps x 16 rows)
 BLOCK_N = 64  # keys per tile: each warpgroup scores 32 of them
 
 
+def shared_memory_bytes(r: int, p: int) -> int:
+    """Shared memory of a launch (16-bit q, keys and p): q [BLOCK_H, R + P], two key
+    stages [BLOCK_N, R + P] and p [BLOCK_H, BLOCK_N], plus 1 KiB of Triton's scratch (the
+    row-max reduction)."""
+    return 2 * ((BLOCK_H + 2 * BLOCK_N) * (r + p) + BLOCK_H * BLOCK_N) + 1024
+
+
 @gluon.jit
 def _key_rows(map_row, n0, end, num_slots, stride_kb, stride_kt,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr):

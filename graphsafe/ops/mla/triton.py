@@ -277,17 +277,13 @@ _GLUON_FAILED: set[tuple] = set()
 
 
 def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
-    """Whether a launch with `cfg` runs the Gluon kernel (_gluon_hopper.py): a 64-head /
-    64-key config that asks for it, a CUDA sm_90 device (wgmma; Blackwell has none), a
-    16-bit dtype, R = 512 (DeepSeek) or 256 with P = 64, shared memory for q, two key
-    stages and p, and rows the 16-byte copies can address: q and the cache 16-byte
-    aligned, their row strides multiples of 16 elements (what Triton's specialisation
-    proves; without it the cp.async copies do not compile)."""
-    if not cfg.warpgroup_split or cfg.block_h != 64 or cfg.block_n != 64:
-        return False
-    if any(t.data_ptr() % 16 for t in (q, kv_cache)) or any(
-        st % 16 for st in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1))
-    ):
+    """Whether a launch with `cfg` runs the Gluon kernel (_gluon_hopper.py): a config that
+    asks for it with the kernel's tiles (64 heads, 64 keys), a CUDA sm_90 device (wgmma;
+    Blackwell has none), a 16-bit dtype, R = 512 (DeepSeek) or 256 with P = 64, rows the
+    16-byte copies can address (q and the cache 16-byte aligned, their row strides
+    multiples of 16 elements: what Triton's specialisation proves; without it the cp.async
+    copies do not compile), and the shared memory the kernel needs."""
+    if not cfg.warpgroup_split:
         return False
     if q.device.type != "cuda" or torch.version.hip is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -295,10 +291,15 @@ def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: Kernel
         return False
     if r not in (256, 512) or p != 64:  # the shapes its copy layout and GPU tests cover
         return False
-    smem = max_shared_memory(q.device)
-    if smem is None or 2 * (3 * 64 * (r + p) + 64 * 64) + 1024 > smem:
+    if any(t.data_ptr() % 16 for t in (q, kv_cache)) or any(
+        st % 16 for st in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1))
+    ):
         return False
-    return _gluon_module() is not None
+    module = _gluon_module()
+    if module is None or (cfg.block_h, cfg.block_n) != (module.BLOCK_H, module.BLOCK_N):
+        return False
+    smem = max_shared_memory(q.device)
+    return smem is not None and module.shared_memory_bytes(r, p) <= smem
 
 
 def _launch_gluon(grid, args, constexprs, where: tuple) -> bool:
