@@ -8,6 +8,7 @@ mutation, bad inputs and Triton==reference on drawn inputs for both ops.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -29,6 +30,7 @@ from graphsafe.testing.cases.topk import (
     final_paths,
     make_logits,
     prefill_ranges,
+    rowwise_outcomes,
     sortable_keys,
 )
 
@@ -232,6 +234,97 @@ def test_triton_selection_paths(path):
     lo, hi, _ = prefill_ranges(starts, ends, width)
     assert final_paths(meta, cand, pl, lo, hi, topk) == [want] * rows, f"{path}: meta {meta[:, :, :3].tolist()}"
     _check_against_reference(logits, starts, ends, idx, topk)
+
+
+# -- the collect launch (one program a row, decode), through the interpreter -----------
+# A small geometry: 2 warps of 4 entries a thread, regions of 256 slots, 128 samples.
+SMALL_ROWWISE = plan.RowwisePlan(per_thread=4, slots_per_warp=256, warps=2, samples_per_thread=2)
+
+
+def _rowwise_run(logits, next_n, seq_lens, topk, k_cols, cfg=SMALL_ROWWISE):
+    rows = logits.shape[0]
+    meta = torch.full((rows, cfg.warps, plan.NMETA), -1, dtype=torch.int32)
+    cand = torch.full((rows, cfg.slots), -5, dtype=torch.int64)  # poison: unwritten slots must not count
+    idx = torch.full((rows, k_cols), 77, dtype=torch.int32)
+    _tt().top_k_per_row_decode(logits, next_n, seq_lens, idx, topk, rowwise=cfg, scratch=(meta, cand))
+    expected = torch.empty_like(idx)
+    ref.top_k_per_row_decode(logits, next_n, seq_lens, expected, topk)
+    lo, hi, shift = decode_ranges(seq_lens, next_n, logits.shape[1])
+    assert_topk_rows(logits, lo, hi, shift, expected, idx, topk, "rowwise indices")
+    return rowwise_outcomes(meta)
+
+
+def _few_values(rows, width, seed):
+    return torch.randint(0, 5, (rows, width), generator=torch.Generator().manual_seed(seed)).float()
+
+
+def _mostly_neg_inf(rows, width, seed):
+    x = _randn(rows, width, seed)
+    return torch.where(torch.rand(rows, width, generator=torch.Generator().manual_seed(seed + 1)) < 0.97,
+                       float("-inf"), x)
+
+
+ROWWISE_CASES = {
+    # name: (logits, plan, outcome of every full row)
+    "random": (lambda: _randn(3, 3000, 21), SMALL_ROWWISE, (1, 1)),
+    # a run of ties at the bound: ties go to the top of the regions, larger keys first
+    "equal_scores": (lambda: torch.full((3, 3000), 0.3), SMALL_ROWWISE, (1, 1)),
+    "five_values": (lambda: _few_values(3, 3000, 22), SMALL_ROWWISE, (1, 1)),
+    "mostly_neg_inf": (lambda: _mostly_neg_inf(3, 3000, 23), SMALL_ROWWISE, (1, 1)),
+    # a bound far too high (too few kept): the second pass, RETRY_Z sigma out, holds them
+    "retry_after_too_few": (lambda: _randn(3, 3000, 24), dataclasses.replace(SMALL_ROWWISE, z=-8.0, retry_z=4.0), (2, 1)),
+    # regions too small for any bound: both passes overflow, _final_kernel selects exactly
+    "exact_after_overflow": (lambda: _randn(3, 3000, 25), dataclasses.replace(SMALL_ROWWISE, slots_per_warp=16), (2, 2)),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", sorted(ROWWISE_CASES))
+def test_rowwise_collect_paths(case):
+    make, cfg, want = ROWWISE_CASES[case]
+    logits = make()
+    seq_lens = torch.full((3,), 3000, dtype=torch.int32)
+    assert _rowwise_run(logits, 1, seq_lens, 64, 70, cfg) == [want] * 3
+
+
+@needs_interpreter
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_rowwise_mtp_short_and_empty_rows(next_n):
+    # Full, ragged, shorter than topk (skipped by the collect launch), empty and past L.
+    width = 2000
+    seq_lens = torch.tensor([2000, 1500, 40, 0, 2600], dtype=torch.int32)
+    logits = _randn(5 * next_n, width, 26 + next_n)
+    outcomes = _rowwise_run(logits, next_n, seq_lens, 64, 66)
+    full = [r for r in range(5 * next_n) if int(seq_lens[r // next_n]) - next_n + r % next_n + 1 > 64]
+    assert [outcomes[r] for r in full] == [(1, 1)] * len(full)
+
+
+@needs_interpreter
+@settings(max_examples=8)
+@given(
+    rows=st.integers(1, 3),
+    width=st.integers(1, 2500),
+    topk=st.integers(1, 80),
+    mode=st.sampled_from(["normal", "ties", "ties_inf", "neg_inf_rows"]),
+    next_n=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rowwise_matches_reference(rows, width, topk, mode, next_n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = make_logits(rows * next_n, width, mode, "cpu", gen)
+    seq_lens = torch.randint(0, width + 3, (rows,), generator=gen, dtype=torch.int32)
+    _rowwise_run(logits, next_n, seq_lens, topk, topk + 2)
+
+
+def test_rowwise_plan_and_worst_case():
+    assert plan.rowwise_applies(128, 65536, 2048) and not plan.rowwise_applies(64, 131072, 2048)
+    assert not plan.rowwise_applies(128, 32768, 2048)
+    for width in (65536, 131072, 262144):
+        assert plan.rowwise_applies(128, width, 2048)
+        cfg = plan.rowwise(width)
+        (meta_shape, _), (cand_shape, _) = plan.workspace_specs_decode(1, width, 2048)
+        assert meta_shape[1] >= cfg.warps and cand_shape[1] >= cfg.slots, "the decode worst case covers the collect launch"
+        assert 2048 <= cfg.slots // 2
 
 
 @triton.jit
@@ -478,14 +571,34 @@ cases = [
     (F, dict(P1=8, REG=1024, IN_REGS=True, LBLOCK=1024, DECODE=True, SC=512), ("next_n",), 16),
     (F, dict(P1=1, REG=4096, IN_REGS=True, LBLOCK=1024, DECODE=False, SC=256), (), 8),
     (F, dict(P1=16, REG=1024, IN_REGS=False, LBLOCK=1024, DECODE=True, SC=256), ("next_n", "out_cols", "width"), 8),
+    (F, dict(P1=16, REG=512, IN_REGS=True, LBLOCK=1024, DECODE=True, SC=256, EQ_AT_TOP=True), ("next_n",), 8),
     (tt._finish_external_kernel, {"LOCALIZE": True, "BLOCK": 1024}, ("topk",), 4),
     (tt._decode_row_ends_kernel, {"BLOCK": 1024}, ("next_n",), 4),
 ]
+# The collect launch (plan.rowwise) at 32K and 128K-wide rows, MTP.
+import re
+from graphsafe.ops.topk import plan, triton_rowwise as rw
+for width, ones in ((32768, ("next_n",)), (131072, ())):
+    cfg = plan.rowwise(width)
+    cases.append((rw._collect_kernel, dict(S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z,
+                  E=cfg.per_thread, NW=cfg.warps, CAPW=cfg.slots_per_warp, DECODE=True, ASM=True, SAMPLE_ONLY=False), ones, cfg.warps))
 for fn, constexprs, ones, warps in cases:
     sig, consts, attrs = sig_of(fn, ones)
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**constexprs, **consts}, attrs=attrs),
                        target=target, options={"num_warps": warps})
     print("compiled", fn.__name__, sorted(consts), "shared", k.metadata.shared)
+    if fn is rw._collect_kernel:
+        # The ballots rank entry (e, t) among the lanes of register e: the [E, 32 * warps]
+        # tile must sit one entry a thread, a row of it across the warps' lanes.
+        ttgir = k.asm["ttgir"]
+        aliases = dict(line.split(" = ", 1) for line in ttgir.splitlines() if line.startswith("#blocked"))
+        want = f"sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [1, {warps}], order = [1, 0]"
+        ballots = [line for line in ttgir.splitlines() if "vote.sync.ballot" in line]
+        assert ballots, "no ballot in the collect kernel"
+        for line in ballots:
+            layouts = re.findall(r"tensor<[^>]*, (#blocked\d*)>", line)
+            assert layouts and all(want in aliases[a] for a in layouts), (line, aliases)
+        print("ballot layout ok", len(ballots))
 print("OK")
 """
 

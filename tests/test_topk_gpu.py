@@ -17,7 +17,7 @@ from graphsafe.ops.topk import reference as ref
 from graphsafe.testing import contract as C
 from graphsafe.testing import no_sync
 from graphsafe.ops.topk import plan
-from graphsafe.testing.cases.topk import assert_topk_rows, decode_ranges, final_paths, prefill_ranges
+from graphsafe.testing.cases.topk import assert_topk_rows, decode_ranges, final_paths, prefill_ranges, rowwise_outcomes
 
 pytestmark = pytest.mark.gpu
 
@@ -78,10 +78,15 @@ def test_prefill_matches_reference(m, n, ranges):
     assert_topk_rows(args[0], lo, hi, shift, expected[3], out[3], 2048)
 
 
-def test_distinct_scores_give_exactly_torch_topk():
-    logits = torch.randn(64, 131072, device=CUDA)
-    seq_lens = torch.full((64,), 131072, dtype=torch.int32, device=CUDA)
-    idx = torch.empty(64, 2048, dtype=torch.int32, device=CUDA)
+@pytest.mark.parametrize("rows", [64, 128])  # the two-launch plan, the collect launch
+def test_distinct_scores_give_exactly_torch_topk(rows):
+    # Distinct by construction: a permutation of 0 .. rows * 131072 - 1, exact in float32
+    # (< 2^24). Random normal scores tie at the k-th place in ~0.1% of 128K-wide rows,
+    # and then any of the tied positions is a right answer.
+    gen = torch.Generator(device=CUDA).manual_seed(rows)
+    logits = torch.randperm(rows * 131072, device=CUDA, generator=gen).float().view(rows, 131072)
+    seq_lens = torch.full((rows,), 131072, dtype=torch.int32, device=CUDA)
+    idx = torch.empty(rows, 2048, dtype=torch.int32, device=CUDA)
     graphsafe.top_k_per_row_decode(logits, 1, seq_lens, idx, 2048)
     want = torch.topk(logits, 2048, dim=1).indices.sort(dim=1).values
     assert torch.equal(idx.long().sort(dim=1).values, want)
@@ -147,6 +152,65 @@ def test_structured_rows_take_the_fast_path(pattern, width):
     assert_topk_rows(logits, lo, hi, shift, expected, idx, topk)
 
 
+# -- the collect launch (one program a row), the decode plan from 128 rows -------------
+def _rowwise(args, cfg=None, **kw):
+    """Run decode through the collect launch; return the rows' (passes, outcome)."""
+    logits = args[0]
+    cfg = cfg or plan.rowwise(logits.shape[1])
+    meta = torch.full((logits.shape[0], cfg.warps, plan.NMETA), -1, dtype=torch.int32, device=CUDA)
+    cand = torch.full((logits.shape[0], cfg.slots), -5, dtype=torch.int64, device=CUDA)
+    out = C.clone_args(args)
+    out[3].fill_(-7)
+    _triton().top_k_per_row_decode(*out, rowwise=cfg, scratch=(meta, cand), **kw)
+    _check_decode(args, out[3])
+    return rowwise_outcomes(meta)
+
+
+@pytest.mark.parametrize("mode", ["normal", "ties", "ties_inf", "neg_inf_rows"])
+@pytest.mark.parametrize("width,lens", [(32768, "random"), (131072, "random"), (65536, "full"), (16384, "short")])
+def test_rowwise_decode_matches_reference(width, lens, mode):
+    assert plan.rowwise_applies(128, width, 2048) == (width >= 65536), "the default decode plan at 128 rows"
+    outcomes = _rowwise(_decode_args(128, width, mode, lens=lens, seed=width))
+    collected = [o for o in outcomes if o != (-1, -1)]
+    assert all(o[1] == 1 for o in collected), f"{mode}: rows the collect launch could not hold: {collected}"
+
+
+@pytest.mark.parametrize("pattern", ["normal", "recent_run", "trend", "smooth", "clumps_of_16"])
+@pytest.mark.parametrize("width", [65536, 131072])
+def test_rowwise_structured_rows_take_one_pass(pattern, width):
+    """The sample spans the row, so a run of high scores or a trend moves the bound, not
+    the odds: every row is held by its first pass. Clumps of 16 equal scores make the
+    sample coarser and the warps' shares lumpy: a few rows may need the second pass."""
+    gen = torch.Generator(device=CUDA).manual_seed(width + 1)
+    logits = _structured(128, width, pattern, gen)
+    seq_lens = torch.full((128,), width, dtype=torch.int32, device=CUDA)
+    args = (logits, 1, seq_lens, torch.empty(128, 2048, dtype=torch.int32, device=CUDA), 2048)
+    outcomes = _rowwise(args)
+    assert all(o[1] == 1 for o in outcomes), outcomes
+    assert sum(o[0] == 2 for o in outcomes) <= (4 if pattern == "clumps_of_16" else 0), outcomes
+
+
+@pytest.mark.parametrize("fill", [0.0, 0.3, float("-inf")])
+def test_rowwise_rows_of_one_score(fill):
+    # Every entry ties: the ties fill the regions from the top, one pass.
+    logits = torch.full((128, 65536), fill, device=CUDA)
+    seq_lens = torch.full((128,), 65536, dtype=torch.int32, device=CUDA)
+    args = (logits, 1, seq_lens, torch.empty(128, 2048, dtype=torch.int32, device=CUDA), 2048)
+    assert _rowwise(args) == [(1, 1)] * 128
+
+
+@pytest.mark.parametrize("overrides,want", [
+    ({"z": -8.0}, (2, 1)),  # a bound far too high: the second pass, RETRY_Z sigma out
+    ({"slots_per_warp": 16}, (2, 2)),  # regions too small: _final_kernel's exact select
+])
+def test_rowwise_retry_and_exact_paths(overrides, want):
+    import dataclasses
+
+    args = _decode_args(128, 65536, "normal", lens="full", seed=4)
+    cfg = dataclasses.replace(plan.rowwise(65536), **overrides)
+    assert _rowwise(args, cfg) == [want] * 128
+
+
 def test_all_equal_rows():
     # 0.3 has nonzero low mantissa bits; every entry ties: the ties fill the slots.
     logits = torch.full((16, 32768), 0.3, device=CUDA)
@@ -173,9 +237,10 @@ def test_repeated_calls_give_identical_results():
         assert torch.equal(out[3], first), f"call {i} differs from the first"
 
 
-def test_graph_replay_with_reserved_locked_workspace():
+@pytest.mark.parametrize("rows", [64, 128])  # the two-launch plan, the collect launch
+def test_graph_replay_with_reserved_locked_workspace(rows):
     spec = graphsafe.get_op(DECODE)
-    rows, width = 64, 65536
+    width = 65536
     static = C.clone_args(_decode_args(rows, width, lens="random", seed=1))
     fresh = _decode_args(rows, width, lens="random", seed=2)
     with graphsafe.workspace_lane(7):  # a fresh arena, sized only by the declared worst case

@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from graphsafe.fake_impls import topk as fakes
-from graphsafe.ops.topk.plan import workspace_specs
+from graphsafe.ops.topk.plan import workspace_specs, workspace_specs_decode
 from graphsafe.registry import register_op
 
 
@@ -66,7 +66,7 @@ def top_k_per_row_prefill(logits: Tensor, row_starts: Tensor, row_ends: Tensor, 
     check=fakes.check_top_k_per_row_decode,
     mutates_args=("indices",),
     family="topk",
-    workspace=workspace_specs,
+    workspace=workspace_specs_decode,
     backends={
         "reference": "graphsafe.ops.topk.reference:top_k_per_row_decode",
         "triton": "graphsafe.ops.topk.triton:top_k_per_row_decode",

@@ -43,6 +43,47 @@ MIN_SHARE = 512
 NMETA = 4
 
 
+# -- the one-launch kernel (triton_rowwise.py) --------------------------------------
+@dataclass(frozen=True)
+class RowwisePlan:
+    """Geometry of the one-program-a-row collect launch (triton_rowwise.py)."""
+
+    z: float = 4.0  # the bound sits Z sigma (+2 samples) past the expected rank
+    # The second pass's, after too few entries were kept: further out, yet (with the
+    # margin) within 256-slot regions at 32K (10 sigma overflowed one row in 128).
+    retry_z: float = 6.0
+    samples_per_thread: int = 4  # S = 32 * warps * this
+    per_thread: int = 16  # entries a thread sorts out per step
+    slots_per_warp: int = 512  # each warp's region: a "program" of _final_kernel
+    warps: int = 16
+    final_warps: int = 8  # of the _final_kernel launch over the regions
+
+    @property
+    def slots(self) -> int:
+        return self.warps * self.slots_per_warp
+
+
+# The collect launch holds one row an SM: worth it once the rows about fill the GPU (at
+# 64 rows the two-launch plan, which spreads a row over several SMs, was as fast at 32K
+# and faster at 128K on an H100), and for rows wider than 32K: at 32K its regions must
+# hold lumpy data too (16 equal scores in a row land in one warp: ~170 +- 55 entries a
+# warp), and with 512 slots the final selection over them costs what the collect pass
+# saves (34.9 against 35.8 us on an H100).
+ROWWISE_MIN_ROWS = 128
+ROWWISE_MIN_WIDTH = 65536
+
+
+def rowwise(width: int) -> RowwisePlan:
+    """The collect launch's plan (one for every width so far)."""
+    return RowwisePlan()
+
+
+def rowwise_applies(rows: int, width: int, topk: int) -> bool:
+    """Decode only (its scratch a row is larger than the two-launch plan's, and prefill
+    calls have many rows). topk up to half the regions' slots."""
+    return rows >= ROWWISE_MIN_ROWS and width >= ROWWISE_MIN_WIDTH and 0 < topk <= rowwise(width).slots // 2
+
+
 def pow2(n: int) -> int:
     """The smallest power of two >= max(n, 1)."""
     return 1 << (max(int(n), 1) - 1).bit_length()
@@ -158,6 +199,17 @@ def specs(rows: int, p1: int, cap: int) -> list[tuple[tuple[int, ...], torch.dty
     """Per-program state [rows, p1, NMETA] int32; candidates [rows, cap] int64 (P1
     regions of REG slots; a slot holds key << 32 | position)."""
     return [((rows, max(p1, 1), NMETA), torch.int32), ((rows, max(cap, 1)), torch.int64)]
+
+
+def workspace_specs_decode(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Decode's worst case: the two-launch plans' or the collect launch's, whichever is
+    larger a row (the same for every row count, so the bytes grow linearly with rows)."""
+    specs_ = workspace_specs(num_rows, width, topk)
+    if num_rows <= 0 or not rowwise_applies(max(num_rows, ROWWISE_MIN_ROWS), width, topk):
+        return specs_
+    cfg = rowwise(width)
+    (meta_shape, _), (cand_shape, _) = specs_
+    return specs(num_rows, max(meta_shape[1], cfg.warps), max(cand_shape[1], cfg.slots))
 
 
 def workspace_specs(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:

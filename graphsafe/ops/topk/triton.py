@@ -34,6 +34,11 @@ share far above its mean, or rows built to defeat the bound, e.g. periodic in G)
 runs an exact radix select over the row itself: slow, correct. Columns past topk (and
 past the row length) get -1.
 
+Decode with rows about filling the GPU and rows wider than 32K (`plan.rowwise_applies`)
+takes another launch 1: `triton_rowwise._collect_kernel`, one program a row, a bound
+from a sample of the row and ballot-placed candidates in per-warp regions; launch 2 is
+the same `_final_kernel` with each warp's region as a program (`_launch_rowwise`).
+
 Nothing is zeroed and no counter is shared: no memset, no atomic, a deterministic
 result. Scratch (per-program state, candidate regions) comes from the workspace
 manager; launch geometry depends on shapes only, never on sequence lengths, so
@@ -323,15 +328,16 @@ def _select_row(row_ptr, lo, hi, shift, topk, out_row, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1: tl.constexpr, REG: tl.constexpr,
+def _select_kept_registers(key, pos, kept, kept_top, max_w, topk, out_row, P1: tl.constexpr, REG: tl.constexpr,
                            SC: tl.constexpr):
-    """Top-k of the kept candidates ([P1, REG] keys and positions, the first kept[c] of
-    row c valid) held in registers; 1 if written, 0 if not provably the row's top-k.
+    """Top-k of the kept candidates ([P1, REG] keys and positions, the first kept[c] and
+    the last kept_top[c] of row c valid) held in registers; 1 if written, 0 if not provably the row's top-k.
 
     The kept keys are a valid top-k of the row only if their topk-th largest, t, is at
     least every program's bound (max_w), that is if >= topk of them are >= max_w: the
     search runs over those alone (a narrower range of keys: fewer rounds)."""
-    valid = (tl.arange(0, REG)[None, :] < kept[:, None]) & (key >= max_w)
+    i = tl.arange(0, REG)[None, :]
+    valid = ((i < kept[:, None]) | (i >= REG - kept_top[:, None])) & (key >= max_w)
     key = tl.where(valid, key, 0)  # max_w >= 1: no kept key is 0
     n_ok = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
     ok = (n_ok >= topk).to(tl.int32)
@@ -353,8 +359,9 @@ def _final_kernel(
     logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
     out_ptr, stride_or, out_cols, meta_ptr, stride_mr, cand_ptr, stride_cr,
     P1: tl.constexpr, REG: tl.constexpr, IN_REGS: tl.constexpr, LBLOCK: tl.constexpr, DECODE: tl.constexpr,
-    SC: tl.constexpr,
+    SC: tl.constexpr, EQ_AT_TOP: tl.constexpr = False,
 ):
+    tl.static_assert(IN_REGS or not EQ_AT_TOP, "ties at the top of a region: the register path only")
     row = tl.program_id(0)
     lo, hi, shift = _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
     out_row = out_ptr + row.to(tl.int64) * stride_or
@@ -377,14 +384,22 @@ def _final_kernel(
         prog = tl.arange(0, P1)
         w = tl.load(meta_row + prog * _NMETA).to(tl.uint32, bitcast=True)
         n_gt = tl.load(meta_row + prog * _NMETA + 1)
-        kept = tl.minimum(n_gt + tl.load(meta_row + prog * _NMETA + 2), REG)
-        n_kept = tl.sum(kept, axis=0)
+        n_eq = tl.load(meta_row + prog * _NMETA + 2)
+        if EQ_AT_TOP:
+            # Regions of the collect launch: entries > w from the bottom, ties == w the
+            # last n_eq slots (never overlapping them).
+            kept = n_gt
+            kept_top = n_eq
+        else:
+            kept = tl.minimum(n_gt + n_eq, REG)
+            kept_top = n_eq * 0
+        n_kept = tl.sum(kept + kept_top, axis=0)
         max_w = tl.max(w, axis=0)
         # Every entry > w must have been kept, and the kept ones must cover topk.
         ok = ((tl.max(n_gt, axis=0) <= REG) & (n_kept >= topk)).to(tl.int32)
         if ok != 0:
             if IN_REGS:
-                ok = _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1, REG, SC)
+                ok = _select_kept_registers(key, pos, kept, kept_top, max_w, topk, out_row, P1, REG, SC)
             else:
                 b1 = (P1 * REG + LBLOCK - 1) // LBLOCK
                 t, need = _radix_kth(
@@ -456,15 +471,22 @@ def _final_warps(plan) -> int:
 
 def _launch(
     logits, starts, ends, seq_lens, next_n, indices, topk, decode: bool,
-    *, scratch=None, p1=None, reg=None, margin=None, max_slots=None,
+    *, scratch=None, p1=None, reg=None, margin=None, max_slots=None, rowwise=None,
 ) -> None:
     """Run both launches. `scratch` (the views of `workspace_specs`) lets a caller pass its
-    own; the keyword overrides force plans and paths (tests)."""
+    own; the keyword overrides force plans and paths (tests): `rowwise` True/False (or a
+    `plan.RowwisePlan`) forces the collect launch (triton_rowwise.py) in or out of decode."""
     rows, width = logits.shape
     if rows == 0 or indices.numel() == 0:
         return
     if topk == 0 or width == 0:
         indices.fill_(-1)
+        return
+    if rowwise is None:
+        rowwise = p1 is None and reg is None and _plan.rowwise_applies(rows, width, topk)
+    if decode and rowwise:
+        _launch_rowwise(logits, seq_lens, next_n, indices, topk, scratch,
+                        rowwise if isinstance(rowwise, _plan.RowwisePlan) else _plan.rowwise(width))
         return
     plan = _plan.choose(
         rows, width, topk, p1=p1, reg=reg,
@@ -472,7 +494,7 @@ def _launch(
         max_slots=_plan.MAX_SLOTS if max_slots is None else int(max_slots),
     )
     if scratch is None:
-        specs = _plan.workspace_specs(rows, width, topk)
+        specs = (_plan.workspace_specs_decode if decode else _plan.workspace_specs)(rows, width, topk)
         if specs[0][0][1] < plan.p1 or specs[1][0][1] < plan.cap:  # overrides beyond the worst case
             specs = _plan.specs(rows, plan.p1, plan.cap)
         scratch = current_workspace_manager(logits.device).get_simultaneous(*specs, owner=_OWNER[decode])
@@ -493,6 +515,28 @@ def _launch(
         P1=plan.p1, REG=plan.reg, IN_REGS=plan.in_registers, LBLOCK=min(LBLOCK, pow2(max(width, plan.cap))),
         DECODE=decode, SC=search_columns(plan.cap, final_warps),
         num_warps=final_warps,
+    )
+
+
+def _launch_rowwise(logits, seq_lens, next_n, indices, topk, scratch, cfg) -> None:
+    """Decode with the collect launch (one program a row, triton_rowwise.py), then
+    `_final_kernel` over its warps' regions: P1 = warps programs of REG slots each."""
+    from graphsafe.ops.topk import triton_rowwise
+
+    rows, width = logits.shape
+    if scratch is None:
+        specs = _plan.workspace_specs_decode(rows, width, topk)
+        if specs[0][0][1] < cfg.warps or specs[1][0][1] < cfg.slots:  # a forced plan beyond the worst case (tests)
+            specs = _plan.specs(rows, cfg.warps, cfg.slots)
+        scratch = current_workspace_manager(logits.device).get_simultaneous(*specs, owner=_OWNER[True])
+    meta, cand = scratch
+    triton_rowwise.collect(logits, seq_lens, seq_lens, seq_lens, next_n, topk, True, meta, cand, cfg)
+    final_warps = cfg.final_warps
+    _final_kernel[(rows,)](
+        logits, logits.stride(0), seq_lens, seq_lens, seq_lens, next_n, width, topk,
+        indices, indices.stride(0), indices.shape[1], meta, meta.stride(0), cand, cand.stride(0),
+        P1=cfg.warps, REG=cfg.slots_per_warp, IN_REGS=True, LBLOCK=LBLOCK, DECODE=True,
+        SC=search_columns(cfg.slots, final_warps), EQ_AT_TOP=True, num_warps=final_warps,
     )
 
 

@@ -319,3 +319,13 @@ register_case(
         ),
     )
 )
+
+
+def rowwise_outcomes(meta) -> list[tuple[int, int]]:
+    """(passes, outcome) of each row of the collect launch (triton_rowwise.py), from the
+    state it leaves for `_final_kernel`: outcome 1 = its regions hold a valid top-k, 0 =
+    too few entries, 2 = a region overflowed (the row is then selected exactly). Rows the
+    launch skips (at most topk valid entries) keep whatever `meta` held: (-1, -1) when
+    the caller filled it with -1."""
+    code = meta[:, 0, 3].cpu().long()
+    return [(-1, -1) if int(c) < 0 else (int(c) // 4, int(c) % 4) for c in code]
