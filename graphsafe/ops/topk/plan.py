@@ -49,8 +49,8 @@ class RowwisePlan:
     """Geometry of the one-program-a-row collect launch (triton_rowwise.py)."""
 
     z: float = 4.0  # the bound sits Z sigma (+2 samples) past the expected rank
-    # The second pass's, after too few entries were kept: further out, yet (with the
-    # margin) within 256-slot regions at 32K (10 sigma overflowed one row in 128).
+    # The second pass's, after too few entries were kept: further out, not so far that
+    # its share overflows a region (10 sigma overflowed a row's 256-slot regions at 32K).
     retry_z: float = 6.0
     samples_per_thread: int = 4  # S = 32 * warps * this
     per_thread: int = 16  # entries a thread sorts out per step

@@ -330,8 +330,9 @@ def _select_row(row_ptr, lo, hi, shift, topk, out_row, BLOCK: tl.constexpr):
 @triton.jit
 def _select_kept_registers(key, pos, kept, kept_top, max_w, topk, out_row, P1: tl.constexpr, REG: tl.constexpr,
                            SC: tl.constexpr):
-    """Top-k of the kept candidates ([P1, REG] keys and positions, the first kept[c] and
-    the last kept_top[c] of row c valid) held in registers; 1 if written, 0 if not provably the row's top-k.
+    """Top-k of the kept candidates ([P1, REG] keys and positions; the first kept[c] and
+    the last kept_top[c] of row c valid) held in registers; 1 if written, 0 if not
+    provably the row's top-k.
 
     The kept keys are a valid top-k of the row only if their topk-th largest, t, is at
     least every program's bound (max_w), that is if >= topk of them are >= max_w: the
