@@ -484,7 +484,10 @@ def _launch(
         indices.fill_(-1)
         return
     if rowwise is None:
-        rowwise = p1 is None and reg is None and _plan.rowwise_applies(rows, width, topk)
+        # Not on ROCm: the collect launch's ballots and loads are PTX (its portable path,
+        # reshapes and prefix sums, is for the interpreter and has not run on an AMD GPU).
+        rowwise = (p1 is None and reg is None and torch.version.hip is None
+                   and _plan.rowwise_applies(rows, width, topk))
     if decode and rowwise:
         _launch_rowwise(logits, seq_lens, next_n, indices, topk, scratch,
                         rowwise if isinstance(rowwise, _plan.RowwisePlan) else _plan.rowwise(width))
