@@ -321,7 +321,7 @@ def test_rowwise_plan_and_worst_case():
     assert not plan.rowwise_applies(128, 32768, 2048)
     for width in (65536, 131072, 262144):
         assert plan.rowwise_applies(128, width, 2048)
-        cfg = plan.rowwise(width)
+        cfg = plan.ROWWISE
         (meta_shape, _), (cand_shape, _) = plan.workspace_specs_decode(1, width, 2048)
         assert meta_shape[1] >= cfg.warps and cand_shape[1] >= cfg.slots, "the decode worst case covers the collect launch"
         assert 2048 <= cfg.slots // 2
@@ -579,7 +579,7 @@ cases = [
 import re
 from graphsafe.ops.topk import plan, triton_rowwise as rw
 for width, ones in ((32768, ("next_n",)), (131072, ())):
-    cfg = plan.rowwise(width)
+    cfg = plan.ROWWISE
     cases.append((rw._collect_kernel, dict(S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z,
                   E=cfg.per_thread, NW=cfg.warps, CAPW=cfg.slots_per_warp, DECODE=True, ASM=True, SAMPLE_ONLY=False), ones, cfg.warps))
 for fn, constexprs, ones, warps in cases:

@@ -156,7 +156,7 @@ def test_structured_rows_take_the_fast_path(pattern, width):
 def _rowwise(args, cfg=None, **kw):
     """Run decode through the collect launch; return the rows' (passes, outcome)."""
     logits = args[0]
-    cfg = cfg or plan.rowwise(logits.shape[1])
+    cfg = cfg or plan.ROWWISE
     meta = torch.full((logits.shape[0], cfg.warps, plan.NMETA), -1, dtype=torch.int32, device=CUDA)
     cand = torch.full((logits.shape[0], cfg.slots), -5, dtype=torch.int64, device=CUDA)
     out = C.clone_args(args)
@@ -207,7 +207,7 @@ def test_rowwise_retry_and_exact_paths(overrides, want):
     import dataclasses
 
     args = _decode_args(128, 65536, "normal", lens="full", seed=4)
-    cfg = dataclasses.replace(plan.rowwise(65536), **overrides)
+    cfg = dataclasses.replace(plan.ROWWISE, **overrides)
     assert _rowwise(args, cfg) == [want] * 128
 
 

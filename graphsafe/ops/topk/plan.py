@@ -73,15 +73,14 @@ ROWWISE_MIN_ROWS = 128
 ROWWISE_MIN_WIDTH = 65536
 
 
-def rowwise(width: int) -> RowwisePlan:
-    """The collect launch's plan (one for every width so far)."""
-    return RowwisePlan()
+# The collect launch's plan (one for every width so far).
+ROWWISE = RowwisePlan()
 
 
 def rowwise_applies(rows: int, width: int, topk: int) -> bool:
     """Decode only (its scratch a row is larger than the two-launch plan's, and prefill
     calls have many rows). topk up to half the regions' slots."""
-    return rows >= ROWWISE_MIN_ROWS and width >= ROWWISE_MIN_WIDTH and 0 < topk <= rowwise(width).slots // 2
+    return rows >= ROWWISE_MIN_ROWS and width >= ROWWISE_MIN_WIDTH and 0 < topk <= ROWWISE.slots // 2
 
 
 def pow2(n: int) -> int:
@@ -207,9 +206,8 @@ def workspace_specs_decode(num_rows: int, width: int, topk: int) -> list[tuple[t
     specs_ = workspace_specs(num_rows, width, topk)
     if num_rows <= 0 or not rowwise_applies(max(num_rows, ROWWISE_MIN_ROWS), width, topk):
         return specs_
-    cfg = rowwise(width)
     (meta_shape, _), (cand_shape, _) = specs_
-    return specs(num_rows, max(meta_shape[1], cfg.warps), max(cand_shape[1], cfg.slots))
+    return specs(num_rows, max(meta_shape[1], ROWWISE.warps), max(cand_shape[1], ROWWISE.slots))
 
 
 def workspace_specs(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:

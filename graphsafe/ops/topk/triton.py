@@ -484,25 +484,21 @@ def _launch(
         indices.fill_(-1)
         return
     if rowwise is None:
-        # Not on ROCm: the collect launch's ballots and loads are PTX (its portable path,
-        # reshapes and prefix sums, is for the interpreter and has not run on an AMD GPU).
-        rowwise = (p1 is None and reg is None and torch.version.hip is None
-                   and _plan.rowwise_applies(rows, width, topk))
+        # Not when a two-launch plan is forced, nor on ROCm: the collect launch's ballots
+        # and loads are PTX (its portable path, reshapes and prefix sums, is for the
+        # interpreter and has not run on an AMD GPU).
+        forced = any(v is not None for v in (p1, reg, margin, max_slots))
+        rowwise = not forced and torch.version.hip is None and _plan.rowwise_applies(rows, width, topk)
     if decode and rowwise:
         _launch_rowwise(logits, seq_lens, next_n, indices, topk, scratch,
-                        rowwise if isinstance(rowwise, _plan.RowwisePlan) else _plan.rowwise(width))
+                        rowwise if isinstance(rowwise, _plan.RowwisePlan) else _plan.ROWWISE)
         return
     plan = _plan.choose(
         rows, width, topk, p1=p1, reg=reg,
         margin=_plan.MARGIN if margin is None else float(margin),
         max_slots=_plan.MAX_SLOTS if max_slots is None else int(max_slots),
     )
-    if scratch is None:
-        specs = (_plan.workspace_specs_decode if decode else _plan.workspace_specs)(rows, width, topk)
-        if specs[0][0][1] < plan.p1 or specs[1][0][1] < plan.cap:  # overrides beyond the worst case
-            specs = _plan.specs(rows, plan.p1, plan.cap)
-        scratch = current_workspace_manager(logits.device).get_simultaneous(*specs, owner=_OWNER[decode])
-    meta, cand = scratch
+    meta, cand = scratch if scratch is not None else _scratch(logits, topk, decode, plan.p1, plan.cap)
     assert meta.shape[1] >= plan.p1 and cand.shape[1] >= plan.cap and cand.dtype == torch.int64, "scratch smaller than the plan"
     # Counts of a program's tile and of the final register block are packed in 16 bits.
     assert plan.tile < 65536 and (not plan.in_registers or plan.cap < 65536), plan
@@ -522,18 +518,23 @@ def _launch(
     )
 
 
+def _scratch(logits, topk: int, decode: bool, programs: int, slots: int):
+    """The op's declared worst case from the workspace (per-program state, candidate
+    slots), or a larger one when a forced plan needs more (tests)."""
+    rows, width = logits.shape
+    specs = (_plan.workspace_specs_decode if decode else _plan.workspace_specs)(rows, width, topk)
+    if specs[0][0][1] < programs or specs[1][0][1] < slots:
+        specs = _plan.specs(rows, programs, slots)
+    return current_workspace_manager(logits.device).get_simultaneous(*specs, owner=_OWNER[decode])
+
+
 def _launch_rowwise(logits, seq_lens, next_n, indices, topk, scratch, cfg) -> None:
     """Decode with the collect launch (one program a row, triton_rowwise.py), then
     `_final_kernel` over its warps' regions: P1 = warps programs of REG slots each."""
     from graphsafe.ops.topk import triton_rowwise
 
     rows, width = logits.shape
-    if scratch is None:
-        specs = _plan.workspace_specs_decode(rows, width, topk)
-        if specs[0][0][1] < cfg.warps or specs[1][0][1] < cfg.slots:  # a forced plan beyond the worst case (tests)
-            specs = _plan.specs(rows, cfg.warps, cfg.slots)
-        scratch = current_workspace_manager(logits.device).get_simultaneous(*specs, owner=_OWNER[True])
-    meta, cand = scratch
+    meta, cand = scratch if scratch is not None else _scratch(logits, topk, True, cfg.warps, cfg.slots)
     triton_rowwise.collect(logits, seq_lens, seq_lens, seq_lens, next_n, topk, True, meta, cand, cfg)
     final_warps = cfg.final_warps
     _final_kernel[(rows,)](
