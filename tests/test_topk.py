@@ -31,6 +31,7 @@ from graphsafe.testing.cases.topk import (
     make_logits,
     prefill_ranges,
     rowwise_outcomes,
+    rowwise_search,
     sortable_keys,
 )
 
@@ -236,7 +237,7 @@ def test_triton_selection_paths(path):
     _check_against_reference(logits, starts, ends, idx, topk)
 
 
-# -- the collect launch (one program a row, decode), through the interpreter -----------
+# -- the one-launch decode kernel (one program a row), through the interpreter ---------
 # A small geometry: 2 warps of 4 entries a thread, regions of 256 slots, 128 samples.
 SMALL_ROWWISE = plan.RowwisePlan(per_thread=4, slots_per_warp=256, warps=2, samples_per_thread=2)
 
@@ -273,14 +274,14 @@ ROWWISE_CASES = {
     "mostly_neg_inf": (lambda: _mostly_neg_inf(3, 3000, 23), SMALL_ROWWISE, (1, 1)),
     # a bound far too high (too few kept): the second pass, RETRY_Z sigma out, holds them
     "retry_after_too_few": (lambda: _randn(3, 3000, 24), dataclasses.replace(SMALL_ROWWISE, z=-8.0, retry_z=4.0), (2, 1)),
-    # regions too small for any bound: both passes overflow, _final_kernel selects exactly
+    # regions too small for any bound: both passes overflow, the exact select over the row
     "exact_after_overflow": (lambda: _randn(3, 3000, 25), dataclasses.replace(SMALL_ROWWISE, slots_per_warp=16), (2, 2)),
 }
 
 
 @needs_interpreter
 @pytest.mark.parametrize("case", sorted(ROWWISE_CASES))
-def test_rowwise_collect_paths(case):
+def test_rowwise_paths(case):
     make, cfg, want = ROWWISE_CASES[case]
     logits = make()
     seq_lens = torch.full((3,), 3000, dtype=torch.int32)
@@ -290,7 +291,7 @@ def test_rowwise_collect_paths(case):
 @needs_interpreter
 @pytest.mark.parametrize("next_n", [1, 2])
 def test_rowwise_mtp_short_and_empty_rows(next_n):
-    # Full, ragged, shorter than topk (skipped by the collect launch), empty and past L.
+    # Full, ragged, shorter than topk (written without data), empty and past L.
     width = 2000
     seq_lens = torch.tensor([2000, 1500, 40, 0, 2600], dtype=torch.int32)
     logits = _randn(5 * next_n, width, 26 + next_n)
@@ -316,14 +317,40 @@ def test_rowwise_matches_reference(rows, width, topk, mode, next_n, seed):
     _rowwise_run(logits, next_n, seq_lens, topk, topk + 2)
 
 
+@needs_interpreter
+def test_rowwise_search_takes_both_tiles():
+    # After the first round the bin's keys move to a small tile when they fit in it
+    # (random rows: a few dozen of the ~400 kept), else the search stays on the whole
+    # tile (all scores in five values: the bin is a whole value); in one-value rows the
+    # first round finds the value. Every result is checked against the reference.
+    seq_lens = torch.full((3,), 3000, dtype=torch.int32)
+    cases = {"random": _randn(3, 3000, 31), "five_values": _few_values(3, 3000, 32), "one_value": torch.full((3, 3000), 0.3)}
+    seen = {}
+    for name, logits in cases.items():
+        meta = torch.full((3, SMALL_ROWWISE.warps, plan.NMETA), -1, dtype=torch.int32)
+        cand = torch.full((3, SMALL_ROWWISE.slots), -5, dtype=torch.int64)
+        idx = torch.full((3, 64), 77, dtype=torch.int32)
+        _tt().top_k_per_row_decode(logits, 1, seq_lens, idx, 64, rowwise=SMALL_ROWWISE, scratch=(meta, cand))
+        expected = torch.empty_like(idx)
+        ref.top_k_per_row_decode(logits, 1, seq_lens, expected, 64)
+        lo, hi, shift = decode_ranges(seq_lens, 1, 3000)
+        assert_topk_rows(logits, lo, hi, shift, expected, idx, 64, name)
+        seen[name] = rowwise_search(meta)
+    assert all(r >= 2 and moved for r, moved in seen["random"]), seen
+    assert all(r >= 1 and not moved for r, moved in seen["five_values"]), seen
+    assert seen["one_value"] == [(1, False)] * 3, seen
+
+
 def test_rowwise_plan_and_worst_case():
-    assert plan.rowwise_applies(128, 65536, 2048) and not plan.rowwise_applies(64, 131072, 2048)
-    assert not plan.rowwise_applies(128, 32768, 2048)
-    for width in (65536, 131072, 262144):
+    # From 32 rows at any width; below that only up to 32K (wider rows keep the two-launch plan).
+    assert plan.rowwise_applies(32, 131072, 2048) and not plan.rowwise_applies(16, 131072, 2048)
+    assert plan.rowwise_applies(1, 32768, 2048) and plan.rowwise_applies(128, 4096, 2048)
+    assert not plan.rowwise_applies(128, 131072, plan.ROWWISE.slots // 2 + 1)
+    for width in (32768, 65536, 131072, 262144):
         assert plan.rowwise_applies(128, width, 2048)
         cfg = plan.ROWWISE
         (meta_shape, _), (cand_shape, _) = plan.workspace_specs_decode(1, width, 2048)
-        assert meta_shape[1] >= cfg.warps and cand_shape[1] >= cfg.slots, "the decode worst case covers the collect launch"
+        assert meta_shape[1] >= cfg.warps and cand_shape[1] >= cfg.slots, "the decode worst case covers the one-launch kernel"
         assert 2048 <= cfg.slots // 2
 
 
@@ -571,31 +598,35 @@ cases = [
     (F, dict(P1=8, REG=1024, IN_REGS=True, LBLOCK=1024, DECODE=True, SC=512), ("next_n",), 16),
     (F, dict(P1=1, REG=4096, IN_REGS=True, LBLOCK=1024, DECODE=False, SC=256), (), 8),
     (F, dict(P1=16, REG=1024, IN_REGS=False, LBLOCK=1024, DECODE=True, SC=256), ("next_n", "out_cols", "width"), 8),
-    (F, dict(P1=16, REG=512, IN_REGS=True, LBLOCK=1024, DECODE=True, SC=256, EQ_AT_TOP=True), ("next_n",), 8),
     (tt._finish_external_kernel, {"LOCALIZE": True, "BLOCK": 1024}, ("topk",), 4),
     (tt._decode_row_ends_kernel, {"BLOCK": 1024}, ("next_n",), 4),
 ]
-# The collect launch (plan.rowwise) at 32K and 128K-wide rows, MTP.
+# The one-launch decode kernel (plan.ROWWISE): next_n = 1 and MTP; the profiles' prefixes.
 import re
 from graphsafe.ops.topk import plan, triton_rowwise as rw
-for width, ones in ((32768, ("next_n",)), (131072, ())):
-    cfg = plan.ROWWISE
-    cases.append((rw._collect_kernel, dict(S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z,
-                  E=cfg.per_thread, NW=cfg.warps, CAPW=cfg.slots_per_warp, DECODE=True, ASM=True, SAMPLE_ONLY=False), ones, cfg.warps))
+cfg = plan.ROWWISE
+for ones, until in ((("next_n",), 9), ((), 9), ((), 2), ((), 4)):
+    cases.append((rw._rowwise_kernel, dict(S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z,
+                  E=cfg.per_thread, NW=cfg.warps, CAPW=cfg.slots_per_warp, LBLOCK=1024, ASM=True, UNTIL=until), ones,
+                  cfg.warps))
 for fn, constexprs, ones, warps in cases:
     sig, consts, attrs = sig_of(fn, ones)
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**constexprs, **consts}, attrs=attrs),
                        target=target, options={"num_warps": warps})
     print("compiled", fn.__name__, sorted(consts), "shared", k.metadata.shared)
-    if fn is rw._collect_kernel:
-        # The ballots rank entry (e, t) among the lanes of register e: the [E, 32 * warps]
-        # tile must sit one entry a thread, a row of it across the warps' lanes.
+    if fn is rw._rowwise_kernel:
+        # The ballots rank (and histogram) entry (e, t) among the lanes of register e: an
+        # [E, 32 * warps] tile must sit one entry a thread, a row of it across the warps'
+        # lanes. `_pick_bin`'s shuffles need bin j in lane j: a [32] tensor, one a lane.
         ttgir = k.asm["ttgir"]
         aliases = dict(line.split(" = ", 1) for line in ttgir.splitlines() if line.startswith("#blocked"))
-        want = f"sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [1, {warps}], order = [1, 0]"
+        tile = f"sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [1, {warps}], order = [1, 0]"
+        bins = "sizePerThread = [1], threadsPerWarp = [32]"
         ballots = [line for line in ttgir.splitlines() if "vote.sync.ballot" in line]
-        assert ballots, "no ballot in the collect kernel"
+        assert ballots, "no ballot in the kernel"
+        assert constexprs["UNTIL"] < 4 or any("shfl.sync" in line for line in ballots), "no bin pick in the kernel"
         for line in ballots:
+            want = bins if "shfl.sync" in line else tile
             layouts = re.findall(r"tensor<[^>]*, (#blocked\d*)>", line)
             assert layouts and all(want in aliases[a] for a in layouts), (line, aliases)
         print("ballot layout ok", len(ballots))

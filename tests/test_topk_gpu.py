@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import graphsafe
 from graphsafe.ops.topk import reference as ref
 from graphsafe.testing import contract as C
 from graphsafe.testing import no_sync
 from graphsafe.ops.topk import plan
+from graphsafe.ops.topk import triton_rowwise as rowwise
 from graphsafe.testing.cases.topk import assert_topk_rows, decode_ranges, final_paths, prefill_ranges, rowwise_outcomes
 
 pytestmark = pytest.mark.gpu
@@ -78,7 +81,7 @@ def test_prefill_matches_reference(m, n, ranges):
     assert_topk_rows(args[0], lo, hi, shift, expected[3], out[3], 2048)
 
 
-@pytest.mark.parametrize("rows", [64, 128])  # the two-launch plan, the collect launch
+@pytest.mark.parametrize("rows", [16, 128])  # the two-launch plan, the one-launch kernel
 def test_distinct_scores_give_exactly_torch_topk(rows):
     # Distinct by construction: a permutation of 0 .. rows * 131072 - 1, exact in float32
     # (< 2^24). Random normal scores tie at the k-th place in ~0.1% of 128K-wide rows,
@@ -92,10 +95,11 @@ def test_distinct_scores_give_exactly_torch_topk(rows):
     assert torch.equal(idx.long().sort(dim=1).values, want)
 
 
-# Overrides that force each path at realistic sizes (see triton.py's docstring).
+# Overrides that force each path of the two-launch plan at realistic sizes (see triton.py's
+# docstring).
 PATH_OVERRIDES = {
-    "registers": ("normal", {}),
-    "ties": ("ties", {}),
+    "registers": ("normal", {"rowwise": False}),
+    "ties": ("ties", {"rowwise": False}),
     "two_programs_a_row": ("normal", {"p1": 2}),
     "sixteen_programs_a_row": ("normal", {"p1": 16}),
     "list_radix": ("normal", {"max_slots": 2048}),
@@ -140,7 +144,7 @@ def test_structured_rows_take_the_fast_path(pattern, width):
     idx = torch.empty(rows, topk, dtype=torch.int32, device=CUDA)
     pl = plan.choose(rows, width, topk)
     scratch = [torch.empty(shape, dtype=dtype, device=CUDA) for shape, dtype in plan.specs(rows, pl.p1, pl.cap)]
-    _triton().top_k_per_row_decode(logits, 1, seq_lens, idx, topk, scratch=scratch)
+    _triton().top_k_per_row_decode(logits, 1, seq_lens, idx, topk, scratch=scratch, rowwise=False)
     lo, hi, shift = decode_ranges(seq_lens, 1, width)
     paths = final_paths(scratch[0], scratch[1], pl, lo, hi, topk)
     allowed = 3 if pattern == "clumps_of_16" else 0
@@ -152,9 +156,9 @@ def test_structured_rows_take_the_fast_path(pattern, width):
     assert_topk_rows(logits, lo, hi, shift, expected, idx, topk)
 
 
-# -- the collect launch (one program a row), the decode plan from 128 rows -------------
+# -- the one-launch decode kernel (one program a row): decode's plan from 32 rows -------
 def _rowwise(args, cfg=None, **kw):
-    """Run decode through the collect launch; return the rows' (passes, outcome)."""
+    """Run decode through the one-launch kernel; return the rows' (passes, outcome)."""
     logits = args[0]
     cfg = cfg or plan.ROWWISE
     meta = torch.full((logits.shape[0], cfg.warps, plan.NMETA), -1, dtype=torch.int32, device=CUDA)
@@ -169,14 +173,14 @@ def _rowwise(args, cfg=None, **kw):
 @pytest.mark.parametrize("mode", ["normal", "ties", "ties_inf", "neg_inf_rows"])
 @pytest.mark.parametrize("width,lens", [(32768, "random"), (131072, "random"), (65536, "full"), (16384, "short")])
 def test_rowwise_decode_matches_reference(width, lens, mode):
-    assert plan.rowwise_applies(128, width, 2048) == (width >= 65536), "the default decode plan at 128 rows"
+    assert plan.rowwise_applies(128, width, 2048), "the default decode plan at 128 rows"
     outcomes = _rowwise(_decode_args(128, width, mode, lens=lens, seed=width))
     collected = [o for o in outcomes if o != (-1, -1)]
-    assert all(o[1] == 1 for o in collected), f"{mode}: rows the collect launch could not hold: {collected}"
+    assert all(o[1] == 1 for o in collected), f"{mode}: rows the regions could not hold: {collected}"
 
 
 @pytest.mark.parametrize("pattern", ["normal", "recent_run", "trend", "smooth", "clumps_of_16"])
-@pytest.mark.parametrize("width", [65536, 131072])
+@pytest.mark.parametrize("width", [32768, 131072])
 def test_rowwise_structured_rows_take_one_pass(pattern, width):
     """The sample spans the row, so a run of high scores or a trend moves the bound, not
     the odds: every row is held by its first pass. Clumps of 16 equal scores make the
@@ -201,7 +205,7 @@ def test_rowwise_rows_of_one_score(fill):
 
 @pytest.mark.parametrize("overrides,want", [
     ({"z": -8.0}, (2, 1)),  # a bound far too high: the second pass, RETRY_Z sigma out
-    ({"slots_per_warp": 16}, (2, 2)),  # regions too small: _final_kernel's exact select
+    ({"slots_per_warp": 16}, (2, 2)),  # regions too small: the exact select over the row
 ])
 def test_rowwise_retry_and_exact_paths(overrides, want):
     import dataclasses
@@ -237,7 +241,7 @@ def test_repeated_calls_give_identical_results():
         assert torch.equal(out[3], first), f"call {i} differs from the first"
 
 
-@pytest.mark.parametrize("rows", [64, 128])  # the two-launch plan, the collect launch
+@pytest.mark.parametrize("rows", [16, 128])  # the two-launch plan, the one-launch kernel
 def test_graph_replay_with_reserved_locked_workspace(rows):
     spec = graphsafe.get_op(DECODE)
     width = 65536
@@ -290,3 +294,33 @@ def test_aiter_adapter_on_rocm():
     spec = graphsafe.get_op(PREFILL)
     params = spec.case.gpu_examples[0]
     C.check_backend_matches_reference(spec, spec.case, "aiter", spec.case.inputs(params, CUDA, 0), params)
+
+
+@triton.jit
+def _asm_probe(out_ptr, seed, lo_k, hi_k, sh, c_above, target, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+    j = tl.arange(0, E)[:, None] * T + tl.arange(0, T)[None, :]
+    key = ((j.to(tl.uint32) * 2654435761) ^ seed.to(tl.uint32)) >> 1  # keys in the ballots' layout
+    hist = rowwise._histogram32(key, lo_k.to(tl.uint32), hi_k.to(tl.uint32), sh, E, T, ASM)
+    tl.store(out_ptr + tl.arange(0, 32), hist)
+    digit, above, n = rowwise._pick_bin(hist, c_above, target, ASM)
+    tl.store(out_ptr + 32, digit)
+    tl.store(out_ptr + 33, above)
+    tl.store(out_ptr + 34, n)
+
+
+@pytest.mark.parametrize("lo,hi,sh,c_above,target", [
+    (0, 2**31 - 1, 26, 0, 100),  # every key, bins of 2^26
+    (2**20, 2**28, 23, 5, 1000),  # a window, keys above it clamped into bin 31
+    (0, 2**31 - 1, 26, 0, 1),  # the top bin
+    (0, 2**31 - 1, 26, 0, 5000),  # more than there are: bin 0
+])
+def test_rowwise_asm_histogram_and_bin_pick_match_their_emulation(lo, hi, sh, c_above, target):
+    """The PTX ballots (each lane counts its own bin) and the shuffled suffix sums against
+    the portable code the interpreter runs, on 16 warps' worth of keys."""
+    out = {}
+    for asm in (True, False):
+        buf = torch.full((40,), -9, dtype=torch.int32, device=CUDA)
+        _asm_probe[(1,)](buf, 12345, lo, hi, sh, c_above, target, E=4, T=512, ASM=asm, num_warps=16)
+        out[asm] = buf.tolist()
+    assert out[True] == out[False]
+    assert sum(out[True][:32]) > 0 and out[True][35:] == [-9] * 5

@@ -43,10 +43,10 @@ MIN_SHARE = 512
 NMETA = 4
 
 
-# -- the one-launch kernel (triton_rowwise.py) --------------------------------------
+# -- the one-launch decode kernel (triton_rowwise.py) --------------------------------
 @dataclass(frozen=True)
 class RowwisePlan:
-    """Geometry of the one-program-a-row collect launch (triton_rowwise.py)."""
+    """Geometry of the one-program-a-row decode kernel (triton_rowwise.py)."""
 
     z: float = 4.0  # the bound sits Z sigma (+2 samples) past the expected rank
     # The second pass's, after too few entries were kept: further out, not so far that
@@ -54,33 +54,34 @@ class RowwisePlan:
     retry_z: float = 6.0
     samples_per_thread: int = 4  # S = 32 * warps * this
     per_thread: int = 16  # entries a thread sorts out per step
-    slots_per_warp: int = 512  # each warp's region: a "program" of _final_kernel
+    # Each warp's region. 512: rows with clumps of 16 equal scores put ~170 +- 55 entries
+    # in a warp at 32K and up to ~350 at 128K; the selection reads the lower halves only
+    # when every warp's entries fit there.
+    slots_per_warp: int = 512
     warps: int = 16
-    final_warps: int = 8  # of the _final_kernel launch over the regions
 
     @property
     def slots(self) -> int:
         return self.warps * self.slots_per_warp
 
 
-# The collect launch holds one row an SM: worth it once the rows about fill the GPU (at
-# 64 rows the two-launch plan, which spreads a row over several SMs, was as fast at 32K
-# and faster at 128K on an H100), and for rows wider than 32K: at 32K its regions must
-# hold lumpy data too (16 equal scores in a row land in one warp: ~170 +- 55 entries a
-# warp), and with 512 slots the final selection over them costs what the collect pass
-# saves (34.9 against 35.8 us on an H100).
-ROWWISE_MIN_ROWS = 128
-ROWWISE_MIN_WIDTH = 65536
+# The one-launch kernel holds a row an SM. On an H100 it was faster than the two-launch
+# plan at every decode shape measured from 32 rows (32 x 131072: 28.8 against 31.0 us;
+# 256 rows: half the time), and at every row count for rows up to 32K wide; with a
+# single row of 128K the two-launch plan, which spreads a row over several SMs, wins
+# (21.6 against 28.0 us). benchmarks/NOTES.md, "Top-k in one launch".
+ROWWISE_MIN_ROWS = 32
+ROWWISE_ANY_ROWS_WIDTH = 32768
 
 
-# The collect launch's plan (one for every width so far).
+# The one-launch kernel's plan (one for every width so far).
 ROWWISE = RowwisePlan()
 
 
 def rowwise_applies(rows: int, width: int, topk: int) -> bool:
     """Decode only (its scratch a row is larger than the two-launch plan's, and prefill
     calls have many rows). topk up to half the regions' slots."""
-    return rows >= ROWWISE_MIN_ROWS and width >= ROWWISE_MIN_WIDTH and 0 < topk <= ROWWISE.slots // 2
+    return (rows >= ROWWISE_MIN_ROWS or width <= ROWWISE_ANY_ROWS_WIDTH) and 0 < topk <= ROWWISE.slots // 2
 
 
 def pow2(n: int) -> int:
@@ -201,8 +202,8 @@ def specs(rows: int, p1: int, cap: int) -> list[tuple[tuple[int, ...], torch.dty
 
 
 def workspace_specs_decode(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Decode's worst case: the two-launch plans' or the collect launch's, whichever is
-    larger a row (the same for every row count, so the bytes grow linearly with rows)."""
+    """Decode's worst case: the two-launch plans' or the one-launch kernel's, whichever
+    is larger a row (the same for every row count, so the bytes grow linearly with rows)."""
     specs_ = workspace_specs(num_rows, width, topk)
     if num_rows <= 0 or not rowwise_applies(max(num_rows, ROWWISE_MIN_ROWS), width, topk):
         return specs_

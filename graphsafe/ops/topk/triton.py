@@ -34,10 +34,10 @@ share far above its mean, or rows built to defeat the bound, e.g. periodic in G)
 runs an exact radix select over the row itself: slow, correct. Columns past topk (and
 past the row length) get -1.
 
-Decode with rows about filling the GPU and rows wider than 32K (`plan.rowwise_applies`)
-takes another launch 1: `triton_rowwise._collect_kernel`, one program a row, a bound
-from a sample of the row and ballot-placed candidates in per-warp regions; launch 2 is
-the same `_final_kernel` with each warp's region as a program (`_launch_rowwise`).
+Decode takes one launch instead (`plan.rowwise_applies`, `_launch_rowwise`) unless the
+rows are few and wide: `triton_rowwise._rowwise_kernel`, one program a row (a bound from
+a sample of the row, ballot-placed candidates in per-warp regions, the selection among
+them in the same program).
 
 Nothing is zeroed and no counter is shared: no memset, no atomic, a deterministic
 result. Scratch (per-program state, candidate regions) comes from the workspace
@@ -328,17 +328,15 @@ def _select_row(row_ptr, lo, hi, shift, topk, out_row, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_kept_registers(key, pos, kept, kept_top, max_w, topk, out_row, P1: tl.constexpr, REG: tl.constexpr,
+def _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1: tl.constexpr, REG: tl.constexpr,
                            SC: tl.constexpr):
-    """Top-k of the kept candidates ([P1, REG] keys and positions; the first kept[c] and
-    the last kept_top[c] of row c valid) held in registers; 1 if written, 0 if not
-    provably the row's top-k.
+    """Top-k of the kept candidates ([P1, REG] keys and positions, the first kept[c] of
+    row c valid) held in registers; 1 if written, 0 if not provably the row's top-k.
 
     The kept keys are a valid top-k of the row only if their topk-th largest, t, is at
     least every program's bound (max_w), that is if >= topk of them are >= max_w: the
     search runs over those alone (a narrower range of keys: fewer rounds)."""
-    i = tl.arange(0, REG)[None, :]
-    valid = ((i < kept[:, None]) | (i >= REG - kept_top[:, None])) & (key >= max_w)
+    valid = (tl.arange(0, REG)[None, :] < kept[:, None]) & (key >= max_w)
     key = tl.where(valid, key, 0)  # max_w >= 1: no kept key is 0
     n_ok = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
     ok = (n_ok >= topk).to(tl.int32)
@@ -360,9 +358,8 @@ def _final_kernel(
     logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
     out_ptr, stride_or, out_cols, meta_ptr, stride_mr, cand_ptr, stride_cr,
     P1: tl.constexpr, REG: tl.constexpr, IN_REGS: tl.constexpr, LBLOCK: tl.constexpr, DECODE: tl.constexpr,
-    SC: tl.constexpr, EQ_AT_TOP: tl.constexpr = False,
+    SC: tl.constexpr,
 ):
-    tl.static_assert(IN_REGS or not EQ_AT_TOP, "ties at the top of a region: the register path only")
     row = tl.program_id(0)
     lo, hi, shift = _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
     out_row = out_ptr + row.to(tl.int64) * stride_or
@@ -385,22 +382,14 @@ def _final_kernel(
         prog = tl.arange(0, P1)
         w = tl.load(meta_row + prog * _NMETA).to(tl.uint32, bitcast=True)
         n_gt = tl.load(meta_row + prog * _NMETA + 1)
-        n_eq = tl.load(meta_row + prog * _NMETA + 2)
-        if EQ_AT_TOP:
-            # Regions of the collect launch: entries > w from the bottom, ties == w the
-            # last n_eq slots (never overlapping them).
-            kept = n_gt
-            kept_top = n_eq
-        else:
-            kept = tl.minimum(n_gt + n_eq, REG)
-            kept_top = n_eq * 0
-        n_kept = tl.sum(kept + kept_top, axis=0)
+        kept = tl.minimum(n_gt + tl.load(meta_row + prog * _NMETA + 2), REG)
+        n_kept = tl.sum(kept, axis=0)
         max_w = tl.max(w, axis=0)
         # Every entry > w must have been kept, and the kept ones must cover topk.
         ok = ((tl.max(n_gt, axis=0) <= REG) & (n_kept >= topk)).to(tl.int32)
         if ok != 0:
             if IN_REGS:
-                ok = _select_kept_registers(key, pos, kept, kept_top, max_w, topk, out_row, P1, REG, SC)
+                ok = _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1, REG, SC)
             else:
                 b1 = (P1 * REG + LBLOCK - 1) // LBLOCK
                 t, need = _radix_kth(
@@ -476,7 +465,7 @@ def _launch(
 ) -> None:
     """Run both launches. `scratch` (the views of `workspace_specs`) lets a caller pass its
     own; the keyword overrides force plans and paths (tests): `rowwise` True/False (or a
-    `plan.RowwisePlan`) forces the collect launch (triton_rowwise.py) in or out of decode."""
+    `plan.RowwisePlan`) forces the one-launch decode kernel (triton_rowwise.py) in or out."""
     rows, width = logits.shape
     if rows == 0 or indices.numel() == 0:
         return
@@ -484,9 +473,9 @@ def _launch(
         indices.fill_(-1)
         return
     if rowwise is None:
-        # Not when a two-launch plan is forced, nor on ROCm: the collect launch's ballots
-        # and loads are PTX (its portable path, reshapes and prefix sums, is for the
-        # interpreter and has not run on an AMD GPU).
+        # Not when a two-launch plan is forced, nor on ROCm: the one-launch kernel's
+        # ballots, loads and stores are PTX (its portable path, reshapes and prefix sums,
+        # is for the interpreter and has not run on an AMD GPU).
         forced = any(v is not None for v in (p1, reg, margin, max_slots))
         rowwise = not forced and torch.version.hip is None and _plan.rowwise_applies(rows, width, topk)
     if decode and rowwise:
@@ -529,20 +518,11 @@ def _scratch(logits, topk: int, decode: bool, programs: int, slots: int):
 
 
 def _launch_rowwise(logits, seq_lens, next_n, indices, topk, scratch, cfg) -> None:
-    """Decode with the collect launch (one program a row, triton_rowwise.py), then
-    `_final_kernel` over its warps' regions: P1 = warps programs of REG slots each."""
+    """Decode in one launch, one program a row (triton_rowwise.py)."""
     from graphsafe.ops.topk import triton_rowwise
 
-    rows, width = logits.shape
     meta, cand = scratch if scratch is not None else _scratch(logits, topk, True, cfg.warps, cfg.slots)
-    triton_rowwise.collect(logits, seq_lens, seq_lens, seq_lens, next_n, topk, True, meta, cand, cfg)
-    final_warps = cfg.final_warps
-    _final_kernel[(rows,)](
-        logits, logits.stride(0), seq_lens, seq_lens, seq_lens, next_n, width, topk,
-        indices, indices.stride(0), indices.shape[1], meta, meta.stride(0), cand, cand.stride(0),
-        P1=cfg.warps, REG=cfg.slots_per_warp, IN_REGS=True, LBLOCK=LBLOCK, DECODE=True,
-        SC=search_columns(cfg.slots, final_warps), EQ_AT_TOP=True, num_warps=final_warps,
-    )
+    triton_rowwise.topk_decode(logits, seq_lens, next_n, indices, topk, meta, cand, cfg)
 
 
 _OWNER = {False: "top_k_per_row_prefill", True: "top_k_per_row_decode"}

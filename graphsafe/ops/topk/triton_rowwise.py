@@ -1,12 +1,10 @@
-"""Decode top-k of long rows, first launch: one program a row collects every entry at or
-above a bound taken from a sample of the row; `triton._final_kernel` then selects among
-them (triton.py's `_launch_rowwise`; chosen by `plan.rowwise_applies`).
+"""Decode top-k in one launch, one program a row (`_rowwise_kernel`; chosen by
+`plan.rowwise_applies`, launched by triton.py's `_launch_rowwise`).
 
 The two-launch plan of triton.py splits a row over several programs, each finding its
 own bound by a radix search over column maxima and placing its kept entries with
 CTA-wide scans: chains of CTA-wide steps, not memory-bound (benchmarks/NOTES.md,
-"Top-k"). With about as many rows as SMs, one program a row needs no per-program bound,
-and its pass over the row has no CTA-wide step:
+"Top-k"). With a row a program, the pass over the row needs no CTA-wide step at all:
 
 A. Sample (`_sample_bound`). S positions spread evenly over the row's valid range. With
    p = topk / n, about mu = p * S samples lie at or above the row's topk-th largest key,
@@ -22,14 +20,23 @@ B. Collect (`_collect`). The row in [E, 32 * warps] tiles (entry (e, t) in regis
    == vlo go to the top of the region instead, so a run of equal scores cannot crowd out
    a larger one.
 C. If fewer than topk entries were kept, or a region overflowed, the pass runs once
-   more with the bound RETRY_Z sigma out (too few) or Z/2 in (overflow).
+   more with the bound RETRY_Z sigma out (too few) or Z/2 in (overflow); if that fails
+   too, the exact radix select over the row (`triton._select_row`).
+D. Select (`_select_kept`), in the same program after a barrier: the regions come back
+   from L2, a warp its own, and a search over 32-bin histograms (ballots again, each
+   lane counting its own bin: `_histogram32`, `_pick_bin`) finds the topk-th largest
+   kept key; every key above it and enough of its ties are written, each entry's place
+   from ballots and one scan over the warps. Usually three rounds; after the first, the
+   few hundred keys left in the bin are moved to the scratch's first slots so that the
+   later rounds run over a small tile.
 
-Each warp's region is one "program" of `_final_kernel` (bound vlo, #entries above, #ties
-at the top: EQ_AT_TOP): it checks that the regions hold >= topk entries >= the bound,
-selects among them, and falls back to the exact select over the row when they do not
-(both passes failed). Rows with at most topk valid entries are left to `_final_kernel`,
-which writes them without data. Nothing is zeroed, no atomics; the regions' order is
-fixed (warp, then position), so results are deterministic.
+Rows with at most topk valid entries are written without data. Nothing is zeroed, no
+atomics; the regions' order is fixed (warp, then position), so results are
+deterministic. On a GPU the loads, ballots, histograms and stores of the hot paths are
+inline PTX (`ASM`): an asm keeps its operands' one-entry-a-thread layout (a `tl.load`
+gets a vector layout, and scattered stores after it shuffle through shared memory), and
+compares inside the asm avoid i1 tensors between calls (Triton packs those into bit
+fields). The sm_90 compile test checks the layouts the ballots rely on.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import triton
 import triton.language as tl
 
 from graphsafe.ops.topk.plan import NMETA
-from graphsafe.ops.topk.triton import _row_bounds, _sortable_key
+from graphsafe.ops.topk.triton import _row_bounds, _select_row, _sortable_key
 
 _NMETA = tl.constexpr(NMETA)
 
@@ -75,23 +82,9 @@ def _sample_bound(row_ptr, lo, n, topk, S: tl.constexpr, Z):
     # run of equal keys, ties of the sample, into "above" and "tied"); at least 1, as
     # key 0 means "no key" (masked entries).
     vlo = tl.maximum(tl.min(tl.where(skey >= prefix, skey, 0xFFFFFFFF), axis=0), 1)
-    # Ties at the bound in the sample: the row likely holds a run of them.
-    return vlo, tl.sum((skey == vlo).to(tl.int32), axis=0) > 1
-
-
-@triton.jit
-def _load_keys(ptrs, mask, ASM: tl.constexpr):
-    """Keys of the floats at `ptrs` (0 where masked off). On a GPU the load is PTX: a
-    `tl.load` gets the layout Triton picks for loads (vector runs a thread), and every
-    scattered store after it then shuffles its operands through shared memory; an
-    elementwise asm keeps the pointers' one-entry-a-thread layout."""
-    if ASM:
-        bits = tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.L1::no_allocate.b32 $0, [$1]; }",
-            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
-        return tl.where(mask, _sortable_key(bits.to(tl.float32, bitcast=True)), 0)
-    else:
-        return tl.where(mask, _sortable_key(tl.load(ptrs, mask=mask, other=0.0)), 0)
+    # Ties at the bound in the sample: the row likely holds a run of them. The sample's
+    # largest key sizes the selection's first bins.
+    return vlo, tl.sum((skey == vlo).to(tl.int32), axis=0) > 1, tl.max(skey, axis=0)
 
 
 @triton.jit
@@ -116,9 +109,59 @@ def _warp_rank(flag, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _collect(row_ptr, lo, hi, shift, vlo, ties, regions, E: tl.constexpr, T: tl.constexpr, CAPW: tl.constexpr,
+def _load_keys(row_ptr, pos, hi, ASM: tl.constexpr):
+    """Keys of the row's floats at `pos` >= 0, 0 from `hi` on.
+
+    On a GPU one asm does the address, the load and the key: a `tl.load` gets the
+    layout Triton picks for loads (vector runs a thread), and every scattered store after
+    it then shuffles its operands through shared memory; an elementwise asm keeps the
+    one-entry-a-thread layout. A masked-off entry reads as the bits 0xFFFFFFFF, whose key
+    is 0 (no select needed)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 b, s; .reg .b64 a; "
+            "setp.lt.s32 p, $2, $3; mov.b32 b, -1; mad.wide.s32 a, $2, 4, $1; "
+            "@p ld.global.nc.L1::no_allocate.b32 b, [a]; "
+            "shr.s32 s, b, 31; or.b32 s, s, 0x80000000; xor.b32 $0, b, s; }",
+            "=r,l,r,r", [row_ptr, pos, hi], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        mask = pos < hi
+        return tl.where(mask, _sortable_key(tl.load(row_ptr + pos, mask=mask, other=0.0)), 0)
+
+
+@triton.jit
+def _rank_at_least(key, bound, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+    """`_warp_rank` of key >= bound, the compare inside the asm (an i1 tensor between two
+    asm calls costs a handful of bit-packing instructions an entry)."""
+    if ASM:
+        rank, total = tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 b, m; setp.ge.u32 p, $2, $3; vote.sync.ballot.b32 b, p, 0xffffffff; "
+            "mov.b32 m, %lanemask_lt; and.b32 m, m, b; popc.b32 $0, m; popc.b32 $1, b; }",
+            "=r,=r,r,r", [key, bound], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        return rank, total
+    else:
+        return _warp_rank(key >= bound, E, T, False)
+
+
+@triton.jit
+def _store_at_least(region_ptr, slot, key, rel, bound, cap, ASM: tl.constexpr):
+    """region_ptr[slot] = key << 32 | rel where key >= bound and slot < cap (one asm on a
+    GPU: compares, address, store)."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b64 a, v; setp.ge.u32 p, $2, $4; setp.lt.and.s32 p, $1, $5, p; "
+            "mad.wide.s32 a, $1, 8, $6; mov.b64 v, {$3, $2}; @p st.global.b64 [a], v; mov.b32 $0, 0; }",
+            "=r,r,r,r,r,r,l", [slot, key, rel, bound, cap, region_ptr], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        packed = (key.to(tl.uint64) << 32) | rel.to(tl.uint32).to(tl.uint64)
+        tl.store(region_ptr + slot, packed.to(tl.int64, bitcast=True), mask=(key >= bound) & (slot < cap))
+
+
+@triton.jit
+def _collect(row_ptr, hi, vlo, ties, regions, first, E: tl.constexpr, T: tl.constexpr, CAPW: tl.constexpr,
              ASM: tl.constexpr):
-    """One pass over the row into the warps' CAPW-slot regions (key << 32 | position).
+    """One pass over the decode row [0, hi) into the warps' CAPW-slot regions (key << 32 |
+    position).
     Returns [T] tensors, each lane its warp's: (#entries above, #ties still in the region).
 
     Without `ties`, every entry >= vlo goes up from the bottom of its warp's region (one
@@ -130,27 +173,29 @@ def _collect(row_ptr, lo, hi, shift, vlo, ties, regions, E: tl.constexpr, T: tl.
 
     A step is an [E, T] tile, entry (e, t) at position base + e*T + t (thread t, register
     e). A warp ranks its entries with ballots, register by register: the warps need no
-    CTA-wide step. The next tile is loaded before the current one is sorted out."""
+    CTA-wide step. The next tile is loaded before the current one is sorted out.
+
+    The hot path is three asm calls an entry (load, ballot, store) with the compares
+    inside them: ~22 SASS instructions an entry on sm_90 (35 when the compares' i1
+    results crossed from one asm to the next: Triton packs them into bit fields)."""
     CH: tl.constexpr = E * T
     tile = tl.arange(0, E)[:, None] * T + tl.arange(0, T)[None, :]
-    region = (tl.arange(0, T) // 32) * CAPW
+    region_ptr = regions + ((tl.arange(0, T) // 32) * CAPW)[None, :]
     n_gt = tl.zeros([T], dtype=tl.int32)
     n_eq = tl.zeros([T], dtype=tl.int32)  # ties seen
     eq_room = tl.zeros([T], dtype=tl.int32) + CAPW  # ties stored: slots [eq_room, CAPW)
     ties = ties & (vlo < 0xFFFFFFFF)
     above = tl.where(ties, vlo + 1, vlo)  # entries that go up from the bottom: key >= above
-    base = (lo // 16) * 16
-    pos = base + tile
-    key = _load_keys(row_ptr + pos, (pos >= lo) & (pos < hi), ASM)
+    base = hi * 0
+    key = first  # the tile at 0, loaded by the caller
     while base < hi:
         pos = base + tile
-        pos_n = pos + CH
-        key_next = _load_keys(row_ptr + pos_n, pos_n < hi, ASM)
-        gt = key >= above  # above >= 1: masked entries (key 0) never count
-        rank, total = _warp_rank(gt, E, T, ASM)
+        key_next = _load_keys(row_ptr, pos + CH, hi, ASM)
+        # above >= 1: masked entries (key 0) never count
+        rank, total = _rank_at_least(key, above, E, T, ASM)
         slot = n_gt[None, :] + (tl.cumsum(total, 0) - total) + rank
         n_gt += tl.sum(total, 0)
-        keep_eq = gt & False
+        _store_at_least(region_ptr, slot, key, pos, above, CAPW, ASM)
         if ties:
             eq = key == vlo
             rank_eq, total_eq = _warp_rank(eq, E, T, ASM)
@@ -158,77 +203,356 @@ def _collect(row_ptr, lo, hi, shift, vlo, ties, regions, E: tl.constexpr, T: tl.
             keep_eq = eq & (slot_eq >= n_gt[None, :])
             n_eq += tl.sum(total_eq, 0)
             eq_room = tl.minimum(eq_room, tl.maximum(CAPW - n_eq, n_gt))
-            slot = tl.where(gt, slot, slot_eq)
-        rel = pos - shift
-        packed = (key.to(tl.uint64) << 32) | rel.to(tl.uint32).to(tl.uint64)
-        # Stored as a flat [CH] tensor: a 2-D store whose offsets Triton cannot analyse
-        # gets a layout of its own (and a shuffle of its operands through shared memory).
-        tl.store(regions + tl.reshape(region[None, :] + slot, [CH]), tl.reshape(packed.to(tl.int64, bitcast=True), [CH]),
-                 mask=tl.reshape((gt & (slot < CAPW)) | keep_eq, [CH]))
+            packed = (key.to(tl.uint64) << 32) | pos.to(tl.uint32).to(tl.uint64)
+            # Stored as a flat [CH] tensor: a 2-D store whose offsets Triton cannot analyse
+            # gets a layout of its own (and a shuffle of its operands through shared memory).
+            tl.store(tl.reshape(region_ptr + slot_eq, [CH]), tl.reshape(packed.to(tl.int64, bitcast=True), [CH]),
+                     mask=tl.reshape(keep_eq, [CH]))
         key = key_next
         base += CH
     # Ties below the final count of larger entries were overwritten by them.
     return n_gt, CAPW - tl.maximum(eq_room, n_gt)
 
 
+@triton.jit
+def _load_kept(ptrs, valid, ASM: tl.constexpr):
+    """(key, position) of the candidates at `ptrs` ((0, -1) where not valid). Written by
+    this program before a barrier: an L2 load (`.cg`), never the read-only path."""
+    if ASM:
+        key, pos = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, -1; "
+            "@p ld.global.cg.v2.b32 {$1, $0}, [$2]; }",
+            "=r,=r,l,r", [ptrs, valid.to(tl.int32)], dtype=(tl.uint32, tl.int32), is_pure=True, pack=1)
+        return key, pos
+    else:
+        packed = tl.load(ptrs, mask=valid, other=0)
+        return tl.where(valid, (packed.to(tl.uint64, bitcast=True) >> 32).to(tl.uint32), 0), \
+            tl.where(valid, packed.to(tl.int32), -1)
+
+
+@triton.jit
+def _exclusive_over_warps(a, b, T: tl.constexpr):
+    """[T] pairs, each lane its warp's (a, b) -> each lane the sums over the warps before
+    its own: one CTA-wide scan of both, packed in an int64."""
+    lane = (tl.arange(0, T) % 32).to(tl.int64)
+    packed = a.to(tl.int64) + (b.to(tl.int64) << 32)
+    before = (tl.cumsum(packed, 0) - (lane + 1) * packed) // 32
+    return (before & 0xFFFFFFFF).to(tl.int32), (before >> 32).to(tl.int32)
+
+
+@triton.jit
+def _store_where(ptr, idx, val, flag, ASM: tl.constexpr):
+    """ptr[idx] = val where flag (an asm on a GPU: the operands keep their layout)."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b64 a; setp.ne.b32 p, $3, 0; mad.wide.s32 a, $1, 4, $4; @p st.global.b32 [a], $2; "
+            "mov.b32 $0, 0; }",
+            "=r,r,r,r,l", [idx, val, flag.to(tl.int32), ptr], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr + idx, val, mask=flag)
+
+
+# _histogram32's asm: $1 key, $2 lo_k, $3 hi_k, $4 sh, $5..$9 the lane's masks m_0..m_4.
+_BIT_BALLOT = "and.b32 t, d, {}; setp.ne.b32 q, t, 0; vote.sync.ballot.b32 b, q, 0xffffffff; xor.b32 b, b, ${}; and.b32 v, v, b; "
+_HIST32_ASM = tl.constexpr(
+    "{ .reg .pred p, q; .reg .b32 d, v, b, t; "
+    "setp.ge.u32 p, $1, $2; setp.le.and.u32 p, $1, $3, p; sub.u32 d, $1, $2; shr.b32 d, d, $4; min.u32 d, d, 31; "
+    "vote.sync.ballot.b32 v, p, 0xffffffff; "
+    + "".join(_BIT_BALLOT.format(1 << j, 5 + j) for j in range(5))
+    + "popc.b32 $0, v; }"
+)
+
+
+@triton.jit
+def _histogram32(key, lo_k, hi_k, sh, E2: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+    """[32]: bin j counts the keys in [lo_k, hi_k] with min((key - lo_k) >> sh, 31) == j.
+
+    On a GPU each lane counts its own bin (lane j, bin j) in each register: a ballot of
+    the keys in range and one of each of the digit's five bits, the lane's bin the AND of
+    those ballots or their complements (by the lane's bits), then a popc: ~22 SASS
+    instructions a register, against ~41 for `tl.histogram` (the same ballots plus its
+    shared-memory atomics). The warps' counts are then summed per bin."""
+    if ASM:
+        lane = tl.arange(0, T) % 32
+        # m_j: 0 where the lane's bit j is set (keep the ballot), all ones where not (invert it).
+        m0 = tl.where((lane & 1) != 0, 0, -1)[None, :]
+        m1 = tl.where((lane & 2) != 0, 0, -1)[None, :]
+        m2 = tl.where((lane & 4) != 0, 0, -1)[None, :]
+        m3 = tl.where((lane & 8) != 0, 0, -1)[None, :]
+        m4 = tl.where((lane & 16) != 0, 0, -1)[None, :]
+        count = tl.inline_asm_elementwise(
+            _HIST32_ASM, "=r,r,r,r,r,r,r,r,r,r", [key, lo_k, hi_k, sh, m0, m1, m2, m3, m4], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.sum(tl.reshape(tl.sum(count, 0), [T // 32, 32]), 0)
+    else:
+        inside = (key >= lo_k) & (key <= hi_k)
+        return tl.histogram(tl.reshape(tl.minimum((key - lo_k) >> sh.to(tl.uint32), 31).to(tl.int32), [E2 * T]), 32,
+                            mask=tl.reshape(inside, [E2 * T]))
+
+
+# _pick_bin's asm: $3 the lane's bin count, $4 c_above, $5 target; out $0 digit, $1 #
+# in the bins above it, $2 # in it. s: suffix sums by shuffles down; the lanes whose
+# c_above + s reaches the target are 0..digit (s never grows with the lane).
+_SUFFIX_STEP = "shfl.sync.down.b32 t|p, s, {}, 0x1f, 0xffffffff; @p add.s32 s, s, t; "
+_PICK_BIN_ASM = tl.constexpr(
+    "{ .reg .pred p, q; .reg .b32 s, t, b, g; mov.b32 s, $3; "
+    + "".join(_SUFFIX_STEP.format(1 << j) for j in range(5))
+    + "add.s32 t, s, $4; setp.ge.s32 q, t, $5; vote.sync.ballot.b32 b, q, 0xffffffff; "
+    "bfind.u32 g, b; max.s32 g, g, 0; "
+    "shfl.sync.idx.b32 $2, $3, g, 0x1f, 0xffffffff; shfl.sync.idx.b32 t, s, g, 0x1f, 0xffffffff; "
+    "sub.s32 $1, t, $2; mov.b32 $0, g; }"
+)
+
+
+@triton.jit
+def _pick_bin(hist, c_above, target, ASM: tl.constexpr):
+    """(digit, above, n): digit the largest bin j with c_above + #(bins >= j) >= target
+    (0 if none), above = #(bins > digit), n = hist[digit]. `hist` is `_histogram32`'s
+    (bin j in lane j of every warp): on a GPU one asm of shuffles and a ballot, no
+    shared memory or barrier; its uniform results leave by warp reductions."""
+    if ASM:
+        digit, above, n = tl.inline_asm_elementwise(
+            _PICK_BIN_ASM, "=r,=r,=r,r,r,r", [hist, c_above, target], dtype=(tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+        return tl.max(digit, 0), tl.max(above, 0), tl.max(n, 0)
+    else:
+        bins = tl.arange(0, 32)
+        digit = tl.max(tl.where(c_above + tl.cumsum(hist, 0, reverse=True) >= target, bins, 0), axis=0)
+        return digit, tl.sum(tl.where(bins > digit, hist, 0), axis=0), tl.sum(tl.where(bins == digit, hist, 0), axis=0)
+
+
+@triton.jit
+def _span_shift(span):
+    """max(bit length of span - 5, 0): the shift that puts [0, span] in 32 bins (the
+    float's exponent gives the top bit, rounding may give one more: fewer bins used)."""
+    top = ((span.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    return tl.where(span > 0, tl.maximum(top - 4, 0), 0)
+
+
+@triton.jit
+def _search_round(key, lo_k, hi_k, sh, c_above, topk, EX: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+    """One round of the search: the bin of [lo_k, hi_k] (32 bins of 2^sh keys, the last
+    one running to hi_k) where the count from the top, with the c_above keys above,
+    reaches topk. Returns the bin as the new (lo_k, hi_k, sh, c_above, n_bin)."""
+    hist = _histogram32(key, lo_k, hi_k, sh, EX, T, ASM)
+    digit, above, n_bin = _pick_bin(hist, c_above, topk, ASM)
+    lo_k = lo_k + (digit.to(tl.uint32) << sh.to(tl.uint32))
+    # Bin 31 runs to hi_k; the others are 2^sh keys wide (never past 2^32 - 1).
+    hi_k = tl.where(digit == 31, hi_k, lo_k + tl.minimum(hi_k - lo_k, ((1 << sh) - 1).to(tl.uint32)))
+    return lo_k, hi_k, _span_shift(hi_k - lo_k), c_above + above, n_bin
+
+
+@triton.jit
+def _search_and_place(key, pos, lo_k, hi_k, sh, c_above, n_bin, c_start, hi_start, topk, out_row,
+                      EX: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+    """Finish the search (state lo_k, hi_k, sh, c_above, n_bin: `_search_round`'s) over
+    `key` ([EX, T]: the keys in [lo_k, hi_k] among others, 0 = no key) and write its part
+    of the top-k: its keys in (final hi_k, hi_start] at c_start.. (the c_start keys above
+    hi_start are placed already), then the first topk - (#keys above the final bin) of
+    the bin. Returns the rounds run."""
+    rounds = topk * 0
+    while (c_above + n_bin > topk) & (hi_k > lo_k):
+        lo_k, hi_k, sh, c_above, n_bin = _search_round(key, lo_k, hi_k, sh, c_above, topk, EX, T, ASM)
+        rounds += 1
+    above = (key > hi_k) & (key <= hi_start)
+    in_bin = (key >= lo_k) & (key <= hi_k)
+    rank_a, total_a = _warp_rank(above, EX, T, ASM)
+    rank_b, total_b = _warp_rank(in_bin, EX, T, ASM)
+    base_a, base_b = _exclusive_over_warps(tl.sum(total_a, 0), tl.sum(total_b, 0), T)
+    place_a = c_start + base_a[None, :] + tl.cumsum(total_a, 0) - total_a + rank_a
+    place_b = c_above + base_b[None, :] + tl.cumsum(total_b, 0) - total_b + rank_b
+    _store_where(out_row, tl.where(above, place_a, place_b), pos, above | (in_bin & (place_b < topk)), ASM)
+    return rounds
+
+
+@triton.jit
+def _store_pairs(ptr, idx, key, pos, flag, ASM: tl.constexpr):
+    """ptr[idx] = key << 32 | pos where flag (int64 slots)."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b64 a, v; setp.ne.b32 p, $4, 0; mad.wide.s32 a, $1, 8, $5; mov.b64 v, {$3, $2}; "
+            "@p st.global.b64 [a], v; mov.b32 $0, 0; }",
+            "=r,r,r,r,r,l", [idx, key, pos, flag.to(tl.int32), ptr], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        packed = (key.to(tl.uint64) << 32) | pos.to(tl.uint32).to(tl.uint64)
+        tl.store(ptr + idx, packed.to(tl.int64, bitcast=True), mask=flag)
+
+
+@triton.jit
+def _select_kept(regions, n_gt, n_eq, n_kept, vlo, smax, topk, out_row, E2: tl.constexpr, T: tl.constexpr,
+                 CAPW: tl.constexpr, ASM: tl.constexpr, STOP: tl.constexpr = 9):
+    """Write the top-k of the regions' entries (warp w's region: n_gt[w] entries at the
+    bottom, n_eq[w] at the top; n_kept in all, >= topk; every one >= vlo) to
+    out_row[:topk]. Only the first E2 * 32 slots of a region are read: the caller makes
+    sure they hold every entry. Returns rounds * 2 + (1 if the bin was moved to a small
+    tile) (tests, profiles).
+
+    Warp w holds its own region, slot e * 32 + lane in register e: [E2, T].
+    A search narrows an interval [lo_k, hi_k] of keys that holds the topk-th largest: a
+    round histograms the interval's keys in 32 bins of 2^sh keys (the last bin also
+    takes every key above) and keeps the bin where the count from the top reaches topk,
+    until the keys above the bin and in it are exactly topk or the bin is one key. The
+    first round's bins span [vlo, smax], the sample's largest key (no CTA-wide max of
+    the kept keys). Every key > hi_k is written, then the first topk - (#keys > hi_k)
+    of the bin, each entry's place from ballots.
+
+    A round costs about the same for any number of keys in the interval: after the
+    first one (a few hundred keys left in the bin of ~3000) the bin's keys are moved to
+    the scratch's first slots and read back as a [CX, T] tile, CX = 2 (8x fewer ballots
+    than E2 = 8 a round), unless more than 2 * T keys are left. STOP (3, 4): the
+    kernel's UNTIL (profiles)."""
+    lane = tl.arange(0, T)
+    slot = tl.arange(0, E2)[:, None] * 32 + (lane % 32)[None, :]
+    valid = ((slot < n_gt[None, :]) | (slot >= CAPW - n_eq[None, :])) & (slot < CAPW)
+    key, pos = _load_kept(regions + ((lane // 32) * CAPW)[None, :] + slot, valid, ASM)
+    lo_k = vlo  # every kept key is >= vlo >= 1; key 0 marks no entry
+    hi_k = tl.full([], 0xFFFFFFFF, tl.uint32)
+    sh = _span_shift(tl.maximum(smax, vlo) - vlo)
+    c_above = topk * 0  # keys > hi_k
+    n_bin = n_kept  # keys in [lo_k, hi_k]
+    rounds = topk * 0
+    if STOP == 3:
+        tl.store(out_row + lane, hi_k + n_bin + sh + tl.sum(pos, 0))
+        return rounds
+    CX: tl.constexpr = 2
+    if (c_above + n_bin > topk) & (hi_k > lo_k):
+        lo_k, hi_k, sh, c_above, n_bin = _search_round(key, lo_k, hi_k, sh, c_above, topk, E2, T, ASM)
+        rounds = 1
+    if STOP == 4:
+        tl.store(out_row + lane, hi_k + n_bin + sh + tl.sum(pos, 0) + lo_k)
+        return rounds
+    if (rounds == 1) & (c_above + n_bin > topk) & (hi_k > lo_k) & (n_bin <= CX * T):
+        # The keys above the bin are final: written from here. The bin's keys go to the
+        # scratch's first slots (every warp has read its region: the round's histogram
+        # took a barrier) and come back as a small tile.
+        above = key > hi_k
+        in_bin = (key >= lo_k) & (key <= hi_k)
+        rank_a, total_a = _warp_rank(above, E2, T, ASM)
+        rank_b, total_b = _warp_rank(in_bin, E2, T, ASM)
+        base_a, base_b = _exclusive_over_warps(tl.sum(total_a, 0), tl.sum(total_b, 0), T)
+        _store_where(out_row, base_a[None, :] + tl.cumsum(total_a, 0) - total_a + rank_a, pos, above, ASM)
+        _store_pairs(regions, base_b[None, :] + tl.cumsum(total_b, 0) - total_b + rank_b, key, pos, in_bin, ASM)
+        tl.debug_barrier()
+        idx = tl.arange(0, CX)[:, None] * T + lane[None, :]
+        key_c, pos_c = _load_kept(regions + idx, idx < n_bin, ASM)
+        rounds += _search_and_place(key_c, pos_c, lo_k, hi_k, sh, c_above, n_bin, c_above, hi_k, topk, out_row,
+                                    CX, T, ASM)
+        rounds = rounds * 2 + 1
+    else:
+        # No round needed, one was enough, or a large bin: the whole tile, every key
+        # placed here (the ones above the first bin too).
+        rounds += _search_and_place(key, pos, lo_k, hi_k, sh, c_above, n_bin, c_above * 0,
+                                    tl.full([], 0xFFFFFFFF, tl.uint32), topk, out_row, E2, T, ASM)
+        rounds = rounds * 2
+    return rounds
+
+
+@triton.jit
+def _sum_max_max(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, tl.maximum(a1, b1), tl.maximum(a2, b2)
+
+
+@triton.constexpr_function
+def _HALF_E2(capw):
+    """Registers a thread for the lower half of a CAPW-slot region (>= 1)."""
+    return max((capw // 2 + 31) // 32, 1)
+
+
 @triton.jit(do_not_specialize=["topk"])
-def _collect_kernel(
-    logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
+def _rowwise_kernel(
+    logits_ptr, stride_lr, seq_lens_ptr, next_n, width, topk, out_ptr, stride_or, out_cols,
     cand_ptr, stride_cr, meta_ptr, stride_mr,
     S: tl.constexpr, Z: tl.constexpr, RETRY_Z: tl.constexpr, E: tl.constexpr,
-    NW: tl.constexpr, CAPW: tl.constexpr, DECODE: tl.constexpr, ASM: tl.constexpr,
-    SAMPLE_ONLY: tl.constexpr = False,
+    NW: tl.constexpr, CAPW: tl.constexpr, LBLOCK: tl.constexpr, ASM: tl.constexpr, UNTIL: tl.constexpr = 9,
 ):
+    """Decode top-k of one row a program: sample, collect, select (module docstring).
+    UNTIL stops early for profiles: after the sample (1), the collect pass (2), the
+    regions' reload (3) or the first search round (4); the indices are then not valid."""
     T: tl.constexpr = 32 * NW
     row = tl.program_id(0)
-    lo, hi, shift = _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
+    # Decode rows start at column 0: lo = shift = 0.
+    lo, hi, shift = _row_bounds(row, seq_lens_ptr, seq_lens_ptr, seq_lens_ptr, next_n, width, True)
     n = hi - lo
-    if n > topk:
+    out_row = out_ptr + row.to(tl.int64) * stride_or
+    offs = tl.arange(0, LBLOCK)
+    if n <= topk:
+        # Short row: every valid position, then -1; no data needed.
+        for c0 in range(0, out_cols, LBLOCK):
+            c = c0 + offs
+            tl.store(out_row + c, tl.where(c < n, lo - shift + c, -1), mask=c < out_cols)
+    else:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
         regions = cand_ptr + row.to(tl.int64) * stride_cr  # NW regions of CAPW slots
         attempt = n * 0
         why = attempt
         z = Z + 0.0 * attempt
         vlo = attempt.to(tl.uint32)
-        n_kept = attempt
+        smax = vlo
         n_gt = tl.zeros([T], dtype=tl.int32)
         n_eq = n_gt
+        n_kept = attempt
+        max_gt = attempt
+        max_eq = attempt
+        # The collect pass's first tile, in flight while the sample is ranked.
+        tile = tl.arange(0, E)[:, None] * T + tl.arange(0, T)[None, :]
+        first = _load_keys(row_ptr, tile, hi, ASM)
         while (attempt < 2) & (why != 1):
-            vlo, ties = _sample_bound(row_ptr, lo, n, topk, S, z)
-            if not SAMPLE_ONLY:
+            vlo, ties, smax = _sample_bound(row_ptr, lo, n, topk, S, z)
+            if UNTIL >= 2:
                 # [T]: each lane its warp's counts; ties also after a first pass overflowed.
-                n_gt, n_eq = _collect(row_ptr, lo, hi, shift, vlo, ties | (why == 2), regions, E, T, CAPW, ASM)
+                n_gt, n_eq = _collect(row_ptr, hi, vlo, ties | (why == 2), regions, first, E, T, CAPW, ASM)
             else:
                 n_gt = tl.zeros([T], dtype=tl.int32) + topk // NW + 1 + (vlo & 1).to(tl.int32)
-                n_eq = n_gt * 0
-            n_kept = tl.sum(n_gt + n_eq, 0) // 32
-            why = tl.where(tl.max(n_gt, 0) > CAPW, 2, tl.where(n_kept < topk, 0, 1))
-            # A second pass moves the bound the way the first one missed.
+            # One CTA-wide reduction: every lane holds its warp's counts (32 copies of each).
+            n_kept, max_gt, max_eq = tl.reduce((n_gt + n_eq, n_gt, n_eq), 0, _sum_max_max)
+            n_kept = n_kept // 32
+            why = tl.where(max_gt > CAPW, 2, tl.where(n_kept < topk, 0, 1))
+            # A second pass moves the bound the way the first one missed (and reloads the
+            # first tile: the registers are not held through the pass).
             z = tl.where(why == 0, RETRY_Z, 0.5 * Z)
+            first = _load_keys(row_ptr, tile, tl.where(why == 1, 0, hi), ASM)
             attempt += 1
-        # For _final_kernel (EQ_AT_TOP): warp w's region is its "program" w, with n_gt
-        # entries > vlo at the bottom and n_eq ties at the top (none when both passes
-        # failed: its check then fails, and it selects over the row itself). Every lane
-        # of a warp writes the same words.
+        search = attempt * 0  # rounds * 2 + moved to a small tile
+        if UNTIL < 3:
+            pass
+        elif why == 1:
+            # Every entry of the row >= vlo (> vlo with ties at the bound) is in the
+            # regions, >= topk of them: their top-k is the row's. The barrier makes the
+            # other warps' regions visible.
+            tl.debug_barrier()
+            # Most rows: the regions' lower halves hold everything (half the work).
+            if (max_gt <= CAPW // 2) & (max_eq == 0):
+                search = _select_kept(regions, n_gt, n_eq, n_kept, vlo, smax, topk, out_row, _HALF_E2(CAPW), T, CAPW,
+                                      ASM, UNTIL)
+            else:
+                search = _select_kept(regions, n_gt, n_eq, n_kept, vlo, smax, topk, out_row, (CAPW + 31) // 32, T,
+                                      CAPW, ASM, UNTIL)
+        else:
+            _select_row(row_ptr, lo, hi, shift, topk, out_row, LBLOCK)
+        for c0 in range(topk, out_cols, LBLOCK):
+            c = c0 + offs
+            tl.store(out_row + c, tl.full([LBLOCK], -1, tl.int32), mask=c < out_cols)
+        # Each warp's (vlo, #entries above, #ties at the top, search * 16 + passes * 4 +
+        # outcome): tests and profiles (`testing.cases.topk.rowwise_outcomes`).
         meta = meta_ptr + row.to(tl.int64) * stride_mr + (tl.arange(0, T) // 32) * _NMETA
         tl.store(meta, tl.zeros([T], dtype=tl.int32) + vlo.to(tl.int32, bitcast=True))
-        tl.store(meta + 1, tl.where(why == 1, n_gt, 0))
-        tl.store(meta + 2, tl.where(why == 1, n_eq, 0))
-        tl.store(meta + 3, tl.zeros([T], dtype=tl.int32) + attempt * 4 + why)  # passes, last outcome (tests)
+        tl.store(meta + 1, n_gt)
+        tl.store(meta + 2, n_eq)
+        tl.store(meta + 3, tl.zeros([T], dtype=tl.int32) + search * 16 + attempt * 4 + why)
 
 
 # -- host side ----------------------------------------------------------------------
-def collect(logits, starts, ends, seq_lens, next_n, topk, decode, meta, cand, cfg, sample_only=False) -> None:
-    """Launch 1 of the one-program-a-row plan: `meta` int32 [rows, >= cfg.warps, NMETA]
-    and `cand` int64 [rows, >= cfg.slots] get what `_final_kernel` reads with P1 =
-    cfg.warps programs of REG = cfg.slots_per_warp slots (EQ_AT_TOP). `sample_only`
-    times the sample alone (profiles: the state it leaves is not valid)."""
+def topk_decode(logits, seq_lens, next_n, indices, topk, meta, cand, cfg, until=9) -> None:
+    """The whole decode top-k in one launch, one program a row. Scratch: `meta` int32
+    [rows, >= cfg.warps, NMETA] (each warp's counts, read by tests) and `cand` int64
+    [rows, >= cfg.slots] (the warps' regions). `until` < 5 runs a prefix of the kernel
+    (profiles, `_rowwise_kernel`'s UNTIL: the indices it leaves are not valid)."""
     rows, width = logits.shape
     assert meta.stride(0) >= NMETA * cfg.warps and meta.stride(-1) == 1, "meta scratch smaller than the plan"
     assert cand.shape[1] >= cfg.slots and cand.dtype.itemsize == 8, "candidate scratch smaller than the plan"
-    _collect_kernel[(rows,)](
-        logits, logits.stride(0), starts, ends, seq_lens, next_n, width, topk, cand, cand.stride(0), meta, meta.stride(0),
+    _rowwise_kernel[(rows,)](
+        logits, logits.stride(0), seq_lens, next_n, width, topk, indices, indices.stride(0), indices.shape[1],
+        cand, cand.stride(0), meta, meta.stride(0),
         S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z, E=cfg.per_thread, NW=cfg.warps,
-        CAPW=cfg.slots_per_warp, DECODE=decode, ASM=logits.is_cuda and torch.version.hip is None,
-        SAMPLE_ONLY=sample_only, num_warps=cfg.warps,
+        CAPW=cfg.slots_per_warp, LBLOCK=1024, ASM=logits.is_cuda and torch.version.hip is None, UNTIL=until,
+        num_warps=cfg.warps,
     )

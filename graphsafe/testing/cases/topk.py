@@ -322,10 +322,17 @@ register_case(
 
 
 def rowwise_outcomes(meta) -> list[tuple[int, int]]:
-    """(passes, outcome) of each row of the collect launch (triton_rowwise.py), from the
-    state it leaves for `_final_kernel`: outcome 1 = its regions hold a valid top-k, 0 =
-    too few entries, 2 = a region overflowed (the row is then selected exactly). Rows the
-    launch skips (at most topk valid entries) keep whatever `meta` held: (-1, -1) when
-    the caller filled it with -1."""
+    """(passes, outcome) of each row of the one-program-a-row decode kernel
+    (triton_rowwise.py), from the state it leaves in `meta`: outcome 1 = its regions
+    held a valid top-k (selected from them), 0 = too few entries, 2 = a region overflowed
+    (the row is then selected exactly). Rows with at most topk valid entries keep
+    whatever `meta` held: (-1, -1) when the caller filled it with -1."""
     code = meta[:, 0, 3].cpu().long()
-    return [(-1, -1) if int(c) < 0 else (int(c) // 4, int(c) % 4) for c in code]
+    return [(-1, -1) if int(c) < 0 else ((int(c) >> 2) & 3, int(c) & 3) for c in code]
+
+
+def rowwise_search(meta) -> list[tuple[int, bool]]:
+    """(search rounds, whether the bin was moved to a small tile after the first) of each
+    row's selection over the regions ((0, False): not selected there)."""
+    code = meta[:, 0, 3].cpu().long()
+    return [((max(int(c), 0) >> 5), bool((max(int(c), 0) >> 4) & 1)) for c in code]
