@@ -324,3 +324,19 @@ def test_rowwise_asm_histogram_and_bin_pick_match_their_emulation(lo, hi, sh, c_
         out[asm] = buf.tolist()
     assert out[True] == out[False]
     assert sum(out[True][:32]) > 0 and out[True][35:] == [-9] * 5
+
+
+def test_bench_cold_timing_reads_from_hbm():
+    """The bench's cold column (`time_graph_cold_ms`) must time a read from HBM: a 16 MiB
+    sum, which back-to-back replays keep in the 50 MiB L2, reads no faster than the
+    measured copy rate once L2 is flushed before each call."""
+    from graphsafe.bench.harness import l2_bytes, measure_copy_bandwidth, time_graph_cold_ms, time_graph_ms
+
+    x = torch.randn(4 << 20, device=CUDA)
+    out = torch.empty((), device=CUDA)
+    fn = lambda: torch.sum(x, dim=0, out=out)  # noqa: E731
+    assert x.numel() * 4 < l2_bytes(CUDA), "the test needs an input that fits in L2"
+    warm, cold = time_graph_ms(fn, CUDA), time_graph_cold_ms(fn, CUDA)
+    copy_rate = measure_copy_bandwidth(CUDA)
+    assert cold > warm * 0.9, (warm, cold)
+    assert x.numel() * 4 / (cold / 1e3) <= 1.15 * copy_rate, (cold, copy_rate)

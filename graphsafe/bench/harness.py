@@ -55,6 +55,10 @@ class Row:
     speedup_vs_first: float | None
     unit: str = "ms"
     error: str | None = None
+    # Graph replay with L2 flushed before each call (memory-bound problems small enough to
+    # stay in L2 between back-to-back replays; None otherwise): `time_graph_cold_ms`.
+    cold_ms: float | None = None
+    pct_bandwidth_cold: float | None = None
 
 
 @dataclass
@@ -188,6 +192,25 @@ def time_loop_us(fn: Callable[[], Any], device: torch.device, inner: int = 1000,
     return statistics.median(results)
 
 
+def l2_bytes(device: torch.device) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+
+
+def time_graph_cold_ms(fn: Callable[[], Any], device: torch.device, reps: int = 5) -> float:
+    """Median milliseconds of one call whose inputs start in HBM, not L2: graph replays of
+    (write a buffer twice the L2 size, call) minus replays of the write alone, the
+    median over `reps` pairs. Back-to-back replays of the call alone keep inputs smaller
+    than L2 resident (`time_graph_ms`); a decode step usually reads what the previous op
+    just wrote, so that number is not wrong, but it is not an HBM rate either. The write
+    leaves dirty lines that the call's reads may evict: this errs on the slow side."""
+    flush = torch.empty(max(2 * l2_bytes(device), 1 << 20), dtype=torch.uint8, device=device)
+    both = lambda: (flush.fill_(1), fn())  # noqa: E731
+    alone = lambda: flush.fill_(1)  # noqa: E731
+    diffs = [time_graph_ms(both, device) - time_graph_ms(alone, device) for _ in range(reps)]
+    del flush
+    return statistics.median(diffs)
+
+
 # -- ceilings -----------------------------------------------------------------------------
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
@@ -253,7 +276,7 @@ def run_problem(problem: Problem, device: torch.device, ceilings: Ceilings) -> l
     first_ms = None
     host_us = _interleaved_host_us(problem, device) if problem.unit == "us" else {}
     for label, fn in problem.impls.items():
-        eager_ms = None
+        eager_ms = cold_ms = None
         try:
             if problem.unit == "us":
                 value = host_us[label]
@@ -265,6 +288,8 @@ def run_problem(problem: Problem, device: torch.device, ceilings: Ceilings) -> l
                 if device.type == "cuda" and problem.graph:
                     try:
                         ms = time_graph_ms(fn, device)
+                        if problem.bound == "memory" and 0 < problem.bytes <= 2 * l2_bytes(device):
+                            cold_ms = time_graph_cold_ms(fn, device)
                     except Exception as err:  # noqa: BLE001 - not capturable: keep the eager time
                         label = f"{label} (no graph)"
                         print(f"[bench] {problem.case} {label}: graph capture failed: {str(err).splitlines()[0][:120]}")
@@ -274,9 +299,11 @@ def run_problem(problem: Problem, device: torch.device, ceilings: Ceilings) -> l
             ms, error = math.nan, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
         seconds = ms / 1e3
         gbps = problem.bytes / seconds / 1e9 if problem.bytes and seconds > 0 else None
-        pct_bw = None
+        pct_bw = pct_bw_cold = None
         if gbps is not None and ceilings.copy_bytes_per_s:
             pct_bw = 100 * gbps * 1e9 / ceilings.copy_bytes_per_s
+            if cold_ms and cold_ms > 0:
+                pct_bw_cold = 100 * problem.bytes / (cold_ms / 1e3) / ceilings.copy_bytes_per_s
         tflops = problem.flops / seconds / 1e12 if problem.flops and seconds > 0 else None
         pct_peak = None
         peak = ceilings.matmul_flops_per_s.get(str(problem.peak_dtype).removeprefix("torch."))
@@ -291,6 +318,8 @@ def run_problem(problem: Problem, device: torch.device, ceilings: Ceilings) -> l
                 impl=label,
                 median_ms=ms,
                 eager_ms=eager_ms,
+                cold_ms=cold_ms,
+                pct_bandwidth_cold=pct_bw_cold,
                 bytes=problem.bytes,
                 flops=problem.flops,
                 gbps=gbps,
@@ -315,13 +344,16 @@ def format_table(rows: list[Row], ceilings: Ceilings) -> str:
     peaks = ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in ceilings.matmul_flops_per_s.items())
     lines.append(
         "time: device ms per call from CUDA-graph replays (host launch cost excluded) where the impl "
-        "captures, else eager; eager: ms per call launched from Python; %bw: of the copy bandwidth below"
+        "captures, else eager; eager: ms per call launched from Python; %bw: of the copy bandwidth below; "
+        "cold, %cold: the same with L2 flushed before each call (memory-bound inputs up to twice the L2 size, "
+        "which back-to-back replays keep in L2)"
     )
     lines.append(
         f"device: {ceilings.device}; measured copy bandwidth: {_fmt(bw and bw / 1e12, '.2f')} TB/s"
         + (f"; matmul peak: {peaks}" if peaks else "")
     )
-    header = f"{'case':<28} {'shape':<40} {'impl':<24} {'time':>11} {'eager':>9} {'MB':>9} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>8} {'%peak':>6} {'x first':>8}"
+    header = (f"{'case':<28} {'shape':<40} {'impl':<24} {'time':>11} {'eager':>9} {'MB':>9} {'GB/s':>8} {'%bw':>6} "
+              f"{'cold':>9} {'%cold':>6} {'TFLOP/s':>8} {'%peak':>6} {'x first':>8}")
     lines.append(header)
     lines.append("-" * len(header))
     for r in rows:
@@ -329,7 +361,8 @@ def format_table(rows: list[Row], ceilings: Ceilings) -> str:
         eager = _fmt(r.eager_ms, ".4f") if r.eager_ms is not None and r.eager_ms != r.median_ms else "-"
         lines.append(
             f"{r.case:<28.28} {r.shape:<40.40} {r.impl:<24.24} {t:>11} {eager:>9} {_fmt(r.bytes / 1e6 if r.bytes else None, '.1f'):>9} "
-            f"{_fmt(r.gbps, '.0f'):>8} {_fmt(r.pct_bandwidth, '.1f'):>6} {_fmt(r.tflops, '.1f'):>8} "
+            f"{_fmt(r.gbps, '.0f'):>8} {_fmt(r.pct_bandwidth, '.1f'):>6} {_fmt(r.cold_ms, '.4f'):>9} "
+            f"{_fmt(r.pct_bandwidth_cold, '.1f'):>6} {_fmt(r.tflops, '.1f'):>8} "
             f"{_fmt(r.pct_peak, '.1f'):>6} {_fmt(r.speedup_vs_first, '.2f'):>8}"
         )
         if r.error:
