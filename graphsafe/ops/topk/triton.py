@@ -1,4 +1,5 @@
-"""Triton backend of the per-row top-k ops: each logit read from HBM once, two launches.
+"""Triton backend of the per-row top-k ops: each logit read from HBM once, in two launches
+(prefill, and decode with few wide rows; other decode calls take one: triton_rowwise.py).
 
 Keys are the order-preserving uint32 image of the float bits (`_sortable_key`, the same
 order as the reference's `sortable_keys`). A row's valid range is [lo, hi); rows with at
