@@ -354,6 +354,15 @@ def _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1: tl.constexp
     return ok
 
 
+@triton.jit
+def _write_positions(out_row, first, count, start, out_cols, LBLOCK: tl.constexpr):
+    """out_row[c] = start + c for first <= c < count, then -1 up to out_cols."""
+    offs = tl.arange(0, LBLOCK)
+    for c0 in range(first, out_cols, LBLOCK):
+        c = c0 + offs
+        tl.store(out_row + c, tl.where(c < count, start + c, -1), mask=c < out_cols)
+
+
 @triton.jit(do_not_specialize=["topk"])
 def _final_kernel(
     logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
@@ -364,12 +373,9 @@ def _final_kernel(
     row = tl.program_id(0)
     lo, hi, shift = _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
     out_row = out_ptr + row.to(tl.int64) * stride_or
-    offs = tl.arange(0, LBLOCK)
     if hi - lo <= topk:
         # Short row: every valid position, then -1; no data needed.
-        for c0 in range(0, out_cols, LBLOCK):
-            c = c0 + offs
-            tl.store(out_row + c, tl.where(c < hi - lo, lo - shift + c, -1), mask=c < out_cols)
+        _write_positions(out_row, 0, hi - lo, lo - shift, out_cols, LBLOCK)
     else:
         meta_row = meta_ptr + row.to(tl.int64) * stride_mr
         cand_row = cand_ptr + row.to(tl.int64) * stride_cr
@@ -405,9 +411,7 @@ def _final_kernel(
         if ok == 0:
             row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
             _select_row(row_ptr, lo, hi, shift, topk, out_row, LBLOCK)
-        for c0 in range(topk, out_cols, LBLOCK):
-            c = c0 + offs
-            tl.store(out_row + c, tl.full([LBLOCK], -1, tl.int32), mask=c < out_cols)
+        _write_positions(out_row, topk, 0, 0, out_cols, LBLOCK)  # -1 past topk
 
 
 @triton.jit

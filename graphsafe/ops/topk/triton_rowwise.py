@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from graphsafe.ops.topk.plan import NMETA
-from graphsafe.ops.topk.triton import _row_bounds, _select_row, _sortable_key
+from graphsafe.ops.topk.triton import _row_bounds, _select_row, _sortable_key, _write_positions
 
 _NMETA = tl.constexpr(NMETA)
 
@@ -87,6 +87,14 @@ def _sample_bound(row_ptr, lo, n, topk, S: tl.constexpr, Z):
     return vlo, tl.sum((skey == vlo).to(tl.int32), axis=0) > 1, tl.max(skey, axis=0)
 
 
+# Ranks by one ballot of predicate p: $0 = # lanes below this one with p set, $1 = # lanes
+# with p set. p: flag $2 != 0 (`_warp_rank`), key $2 >= bound $3 (`_rank_at_least`).
+_RANK_TAIL = ("vote.sync.ballot.b32 b, p, 0xffffffff; mov.b32 m, %lanemask_lt; and.b32 m, m, b; "
+              "popc.b32 $0, m; popc.b32 $1, b; }")
+_RANK_FLAG_ASM = tl.constexpr("{ .reg .pred p; .reg .b32 b, m; setp.ne.b32 p, $2, 0; " + _RANK_TAIL)
+_RANK_AT_LEAST_ASM = tl.constexpr("{ .reg .pred p; .reg .b32 b, m; setp.ge.u32 p, $2, $3; " + _RANK_TAIL)
+
+
 @triton.jit
 def _warp_rank(flag, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
     """For an [E, T] tile whose entry (e, t) thread t holds: (rank, total) with rank = #
@@ -97,9 +105,7 @@ def _warp_rank(flag, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
     thread t (Triton's default for [E, 32 * warps]; checked by the sm_90 compile test)."""
     if ASM:
         rank, total = tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 b, m; setp.ne.b32 p, $2, 0; vote.sync.ballot.b32 b, p, 0xffffffff; "
-            "mov.b32 m, %lanemask_lt; and.b32 m, m, b; popc.b32 $0, m; popc.b32 $1, b; }",
-            "=r,=r,r", [flag.to(tl.int32)], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+            _RANK_FLAG_ASM, "=r,=r,r", [flag.to(tl.int32)], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
         return rank, total
     else:
         f = tl.reshape(flag.to(tl.int32), [E, T // 32, 32])
@@ -135,9 +141,7 @@ def _rank_at_least(key, bound, E: tl.constexpr, T: tl.constexpr, ASM: tl.constex
     asm calls costs a handful of bit-packing instructions an entry)."""
     if ASM:
         rank, total = tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 b, m; setp.ge.u32 p, $2, $3; vote.sync.ballot.b32 b, p, 0xffffffff; "
-            "mov.b32 m, %lanemask_lt; and.b32 m, m, b; popc.b32 $0, m; popc.b32 $1, b; }",
-            "=r,=r,r,r", [key, bound], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+            _RANK_AT_LEAST_ASM, "=r,=r,r,r", [key, bound], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
         return rank, total
     else:
         return _warp_rank(key >= bound, E, T, False)
@@ -153,8 +157,7 @@ def _store_at_least(region_ptr, slot, key, rel, bound, cap, ASM: tl.constexpr):
             "mad.wide.s32 a, $1, 8, $6; mov.b64 v, {$3, $2}; @p st.global.b64 [a], v; mov.b32 $0, 0; }",
             "=r,r,r,r,r,r,l", [slot, key, rel, bound, cap, region_ptr], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        packed = (key.to(tl.uint64) << 32) | rel.to(tl.uint32).to(tl.uint64)
-        tl.store(region_ptr + slot, packed.to(tl.int64, bitcast=True), mask=(key >= bound) & (slot < cap))
+        _store_pairs(region_ptr, slot, key, rel, (key >= bound) & (slot < cap), False)
 
 
 @triton.jit
@@ -203,11 +206,7 @@ def _collect(row_ptr, hi, vlo, ties, regions, first, E: tl.constexpr, T: tl.cons
             keep_eq = eq & (slot_eq >= n_gt[None, :])
             n_eq += tl.sum(total_eq, 0)
             eq_room = tl.minimum(eq_room, tl.maximum(CAPW - n_eq, n_gt))
-            packed = (key.to(tl.uint64) << 32) | pos.to(tl.uint32).to(tl.uint64)
-            # Stored as a flat [CH] tensor: a 2-D store whose offsets Triton cannot analyse
-            # gets a layout of its own (and a shuffle of its operands through shared memory).
-            tl.store(tl.reshape(region_ptr + slot_eq, [CH]), tl.reshape(packed.to(tl.int64, bitcast=True), [CH]),
-                     mask=tl.reshape(keep_eq, [CH]))
+            _store_pairs(region_ptr, slot_eq, key, pos, keep_eq, ASM)
         key = key_next
         base += CH
     # Ties below the final count of larger entries were overwritten by them.
@@ -238,6 +237,17 @@ def _exclusive_over_warps(a, b, T: tl.constexpr):
     packed = a.to(tl.int64) + (b.to(tl.int64) << 32)
     before = (tl.cumsum(packed, 0) - (lane + 1) * packed) // 32
     return (before & 0xFFFFFFFF).to(tl.int32), (before >> 32).to(tl.int32)
+
+
+@triton.jit
+def _places(flag_a, flag_b, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+    """Each [E, T] entry's rank among the entries with its flag set, in (warp, register,
+    lane) order, for two flags at once: ballots within a warp, one scan over the warps."""
+    rank_a, total_a = _warp_rank(flag_a, E, T, ASM)
+    rank_b, total_b = _warp_rank(flag_b, E, T, ASM)
+    base_a, base_b = _exclusive_over_warps(tl.sum(total_a, 0), tl.sum(total_b, 0), T)
+    return (base_a[None, :] + tl.cumsum(total_a, 0) - total_a + rank_a,
+            base_b[None, :] + tl.cumsum(total_b, 0) - total_b + rank_b)
 
 
 @triton.jit
@@ -355,12 +365,9 @@ def _search_and_place(key, pos, lo_k, hi_k, sh, c_above, n_bin, c_start, hi_star
         rounds += 1
     above = (key > hi_k) & (key <= hi_start)
     in_bin = (key >= lo_k) & (key <= hi_k)
-    rank_a, total_a = _warp_rank(above, EX, T, ASM)
-    rank_b, total_b = _warp_rank(in_bin, EX, T, ASM)
-    base_a, base_b = _exclusive_over_warps(tl.sum(total_a, 0), tl.sum(total_b, 0), T)
-    place_a = c_start + base_a[None, :] + tl.cumsum(total_a, 0) - total_a + rank_a
-    place_b = c_above + base_b[None, :] + tl.cumsum(total_b, 0) - total_b + rank_b
-    _store_where(out_row, tl.where(above, place_a, place_b), pos, above | (in_bin & (place_b < topk)), ASM)
+    place_a, place_b = _places(above, in_bin, EX, T, ASM)
+    place_b += c_above
+    _store_where(out_row, tl.where(above, c_start + place_a, place_b), pos, above | (in_bin & (place_b < topk)), ASM)
     return rounds
 
 
@@ -426,11 +433,9 @@ def _select_kept(regions, n_gt, n_eq, n_kept, vlo, smax, topk, out_row, E2: tl.c
         # took a barrier) and come back as a small tile.
         above = key > hi_k
         in_bin = (key >= lo_k) & (key <= hi_k)
-        rank_a, total_a = _warp_rank(above, E2, T, ASM)
-        rank_b, total_b = _warp_rank(in_bin, E2, T, ASM)
-        base_a, base_b = _exclusive_over_warps(tl.sum(total_a, 0), tl.sum(total_b, 0), T)
-        _store_where(out_row, base_a[None, :] + tl.cumsum(total_a, 0) - total_a + rank_a, pos, above, ASM)
-        _store_pairs(regions, base_b[None, :] + tl.cumsum(total_b, 0) - total_b + rank_b, key, pos, in_bin, ASM)
+        place_a, place_b = _places(above, in_bin, E2, T, ASM)
+        _store_where(out_row, place_a, pos, above, ASM)
+        _store_pairs(regions, place_b, key, pos, in_bin, ASM)
         tl.debug_barrier()
         idx = tl.arange(0, CX)[:, None] * T + lane[None, :]
         key_c, pos_c = _load_kept(regions + idx, idx < n_bin, ASM)
@@ -473,12 +478,9 @@ def _rowwise_kernel(
     lo, hi, shift = _row_bounds(row, seq_lens_ptr, seq_lens_ptr, seq_lens_ptr, next_n, width, True)
     n = hi - lo
     out_row = out_ptr + row.to(tl.int64) * stride_or
-    offs = tl.arange(0, LBLOCK)
     if n <= topk:
         # Short row: every valid position, then -1; no data needed.
-        for c0 in range(0, out_cols, LBLOCK):
-            c = c0 + offs
-            tl.store(out_row + c, tl.where(c < n, lo - shift + c, -1), mask=c < out_cols)
+        _write_positions(out_row, 0, n, lo - shift, out_cols, LBLOCK)
     else:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
         regions = cand_ptr + row.to(tl.int64) * stride_cr  # NW regions of CAPW slots
@@ -528,9 +530,7 @@ def _rowwise_kernel(
                                       CAPW, ASM, UNTIL)
         else:
             _select_row(row_ptr, lo, hi, shift, topk, out_row, LBLOCK)
-        for c0 in range(topk, out_cols, LBLOCK):
-            c = c0 + offs
-            tl.store(out_row + c, tl.full([LBLOCK], -1, tl.int32), mask=c < out_cols)
+        _write_positions(out_row, topk, 0, 0, out_cols, LBLOCK)  # -1 past topk
         # Each warp's (vlo, #entries above, #ties at the top, search * 16 + passes * 4 +
         # outcome): tests and profiles (`testing.cases.topk.rowwise_outcomes`).
         meta = meta_ptr + row.to(tl.int64) * stride_mr + (tl.arange(0, T) // 32) * _NMETA
