@@ -288,6 +288,35 @@ def test_rowwise_paths(case):
     assert _rowwise_run(logits, 1, seq_lens, 64, 70, cfg) == [want] * 3
 
 
+# Rows the 16-byte paths can read (whole groups of 4, 16-byte aligned: runs of 4 floats
+# in the sample, register groups in the pass) and rows they cannot (4-byte paths).
+ROW_LAYOUTS = {
+    "aligned": (lambda x: x, True),
+    "width_not_a_multiple_of_4": (lambda x: x[:, :2999].contiguous(), False),
+    "row_stride_not_a_multiple_of_4": (lambda x: torch.cat([x, x[:, :1]], 1)[:, :3000], False),
+    "start_not_16_byte_aligned": (lambda x: torch.cat([x[:, :4], x], 1)[:, 1:3001], False),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
+def test_rowwise_row_layouts(layout):
+    make, vec = ROW_LAYOUTS[layout]
+    logits = make(_randn(3, 3000, 27))
+    assert _tt_rowwise().vector_loads(logits) == vec
+    width = logits.shape[1]
+    # Ragged lengths: partial last steps and sample runs that end at a row's end.
+    seq_lens = torch.tensor([width, width - 3, width - 1001], dtype=torch.int32)
+    for cfg in (SMALL_ROWWISE, dataclasses.replace(SMALL_ROWWISE, samples_per_thread=4)):
+        assert _rowwise_run(logits, 1, seq_lens, 64, 70, cfg) == [(1, 1)] * 3
+
+
+def _tt_rowwise():
+    from graphsafe.ops.topk import triton_rowwise
+
+    return triton_rowwise
+
+
 @needs_interpreter
 @pytest.mark.parametrize("next_n", [1, 2])
 def test_rowwise_mtp_short_and_empty_rows(next_n):
@@ -346,9 +375,13 @@ def test_rowwise_plan_and_worst_case():
     assert plan.rowwise_applies(32, 131072, 2048) and not plan.rowwise_applies(16, 131072, 2048)
     assert plan.rowwise_applies(1, 32768, 2048) and plan.rowwise_applies(128, 4096, 2048)
     assert not plan.rowwise_applies(128, 131072, plan.ROWWISE.slots // 2 + 1)
-    for width in (32768, 65536, 131072, 262144):
+    # Shorter steps up to 32K-wide rows, one shape of scratch for both plans.
+    assert plan.rowwise_plan(32768).per_thread == 8 and plan.rowwise_plan(32772).per_thread == 16
+    assert plan.ROWWISE_NARROW.slots == plan.ROWWISE.slots and plan.ROWWISE_NARROW.warps == plan.ROWWISE.warps
+    for width in (4096, 32768, 65536, 131072, 262144):
         assert plan.rowwise_applies(128, width, 2048)
-        cfg = plan.ROWWISE
+        cfg = plan.rowwise_plan(width)
+        assert cfg.per_thread % 4 == 0 and cfg.samples_per_thread == 4, "16-byte loads need groups of 4"
         (meta_shape, _), (cand_shape, _) = plan.workspace_specs_decode(1, width, 2048)
         assert meta_shape[1] >= cfg.warps and cand_shape[1] >= cfg.slots, "the decode worst case covers the one-launch kernel"
         assert 2048 <= cfg.slots // 2
@@ -601,14 +634,16 @@ cases = [
     (tt._finish_external_kernel, {"LOCALIZE": True, "BLOCK": 1024}, ("topk",), 4),
     (tt._decode_row_ends_kernel, {"BLOCK": 1024}, ("next_n",), 4),
 ]
-# The one-launch decode kernel (plan.ROWWISE): next_n = 1 and MTP; the profiles' prefixes.
+# The one-launch decode kernel (both plans): next_n = 1 and MTP; 4-byte loads; the
+# profiles' prefixes.
 import re
 from graphsafe.ops.topk import plan, triton_rowwise as rw
-cfg = plan.ROWWISE
-for ones, until in ((("next_n",), 9), ((), 9), ((), 2), ((), 4)):
+for cfg, ones, until, vec in ((plan.ROWWISE, ("next_n",), 9, True), (plan.ROWWISE, (), 9, True),
+                               (plan.ROWWISE_NARROW, (), 9, True), (plan.ROWWISE, (), 9, False),
+                               (plan.ROWWISE, (), 2, True), (plan.ROWWISE, (), 4, True)):
     cases.append((rw._rowwise_kernel, dict(S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z,
-                  E=cfg.per_thread, NW=cfg.warps, CAPW=cfg.slots_per_warp, LBLOCK=1024, ASM=True, UNTIL=until), ones,
-                  cfg.warps))
+                  E=cfg.per_thread, NW=cfg.warps, CAPW=cfg.slots_per_warp, LBLOCK=1024,
+                  VEC=vec, ASM=True, UNTIL=until), ones, cfg.warps))
 for fn, constexprs, ones, warps in cases:
     sig, consts, attrs = sig_of(fn, ones)
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={**constexprs, **consts}, attrs=attrs),
@@ -617,19 +652,25 @@ for fn, constexprs, ones, warps in cases:
     if fn is rw._rowwise_kernel:
         # The ballots rank (and histogram) entry (e, t) among the lanes of register e: an
         # [E, 32 * warps] tile must sit one entry a thread, a row of it across the warps'
-        # lanes. `_pick_bin`'s shuffles need bin j in lane j: a [32] tensor, one a lane.
+        # lanes; the 16-byte loads (pack=4) then fill registers 4j..4j+3 of a thread.
+        # `_pick_bin`'s shuffles need bin j in lane j and `_warp_scan`'s a thread's count
+        # in its lane: [32] or [32 * warps] tensors, one a lane.
         ttgir = k.asm["ttgir"]
         aliases = dict(line.split(" = ", 1) for line in ttgir.splitlines() if line.startswith("#blocked"))
         tile = f"sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [1, {warps}], order = [1, 0]"
-        bins = "sizePerThread = [1], threadsPerWarp = [32]"
-        ballots = [line for line in ttgir.splitlines() if "vote.sync.ballot" in line]
-        assert ballots, "no ballot in the kernel"
+        lanes = "sizePerThread = [1], threadsPerWarp = [32]"
+        asms = [line for line in ttgir.splitlines() if "elementwise_inline_asm" in line]
+        ballots = [line for line in asms if "vote.sync.ballot" in line]
+        scans = [line for line in asms if "shfl.sync.up" in line]
+        loads4 = [line for line in asms if "v4.b32" in line]
+        assert ballots and scans, "no ballot or warp scan in the kernel"
         assert constexprs["UNTIL"] < 4 or any("shfl.sync" in line for line in ballots), "no bin pick in the kernel"
-        for line in ballots:
-            want = bins if "shfl.sync" in line else tile
+        assert bool(loads4) == constexprs["VEC"], "16-byte loads where VEC asks for them"
+        for line in ballots + scans + loads4:
+            want = lanes if "shfl.sync" in line else tile
             layouts = re.findall(r"tensor<[^>]*, (#blocked\d*)>", line)
             assert layouts and all(want in aliases[a] for a in layouts), (line, aliases)
-        print("ballot layout ok", len(ballots))
+        print("asm layouts ok", len(ballots), len(scans), len(loads4))
 print("OK")
 """
 

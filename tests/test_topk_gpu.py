@@ -160,7 +160,7 @@ def test_structured_rows_take_the_fast_path(pattern, width):
 def _rowwise(args, cfg=None, **kw):
     """Run decode through the one-launch kernel; return the rows' (passes, outcome)."""
     logits = args[0]
-    cfg = cfg or plan.ROWWISE
+    cfg = cfg or plan.rowwise_plan(logits.shape[1])
     meta = torch.full((logits.shape[0], cfg.warps, plan.NMETA), -1, dtype=torch.int32, device=CUDA)
     cand = torch.full((logits.shape[0], cfg.slots), -5, dtype=torch.int64, device=CUDA)
     out = C.clone_args(args)
@@ -192,6 +192,33 @@ def test_rowwise_structured_rows_take_one_pass(pattern, width):
     outcomes = _rowwise(args)
     assert all(o[1] == 1 for o in outcomes), outcomes
     assert sum(o[0] == 2 for o in outcomes) <= (4 if pattern == "clumps_of_16" else 0), outcomes
+
+
+ROW_LAYOUTS = {
+    # name: (logits from a [rows, width + 4] buffer, 16-byte paths)
+    "aligned": (lambda x, w: x[:, :w].contiguous(), True),
+    "width_not_a_multiple_of_4": (lambda x, w: x[:, :w - 1].contiguous(), False),
+    "row_stride_not_a_multiple_of_4": (lambda x, w: x[:, :w + 1][:, :w], False),
+    "start_not_16_byte_aligned": (lambda x, w: x[:, 1:w + 1], False),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
+@pytest.mark.parametrize("cfg", ["ROWWISE_NARROW", "ROWWISE"])
+def test_rowwise_row_layouts(layout, cfg):
+    """The 16-byte loads (sample runs, pass tiles) where the rows allow them, 4-byte loads
+    elsewhere; ragged lengths end rows inside a group of 4. Both plans at one width."""
+    make, vec = ROW_LAYOUTS[layout]
+    gen = torch.Generator(device=CUDA).manual_seed(11)
+    rows, width = 128, 32768
+    buf = torch.randn(rows, width + 4 if "stride" not in layout else width + 1, device=CUDA, generator=gen)
+    logits = make(buf, width)
+    assert rowwise.vector_loads(logits) == vec
+    w = logits.shape[1]
+    seq_lens = torch.randint(w // 2, w + 1, (rows,), device=CUDA, generator=gen, dtype=torch.int32)
+    seq_lens[:4] = torch.tensor([w, w - 1, w - 2, w - 3], dtype=torch.int32)
+    args = (logits, 1, seq_lens, torch.empty(rows, 2048, dtype=torch.int32, device=CUDA), 2048)
+    assert _rowwise(args, getattr(plan, cfg)) == [(1, 1)] * rows
 
 
 @pytest.mark.parametrize("fill", [0.0, 0.3, float("-inf")])

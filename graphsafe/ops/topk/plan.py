@@ -52,8 +52,8 @@ class RowwisePlan:
     # The second pass's, after too few entries were kept: further out, not so far that
     # its share overflows a region (10 sigma overflowed a row's 256-slot regions at 32K).
     retry_z: float = 6.0
-    samples_per_thread: int = 4  # S = 32 * warps * this
-    per_thread: int = 16  # entries a thread sorts out per step
+    samples_per_thread: int = 4  # S = 32 * warps * this (4: runs of 4 floats, 16-byte loads)
+    per_thread: int = 16  # entries a thread sorts out per step (a multiple of 4)
     # Each warp's region. 512: rows with clumps of 16 equal scores put ~170 +- 55 entries
     # in a warp at 32K and up to ~350 at 128K; the selection reads the lower halves only
     # when every warp's entries fit there.
@@ -74,8 +74,17 @@ ROWWISE_MIN_ROWS = 32
 ROWWISE_ANY_ROWS_WIDTH = 32768
 
 
-# The one-launch kernel's plan (one for every width so far).
+# The one-launch kernel's plans: 8 entries a thread a step up to 32K-wide rows, 16
+# beyond. H100, 128 random rows, us with 8 / 16 (benchmarks/NOTES.md, "Top-k: a
+# thread's own slots"): 32768: 15.5 / 16.1; 65536: 20.5 / 20.4; 131072: 41.6 / 37.7.
 ROWWISE = RowwisePlan()
+ROWWISE_NARROW = RowwisePlan(per_thread=8)
+ROWWISE_NARROW_WIDTH = 32768
+
+
+def rowwise_plan(width: int) -> RowwisePlan:
+    """The one-launch plan for rows `width` wide (from the shape alone: graph-safe)."""
+    return ROWWISE_NARROW if width <= ROWWISE_NARROW_WIDTH else ROWWISE
 
 
 def rowwise_applies(rows: int, width: int, topk: int) -> bool:

@@ -485,7 +485,7 @@ def _launch(
         rowwise = not forced and torch.version.hip is None and _plan.rowwise_applies(rows, width, topk)
     if decode and rowwise:
         _launch_rowwise(logits, seq_lens, next_n, indices, topk, scratch,
-                        rowwise if isinstance(rowwise, _plan.RowwisePlan) else _plan.ROWWISE)
+                        rowwise if isinstance(rowwise, _plan.RowwisePlan) else _plan.rowwise_plan(width))
         return
     plan = _plan.choose(
         rows, width, topk, p1=p1, reg=reg,

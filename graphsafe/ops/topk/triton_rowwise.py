@@ -6,19 +6,22 @@ own bound by a radix search over column maxima and placing its kept entries with
 CTA-wide scans: chains of CTA-wide steps, not memory-bound (benchmarks/NOTES.md,
 "Top-k"). With a row a program, the pass over the row needs no CTA-wide step at all:
 
-A. Sample (`_sample_bound`). S positions spread evenly over the row's valid range. With
-   p = topk / n, about mu = p * S samples lie at or above the row's topk-th largest key,
-   give or take sigma = sqrt(S p (1 - p)). The bound `vlo` is a sample key with about
-   mu + Z sigma + 2 samples at or above it (a radix select over the samples: three
-   rounds of a 32-bin `tl.histogram`): at least topk entries of the row lie at or above
-   it unless the sample is off by more than Z sigma.
+A. Sample (`_sample_bound`). S samples spread evenly over the row's valid range (runs
+   of 4 consecutive floats, one 16-byte load each, where the rows allow it: the
+   sample's time goes with its sectors). With p = topk / n, about mu = p * S samples lie
+   at or above the row's topk-th largest key, give or take sigma = sqrt(S p (1 - p)).
+   The bound `vlo` is a sample key with about mu + Z sigma + 2 samples at or above it (a
+   radix select over the samples: three rounds of `_histogram32` and `_pick_bin`): at
+   least topk entries of the row lie at or above it unless the sample is off by more
+   than Z sigma. After the first round the pass's first tile is loaded, in flight while
+   the sample is ranked.
 B. Collect (`_collect`). The row in [E, 32 * warps] tiles (entry (e, t) in register e of
-   thread t); every entry >= vlo goes to its warp's region of the scratch (key << 32 |
-   position). A warp places its entries with one ballot a register (`vote.ballot` and
-   `popc`, inline PTX; a reshape-and-cumsum emulation in the interpreter): no shuffles,
-   no shared memory, no CTA-wide step. When the sample saw ties at the bound, entries
-   == vlo go to the top of the region instead, so a run of equal scores cannot crowd out
-   a larger one.
+   thread t; 16-byte loads where the rows allow it); every entry >= vlo goes to its
+   warp's region of the scratch (key << 32 | position). Each thread counts its own kept
+   entries and takes its slots after the lanes below it (one warp scan of 5 shuffles a
+   tile, `_place_at_least`): no shared memory, no CTA-wide step. When the sample saw
+   ties at the bound, entries == vlo go to the top of the region instead (placed by
+   ballots), so a run of equal scores cannot crowd out a larger one.
 C. If fewer than topk entries were kept, or a region overflowed, the pass runs once
    more with the bound RETRY_Z sigma out (too few) or Z/2 in (overflow); if that fails
    too, the exact radix select over the row (`triton._select_row`).
@@ -32,11 +35,11 @@ D. Select (`_select_kept`), in the same program after a barrier: the regions com
 
 Rows with at most topk valid entries are written without data. Nothing is zeroed, no
 atomics; the regions' order is fixed (warp, then position), so results are
-deterministic. On a GPU the loads, ballots, histograms and stores of the hot paths are
-inline PTX (`ASM`): an asm keeps its operands' one-entry-a-thread layout (a `tl.load`
-gets a vector layout, and scattered stores after it shuffle through shared memory), and
-compares inside the asm avoid i1 tensors between calls (Triton packs those into bit
-fields). The sm_90 compile test checks the layouts the ballots rely on.
+deterministic. On a GPU the loads, ballots, shuffles, histograms and stores of the hot
+paths are inline PTX (`ASM`): an asm keeps its operands' one-entry-a-thread layout (a
+`tl.load` gets a vector layout, and scattered stores after it shuffle through shared
+memory), and compares inside the asm avoid i1 tensors between calls (Triton packs those
+into bit fields). The sm_90 compile test checks the layouts the asm relies on.
 """
 
 from __future__ import annotations
@@ -46,53 +49,70 @@ import triton
 import triton.language as tl
 
 from graphsafe.ops.topk.plan import NMETA
-from graphsafe.ops.topk.triton import _row_bounds, _select_row, _sortable_key, _write_positions
+from graphsafe.ops.topk.triton import _row_bounds, _select_row, _write_positions
 
 _NMETA = tl.constexpr(NMETA)
 
 
 @triton.jit
-def _sample_bound(row_ptr, lo, n, topk, S: tl.constexpr, Z):
-    """vlo: about the largest sample key with mu + Z sigma + 2 samples at or above it,
-    from a radix select over the S samples: three rounds of a 32-bin histogram
-    (`tl.histogram`: ballots) of the next 5 key bits. A 15-bit prefix is enough: vlo is
-    the smallest sample key that shares or exceeds it (a few more candidates, never
-    fewer)."""
+def _min_max_max(a0, a1, a2, b0, b1, b2):
+    return tl.minimum(a0, b0), tl.maximum(a1, b1), tl.maximum(a2, b2)
+
+
+@triton.jit
+def _sample_bound(row_ptr, lo, hi, topk, Z, SE: tl.constexpr, E: tl.constexpr, T: tl.constexpr, VEC: tl.constexpr,
+                  ASM: tl.constexpr):
+    """(vlo, ties, smax, first) from SE * T samples spread evenly over [lo, hi), an [SE, T]
+    tile (module docstring, A).
+
+    vlo: about the largest sample key with mu + Z sigma + 2 samples at or above it, from a
+    radix select over the samples: three rounds of `_histogram32` and `_pick_bin` over
+    the next 5 key bits. A 15-bit prefix is enough: vlo is the smallest sample key that
+    shares or exceeds it (a few more candidates, never fewer). ties: the prefix's range
+    holds two or more samples, all one key (the row likely holds a run of them). smax:
+    the largest sample key (sizes the selection's first bins). first: the collect pass's
+    first tile, loaded after the first round: in flight while the sample is ranked, and
+    not competing with the sample's own loads."""
+    S: tl.constexpr = SE * T
+    n = hi - lo
+    # Single floats, one a sector: runs of consecutive floats would cost fewer sectors,
+    # but they sample runs of equal or related scores as one (benchmarks/NOTES.md).
+    j = tl.arange(0, SE)[:, None] * T + tl.arange(0, T)[None, :]
     q = n // S
     rem = n - q * S
-    j = tl.arange(0, S)
-    skey = _sortable_key(tl.load(row_ptr + lo + j * q + (j * rem) // S))
+    pos = lo + j * q + (j * rem) // S
+    skey = _tile_keys(_load_tile(row_ptr, pos, hi, False, ASM, L1=True), pos, hi, False)
     p = topk.to(tl.float32) / n.to(tl.float32)
     mu = p * S
     need = tl.minimum((mu + Z * tl.sqrt(mu * (1.0 - p))).to(tl.int32) + 2, S)
-    bins = tl.arange(0, 32)
     prefix = tl.full([], 0, tl.uint32)
+    last = tl.full([], 0xFFFFFFFF, tl.uint32)
+    c_above = need * 0
+    n_bin = need * 0
     for d in tl.static_range(3):
         SHIFT = 27 - 5 * d
+        hist = _histogram32(skey, prefix, last, prefix * 0 + SHIFT, SE, T, ASM)
+        # The digit: the largest bin where the count from the top reaches `need` (0 if none).
+        digit, above, n_bin = _pick_bin(hist, c_above, need, ASM)
+        c_above += above
+        prefix = prefix + (digit.to(tl.uint32) << SHIFT)
+        last = prefix + ((1 << SHIFT) - 1)
         if d == 0:
-            m = skey >= 0
-        else:
-            m = (skey >> (SHIFT + 5)) == (prefix >> (SHIFT + 5))
-        hist = tl.histogram(((skey >> SHIFT) & 31).to(tl.int32), 32, mask=m)
-        # The digit: the largest bin whose suffix count still reaches `need` (0 if none).
-        digit = tl.max(tl.where(tl.cumsum(hist, 0, reverse=True) >= need, bins, 0), axis=0)
-        need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-        prefix = prefix | (digit.to(tl.uint32) << SHIFT)
-    # The smallest sample key in the prefix's range (the prefix's low edge would split a
-    # run of equal keys, ties of the sample, into "above" and "tied"); at least 1, as
-    # key 0 means "no key" (masked entries).
-    vlo = tl.maximum(tl.min(tl.where(skey >= prefix, skey, 0xFFFFFFFF), axis=0), 1)
-    # Ties at the bound in the sample: the row likely holds a run of them. The sample's
-    # largest key sizes the selection's first bins.
-    return vlo, tl.sum((skey == vlo).to(tl.int32), axis=0) > 1, tl.max(skey, axis=0)
+            first = _load_tile(row_ptr, _tile_positions(E, T, VEC), hi, VEC, ASM, True)
+    # The smallest sample key in the prefix's range or above it (the prefix's low edge
+    # would split a run of equal keys into "above" and "tied"); at least 1, as key 0
+    # means "no key" (masked entries). A thread's registers first, then across the
+    # threads (the interpreter reduces a tuple over one axis at a time).
+    vmin, bin_max, smax = tl.reduce(tl.reduce((tl.where(skey >= prefix, skey, 0xFFFFFFFF),
+                                               tl.where(skey <= last, skey, 0), skey), 0, _min_max_max), 0, _min_max_max)
+    return tl.maximum(vmin, 1), (n_bin >= 2) & (vmin == bin_max), smax, first
 
 
-# Ranks by one ballot of predicate p: $0 = # lanes below this one with p set, $1 = # lanes
-# with p set. p: flag $2 != 0 (`_warp_rank`), key $2 >= bound $3 (`_rank_at_least`).
-_RANK_TAIL = ("vote.sync.ballot.b32 b, p, 0xffffffff; mov.b32 m, %lanemask_lt; and.b32 m, m, b; "
-              "popc.b32 $0, m; popc.b32 $1, b; }")
-_RANK_FLAG_ASM = tl.constexpr("{ .reg .pred p; .reg .b32 b, m; setp.ne.b32 p, $2, 0; " + _RANK_TAIL)
-_RANK_AT_LEAST_ASM = tl.constexpr("{ .reg .pred p; .reg .b32 b, m; setp.ge.u32 p, $2, $3; " + _RANK_TAIL)
+# Ranks by one ballot of flag $2 != 0: $0 = # lanes below this one with the flag set,
+# $1 = # lanes with it set.
+_RANK_FLAG_ASM = tl.constexpr(
+    "{ .reg .pred p; .reg .b32 b, m; setp.ne.b32 p, $2, 0; vote.sync.ballot.b32 b, p, 0xffffffff; "
+    "mov.b32 m, %lanemask_lt; and.b32 m, m, b; popc.b32 $0, m; popc.b32 $1, b; }")
 
 
 @triton.jit
@@ -114,92 +134,161 @@ def _warp_rank(flag, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
         return tl.reshape(rank, [E, T]), tl.reshape(total, [E, T])
 
 
-@triton.jit
-def _load_keys(row_ptr, pos, hi, ASM: tl.constexpr):
-    """Keys of the row's floats at `pos` >= 0, 0 from `hi` on.
+# `_load_tile`'s 16-byte asm: $0..$3 the floats' bits; $4 the row (of 4 copies), $8 the
+# first position (a multiple of 4; $9..$11 the next three), $12 hi (of 4 copies).
+# Nothing is loaded from hi on: the caller masks those entries (`_tile_keys`).
+_LOAD_BITS4_ASM = tl.constexpr(
+    "{ .reg .pred p; .reg .b64 a; setp.lt.s32 p, $8, $12; mad.wide.s32 a, $8, 4, $4; "
+    "@p ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [a]; }"
+)
+# `_load_tile`'s 4-byte asm: $0 the bits (0xFFFFFFFF from hi on), $1 the row, $2 the
+# position, $3 hi.
+_LOAD_BITS = ("{{ .reg .pred p; .reg .b64 a; setp.lt.s32 p, $2, $3; mov.b32 $0, -1; mad.wide.s32 a, $2, 4, $1; "
+              "@p ld.global.nc{}.b32 $0, [a]; }}")
+_LOAD_BITS_ASM = tl.constexpr(_LOAD_BITS.format(".L1::no_allocate"))
+_LOAD_BITS_L1_ASM = tl.constexpr(_LOAD_BITS.format(""))
 
-    On a GPU one asm does the address, the load and the key: a `tl.load` gets the
-    layout Triton picks for loads (vector runs a thread), and every scattered store after
-    it then shuffles its operands through shared memory; an elementwise asm keeps the
-    one-entry-a-thread layout. A masked-off entry reads as the bits 0xFFFFFFFF, whose key
-    is 0 (no select needed)."""
+
+@triton.jit
+def _tile_positions(E: tl.constexpr, T: tl.constexpr, VEC: tl.constexpr):
+    """[E, T] offsets of a collect step's entries, entry (e, t) in register e of thread t.
+    VEC: registers 4j..4j+3 of thread t hold 4 consecutive floats (one 16-byte load),
+    4j * T + 4t: a warp's load of a register group reads 512 contiguous bytes.
+    Otherwise e * T + t (a warp's load of a register reads 128 contiguous bytes)."""
+    e = tl.arange(0, E)[:, None]
+    t = tl.arange(0, T)[None, :]
+    if VEC:
+        return (e // 4) * (4 * T) + t * 4 + e % 4
+    else:
+        return e * T + t
+
+
+@triton.jit
+def _load_tile(row_ptr, pos, hi, VEC: tl.constexpr, ASM: tl.constexpr, PINNED: tl.constexpr = False,
+               L1: tl.constexpr = False):
+    """The bits of a tile's floats (`_tile_positions`'s layout), turned into keys by
+    `_tile_keys` (not here: the first instruction that reads a load's result waits for
+    it, and the next tile's loads should stay in flight while the current one is sorted
+    out). On a GPU with VEC, one 16-byte load a register group (the asm takes 4 registers
+    at once, `pack=4`; registers 4j..4j+3 must hold consecutive positions, the first a
+    multiple of 4); entries from hi on are undefined there. Otherwise entries from hi on
+    read as 0xFFFFFFFF (key 0). PINNED: the load stays where it is in the program (a
+    pure asm may be hoisted above barriers). L1 (4-byte loads): allocate the lines in L1
+    (the sample's scattered loads: 37.8 against 41.1 us at 128 x 131072, H100); the
+    pass streams past L1."""
+    if VEC:
+        if ASM:
+            return tl.inline_asm_elementwise(
+                _LOAD_BITS4_ASM, "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [row_ptr, pos, hi], dtype=tl.uint32,
+                is_pure=not PINNED, pack=4)
     if ASM:
         return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 b, s; .reg .b64 a; "
-            "setp.lt.s32 p, $2, $3; mov.b32 b, -1; mad.wide.s32 a, $2, 4, $1; "
-            "@p ld.global.nc.L1::no_allocate.b32 b, [a]; "
-            "shr.s32 s, b, 31; or.b32 s, s, 0x80000000; xor.b32 $0, b, s; }",
-            "=r,l,r,r", [row_ptr, pos, hi], dtype=tl.uint32, is_pure=True, pack=1)
+            _LOAD_BITS_L1_ASM if L1 else _LOAD_BITS_ASM, "=r,l,r,r", [row_ptr, pos, hi], dtype=tl.uint32,
+            is_pure=not PINNED, pack=1)
     else:
-        mask = pos < hi
-        return tl.where(mask, _sortable_key(tl.load(row_ptr + pos, mask=mask, other=0.0)), 0)
+        bits = tl.load(row_ptr + pos, mask=pos < hi, other=0.0).to(tl.uint32, bitcast=True)
+        return tl.where(pos < hi, bits, 0xFFFFFFFF)
 
 
 @triton.jit
-def _rank_at_least(key, bound, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
-    """`_warp_rank` of key >= bound, the compare inside the asm (an i1 tensor between two
-    asm calls costs a handful of bit-packing instructions an entry)."""
+def _tile_keys(bits, pos, hi, partial):
+    """Keys of a loaded tile (triton.py's `_sortable_key` of the bits), 0 from hi on:
+    only a `partial` tile (the row's last) pays for the mask."""
+    key = bits ^ ((bits.to(tl.int32, bitcast=True) >> 31).to(tl.uint32, bitcast=True) | 0x80000000)
+    if partial:
+        key = tl.where(pos < hi, key, 0)
+    return key
+
+
+_WARP_SCAN_STEP = "shfl.sync.up.b32 t|p, s, {}, 0, 0xffffffff; @p add.s32 s, s, t; "
+_WARP_SCAN_ASM = tl.constexpr(
+    "{ .reg .pred p; .reg .b32 s, t; mov.b32 s, $2; "
+    + "".join(_WARP_SCAN_STEP.format(1 << j) for j in range(5))
+    + "sub.s32 $0, s, $2; shfl.sync.idx.b32 $1, s, 31, 0x1f, 0xffffffff; }"
+)
+
+
+@triton.jit
+def _warp_scan(count, T: tl.constexpr, ASM: tl.constexpr):
+    """[T], one count a thread -> (sum over the lanes below in its warp, its warp's sum):
+    five shuffles up on a GPU."""
     if ASM:
-        rank, total = tl.inline_asm_elementwise(
-            _RANK_AT_LEAST_ASM, "=r,=r,r,r", [key, bound], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-        return rank, total
+        before, total = tl.inline_asm_elementwise(
+            _WARP_SCAN_ASM, "=r,=r,r", [count], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        return before, total
     else:
-        return _warp_rank(key >= bound, E, T, False)
+        c = tl.reshape(count, [T // 32, 32])
+        before = tl.cumsum(c, 1) - c
+        total = tl.broadcast_to(tl.sum(c, 1)[:, None], [T // 32, 32])
+        return tl.reshape(before, [T]), tl.reshape(total, [T])
 
 
 @triton.jit
-def _store_at_least(region_ptr, slot, key, rel, bound, cap, ASM: tl.constexpr):
-    """region_ptr[slot] = key << 32 | rel where key >= bound and slot < cap (one asm on a
-    GPU: compares, address, store)."""
+def _store_above(region_ptr, slot, key, rel, floor, ASM: tl.constexpr):
+    """region_ptr[slot] = key << 32 | rel where key > floor (one asm on a GPU: compare,
+    address, store)."""
     if ASM:
         tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 a, v; setp.ge.u32 p, $2, $4; setp.lt.and.s32 p, $1, $5, p; "
-            "mad.wide.s32 a, $1, 8, $6; mov.b64 v, {$3, $2}; @p st.global.b64 [a], v; mov.b32 $0, 0; }",
-            "=r,r,r,r,r,r,l", [slot, key, rel, bound, cap, region_ptr], dtype=tl.int32, is_pure=False, pack=1)
+            "{ .reg .pred p; .reg .b64 a, v; setp.gt.u32 p, $2, $4; "
+            "mad.wide.s32 a, $1, 8, $5; mov.b64 v, {$3, $2}; @p st.global.b64 [a], v; mov.b32 $0, 0; }",
+            "=r,r,r,r,r,l", [slot, key, rel, floor, region_ptr], dtype=tl.int32, is_pure=False, pack=1)
     else:
-        _store_pairs(region_ptr, slot, key, rel, (key >= bound) & (slot < cap), False)
+        _store_pairs(region_ptr, slot, key, rel, key > floor, False)
+
+
+@triton.jit
+def _place_at_least(region_ptr, key, pos, bound, n_gt, CAPW: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+    """Store a tile's entries with key >= bound (>= 1) after the n_gt already in each
+    warp's region; returns the new n_gt. Each thread counts its own and takes its slots
+    after those of the lanes below it (one warp scan of 5 shuffles, `_warp_scan`): an
+    entry's slot is then a register add, and only the kept entries (~1 in 16) are stored.
+
+    A warp whose entries would run past its CAPW slots stores none of the tile (nor any
+    later one: its count only grows). The pass has then failed (the caller retries or
+    falls back), and the check is one compare a tile, not one an entry."""
+    up = (key >= bound).to(tl.int32)
+    before, total = _warp_scan(tl.sum(up, 0), T, ASM)
+    floor = tl.where(n_gt + total <= CAPW, bound - 1, 0xFFFFFFFF)  # stored: key > floor
+    _store_above(region_ptr, (n_gt + before)[None, :] + (tl.cumsum(up, 0) - up), key, pos, floor[None, :], ASM)
+    return n_gt + total
 
 
 @triton.jit
 def _collect(row_ptr, hi, vlo, ties, regions, first, E: tl.constexpr, T: tl.constexpr, CAPW: tl.constexpr,
-             ASM: tl.constexpr):
+             VEC: tl.constexpr, ASM: tl.constexpr):
     """One pass over the decode row [0, hi) into the warps' CAPW-slot regions (key << 32 |
     position).
     Returns [T] tensors, each lane its warp's: (#entries above, #ties still in the region).
 
-    Without `ties`, every entry >= vlo goes up from the bottom of its warp's region (one
-    ballot a register). With `ties` (the sample saw a run of equal keys at the bound, or
-    a first pass overflowed): entries > vlo go up from the bottom, entries == vlo down
-    from the top while they stay above every larger entry placed so far, so a run of
-    ties cannot crowd out a larger key and a region need not hold the run (a later larger
-    key may overwrite a tie). A uniform branch a step: one loop body for both.
+    Without `ties`, every entry >= vlo goes up from the bottom of its warp's region. With
+    `ties` (the sample saw a run of equal keys at the bound, or a first pass overflowed):
+    entries > vlo go up from the bottom, entries == vlo down from the top while they
+    stay above every larger entry placed so far, so a run of ties cannot crowd out a
+    larger key and a region need not hold the run (a later larger key may overwrite a
+    tie).
 
-    A step is an [E, T] tile, entry (e, t) at position base + e*T + t (thread t, register
-    e). A warp ranks its entries with ballots, register by register: the warps need no
-    CTA-wide step. The next tile is loaded before the current one is sorted out.
-
-    The hot path is three asm calls an entry (load, ballot, store) with the compares
-    inside them: ~22 SASS instructions an entry on sm_90 (35 when the compares' i1
-    results crossed from one asm to the next: Triton packs them into bit fields)."""
+    A step is an [E, T] tile (`_tile_positions`: thread t holds column t), placed by
+    `_place_at_least`: no shared memory, no CTA-wide step. The whole tiles need no mask
+    (the row's last, partial tile gets one); the next tile is loaded before the current
+    one is sorted out. ~14 SASS instructions an entry on sm_90, load, key, count, scan
+    and store included (a ballot an entry took ~33)."""
     CH: tl.constexpr = E * T
-    tile = tl.arange(0, E)[:, None] * T + tl.arange(0, T)[None, :]
     region_ptr = regions + ((tl.arange(0, T) // 32) * CAPW)[None, :]
-    n_gt = tl.zeros([T], dtype=tl.int32)
+    n_gt = tl.zeros([T], dtype=tl.int32)  # each lane: its warp's entries above so far
     n_eq = tl.zeros([T], dtype=tl.int32)  # ties seen
     eq_room = tl.zeros([T], dtype=tl.int32) + CAPW  # ties stored: slots [eq_room, CAPW)
     ties = ties & (vlo < 0xFFFFFFFF)
     above = tl.where(ties, vlo + 1, vlo)  # entries that go up from the bottom: key >= above
     base = hi * 0
-    key = first  # the tile at 0, loaded by the caller
-    while base < hi:
-        pos = base + tile
-        key_next = _load_keys(row_ptr, pos + CH, hi, ASM)
-        # above >= 1: masked entries (key 0) never count
-        rank, total = _rank_at_least(key, above, E, T, ASM)
-        slot = n_gt[None, :] + (tl.cumsum(total, 0) - total) + rank
-        n_gt += tl.sum(total, 0)
-        _store_at_least(region_ptr, slot, key, pos, above, CAPW, ASM)
-        if ties:
+    bits = first  # the tile at 0, loaded by the caller
+    # Two loops, not a branch a step: the registers of the ties' path would crowd the
+    # hot loop's (its stores then wait on each other's address registers).
+    if ties:
+        while base < hi:
+            pos = base + _tile_positions(E, T, VEC)
+            key = _tile_keys(bits, pos, hi, base + CH > hi)
+            bits = _load_tile(row_ptr, pos + CH, hi, VEC, ASM)
+            n_gt = _place_at_least(region_ptr, key, pos, above, n_gt, CAPW, T, ASM)
             eq = key == vlo
             rank_eq, total_eq = _warp_rank(eq, E, T, ASM)
             slot_eq = CAPW - 1 - (n_eq[None, :] + (tl.cumsum(total_eq, 0) - total_eq) + rank_eq)
@@ -207,8 +296,19 @@ def _collect(row_ptr, hi, vlo, ties, regions, first, E: tl.constexpr, T: tl.cons
             n_eq += tl.sum(total_eq, 0)
             eq_room = tl.minimum(eq_room, tl.maximum(CAPW - n_eq, n_gt))
             _store_pairs(region_ptr, slot_eq, key, pos, keep_eq, ASM)
-        key = key_next
-        base += CH
+            base += CH
+    else:
+        # The whole tiles, no mask; then the row's last tile, if partial.
+        whole = hi - hi % CH
+        while base < whole:
+            pos = base + _tile_positions(E, T, VEC)
+            key = _tile_keys(bits, pos, hi, False)
+            bits = _load_tile(row_ptr, pos + CH, hi, VEC, ASM)
+            n_gt = _place_at_least(region_ptr, key, pos, above, n_gt, CAPW, T, ASM)
+            base += CH
+        if base < hi:
+            pos = base + _tile_positions(E, T, VEC)
+            n_gt = _place_at_least(region_ptr, _tile_keys(bits, pos, hi, VEC), pos, above, n_gt, CAPW, T, ASM)
     # Ties below the final count of larger entries were overwritten by them.
     return n_gt, CAPW - tl.maximum(eq_room, n_gt)
 
@@ -314,16 +414,21 @@ _PICK_BIN_ASM = tl.constexpr(
 
 
 @triton.jit
+def _max3(a0, a1, a2, b0, b1, b2):
+    return tl.maximum(a0, b0), tl.maximum(a1, b1), tl.maximum(a2, b2)
+
+
+@triton.jit
 def _pick_bin(hist, c_above, target, ASM: tl.constexpr):
     """(digit, above, n): digit the largest bin j with c_above + #(bins >= j) >= target
     (0 if none), above = #(bins > digit), n = hist[digit]. `hist` is `_histogram32`'s
     (bin j in lane j of every warp): on a GPU one asm of shuffles and a ballot, no
-    shared memory or barrier; its uniform results leave by warp reductions."""
+    shared memory or barrier; its uniform results leave by one warp reduction."""
     if ASM:
         digit, above, n = tl.inline_asm_elementwise(
             _PICK_BIN_ASM, "=r,=r,=r,r,r,r", [hist, c_above, target], dtype=(tl.int32, tl.int32, tl.int32),
             is_pure=True, pack=1)
-        return tl.max(digit, 0), tl.max(above, 0), tl.max(n, 0)
+        return tl.reduce((digit, above, n), 0, _max3)
     else:
         bins = tl.arange(0, 32)
         digit = tl.max(tl.where(c_above + tl.cumsum(hist, 0, reverse=True) >= target, bins, 0), axis=0)
@@ -466,8 +571,8 @@ def _HALF_E2(capw):
 def _rowwise_kernel(
     logits_ptr, stride_lr, seq_lens_ptr, next_n, width, topk, out_ptr, stride_or, out_cols,
     cand_ptr, stride_cr, meta_ptr, stride_mr,
-    S: tl.constexpr, Z: tl.constexpr, RETRY_Z: tl.constexpr, E: tl.constexpr,
-    NW: tl.constexpr, CAPW: tl.constexpr, LBLOCK: tl.constexpr, ASM: tl.constexpr, UNTIL: tl.constexpr = 9,
+    S: tl.constexpr, Z: tl.constexpr, RETRY_Z: tl.constexpr, E: tl.constexpr, NW: tl.constexpr, CAPW: tl.constexpr,
+    LBLOCK: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr, UNTIL: tl.constexpr = 9,
 ):
     """Decode top-k of one row a program: sample, collect, select (module docstring).
     UNTIL stops early for profiles: after the sample (1), the collect pass (2), the
@@ -494,24 +599,19 @@ def _rowwise_kernel(
         n_kept = attempt
         max_gt = attempt
         max_eq = attempt
-        # The collect pass's first tile, in flight while the sample is ranked.
-        tile = tl.arange(0, E)[:, None] * T + tl.arange(0, T)[None, :]
-        first = _load_keys(row_ptr, tile, hi, ASM)
         while (attempt < 2) & (why != 1):
-            vlo, ties, smax = _sample_bound(row_ptr, lo, n, topk, S, z)
+            vlo, ties, smax, first = _sample_bound(row_ptr, lo, hi, topk, z, S // T, E, T, VEC, ASM)
             if UNTIL >= 2:
                 # [T]: each lane its warp's counts; ties also after a first pass overflowed.
-                n_gt, n_eq = _collect(row_ptr, hi, vlo, ties | (why == 2), regions, first, E, T, CAPW, ASM)
+                n_gt, n_eq = _collect(row_ptr, hi, vlo, ties | (why == 2), regions, first, E, T, CAPW, VEC, ASM)
             else:
                 n_gt = tl.zeros([T], dtype=tl.int32) + topk // NW + 1 + (vlo & 1).to(tl.int32)
             # One CTA-wide reduction: every lane holds its warp's counts (32 copies of each).
             n_kept, max_gt, max_eq = tl.reduce((n_gt + n_eq, n_gt, n_eq), 0, _sum_max_max)
             n_kept = n_kept // 32
             why = tl.where(max_gt > CAPW, 2, tl.where(n_kept < topk, 0, 1))
-            # A second pass moves the bound the way the first one missed (and reloads the
-            # first tile: the registers are not held through the pass).
+            # A second pass moves the bound the way the first one missed.
             z = tl.where(why == 0, RETRY_Z, 0.5 * Z)
-            first = _load_keys(row_ptr, tile, tl.where(why == 1, 0, hi), ASM)
             attempt += 1
         search = attempt * 0  # rounds * 2 + moved to a small tile
         if UNTIL < 3:
@@ -541,6 +641,13 @@ def _rowwise_kernel(
 
 
 # -- host side ----------------------------------------------------------------------
+def vector_loads(logits) -> bool:
+    """Whether the kernel may read the rows 16 bytes at a time: every row starts 16-byte
+    aligned and holds whole groups of 4 (a group that starts before a row's end then ends
+    inside the row's storage)."""
+    return logits.data_ptr() % 16 == 0 and logits.stride(0) % 4 == 0 and logits.shape[1] % 4 == 0
+
+
 def topk_decode(logits, seq_lens, next_n, indices, topk, meta, cand, cfg, until=9) -> None:
     """The whole decode top-k in one launch, one program a row. Scratch: `meta` int32
     [rows, >= cfg.warps, NMETA] (each warp's counts, read by tests) and `cand` int64
@@ -549,10 +656,11 @@ def topk_decode(logits, seq_lens, next_n, indices, topk, meta, cand, cfg, until=
     rows, width = logits.shape
     assert meta.stride(0) >= NMETA * cfg.warps and meta.stride(-1) == 1, "meta scratch smaller than the plan"
     assert cand.shape[1] >= cfg.slots and cand.dtype.itemsize == 8, "candidate scratch smaller than the plan"
+    assert cfg.per_thread % 4 == 0, "a step's 16-byte loads fill groups of 4 registers"
     _rowwise_kernel[(rows,)](
         logits, logits.stride(0), seq_lens, next_n, width, topk, indices, indices.stride(0), indices.shape[1],
         cand, cand.stride(0), meta, meta.stride(0),
         S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z, E=cfg.per_thread, NW=cfg.warps,
-        CAPW=cfg.slots_per_warp, LBLOCK=1024, ASM=logits.is_cuda and torch.version.hip is None, UNTIL=until,
-        num_warps=cfg.warps,
+        CAPW=cfg.slots_per_warp, LBLOCK=1024, VEC=vector_loads(logits),
+        ASM=logits.is_cuda and torch.version.hip is None, UNTIL=until, num_warps=cfg.warps,
     )
