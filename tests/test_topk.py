@@ -288,8 +288,8 @@ def test_rowwise_paths(case):
     assert _rowwise_run(logits, 1, seq_lens, 64, 70, cfg) == [want] * 3
 
 
-# Rows the 16-byte paths can read (whole groups of 4, 16-byte aligned: runs of 4 floats
-# in the sample, register groups in the pass) and rows they cannot (4-byte paths).
+# Rows the pass can read 16 bytes at a time (whole groups of 4, 16-byte aligned: a
+# register group a load) and rows it cannot (4-byte loads).
 ROW_LAYOUTS = {
     "aligned": (lambda x: x, True),
     "width_not_a_multiple_of_4": (lambda x: x[:, :2999].contiguous(), False),
@@ -301,20 +301,16 @@ ROW_LAYOUTS = {
 @needs_interpreter
 @pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
 def test_rowwise_row_layouts(layout):
+    from graphsafe.ops.topk.triton_rowwise import vector_loads
+
     make, vec = ROW_LAYOUTS[layout]
     logits = make(_randn(3, 3000, 27))
-    assert _tt_rowwise().vector_loads(logits) == vec
+    assert vector_loads(logits) == vec
     width = logits.shape[1]
-    # Ragged lengths: partial last steps and sample runs that end at a row's end.
+    # Ragged lengths: partial last steps that end inside a group of 4; two sample sizes.
     seq_lens = torch.tensor([width, width - 3, width - 1001], dtype=torch.int32)
     for cfg in (SMALL_ROWWISE, dataclasses.replace(SMALL_ROWWISE, samples_per_thread=4)):
         assert _rowwise_run(logits, 1, seq_lens, 64, 70, cfg) == [(1, 1)] * 3
-
-
-def _tt_rowwise():
-    from graphsafe.ops.topk import triton_rowwise
-
-    return triton_rowwise
 
 
 @needs_interpreter
@@ -381,7 +377,7 @@ def test_rowwise_plan_and_worst_case():
     for width in (4096, 32768, 65536, 131072, 262144):
         assert plan.rowwise_applies(128, width, 2048)
         cfg = plan.rowwise_plan(width)
-        assert cfg.per_thread % 4 == 0 and cfg.samples_per_thread == 4, "16-byte loads need groups of 4"
+        assert cfg.per_thread % 4 == 0 and cfg.samples_per_thread == 4, "a step's 16-byte loads fill groups of 4; 4 samples a thread"
         (meta_shape, _), (cand_shape, _) = plan.workspace_specs_decode(1, width, 2048)
         assert meta_shape[1] >= cfg.warps and cand_shape[1] >= cfg.slots, "the decode worst case covers the one-launch kernel"
         assert 2048 <= cfg.slots // 2

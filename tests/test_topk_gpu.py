@@ -195,23 +195,23 @@ def test_rowwise_structured_rows_take_one_pass(pattern, width):
 
 
 ROW_LAYOUTS = {
-    # name: (logits from a [rows, width + 4] buffer, 16-byte paths)
-    "aligned": (lambda x, w: x[:, :w].contiguous(), True),
-    "width_not_a_multiple_of_4": (lambda x, w: x[:, :w - 1].contiguous(), False),
-    "row_stride_not_a_multiple_of_4": (lambda x, w: x[:, :w + 1][:, :w], False),
-    "start_not_16_byte_aligned": (lambda x, w: x[:, 1:w + 1], False),
+    # name: (extra columns of the [rows, width + extra] buffer, logits from it, 16-byte paths)
+    "aligned": (4, lambda x, w: x[:, :w].contiguous(), True),
+    "width_not_a_multiple_of_4": (4, lambda x, w: x[:, :w - 1].contiguous(), False),
+    "row_stride_not_a_multiple_of_4": (1, lambda x, w: x[:, :w], False),
+    "start_not_16_byte_aligned": (4, lambda x, w: x[:, 1:w + 1], False),
 }
 
 
 @pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
 @pytest.mark.parametrize("cfg", ["ROWWISE_NARROW", "ROWWISE"])
 def test_rowwise_row_layouts(layout, cfg):
-    """The 16-byte loads (sample runs, pass tiles) where the rows allow them, 4-byte loads
+    """The pass's 16-byte loads where the rows allow them, 4-byte loads
     elsewhere; ragged lengths end rows inside a group of 4. Both plans at one width."""
-    make, vec = ROW_LAYOUTS[layout]
+    extra, make, vec = ROW_LAYOUTS[layout]
     gen = torch.Generator(device=CUDA).manual_seed(11)
     rows, width = 128, 32768
-    buf = torch.randn(rows, width + 4 if "stride" not in layout else width + 1, device=CUDA, generator=gen)
+    buf = torch.randn(rows, width + extra, device=CUDA, generator=gen)
     logits = make(buf, width)
     assert rowwise.vector_loads(logits) == vec
     w = logits.shape[1]

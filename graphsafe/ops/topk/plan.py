@@ -52,7 +52,7 @@ class RowwisePlan:
     # The second pass's, after too few entries were kept: further out, not so far that
     # its share overflows a region (10 sigma overflowed a row's 256-slot regions at 32K).
     retry_z: float = 6.0
-    samples_per_thread: int = 4  # S = 32 * warps * this (4: runs of 4 floats, 16-byte loads)
+    samples_per_thread: int = 4  # S = 32 * warps * this
     per_thread: int = 16  # entries a thread sorts out per step (a multiple of 4)
     # Each warp's region. 512: rows with clumps of 16 equal scores put ~170 +- 55 entries
     # in a warp at 32K and up to ~350 at 128K; the selection reads the lower halves only

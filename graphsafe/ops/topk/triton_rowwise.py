@@ -6,10 +6,9 @@ own bound by a radix search over column maxima and placing its kept entries with
 CTA-wide scans: chains of CTA-wide steps, not memory-bound (benchmarks/NOTES.md,
 "Top-k"). With a row a program, the pass over the row needs no CTA-wide step at all:
 
-A. Sample (`_sample_bound`). S samples spread evenly over the row's valid range (runs
-   of 4 consecutive floats, one 16-byte load each, where the rows allow it: the
-   sample's time goes with its sectors). With p = topk / n, about mu = p * S samples lie
-   at or above the row's topk-th largest key, give or take sigma = sqrt(S p (1 - p)).
+A. Sample (`_sample_bound`). S single floats spread evenly over the row's valid range.
+   With p = topk / n, about mu = p * S samples lie at or above the row's topk-th largest
+   key, give or take sigma = sqrt(S p (1 - p)).
    The bound `vlo` is a sample key with about mu + Z sigma + 2 samples at or above it (a
    radix select over the samples: three rounds of `_histogram32` and `_pick_bin`): at
    least topk entries of the row lie at or above it unless the sample is off by more
