@@ -649,24 +649,27 @@ for fn, constexprs, ones, warps in cases:
         # The ballots rank (and histogram) entry (e, t) among the lanes of register e: an
         # [E, 32 * warps] tile must sit one entry a thread, a row of it across the warps'
         # lanes; the 16-byte loads (pack=4) then fill registers 4j..4j+3 of a thread.
-        # `_pick_bin`'s shuffles need bin j in lane j and `_warp_scan`'s a thread's count
-        # in its lane: [32] or [32 * warps] tensors, one a lane.
+        # `_warp_scan` needs a thread's count in its lane, the CTA-wide steps through shared
+        # memory a thread's value in word tid (its warp's bin j in lane j), and the reads
+        # back ([32] tensors: the bin pick's shuffles) element j in lane j of every warp:
+        # [32] or [32 * warps] tensors, one a lane.
         ttgir = k.asm["ttgir"]
         aliases = dict(line.split(" = ", 1) for line in ttgir.splitlines() if line.startswith("#blocked"))
         tile = f"sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [1, {warps}], order = [1, 0]"
         lanes = "sizePerThread = [1], threadsPerWarp = [32]"
         asms = [line for line in ttgir.splitlines() if "elementwise_inline_asm" in line]
-        ballots = [line for line in asms if "vote.sync.ballot" in line]
+        exchanges = [line for line in asms if "bar.sync" in line or "%laneid" in line]
+        ballots = [line for line in asms if "vote.sync.ballot" in line and line not in exchanges]
         scans = [line for line in asms if "shfl.sync.up" in line]
-        loads4 = [line for line in asms if "v4.b32" in line]
-        assert ballots and scans, "no ballot or warp scan in the kernel"
-        assert constexprs["UNTIL"] < 4 or any("shfl.sync" in line for line in ballots), "no bin pick in the kernel"
+        loads4 = [line for line in asms if "ld.global.nc" in line and "v4.b32" in line]
+        assert ballots and scans and exchanges, "no ballot, warp scan or shared-memory exchange in the kernel"
+        assert constexprs["UNTIL"] < 4 or any("shfl.sync" in line for line in exchanges), "no bin pick in the kernel"
         assert bool(loads4) == constexprs["VEC"], "16-byte loads where VEC asks for them"
-        for line in ballots + scans + loads4:
-            want = lanes if "shfl.sync" in line else tile
+        for line in ballots + scans + loads4 + exchanges:
+            want = lanes if "shfl.sync" in line or line in exchanges else tile
             layouts = re.findall(r"tensor<[^>]*, (#blocked\d*)>", line)
             assert layouts and all(want in aliases[a] for a in layouts), (line, aliases)
-        print("asm layouts ok", len(ballots), len(scans), len(loads4))
+        print("asm layouts ok", len(ballots), len(scans), len(loads4), len(exchanges))
 print("OK")
 """
 

@@ -324,33 +324,40 @@ def test_aiter_adapter_on_rocm():
 
 
 @triton.jit
-def _asm_probe(out_ptr, seed, lo_k, hi_k, sh, c_above, target, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+def _asm_probe(out_ptr, seed, lo_k, hi_k, sh, c_above, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
     j = tl.arange(0, E)[:, None] * T + tl.arange(0, T)[None, :]
     key = ((j.to(tl.uint32) * 2654435761) ^ seed.to(tl.uint32)) >> 1  # keys in the ballots' layout
-    hist = rowwise._histogram32(key, lo_k.to(tl.uint32), hi_k.to(tl.uint32), sh, E, T, ASM)
-    tl.store(out_ptr + tl.arange(0, 32), hist)
-    digit, above, n = rowwise._pick_bin(hist, c_above, target, ASM)
-    tl.store(out_ptr + 32, digit)
-    tl.store(out_ptr + 33, above)
-    tl.store(out_ptr + 34, n)
+    buf = 0
+    if ASM:
+        buf = rowwise._shared_buffer(2 * T)
+    # Targets 1, 2, 4, ..., 2^13 (past the 2^13 keys: bin 0), the halves of the buffer in
+    # turn as the search's rounds use them.
+    for i in tl.static_range(14):
+        digit, above, n = rowwise._ranked_bin(key, lo_k.to(tl.uint32), hi_k.to(tl.uint32), sh, c_above, 1 << i,
+                                              buf + (i % 2) * T * 4, E, T, ASM)
+        tl.store(out_ptr + 3 * i, digit)
+        tl.store(out_ptr + 3 * i + 1, above)
+        tl.store(out_ptr + 3 * i + 2, n)
 
 
-@pytest.mark.parametrize("lo,hi,sh,c_above,target", [
-    (0, 2**31 - 1, 26, 0, 100),  # every key, bins of 2^26
-    (2**20, 2**28, 23, 5, 1000),  # a window, keys above it clamped into bin 31
-    (0, 2**31 - 1, 26, 0, 1),  # the top bin
-    (0, 2**31 - 1, 26, 0, 5000),  # more than there are: bin 0
+@pytest.mark.parametrize("lo,hi,sh,c_above", [
+    (0, 2**31 - 1, 26, 0),  # every key, bins of 2^26
+    (2**20, 2**28, 23, 5),  # a window, keys above it clamped into bin 31
+    (2**29, 2**29 + 2**24, 19, 0),  # a narrow window
 ])
-def test_rowwise_asm_histogram_and_bin_pick_match_their_emulation(lo, hi, sh, c_above, target):
-    """The PTX ballots (each lane counts its own bin) and the shuffled suffix sums against
-    the portable code the interpreter runs, on 16 warps' worth of keys."""
+def test_rowwise_asm_bin_pick_matches_its_emulation(lo, hi, sh, c_above):
+    """The PTX round (each lane counts its own bin by ballots, the warps' counts summed
+    through shared memory, the suffix sums shuffled) against the portable code the
+    interpreter runs, on 16 warps' worth of keys, for targets from the top bin to past
+    the last key."""
     out = {}
     for asm in (True, False):
-        buf = torch.full((40,), -9, dtype=torch.int32, device=CUDA)
-        _asm_probe[(1,)](buf, 12345, lo, hi, sh, c_above, target, E=4, T=512, ASM=asm, num_warps=16)
+        buf = torch.full((46,), -9, dtype=torch.int32, device=CUDA)
+        _asm_probe[(1,)](buf, 12345, lo, hi, sh, c_above, E=4, T=512, ASM=asm, num_warps=16)
         out[asm] = buf.tolist()
     assert out[True] == out[False]
-    assert sum(out[True][:32]) > 0 and out[True][35:] == [-9] * 5
+    picks = [out[True][3 * i:3 * i + 3] for i in range(14)]
+    assert len({tuple(p) for p in picks}) > 3 and out[True][42:] == [-9] * 4, picks
 
 
 def test_bench_cold_timing_reads_from_hbm():

@@ -10,7 +10,7 @@ A. Sample (`_sample_bound`). S single floats spread evenly over the row's valid 
    With p = topk / n, about mu = p * S samples lie at or above the row's topk-th largest
    key, give or take sigma = sqrt(S p (1 - p)).
    The bound `vlo` is a sample key with about mu + Z sigma + 2 samples at or above it (a
-   radix select over the samples: three rounds of `_histogram32` and `_pick_bin`): at
+   radix select over the samples: three rounds of `_ranked_bin`): at
    least topk entries of the row lie at or above it unless the sample is off by more
    than Z sigma. After the first round the pass's first tile is loaded, in flight while
    the sample is ranked.
@@ -26,11 +26,11 @@ C. If fewer than topk entries were kept, or a region overflowed, the pass runs o
    too, the exact radix select over the row (`triton._select_row`).
 D. Select (`_select_kept`), in the same program after a barrier: the regions come back
    from L2, a warp its own, and a search over 32-bin histograms (ballots again, each
-   lane counting its own bin: `_histogram32`, `_pick_bin`) finds the topk-th largest
-   kept key; every key above it and enough of its ties are written, each entry's place
-   from ballots and one scan over the warps. Usually three rounds; after the first, the
-   few hundred keys left in the bin are moved to the scratch's first slots so that the
-   later rounds run over a small tile.
+   lane counting its own bin: `_ranked_bin`) finds the topk-th largest kept key; every
+   key above it and enough of its ties are written, each entry's place from ballots and
+   one scan over the warps. Usually three rounds; after the first, the few hundred keys
+   left in the bin are moved to shared memory so that the later rounds run over a small
+   tile.
 
 Rows with at most topk valid entries are written without data. Nothing is zeroed, no
 atomics; the regions' order is fixed (warp, then position), so results are
@@ -38,7 +38,10 @@ deterministic. On a GPU the loads, ballots, shuffles, histograms and stores of t
 paths are inline PTX (`ASM`): an asm keeps its operands' one-entry-a-thread layout (a
 `tl.load` gets a vector layout, and scattered stores after it shuffle through shared
 memory), and compares inside the asm avoid i1 tensors between calls (Triton packs those
-into bit fields). The sm_90 compile test checks the layouts the asm relies on.
+into bit fields). The CTA-wide steps (a search round's histogram, the scans over the
+warps, the reductions of the sample and of the pass's counts) go through static shared
+buffers that the asm declares: one barrier each, where Triton's cross-warp reduction
+takes three. The sm_90 compile test checks the layouts the asm relies on.
 """
 
 from __future__ import annotations
@@ -59,14 +62,19 @@ def _min_max_max(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
+def _sum_max_max(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, tl.maximum(a1, b1), tl.maximum(a2, b2)
+
+
+@triton.jit
 def _sample_bound(row_ptr, lo, hi, topk, Z, SE: tl.constexpr, E: tl.constexpr, T: tl.constexpr, VEC: tl.constexpr,
                   ASM: tl.constexpr):
     """(vlo, ties, smax, first) from SE * T samples spread evenly over [lo, hi), an [SE, T]
     tile (module docstring, A).
 
     vlo: about the largest sample key with mu + Z sigma + 2 samples at or above it, from a
-    radix select over the samples: three rounds of `_histogram32` and `_pick_bin` over
-    the next 5 key bits. A 15-bit prefix is enough: vlo is the smallest sample key that
+    radix select over the samples: three rounds of `_ranked_bin` over the next 5 key
+    bits. A 15-bit prefix is enough: vlo is the smallest sample key that
     shares or exceeds it (a few more candidates, never fewer). ties: the prefix's range
     holds two or more samples, all one key (the row likely holds a run of them). smax:
     the largest sample key (sizes the selection's first bins). first: the collect pass's
@@ -88,11 +96,14 @@ def _sample_bound(row_ptr, lo, hi, topk, Z, SE: tl.constexpr, E: tl.constexpr, T
     last = tl.full([], 0xFFFFFFFF, tl.uint32)
     c_above = need * 0
     n_bin = need * 0
+    buf = 0
+    if ASM:
+        buf = _shared_buffer(2 * T)  # the rounds' exchanges, two halves (`_ranked_bin`)
     for d in tl.static_range(3):
         SHIFT = 27 - 5 * d
-        hist = _histogram32(skey, prefix, last, prefix * 0 + SHIFT, SE, T, ASM)
         # The digit: the largest bin where the count from the top reaches `need` (0 if none).
-        digit, above, n_bin = _pick_bin(hist, c_above, need, ASM)
+        digit, above, n_bin = _ranked_bin(skey, prefix, last, prefix * 0 + SHIFT, c_above, need, buf + (d % 2) * T * 4,
+                                          SE, T, ASM)
         c_above += above
         prefix = prefix + (digit.to(tl.uint32) << SHIFT)
         last = prefix + ((1 << SHIFT) - 1)
@@ -101,9 +112,10 @@ def _sample_bound(row_ptr, lo, hi, topk, Z, SE: tl.constexpr, E: tl.constexpr, T
     # The smallest sample key in the prefix's range or above it (the prefix's low edge
     # would split a run of equal keys into "above" and "tied"); at least 1, as key 0
     # means "no key" (masked entries). A thread's registers first, then across the
-    # threads (the interpreter reduces a tuple over one axis at a time).
-    vmin, bin_max, smax = tl.reduce(tl.reduce((tl.where(skey >= prefix, skey, 0xFFFFFFFF),
-                                               tl.where(skey <= last, skey, 0), skey), 0, _min_max_max), 0, _min_max_max)
+    # threads.
+    vmin, bin_max, smax = tl.reduce((tl.where(skey >= prefix, skey, 0xFFFFFFFF), tl.where(skey <= last, skey, 0), skey),
+                                    0, _min_max_max)
+    vmin, bin_max, smax = _cta_min_max_max(vmin, bin_max, smax, T, ASM)
     return tl.maximum(vmin, 1), (n_bin >= 2) & (vmin == bin_max), smax, first
 
 
@@ -329,13 +341,31 @@ def _load_kept(ptrs, valid, ASM: tl.constexpr):
 
 
 @triton.jit
-def _exclusive_over_warps(a, b, T: tl.constexpr):
+def _exclusive_over_warps(a, b, T: tl.constexpr, ASM: tl.constexpr):
     """[T] pairs, each lane its warp's (a, b) -> each lane the sums over the warps before
-    its own: one CTA-wide scan of both, packed in an int64."""
-    lane = (tl.arange(0, T) % 32).to(tl.int64)
-    packed = a.to(tl.int64) + (b.to(tl.int64) << 32)
-    before = (tl.cumsum(packed, 0) - (lane + 1) * packed) // 32
-    return (before & 0xFFFFFFFF).to(tl.int32), (before >> 32).to(tl.int32)
+    its own. On a GPU one asm: lane 0 of each warp stores its pair in shared memory, a
+    barrier, each thread adds the pairs of the warps before its own. Elsewhere one
+    CTA-wide scan of both, packed in an int64."""
+    if ASM:
+        return tl.inline_asm_elementwise(_exclusive_over_warps_asm(T // 32), "=r,=r,r,r", [a, b],
+                                         dtype=(tl.int32, tl.int32), is_pure=False, pack=1)
+    else:
+        lane = (tl.arange(0, T) % 32).to(tl.int64)
+        packed = a.to(tl.int64) + (b.to(tl.int64) << 32)
+        before = (tl.cumsum(packed, 0) - (lane + 1) * packed) // 32
+        return (before & 0xFFFFFFFF).to(tl.int32), (before >> 32).to(tl.int32)
+
+
+@triton.constexpr_function
+def _exclusive_over_warps_asm(warps):
+    """$2, $3: the warp's pair; out $0, $1: the sums over the warps before it."""
+    asm = ("{ .reg .pred p, q; .reg .b32 w, a, x, y, s, u; .shared .align 8 .b32 pairs[" + str(2 * warps) + "]; "
+           "mov.u32 a, %laneid; setp.eq.u32 p, a, 0; mov.u32 w, %tid.x; shr.u32 w, w, 5; mov.u32 a, pairs; "
+           "mad.lo.u32 x, w, 8, a; @p st.shared.v2.b32 [x], {$2, $3}; bar.sync 0; mov.b32 s, 0; mov.b32 u, 0; ")
+    for i in range(warps - 1):
+        asm += ("ld.shared.v2.b32 {x, y}, [a+" + str(8 * i) + "]; setp.gt.u32 q, w, " + str(i)
+                + "; @q add.s32 s, s, x; @q add.s32 u, u, y; ")
+    return asm + "mov.b32 $0, s; mov.b32 $1, u; }"
 
 
 @triton.jit
@@ -344,7 +374,7 @@ def _places(flag_a, flag_b, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr)
     lane) order, for two flags at once: ballots within a warp, one scan over the warps."""
     rank_a, total_a = _warp_rank(flag_a, E, T, ASM)
     rank_b, total_b = _warp_rank(flag_b, E, T, ASM)
-    base_a, base_b = _exclusive_over_warps(tl.sum(total_a, 0), tl.sum(total_b, 0), T)
+    base_a, base_b = _exclusive_over_warps(tl.sum(total_a, 0), tl.sum(total_b, 0), T, ASM)
     return (base_a[None, :] + tl.cumsum(total_a, 0) - total_a + rank_a,
             base_b[None, :] + tl.cumsum(total_b, 0) - total_b + rank_b)
 
@@ -361,7 +391,90 @@ def _store_where(ptr, idx, val, flag, ASM: tl.constexpr):
         tl.store(ptr + idx, val, mask=flag)
 
 
-# _histogram32's asm: $1 key, $2 lo_k, $3 hi_k, $4 sh, $5..$9 the lane's masks m_0..m_4.
+# -- CTA-wide steps through shared memory (GPU) ---------------------------------------
+# Triton's cross-warp reduction takes three barriers and two shared-memory round trips,
+# and a layout conversion follows it (~0.8 us a search round at 16 warps, H100); these
+# take one barrier. A scalar asm declares a static shared buffer and returns its address
+# (`_shared_buffer`: each call site its own buffer); a [T] asm stores the threads' values
+# (thread t: element t) and waits at the barrier; a [32] asm reads the warps' values
+# back (a [32] tensor holds element j in lane j of every warp, so its reduction to a
+# scalar stays inside the warp: one REDUX, no barrier). The sm_90 compile test checks
+# both layouts. A buffer that one call site uses again (a loop) needs a barrier between
+# one round's reads and the next round's writes: the search rounds alternate between
+# two halves of theirs, so the other half's barrier stands between.
+# (The asm builders below are constexpr functions: their bodies may not call methods, so
+# no str.format or str.join.)
+@triton.constexpr_function
+def _shared_buffer_asm(words):
+    return "{ .shared .align 16 .b32 buf[" + str(words) + "]; mov.u32 $0, buf; }"
+
+
+@triton.jit
+def _shared_buffer(words: tl.constexpr):
+    """The shared address of a static buffer of `words` 32-bit words (GPU only)."""
+    return tl.inline_asm_elementwise(_shared_buffer_asm(words), "=r,r", [tl.program_id(0)], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+# $1 the thread's value, $2 the buffer: word tid = warp * 32 + lane.
+_PUT_AND_WAIT_ASM = tl.constexpr(
+    "{ .reg .b32 a; mov.u32 a, %tid.x; mad.lo.u32 a, a, 4, $2; st.shared.b32 [a], $1; bar.sync 0; mov.b32 $0, 0; }")
+
+
+# Three values a thread -> each warp's three at words 4w..4w+2 of the buffer ($1..$3
+# the values, $4 the buffer), then the barrier. _PUT3_ASM: the values are one a warp
+# already; _PUT3_MIN_MAX_MAX_ASM: the warp's min, max, max of them (uint32).
+_PUT3_TAIL = ("mov.u32 a, %laneid; setp.eq.u32 p, a, 0; mov.u32 a, %tid.x; shr.u32 a, a, 5; mad.lo.u32 a, a, 16, $4; "
+              "@p st.shared.v4.b32 [a], {x, y, z, x}; bar.sync 0; mov.b32 $0, 0; }")
+_PUT3_ASM = tl.constexpr("{ .reg .pred p; .reg .b32 a, x, y, z; mov.b32 x, $1; mov.b32 y, $2; mov.b32 z, $3; "
+                         + _PUT3_TAIL)
+_PUT3_MIN_MAX_MAX_ASM = tl.constexpr(
+    "{ .reg .pred p; .reg .b32 a, x, y, z; redux.sync.min.u32 x, $1, 0xffffffff; "
+    "redux.sync.max.u32 y, $2, 0xffffffff; redux.sync.max.u32 z, $3, 0xffffffff; " + _PUT3_TAIL)
+
+
+@triton.constexpr_function
+def _get3_asm(warps, empty_a, empty_b, empty_c):
+    """Lane j < warps: warp j's three values (`_PUT3_ASM`); the other lanes: the empties
+    ($3 the lane's element of a [32] tensor, $4 the buffer)."""
+    return ("{ .reg .pred p; .reg .b32 a; mov.u32 a, %laneid; setp.lt.u32 p, a, " + str(warps) + "; "
+            + "mov.b32 $0, " + empty_a + "; mov.b32 $1, " + empty_b + "; mov.b32 $2, " + empty_c + "; "
+            + "mad.lo.u32 a, a, 16, $4; @p ld.shared.v2.b32 {$0, $1}, [a]; @p ld.shared.b32 $2, [a+8]; }")
+
+
+@triton.jit
+def _cta_min_max_max(a, b, c, T: tl.constexpr, ASM: tl.constexpr):
+    """(min a, max b, max c) over a [T] tile of uint32: scalars."""
+    if ASM:
+        buf = _shared_buffer(4 * (T // 32))
+        tl.inline_asm_elementwise(_PUT3_MIN_MAX_MAX_ASM, "=r,r,r,r,r", [a, b, c, buf],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        x, y, z = tl.inline_asm_elementwise(_get3_asm(T // 32, "0xFFFFFFFF", "0", "0"), "=r,=r,=r,r,r",
+                                            [tl.arange(0, 32), buf], dtype=(tl.uint32, tl.uint32, tl.uint32),
+                                            is_pure=False, pack=1)
+        return tl.min(x, 0), tl.max(y, 0), tl.max(z, 0)
+    else:
+        return tl.reduce((a, b, c), 0, _min_max_max)
+
+
+@triton.jit
+def _warps_sum_max_max(a, b, c, T: tl.constexpr, ASM: tl.constexpr):
+    """(sum, max, max) over the warps of [T] int32 values that each lane holds for its
+    warp (32 copies of each): scalars."""
+    if ASM:
+        buf = _shared_buffer(4 * (T // 32))
+        tl.inline_asm_elementwise(_PUT3_ASM, "=r,r,r,r,r", [a, b, c, buf], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        x, y, z = tl.inline_asm_elementwise(_get3_asm(T // 32, "0", "0", "0"), "=r,=r,=r,r,r",
+                                            [tl.arange(0, 32), buf], dtype=(tl.int32, tl.int32, tl.int32),
+                                            is_pure=False, pack=1)
+        return tl.sum(x, 0), tl.max(y, 0), tl.max(z, 0)
+    else:
+        total, max_b, max_c = tl.reduce((a, b, c), 0, _sum_max_max)
+        return total // 32, max_b, max_c
+
+
+# _lane_bins' asm: $1 key, $2 lo_k, $3 hi_k, $4 sh, $5..$9 the lane's masks m_0..m_4.
 _BIT_BALLOT = "and.b32 t, d, {}; setp.ne.b32 q, t, 0; vote.sync.ballot.b32 b, q, 0xffffffff; xor.b32 b, b, ${}; and.b32 v, v, b; "
 _HIST32_ASM = tl.constexpr(
     "{ .reg .pred p, q; .reg .b32 d, v, b, t; "
@@ -373,62 +486,70 @@ _HIST32_ASM = tl.constexpr(
 
 
 @triton.jit
-def _histogram32(key, lo_k, hi_k, sh, E2: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
-    """[32]: bin j counts the keys in [lo_k, hi_k] with min((key - lo_k) >> sh, 31) == j.
+def _lane_bins(key, lo_k, hi_k, sh, T: tl.constexpr):
+    """[T]: lane j holds its warp's count of bin j of the 32-bin histogram of `key` in
+    [lo_k, hi_k] (bin min((key - lo_k) >> sh, 31)), on a GPU.
 
-    On a GPU each lane counts its own bin (lane j, bin j) in each register: a ballot of
-    the keys in range and one of each of the digit's five bits, the lane's bin the AND of
-    those ballots or their complements (by the lane's bits), then a popc: ~22 SASS
-    instructions a register, against ~41 for `tl.histogram` (the same ballots plus its
-    shared-memory atomics). The warps' counts are then summed per bin."""
+    Each lane counts its own bin in each register: a ballot of the keys in range and one
+    of each of the digit's five bits, the lane's bin the AND of those ballots or their
+    complements (by the lane's bits), then a popc: ~22 SASS instructions a register,
+    against ~41 for `tl.histogram` (the same ballots plus its shared-memory atomics)."""
+    lane = tl.arange(0, T) % 32
+    # m_j: 0 where the lane's bit j is set (keep the ballot), all ones where not (invert it).
+    m0 = tl.where((lane & 1) != 0, 0, -1)[None, :]
+    m1 = tl.where((lane & 2) != 0, 0, -1)[None, :]
+    m2 = tl.where((lane & 4) != 0, 0, -1)[None, :]
+    m3 = tl.where((lane & 8) != 0, 0, -1)[None, :]
+    m4 = tl.where((lane & 16) != 0, 0, -1)[None, :]
+    count = tl.inline_asm_elementwise(
+        _HIST32_ASM, "=r,r,r,r,r,r,r,r,r,r", [key, lo_k, hi_k, sh, m0, m1, m2, m3, m4], dtype=tl.int32, is_pure=True,
+        pack=1)
+    return tl.sum(count, 0)
+
+
+# _ranked_bin's asm, a [32] tensor: $3 the lane's element (unused), $4 the buffer of the
+# warps' counts (`_lane_bins`, word w * 32 + j), $5 c_above, $6 target; out $0 digit, $1
+# # in the bins above it, $2 # in it. h: bin j's count over the warps (lane j); s: suffix
+# sums by shuffles down; the lanes whose c_above + s reaches the target are 0..digit (s
+# never grows with the lane).
+_SUFFIX_STEP = "shfl.sync.down.b32 t|p, s, {}, 0x1f, 0xffffffff; @p add.s32 s, s, t; "
+_PICK_TAIL = tl.constexpr(
+    "mov.b32 s, h; " + "".join(_SUFFIX_STEP.format(1 << j) for j in range(5))
+    + "add.s32 t, s, $5; setp.ge.s32 q, t, $6; vote.sync.ballot.b32 b, q, 0xffffffff; bfind.u32 g, b; max.s32 g, g, 0; "
+    "shfl.sync.idx.b32 $2, h, g, 0x1f, 0xffffffff; shfl.sync.idx.b32 t, s, g, 0x1f, 0xffffffff; "
+    "sub.s32 $1, t, $2; mov.b32 $0, g; }")
+
+
+@triton.constexpr_function
+def _gather_pick_asm(warps):
+    asm = ("{ .reg .pred p, q; .reg .b32 a, h, s, t, b, g; mov.u32 a, %laneid; mad.lo.u32 a, a, 4, $4; "
+           "ld.shared.b32 h, [a]; ")
+    for w in range(1, warps):
+        asm += "ld.shared.b32 t, [a+" + str(128 * w) + "]; add.s32 h, h, t; "
+    return asm + _PICK_TAIL
+
+
+@triton.jit
+def _ranked_bin(key, lo_k, hi_k, sh, c_above, target, buf, E2: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+    """One radix round over the [E2, T] tile `key`: (digit, above, n) with digit the
+    largest bin j of the 32-bin histogram of the keys in [lo_k, hi_k] (bin
+    min((key - lo_k) >> sh, 31)) where c_above + #(keys in bins >= j) >= target (0 if
+    none), above = #(keys in bins > digit), n = #(keys in bin digit); scalars.
+
+    On a GPU: `_lane_bins`, then one CTA-wide step through shared memory at `buf` (2 KB
+    at 16 warps): each lane sums its bin over the warps, the suffix sums are warp
+    shuffles and the digit a ballot; one barrier a round. Elsewhere `tl.histogram`."""
     if ASM:
-        lane = tl.arange(0, T) % 32
-        # m_j: 0 where the lane's bit j is set (keep the ballot), all ones where not (invert it).
-        m0 = tl.where((lane & 1) != 0, 0, -1)[None, :]
-        m1 = tl.where((lane & 2) != 0, 0, -1)[None, :]
-        m2 = tl.where((lane & 4) != 0, 0, -1)[None, :]
-        m3 = tl.where((lane & 8) != 0, 0, -1)[None, :]
-        m4 = tl.where((lane & 16) != 0, 0, -1)[None, :]
-        count = tl.inline_asm_elementwise(
-            _HIST32_ASM, "=r,r,r,r,r,r,r,r,r,r", [key, lo_k, hi_k, sh, m0, m1, m2, m3, m4], dtype=tl.int32, is_pure=True, pack=1)
-        return tl.sum(tl.reshape(tl.sum(count, 0), [T // 32, 32]), 0)
+        tl.inline_asm_elementwise(_PUT_AND_WAIT_ASM, "=r,r,r", [_lane_bins(key, lo_k, hi_k, sh, T), buf],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        digit, above, n = tl.inline_asm_elementwise(
+            _gather_pick_asm(T // 32), "=r,=r,=r,r,r,r,r", [tl.arange(0, 32), buf, c_above, target],
+            dtype=(tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        return tl.max(digit, 0), tl.max(above, 0), tl.max(n, 0)
     else:
         inside = (key >= lo_k) & (key <= hi_k)
-        return tl.histogram(tl.reshape(tl.minimum((key - lo_k) >> sh.to(tl.uint32), 31).to(tl.int32), [E2 * T]), 32,
+        hist = tl.histogram(tl.reshape(tl.minimum((key - lo_k) >> sh.to(tl.uint32), 31).to(tl.int32), [E2 * T]), 32,
                             mask=tl.reshape(inside, [E2 * T]))
-
-
-# _pick_bin's asm: $3 the lane's bin count, $4 c_above, $5 target; out $0 digit, $1 #
-# in the bins above it, $2 # in it. s: suffix sums by shuffles down; the lanes whose
-# c_above + s reaches the target are 0..digit (s never grows with the lane).
-_SUFFIX_STEP = "shfl.sync.down.b32 t|p, s, {}, 0x1f, 0xffffffff; @p add.s32 s, s, t; "
-_PICK_BIN_ASM = tl.constexpr(
-    "{ .reg .pred p, q; .reg .b32 s, t, b, g; mov.b32 s, $3; "
-    + "".join(_SUFFIX_STEP.format(1 << j) for j in range(5))
-    + "add.s32 t, s, $4; setp.ge.s32 q, t, $5; vote.sync.ballot.b32 b, q, 0xffffffff; "
-    "bfind.u32 g, b; max.s32 g, g, 0; "
-    "shfl.sync.idx.b32 $2, $3, g, 0x1f, 0xffffffff; shfl.sync.idx.b32 t, s, g, 0x1f, 0xffffffff; "
-    "sub.s32 $1, t, $2; mov.b32 $0, g; }"
-)
-
-
-@triton.jit
-def _max3(a0, a1, a2, b0, b1, b2):
-    return tl.maximum(a0, b0), tl.maximum(a1, b1), tl.maximum(a2, b2)
-
-
-@triton.jit
-def _pick_bin(hist, c_above, target, ASM: tl.constexpr):
-    """(digit, above, n): digit the largest bin j with c_above + #(bins >= j) >= target
-    (0 if none), above = #(bins > digit), n = hist[digit]. `hist` is `_histogram32`'s
-    (bin j in lane j of every warp): on a GPU one asm of shuffles and a ballot, no
-    shared memory or barrier; its uniform results leave by one warp reduction."""
-    if ASM:
-        digit, above, n = tl.inline_asm_elementwise(
-            _PICK_BIN_ASM, "=r,=r,=r,r,r,r", [hist, c_above, target], dtype=(tl.int32, tl.int32, tl.int32),
-            is_pure=True, pack=1)
-        return tl.reduce((digit, above, n), 0, _max3)
-    else:
         bins = tl.arange(0, 32)
         digit = tl.max(tl.where(c_above + tl.cumsum(hist, 0, reverse=True) >= target, bins, 0), axis=0)
         return digit, tl.sum(tl.where(bins > digit, hist, 0), axis=0), tl.sum(tl.where(bins == digit, hist, 0), axis=0)
@@ -443,12 +564,12 @@ def _span_shift(span):
 
 
 @triton.jit
-def _search_round(key, lo_k, hi_k, sh, c_above, topk, EX: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
+def _search_round(key, lo_k, hi_k, sh, c_above, topk, buf, EX: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
     """One round of the search: the bin of [lo_k, hi_k] (32 bins of 2^sh keys, the last
     one running to hi_k) where the count from the top, with the c_above keys above,
-    reaches topk. Returns the bin as the new (lo_k, hi_k, sh, c_above, n_bin)."""
-    hist = _histogram32(key, lo_k, hi_k, sh, EX, T, ASM)
-    digit, above, n_bin = _pick_bin(hist, c_above, topk, ASM)
+    reaches topk (`_ranked_bin`, exchanging through `buf`). Returns the bin as the new
+    (lo_k, hi_k, sh, c_above, n_bin)."""
+    digit, above, n_bin = _ranked_bin(key, lo_k, hi_k, sh, c_above, topk, buf, EX, T, ASM)
     lo_k = lo_k + (digit.to(tl.uint32) << sh.to(tl.uint32))
     # Bin 31 runs to hi_k; the others are 2^sh keys wide (never past 2^32 - 1).
     hi_k = tl.where(digit == 31, hi_k, lo_k + tl.minimum(hi_k - lo_k, ((1 << sh) - 1).to(tl.uint32)))
@@ -456,16 +577,18 @@ def _search_round(key, lo_k, hi_k, sh, c_above, topk, EX: tl.constexpr, T: tl.co
 
 
 @triton.jit
-def _search_and_place(key, pos, lo_k, hi_k, sh, c_above, n_bin, c_start, hi_start, topk, out_row,
+def _search_and_place(key, pos, lo_k, hi_k, sh, c_above, n_bin, c_start, hi_start, topk, out_row, buf, half,
                       EX: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
     """Finish the search (state lo_k, hi_k, sh, c_above, n_bin: `_search_round`'s) over
     `key` ([EX, T]: the keys in [lo_k, hi_k] among others, 0 = no key) and write its part
     of the top-k: its keys in (final hi_k, hi_start] at c_start.. (the c_start keys above
     hi_start are placed already), then the first topk - (#keys above the final bin) of
-    the bin. Returns the rounds run."""
+    the bin. The rounds exchange through `buf`'s two halves, starting with `half`.
+    Returns the rounds run."""
     rounds = topk * 0
     while (c_above + n_bin > topk) & (hi_k > lo_k):
-        lo_k, hi_k, sh, c_above, n_bin = _search_round(key, lo_k, hi_k, sh, c_above, topk, EX, T, ASM)
+        lo_k, hi_k, sh, c_above, n_bin = _search_round(key, lo_k, hi_k, sh, c_above, topk,
+                                                       buf + ((rounds + half) % 2) * T * 4, EX, T, ASM)
         rounds += 1
     above = (key > hi_k) & (key <= hi_start)
     in_bin = (key >= lo_k) & (key <= hi_k)
@@ -489,6 +612,26 @@ def _store_pairs(ptr, idx, key, pos, flag, ASM: tl.constexpr):
 
 
 @triton.jit
+def _store_pairs_shared(buf, idx, key, pos, flag):
+    """(pos, key) to 8-byte slot idx of the shared buffer at `buf` where flag (GPU)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 a; setp.ne.b32 p, $4, 0; mad.lo.u32 a, $1, 8, $5; "
+        "@p st.shared.v2.b32 [a], {$3, $2}; mov.b32 $0, 0; }",
+        "=r,r,r,r,r,r", [idx, key, pos, flag.to(tl.int32), buf], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _load_pairs_shared(buf, idx, valid):
+    """(key, pos) of 8-byte slot idx of the shared buffer at `buf` ((0, -1) where not
+    valid; GPU)."""
+    key, pos = tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 a; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; mov.b32 $1, -1; mad.lo.u32 a, $2, 8, $4; "
+        "@p ld.shared.v2.b32 {$1, $0}, [a]; }",
+        "=r,=r,r,r,r", [idx, valid.to(tl.int32), buf], dtype=(tl.uint32, tl.int32), is_pure=False, pack=1)
+    return key, pos
+
+
+@triton.jit
 def _select_kept(regions, n_gt, n_eq, n_kept, vlo, smax, topk, out_row, E2: tl.constexpr, T: tl.constexpr,
                  CAPW: tl.constexpr, ASM: tl.constexpr, STOP: tl.constexpr = 9):
     """Write the top-k of the regions' entries (warp w's region: n_gt[w] entries at the
@@ -508,9 +651,10 @@ def _select_kept(regions, n_gt, n_eq, n_kept, vlo, smax, topk, out_row, E2: tl.c
 
     A round costs about the same for any number of keys in the interval: after the
     first one (a few hundred keys left in the bin of ~3000) the bin's keys are moved to
-    the scratch's first slots and read back as a [CX, T] tile, CX = 2 (8x fewer ballots
-    than E2 = 8 a round), unless more than 2 * T keys are left. STOP (3, 4): the
-    kernel's UNTIL (profiles)."""
+    shared memory (the scratch's first slots in the interpreter) and read back as a
+    [CX, T] tile, CX = 2 (8x fewer ballots than E2 = 8 a round), unless more than 2 * T
+    keys are left. The rounds exchange their histograms through a shared buffer's two
+    halves in turn (`_ranked_bin`). STOP (3, 4): the kernel's UNTIL (profiles)."""
     lane = tl.arange(0, T)
     slot = tl.arange(0, E2)[:, None] * 32 + (lane % 32)[None, :]
     valid = ((slot < n_gt[None, :]) | (slot >= CAPW - n_eq[None, :])) & (slot < CAPW)
@@ -521,43 +665,48 @@ def _select_kept(regions, n_gt, n_eq, n_kept, vlo, smax, topk, out_row, E2: tl.c
     c_above = topk * 0  # keys > hi_k
     n_bin = n_kept  # keys in [lo_k, hi_k]
     rounds = topk * 0
+    buf = 0
+    if ASM:
+        buf = _shared_buffer(2 * T)  # the rounds' exchanges, two halves (`_ranked_bin`)
     if STOP == 3:
         tl.store(out_row + lane, hi_k + n_bin + sh + tl.sum(pos, 0))
         return rounds
     CX: tl.constexpr = 2
     if (c_above + n_bin > topk) & (hi_k > lo_k):
-        lo_k, hi_k, sh, c_above, n_bin = _search_round(key, lo_k, hi_k, sh, c_above, topk, E2, T, ASM)
+        lo_k, hi_k, sh, c_above, n_bin = _search_round(key, lo_k, hi_k, sh, c_above, topk, buf, E2, T, ASM)
         rounds = 1
     if STOP == 4:
         tl.store(out_row + lane, hi_k + n_bin + sh + tl.sum(pos, 0) + lo_k)
         return rounds
     if (rounds == 1) & (c_above + n_bin > topk) & (hi_k > lo_k) & (n_bin <= CX * T):
-        # The keys above the bin are final: written from here. The bin's keys go to the
-        # scratch's first slots (every warp has read its region: the round's histogram
-        # took a barrier) and come back as a small tile.
+        # The keys above the bin are final: written from here. The bin's keys go to a
+        # small buffer (shared memory on a GPU; the scratch's first slots elsewhere: every
+        # warp has read its region, the round took a barrier) and come back as a small
+        # tile.
         above = key > hi_k
         in_bin = (key >= lo_k) & (key <= hi_k)
         place_a, place_b = _places(above, in_bin, E2, T, ASM)
         _store_where(out_row, place_a, pos, above, ASM)
-        _store_pairs(regions, place_b, key, pos, in_bin, ASM)
-        tl.debug_barrier()
         idx = tl.arange(0, CX)[:, None] * T + lane[None, :]
-        key_c, pos_c = _load_kept(regions + idx, idx < n_bin, ASM)
+        if ASM:
+            moved = _shared_buffer(2 * CX * T)
+            _store_pairs_shared(moved, place_b, key, pos, in_bin)
+            tl.debug_barrier()
+            key_c, pos_c = _load_pairs_shared(moved, idx, idx < n_bin)
+        else:
+            _store_pairs(regions, place_b, key, pos, in_bin, ASM)
+            tl.debug_barrier()
+            key_c, pos_c = _load_kept(regions + idx, idx < n_bin, ASM)
         rounds += _search_and_place(key_c, pos_c, lo_k, hi_k, sh, c_above, n_bin, c_above, hi_k, topk, out_row,
-                                    CX, T, ASM)
+                                    buf, rounds, CX, T, ASM)
         rounds = rounds * 2 + 1
     else:
         # No round needed, one was enough, or a large bin: the whole tile, every key
         # placed here (the ones above the first bin too).
         rounds += _search_and_place(key, pos, lo_k, hi_k, sh, c_above, n_bin, c_above * 0,
-                                    tl.full([], 0xFFFFFFFF, tl.uint32), topk, out_row, E2, T, ASM)
+                                    tl.full([], 0xFFFFFFFF, tl.uint32), topk, out_row, buf, rounds, E2, T, ASM)
         rounds = rounds * 2
     return rounds
-
-
-@triton.jit
-def _sum_max_max(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, tl.maximum(a1, b1), tl.maximum(a2, b2)
 
 
 @triton.constexpr_function
@@ -605,9 +754,9 @@ def _rowwise_kernel(
                 n_gt, n_eq = _collect(row_ptr, hi, vlo, ties | (why == 2), regions, first, E, T, CAPW, VEC, ASM)
             else:
                 n_gt = tl.zeros([T], dtype=tl.int32) + topk // NW + 1 + (vlo & 1).to(tl.int32)
-            # One CTA-wide reduction: every lane holds its warp's counts (32 copies of each).
-            n_kept, max_gt, max_eq = tl.reduce((n_gt + n_eq, n_gt, n_eq), 0, _sum_max_max)
-            n_kept = n_kept // 32
+            # One CTA-wide step: every lane holds its warp's counts. (Its shared buffer is
+            # written again only in a second attempt, after the sample's barriers.)
+            n_kept, max_gt, max_eq = _warps_sum_max_max(n_gt + n_eq, n_gt, n_eq, T, ASM)
             why = tl.where(max_gt > CAPW, 2, tl.where(n_kept < topk, 0, 1))
             # A second pass moves the bound the way the first one missed.
             z = tl.where(why == 0, RETRY_Z, 0.5 * Z)
