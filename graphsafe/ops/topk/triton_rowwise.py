@@ -74,8 +74,8 @@ def _sample_bound(row_ptr, lo, hi, topk, Z, SE: tl.constexpr, E: tl.constexpr, T
 
     vlo: about the largest sample key with mu + Z sigma + 2 samples at or above it, from a
     radix select over the samples: three rounds of `_ranked_bin` over the next 5 key
-    bits. A 15-bit prefix is enough: vlo is the smallest sample key that
-    shares or exceeds it (a few more candidates, never fewer). ties: the prefix's range
+    bits. A 15-bit prefix is enough: vlo is the smallest sample key that shares or
+    exceeds it (a few more candidates, never fewer). ties: the prefix's range
     holds two or more samples, all one key (the row likely holds a run of them). smax:
     the largest sample key (sizes the selection's first bins). first: the collect pass's
     first tile, loaded after the first round: in flight while the sample is ranked, and
@@ -411,7 +411,8 @@ def _shared_buffer_asm(words):
 
 @triton.jit
 def _shared_buffer(words: tl.constexpr):
-    """The shared address of a static buffer of `words` 32-bit words (GPU only)."""
+    """The shared address of a static buffer of `words` 32-bit words (GPU only; the
+    program id is an unused operand that makes the asm a scalar one)."""
     return tl.inline_asm_elementwise(_shared_buffer_asm(words), "=r,r", [tl.program_id(0)], dtype=tl.int32,
                                      is_pure=False, pack=1)
 
