@@ -327,9 +327,7 @@ def test_aiter_adapter_on_rocm():
 def _asm_probe(out_ptr, seed, lo_k, hi_k, sh, c_above, E: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr):
     j = tl.arange(0, E)[:, None] * T + tl.arange(0, T)[None, :]
     key = ((j.to(tl.uint32) * 2654435761) ^ seed.to(tl.uint32)) >> 1  # keys in the ballots' layout
-    buf = 0
-    if ASM:
-        buf = rowwise._shared_buffer(2 * T)
+    buf = rowwise._shared_buffer(2 * T, ASM)
     # Targets 1, 2, 4, ..., 2^13 (past the 2^13 keys: bin 0), the halves of the buffer in
     # turn as the search's rounds use them.
     for i in tl.static_range(14):

@@ -96,9 +96,7 @@ def _sample_bound(row_ptr, lo, hi, topk, Z, SE: tl.constexpr, E: tl.constexpr, T
     last = tl.full([], 0xFFFFFFFF, tl.uint32)
     c_above = need * 0
     n_bin = need * 0
-    buf = 0
-    if ASM:
-        buf = _shared_buffer(2 * T)  # the rounds' exchanges, two halves (`_ranked_bin`)
+    buf = _shared_buffer(2 * T, ASM)  # the rounds' exchanges, two halves (`_ranked_bin`)
     for d in tl.static_range(3):
         SHIFT = 27 - 5 * d
         # The digit: the largest bin where the count from the top reaches `need` (0 if none).
@@ -319,6 +317,7 @@ def _collect(row_ptr, hi, vlo, ties, regions, first, E: tl.constexpr, T: tl.cons
             base += CH
         if base < hi:
             pos = base + _tile_positions(E, T, VEC)
+            # Masked only after 16-byte loads: 4-byte ones read key 0 from hi on.
             n_gt = _place_at_least(region_ptr, _tile_keys(bits, pos, hi, VEC), pos, above, n_gt, CAPW, T, ASM)
     # Ties below the final count of larger entries were overwritten by them.
     return n_gt, CAPW - tl.maximum(eq_room, n_gt)
@@ -410,11 +409,15 @@ def _shared_buffer_asm(words):
 
 
 @triton.jit
-def _shared_buffer(words: tl.constexpr):
-    """The shared address of a static buffer of `words` 32-bit words (GPU only; the
-    program id is an unused operand that makes the asm a scalar one)."""
-    return tl.inline_asm_elementwise(_shared_buffer_asm(words), "=r,r", [tl.program_id(0)], dtype=tl.int32,
-                                     is_pure=False, pack=1)
+def _shared_buffer(words: tl.constexpr, ASM: tl.constexpr):
+    """The shared address of a static buffer of `words` 32-bit words on a GPU (the
+    program id is an unused operand that makes the asm a scalar one); 0 elsewhere (the
+    portable path takes no buffer)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_shared_buffer_asm(words), "=r,r", [tl.program_id(0)], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+    else:
+        return 0
 
 
 # $1 the thread's value, $2 the buffer: word tid = warp * 32 + lane.
@@ -447,7 +450,7 @@ def _get3_asm(warps, empty_a, empty_b, empty_c):
 def _cta_min_max_max(a, b, c, T: tl.constexpr, ASM: tl.constexpr):
     """(min a, max b, max c) over a [T] tile of uint32: scalars."""
     if ASM:
-        buf = _shared_buffer(4 * (T // 32))
+        buf = _shared_buffer(4 * (T // 32), ASM)
         tl.inline_asm_elementwise(_PUT3_MIN_MAX_MAX_ASM, "=r,r,r,r,r", [a, b, c, buf],
                                   dtype=tl.int32, is_pure=False, pack=1)
         x, y, z = tl.inline_asm_elementwise(_get3_asm(T // 32, "0xFFFFFFFF", "0", "0"), "=r,=r,=r,r,r",
@@ -463,7 +466,7 @@ def _warps_sum_max_max(a, b, c, T: tl.constexpr, ASM: tl.constexpr):
     """(sum, max, max) over the warps of [T] int32 values that each lane holds for its
     warp (32 copies of each): scalars."""
     if ASM:
-        buf = _shared_buffer(4 * (T // 32))
+        buf = _shared_buffer(4 * (T // 32), ASM)
         tl.inline_asm_elementwise(_PUT3_ASM, "=r,r,r,r,r", [a, b, c, buf], dtype=tl.int32,
                                   is_pure=False, pack=1)
         x, y, z = tl.inline_asm_elementwise(_get3_asm(T // 32, "0", "0", "0"), "=r,=r,=r,r,r",
@@ -666,9 +669,7 @@ def _select_kept(regions, n_gt, n_eq, n_kept, vlo, smax, topk, out_row, E2: tl.c
     c_above = topk * 0  # keys > hi_k
     n_bin = n_kept  # keys in [lo_k, hi_k]
     rounds = topk * 0
-    buf = 0
-    if ASM:
-        buf = _shared_buffer(2 * T)  # the rounds' exchanges, two halves (`_ranked_bin`)
+    buf = _shared_buffer(2 * T, ASM)  # the rounds' exchanges, two halves (`_ranked_bin`)
     if STOP == 3:
         tl.store(out_row + lane, hi_k + n_bin + sh + tl.sum(pos, 0))
         return rounds
@@ -690,7 +691,7 @@ def _select_kept(regions, n_gt, n_eq, n_kept, vlo, smax, topk, out_row, E2: tl.c
         _store_where(out_row, place_a, pos, above, ASM)
         idx = tl.arange(0, CX)[:, None] * T + lane[None, :]
         if ASM:
-            moved = _shared_buffer(2 * CX * T)
+            moved = _shared_buffer(2 * CX * T, ASM)
             _store_pairs_shared(moved, place_b, key, pos, in_bin)
             tl.debug_barrier()
             key_c, pos_c = _load_pairs_shared(moved, idx, idx < n_bin)
