@@ -11,11 +11,18 @@ registers through `torch.library.Library(namespace, "FRAGMENT")`:
 We use `Library.define/impl` rather than `@torch.library.custom_op`: the latter adds
 several microseconds per call (pytorch/pytorch#139500, #177109).
 
-The kernel registered on each dispatch key is a small closure over a one-element slot.
-On its first call it resolves the backend for that device type (aiter > triton >
-reference, or the one forced by `GRAPHSAFE_BACKEND` / `use_backend`) and caches the
-pair (input check, backend impl); later calls cost one list index and the two calls on
-top of the dispatcher. `use_backend` clears the slots.
+Each backend of an op is one `Backend` record: its impl, optionally a `prepare` that
+binds the impl to one call signature, a `supports` predicate (per-shape fallback to the
+next backend) and its worst-case workspace. Selection, sizing and launch all read these
+records.
+
+The kernel registered on each dispatch key keeps a table from the call's *signature*
+(every tensor's shape, strides, dtype and device, and every other argument's value) to a
+runner. The first call of a signature validates the inputs (`check`), picks the backend
+(the forced one or aiter > triton > reference, the first whose `supports` accepts the
+call) and asks it to `prepare` a runner: plans, launch grids and compiled kernel handles
+are computed there once (see `graphsafe.launch`). Later calls of the same signature cost
+the signature and one dict lookup before the runner. `use_backend` clears the tables.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import importlib
 import inspect
 import os
 import threading
+import typing
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -36,11 +44,16 @@ from graphsafe.backends import AUTO_ORDER, BACKENDS, backend_available
 from graphsafe.errors import RegistrationError
 
 Impl = Callable[..., Any]
-# A backend is either a function or a lazy "package.module:function" reference, so that
-# importing graphsafe never imports triton or aiter.
+# An impl, prepare, supports or workspace function is either a function or a lazy
+# "package.module:function" reference, so that importing graphsafe never imports triton
+# or aiter.
 BackendRef = Impl | str
+WorkspaceSpecs = Sequence[tuple[Sequence[int], torch.dtype]]
 
 DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+# Distinct call signatures kept per op and device type; past this the table is cleared
+# (prefill with ever new token counts must not grow it without bound).
+MAX_SIGNATURES = 1024
 
 _lock = threading.Lock()
 _forced_global: str | None = None
@@ -62,6 +75,43 @@ def _forced_backend(qualname: str) -> str | None:
     return _forced_per_op.get(qualname, _forced_global)
 
 
+def _resolve(ref: BackendRef | None) -> Impl | None:
+    if isinstance(ref, str):
+        module, _, attr = ref.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return ref
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend of an op: what selection, workspace sizing and launch all read.
+
+    Every field is a function or a lazy "package.module:function" reference.
+
+    * `impl(*args)`: runs the op (inputs already validated).
+    * `prepare(*args) -> runner`: binds the op to the signature of these args (shapes,
+      strides, dtypes, devices, scalars) and returns `runner(*args)` for every later call
+      with that signature: plans, grids and compiled kernel handles are computed once,
+      here. Optional; without it the impl runs as is. With it, `impl` may be omitted
+      (it is then `prepare(*args)(*args)`).
+    * `supports(*args) -> bool`: whether this backend runs this signature; False hands
+      the call to the next backend in the order (decided once per signature, never by
+      catching errors per call). Optional: None means every valid input.
+    * `workspace(**shape_params) -> [(shape, dtype), ...]`: the worst-case scratch of one
+      call, from shapes; the op's `workspace_specs` takes the largest over the backends
+      that may serve a device.
+    """
+
+    impl: BackendRef | None = None
+    prepare: BackendRef | None = None
+    supports: BackendRef | None = None
+    workspace: BackendRef | None = None
+
+    def __post_init__(self) -> None:
+        if self.impl is None and self.prepare is None:
+            raise RegistrationError("a Backend needs an impl or a prepare function")
+
+
 @dataclass(eq=False)
 class OpSpec:
     """Everything graphsafe knows about one registered op (one row of the op table)."""
@@ -72,86 +122,157 @@ class OpSpec:
     mutates_args: tuple[str, ...]
     check: Impl
     fake: Impl
-    backends: dict[str, BackendRef]
+    backends: dict[str, Backend]
     family: str
     doc: str
-    workspace: Callable[..., Sequence[tuple[Sequence[int], torch.dtype]]] | None = None
     overload: Any = None  # torch._ops.OpOverload, set after `define`
     public: Any = None  # the Python function users call (docstring of the stub)
-    _slots: dict[str, list[Any]] = field(default_factory=dict, repr=False)
-    _resolved: dict[str, Impl] = field(default_factory=dict, repr=False)
+    signature_key: Impl | None = field(default=None, repr=False)  # args -> hashable signature
+    _tables: dict[str, dict[Any, Impl]] = field(default_factory=dict, repr=False)
+    _resolved: dict[tuple[str, str], Impl | None] = field(default_factory=dict, repr=False)
 
     @property
     def qualname(self) -> str:
         return f"{self.namespace}::{self.name}"
 
     # -- backends -------------------------------------------------------------------
-    def backend_impl(self, backend: str) -> Impl:
-        """The raw impl of `backend` (lazy references are imported on first use)."""
+    def _part(self, backend: str, part: str) -> Impl | None:
+        """A resolved field of a backend record (lazy references imported on first use)."""
+        key = (backend, part)
+        try:
+            return self._resolved[key]
+        except KeyError:
+            pass
         if backend not in self.backends:
             raise KeyError(f"{self.qualname} has no {backend!r} backend; it has {list(self.backends)}")
-        fn = self._resolved.get(backend)
-        if fn is None:
-            ref = self.backends[backend]
-            if isinstance(ref, str):
-                module, _, attr = ref.partition(":")
-                fn = getattr(importlib.import_module(module), attr)
-            else:
-                fn = ref
-            self._resolved[backend] = fn
+        fn = _resolve(getattr(self.backends[backend], part))
+        if part == "impl" and fn is None:
+            prepare = self._part(backend, "prepare")
+
+            def fn(*args: Any, **kwargs: Any) -> Any:
+                return prepare(*args, **kwargs)(*args, **kwargs)
+
+            fn.__name__ = f"{self.name}_{backend}"
+        self._resolved[key] = fn
         return fn
+
+    def backend_impl(self, backend: str) -> Impl:
+        """The impl of `backend` (inputs unchecked; prepared afresh on every call)."""
+        return self._part(backend, "impl")
 
     def available_backends(self, device_type: str) -> list[str]:
         """Backends of this op that can run on `device_type` here, best first."""
         return [b for b in BACKENDS if b in self.backends and backend_available(b, device_type)]
 
-    def serving_backend(self, device_type: str) -> str:
-        """The backend a call on `device_type` uses (resolving it if needed)."""
+    def selection_order(self, device_type: str) -> list[str]:
+        """The backends a call on `device_type` may use, in the order they are tried: the
+        forced one (if it can run here), then the automatic order, up to the first one
+        without a `supports` predicate (it takes every valid input; the reference, always
+        last, is one)."""
         forced = _forced_backend(self.qualname)
-        order = AUTO_ORDER.get(device_type, ("reference",))
-        if forced is not None:
-            if forced in self.backends and backend_available(forced, device_type):
-                return forced
-            if forced in self.backends:
-                warnings.warn(
-                    f"graphsafe: backend {forced!r} is forced but unavailable for {self.qualname} "
-                    f"on {device_type}; falling back to the automatic order {order}",
-                    stacklevel=3,
-                )
+        auto = AUTO_ORDER.get(device_type, ("reference",))
+        order = [b for b in ((forced,) if forced else ()) + tuple(auto) + ("reference",)
+                 if b in self.backends and backend_available(b, device_type)]
+        if forced is not None and forced in self.backends and forced not in order:
+            warnings.warn(
+                f"graphsafe: backend {forced!r} is forced but unavailable for {self.qualname} "
+                f"on {device_type}; falling back to the automatic order {auto}",
+                stacklevel=3,
+            )
+        order = list(dict.fromkeys(order))
+        for i, backend in enumerate(order):
+            if self.backends[backend].supports is None:
+                return order[: i + 1]
+        return order
+
+    def serving_backend(self, device_type: str, *args: Any, **kwargs: Any) -> str:
+        """The backend a call on `device_type` uses: with call args, the first in
+        `selection_order` whose `supports` accepts them; without, the first in the order."""
+        order = self.selection_order(device_type)
+        if not order:
+            raise RegistrationError(f"{self.qualname}: no backend can run on {device_type}")
+        if not args and not kwargs:
+            return order[0]
         for backend in order:
-            if backend in self.backends and backend_available(backend, device_type):
+            supports = self._part(backend, "supports")
+            if supports is None or supports(*args, **kwargs):
                 return backend
-        raise RegistrationError(f"{self.qualname}: no backend can run on {device_type}")
+        return "reference"
+
+    def prepare(self, backend: str, *args: Any, **kwargs: Any) -> Impl:
+        """`backend`'s runner bound to the signature of these (valid) args."""
+        prepare = self._part(backend, "prepare")
+        return prepare(*args, **kwargs) if prepare is not None else self._part(backend, "impl")
 
     def runner(self, backend: str) -> Impl:
-        """A function that validates its inputs and runs `backend` (for tests and tools)."""
-        check, impl = self.check, self.backend_impl(backend)
+        """A function that validates its inputs and runs `backend` through its `prepare`,
+        as the dispatcher does, without the signature table (for tests and tools)."""
+        check = self.check
 
         def run(*args: Any, **kwargs: Any) -> Any:
             check(*args, **kwargs)
-            return impl(*args, **kwargs)
+            return self.prepare(backend, *args, **kwargs)(*args, **kwargs)
 
         run.__name__ = f"{self.name}[{backend}]"
         return run
 
-    def _bind(self, device_type: str, slot: list[Any]) -> tuple[Impl, Impl]:
+    def bound(self, device_type: str, *args: Any, **kwargs: Any) -> Impl:
+        """The runner the dispatcher would use for these args (validated, selected and
+        prepared on the first call of their signature). Composite ops prepare their inner
+        ops through this: a call then skips the dispatcher and the signature lookup."""
+        table = self._tables.get(device_type)
+        if table is None:
+            raise KeyError(f"{self.qualname}: no kernel for device type {device_type!r}")
+        try:
+            return table[self.signature_key(*args, **kwargs)]
+        except Exception:  # noqa: BLE001 - a new (or unhashable) signature
+            return self._bind(device_type, table, args, kwargs)
+
+    def _bind(self, device_type: str, table: dict[Any, Impl], args: tuple, kwargs: dict) -> Impl:
+        """First call of a signature: validate, select, prepare, remember."""
+        self.check(*args, **kwargs)
+        run = self.prepare(self.serving_backend(device_type, *args, **kwargs), *args, **kwargs)
+        try:
+            key = self.signature_key(*args, **kwargs)
+            hash(key)
+        except Exception:  # noqa: BLE001 - an unhashable argument: validated every call
+            return run
         with _lock:
-            pair = (self.check, self.backend_impl(self.serving_backend(device_type)))
-            slot[0] = pair
-        return pair
+            if len(table) >= MAX_SIGNATURES:
+                table.clear()
+            table[key] = run
+        return run
 
     def _reset(self) -> None:
-        for slot in self._slots.values():
-            slot[0] = None
+        for table in self._tables.values():
+            table.clear()
 
     # -- workspace ------------------------------------------------------------------
-    def workspace_bytes(self, *args: Any, **kwargs: Any) -> int:
-        """Worst-case workspace bytes of one call, from shapes (no dry run)."""
-        if self.workspace is None:
-            return 0
+    def workspace_specs(self, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> list:
+        """Worst-case workspace `[(shape, dtype), ...]` of one call on `device` (default: the
+        current CUDA device, else the CPU), from shapes: the largest among the backends
+        that may serve it (`selection_order`). `device` is passed on to backends whose
+        workspace function takes it."""
         from graphsafe.workspace import workspace_bytes
 
-        return workspace_bytes(*self.workspace(*args, **kwargs))
+        dev = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        best: list = []
+        for backend in self.selection_order(dev.type):
+            fn = self._part(backend, "workspace")
+            if fn is None:
+                continue
+            extra = {"device": dev} if "device" in inspect.signature(fn).parameters else {}
+            specs = [(tuple(int(s) for s in shape), dtype) for shape, dtype in fn(*args, **kwargs, **extra)]
+            if workspace_bytes(*specs) > workspace_bytes(*best):
+                best = specs
+        return best
+
+    def workspace_bytes(self, *args: Any, **kwargs: Any) -> int:
+        """Worst-case workspace bytes of one call, from shapes (no dry run)."""
+        from graphsafe.workspace import workspace_bytes
+
+        return workspace_bytes(*self.workspace_specs(*args, **kwargs))
 
     # -- testing hooks ----------------------------------------------------------------
     @property
@@ -162,18 +283,47 @@ class OpSpec:
         return case_for(self.name)
 
 
+def _signature_key(stub: Impl) -> Impl:
+    """A function of the op's args (as the dispatcher passes them: trailing defaults may be
+    missing) returning their signature: shape, strides, dtype and device index of each
+    tensor, the value of every other argument. Generated per op (no loop, no isinstance)."""
+    sig = inspect.signature(stub)
+    hints = typing.get_type_hints(stub)
+    params, parts, defaults = [], [], {}
+    for name, param in sig.parameters.items():
+        hint = hints.get(name)
+        if param.default is inspect.Parameter.empty:
+            params.append(name)
+        else:
+            defaults[f"_d_{name}"] = param.default
+            params.append(f"{name}=_d_{name}")
+        tensor = f"{name}.shape, {name}.stride(), {name}.dtype, {name}.get_device()"
+        if hint is torch.Tensor:
+            parts.append(tensor)
+        elif hint == typing.Optional[torch.Tensor]:
+            parts.append(f"None if {name} is None else ({tensor})")
+        else:
+            parts.append(name)
+    source = f"def signature_key({', '.join(params)}):\n    return ({', '.join(parts)},)\n"
+    namespace: dict[str, Any] = dict(defaults)
+    exec(compile(source, f"<graphsafe signature of {stub.__name__}>", "exec"), namespace)
+    return namespace["signature_key"]
+
+
 def _make_kernel(spec: OpSpec, device_type: str) -> Impl:
-    # The slot holds (check, backend impl) once resolved. The kernel calls both itself,
-    # with no wrapper in between: every Python call level costs ~0.1 us per op call.
-    slot: list[Any] = [None]
-    spec._slots[device_type] = slot
+    # The hot path: the signature, one dict lookup, the runner. Any failure (a new
+    # signature, an unhashable argument, an argument without tensor metadata) takes the
+    # first-call path, which validates and raises a named InputError for bad inputs.
+    table: dict[Any, Impl] = {}
+    spec._tables[device_type] = table
+    key_of = spec.signature_key
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        pair = slot[0]
-        if pair is None:
-            pair = spec._bind(device_type, slot)
-        pair[0](*args, **kwargs)
-        return pair[1](*args, **kwargs)
+        try:
+            run = table[key_of(*args, **kwargs)]
+        except Exception:  # noqa: BLE001 - see above
+            run = spec._bind(device_type, table, args, kwargs)
+        return run(*args, **kwargs)
 
     kernel.__name__ = f"graphsafe_{spec.name}_{device_type}"
     return kernel
@@ -193,10 +343,9 @@ class Registry:
         *,
         fake: Impl,
         check: Impl,
-        backends: dict[str, BackendRef],
+        backends: dict[str, Backend | BackendRef],
         mutates_args: Iterable[str] = (),
         family: str = "",
-        workspace: Callable[..., Sequence[tuple[Sequence[int], torch.dtype]]] | None = None,
     ) -> Callable[[Impl], Impl]:
         """Decorator over a typed signature stub; returns the public Python function.
 
@@ -204,10 +353,10 @@ class Registry:
             name: op name inside the namespace (`torch.ops.<namespace>.<name>`).
             fake: the fake impl (in `graphsafe/fake_impls/`): metadata only.
             check: input validation shared by the fake and the real impl.
-            backends: `{"reference": fn, "triton": "pkg.mod:fn", ...}`; reference required.
+            backends: `{"reference": fn, "triton": Backend(...), ...}`: a `Backend` record, or
+                just its impl (a function or "pkg.mod:fn"); reference required.
             mutates_args: exactly the tensor args the op writes; the op must return None.
             family: the op family folder (`cache`, `ragged`, ...).
-            workspace: `f(**shape_params) -> [(shape, dtype), ...]`, the worst case of one call.
         """
         if isinstance(mutates_args, str):
             raise RegistrationError(
@@ -246,10 +395,10 @@ class Registry:
                 mutates_args=mutated,
                 check=check,
                 fake=fake,
-                backends=dict(backends),
+                backends={b: r if isinstance(r, Backend) else Backend(impl=r) for b, r in backends.items()},
                 family=family,
                 doc=inspect.getdoc(stub) or "",
-                workspace=workspace,
+                signature_key=_signature_key(stub),
             )
             self.lib.define(name + schema)
             for device_type, key in DISPATCH_KEYS.items():
@@ -281,9 +430,8 @@ register_op = REGISTRY.register_op
 
 
 def ops() -> dict[str, OpSpec]:
-    """The op table: name -> OpSpec, for every op registered in the `graphsafe` namespace."""
-    import graphsafe.ops  # noqa: F401 - registers the op families
-
+    """The op table: name -> OpSpec, for every op registered in the `graphsafe` namespace
+    (importing any part of graphsafe imports `graphsafe.ops`, which registers them)."""
     return dict(REGISTRY.ops)
 
 

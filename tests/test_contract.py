@@ -108,6 +108,15 @@ def test_backend_matches_reference_on_edge_cases(name, device, backend):
         C.check_backend_matches_reference(spec, spec.case, backend, args, params)
 
 
+@pytest.mark.parametrize("name,device,backend", list(_backend_params()))
+def test_repeated_calls_through_the_dispatcher_match_reference(name, device, backend):
+    """The per-signature runner (prepared once, launched many times) is right on every call."""
+    spec = graphsafe.get_op(name)
+    params = spec.case.interpreter_example or spec.case.example
+    C.check_repeated_calls_match_reference(spec, spec.case, backend, params, torch.device(device))
+    C.check_runner_keeps_no_inputs(spec, spec.case, backend, params, torch.device(device))
+
+
 def test_every_op_has_a_non_reference_backend_tested_here():
     """On a CPU-only machine the Triton kernels must run through the interpreter."""
     for name in OPS:

@@ -33,6 +33,19 @@ def test_kernels_match_reference_at_realistic_shapes(name):
 
 
 @pytest.mark.parametrize("name", OPS)
+def test_bound_launches_match_reference_and_skip_the_binder(name):
+    """Through the dispatcher, calls after the first of a signature launch compiled kernel
+    handles (graphsafe.launch), never `kernel[grid]`, and stay equal to the reference."""
+    spec = graphsafe.get_op(name)
+    backends = [b for b in spec.available_backends("cuda") if b != "reference"]
+    for params in _param_sets(name):
+        for backend in backends:
+            plain = C.check_repeated_calls_match_reference(spec, spec.case, backend, params, CUDA)
+            assert plain == 0, f"{name}[{backend}] {params}: {plain} plain launches after the first call"
+            C.check_runner_keeps_no_inputs(spec, spec.case, backend, params, CUDA)
+
+
+@pytest.mark.parametrize("name", OPS)
 def test_cuda_graph_replay_with_new_inputs_equals_eager(name):
     spec = graphsafe.get_op(name)
     for params in _param_sets(name):

@@ -15,7 +15,7 @@ from torch import Tensor
 import graphsafe
 from graphsafe import backends
 from graphsafe.errors import RegistrationError
-from graphsafe.registry import new_registry
+from graphsafe.registry import Backend, new_registry
 
 
 def _ns() -> str:
@@ -106,22 +106,101 @@ def test_registered_op_dispatches_checks_and_has_a_fake():
     torch.testing.assert_close(compiled(x, y), x + y)
 
 
-def test_backend_is_resolved_once_then_cached(monkeypatch):
+def test_each_signature_is_checked_selected_and_prepared_once(monkeypatch):
     reg = new_registry(_ns())
     calls, ref, tri = _calls()
-    add = reg.register_op("add", fake=_fake_add, check=_check, backends={"reference": ref, "triton": tri})(_stub)
+    checks, prepared = [], []
+
+    def check(x, y):
+        checks.append(tuple(x.shape))
+        _check(x, y)
+
+    def prepare(x, y):
+        prepared.append(tuple(x.shape))
+        return ref
+
+    add = reg.register_op("add", fake=_fake_add, check=check,
+                          backends={"reference": Backend(prepare=prepare), "triton": tri})(_stub)
     resolutions = []
     original = add.spec.serving_backend
 
-    def counting(device_type):
+    def counting(device_type, *args, **kwargs):
         resolutions.append(device_type)
-        return original(device_type)
+        return original(device_type, *args, **kwargs)
 
     monkeypatch.setattr(add.spec, "serving_backend", counting)
     for _ in range(5):
         add(torch.randn(2), torch.randn(2))
-    assert resolutions == ["cpu"]
+    assert resolutions == ["cpu"] and checks == [(2,)] and prepared == [(2,)]
     assert calls == ["reference"] * 5, "the CPU never picks triton automatically"
+    add(torch.randn(3), torch.randn(3))  # a new signature: checked and prepared again
+    add(torch.randn(3)[None], torch.randn(1, 3))  # same numel, another shape
+    add(torch.randn(4, 2).t(), torch.randn(2, 4))  # same shape, other strides
+    assert checks == [(2,), (3,), (1, 3), (2, 4)] and prepared == checks
+    add(torch.randn(2).double(), torch.randn(2).double())  # another dtype
+    assert len(prepared) == 5
+    with pytest.raises(graphsafe.InputError):  # a bad input is never cached as valid
+        add(torch.randn(2), torch.randn(5))
+    with pytest.raises(graphsafe.InputError):
+        add(torch.randn(2), torch.randn(5))
+
+
+def test_scalar_arguments_are_part_of_the_signature():
+    reg = new_registry(_ns())
+    seen = []
+
+    def stub(x: Tensor, alpha: float, mode: str = "a") -> Tensor:
+        """Scale."""
+
+    def check(x, alpha, mode="a"):
+        if alpha < 0:
+            raise graphsafe.InputError(f"alpha must be >= 0, got {alpha}")
+
+    def prepare(x, alpha, mode="a"):
+        seen.append((alpha, mode))
+        return lambda x, alpha, mode="a": x * alpha
+
+    scale = reg.register_op("scale", fake=lambda x, alpha, mode="a": torch.empty_like(x), check=check,
+                            backends={"reference": Backend(prepare=prepare)})(stub)
+    x = torch.randn(3)
+    torch.testing.assert_close(scale(x, 2.0), 2 * x)
+    torch.testing.assert_close(scale(x, 3.0), 3 * x)
+    scale(x, 3.0, "b")
+    scale(x, 3.0, "a")  # the default spelled out: the same signature as omitting it
+    assert seen == [(2.0, "a"), (3.0, "a"), (3.0, "b")]
+    with pytest.raises(graphsafe.InputError, match="alpha"):
+        scale(x, -1.0)
+
+
+def test_supports_hands_a_signature_to_the_next_backend(monkeypatch):
+    reg = new_registry(_ns())
+    calls, ref, tri = _calls()
+    monkeypatch.setattr(graphsafe.registry, "backend_available", lambda b, d: True)
+    only_even = Backend(tri, supports=lambda x, y: x.shape[0] % 2 == 0)
+    add = reg.register_op("add", fake=_fake_add, check=_check, backends={"reference": ref, "triton": only_even})(_stub)
+    with graphsafe.use_backend("triton"):
+        add(torch.randn(2), torch.randn(2))
+        add(torch.randn(3), torch.randn(3))
+        add(torch.randn(2), torch.randn(2))
+        assert add.spec.serving_backend("cpu", torch.randn(3), torch.randn(3)) == "reference"
+    assert calls == ["triton", "reference", "triton"]
+
+
+def test_workspace_is_the_largest_of_the_backends_that_may_serve(monkeypatch):
+    reg = new_registry(_ns())
+    _, ref, tri = _calls()
+    monkeypatch.setattr(graphsafe.registry, "backend_available", lambda b, d: True)
+    add = reg.register_op("add", fake=_fake_add, check=_check, backends={
+        "reference": ref,
+        "triton": Backend(tri, workspace=lambda n: [((n,), torch.float32)]),
+        "aiter": Backend(tri, workspace=lambda n, device=None: [((2 * n,), torch.float32)]),
+    })(_stub)
+    assert add.spec.workspace_specs(64, device="cuda") == [((128,), torch.float32)]
+    assert add.spec.workspace_bytes(64, device="cpu") == 0, "the CPU's automatic order is the reference alone"
+    with graphsafe.use_backend("triton", ops=[add.spec.qualname]):
+        assert add.spec.workspace_bytes(64, device="cpu") == 64 * 4
+    with graphsafe.use_backend("reference"):
+        assert add.spec.workspace_bytes(64, device="cuda") == 0, "use_backend decides the sizing too"
 
 
 def test_use_backend_forces_and_restores(monkeypatch):
@@ -236,5 +315,5 @@ def test_op_table_introspection():
 def test_workspace_bytes_from_shapes():
     # Ops without scratch need none; ops with scratch state it from shapes (no dry run).
     for spec in graphsafe.op_table().values():
-        if spec.workspace is None:
+        if all(record.workspace is None for record in spec.backends.values()):
             assert spec.workspace_bytes() == 0

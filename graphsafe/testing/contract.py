@@ -96,6 +96,50 @@ def check_backend_matches_reference(spec: OpSpec, case: OpCase, backend: str, ar
         default_compare(spec, expected, actual, ref_args, test_args)
 
 
+def check_repeated_calls_match_reference(
+    spec: OpSpec, case: OpCase, backend: str, params: Params, device: torch.device, seeds: tuple[int, ...] = (21, 22, 23),
+) -> int:
+    """Calls through the dispatcher with `backend` forced, on fresh inputs of one signature:
+    the first call validates and prepares, later ones reuse the runner (and on a GPU
+    launch compiled handles, `graphsafe.launch`); each must equal the reference. Returns
+    the plain `kernel[grid]` launches of the last call (0 on a GPU: none pays the binder)."""
+    from graphsafe.launch import plain_launch_count
+    from graphsafe.registry import use_backend
+
+    plain = 0
+    with use_backend(backend, ops=[spec.qualname]):
+        for seed in seeds:
+            args = case.inputs(params, device, seed)
+            ref_args, test_args = clone_args(args), clone_args(args)
+            expected = run_backend(spec, "reference", ref_args)
+            before = plain_launch_count()
+            actual = spec.overload(*test_args)
+            plain = plain_launch_count() - before
+            if case.compare is not None:
+                case.compare(expected, actual, ref_args, test_args, params)
+            else:
+                default_compare(spec, expected, actual, ref_args, test_args)
+    return plain
+
+
+def check_runner_keeps_no_inputs(spec: OpSpec, case: OpCase, backend: str, params: Params, device: torch.device) -> None:
+    """The runners the registry keeps per signature hold shapes and plans, never the call's
+    tensors: after the call, nothing keeps an input alive."""
+    import gc
+    import weakref
+
+    from graphsafe.registry import use_backend
+
+    with use_backend(backend, ops=[spec.qualname]):
+        args = case.inputs(params, device, 31)
+        refs = [weakref.ref(t) for t in args if isinstance(t, torch.Tensor)]
+        out = spec.overload(*args)
+        del args, out
+        gc.collect()
+        alive = [i for i, r in enumerate(refs) if r() is not None]
+        assert not alive, f"{spec.name}[{backend}]: tensor inputs {alive} stay alive after the call"
+
+
 def check_mutation_and_aliasing(spec: OpSpec, args: tuple) -> None:
     """Only the declared args change; outputs never alias an input."""
     call_args = clone_args(args)

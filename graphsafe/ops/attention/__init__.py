@@ -18,7 +18,7 @@ from graphsafe.backends import backend_available
 from graphsafe.fake_impls import attention as fakes
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported
 from graphsafe.ops.attention.split_kv import decode_workspace_specs, plan_decode_splits
-from graphsafe.registry import register_op
+from graphsafe.registry import Backend, register_op
 
 __all__ = [
     "flash_attn_varlen",
@@ -73,11 +73,10 @@ def flash_attn_varlen_workspace(
     fake=fakes.fake_paged_attention_decode,
     check=fakes.check_paged_attention_decode,
     family="attention",
-    workspace=paged_attention_decode_workspace,
     backends={
         "reference": "graphsafe.ops.attention.reference:paged_attention_decode",
-        "triton": "graphsafe.ops.attention.triton:paged_attention_decode",
-        "aiter": "graphsafe.ops.attention.aiter:paged_attention_decode",
+        "triton": Backend("graphsafe.ops.attention.triton:paged_attention_decode", workspace=paged_attention_decode_workspace),
+        "aiter": Backend("graphsafe.ops.attention.aiter:paged_attention_decode", workspace=paged_attention_decode_workspace),
     },
 )
 def paged_attention_decode(
@@ -127,11 +126,10 @@ def paged_attention_decode(
     fake=fakes.fake_flash_attn_varlen,
     check=fakes.check_flash_attn_varlen,
     family="attention",
-    workspace=flash_attn_varlen_workspace,
     backends={
         "reference": "graphsafe.ops.attention.reference:flash_attn_varlen",
-        "triton": "graphsafe.ops.attention.triton:flash_attn_varlen",
-        "aiter": "graphsafe.ops.attention.aiter:flash_attn_varlen",
+        "triton": Backend("graphsafe.ops.attention.triton:flash_attn_varlen", workspace=flash_attn_varlen_workspace),
+        "aiter": Backend("graphsafe.ops.attention.aiter:flash_attn_varlen", workspace=flash_attn_varlen_workspace),
     },
 )
 def flash_attn_varlen(

@@ -7,7 +7,7 @@ from typing import Optional
 from torch import Tensor
 
 from graphsafe.fake_impls import cache as fakes
-from graphsafe.registry import register_op
+from graphsafe.registry import Backend, register_op
 
 
 @register_op(
@@ -18,7 +18,7 @@ from graphsafe.registry import register_op
     family="cache",
     backends={
         "reference": "graphsafe.ops.cache.reference:concat_and_cache_mla",
-        "triton": "graphsafe.ops.cache.triton:concat_and_cache_mla",
+        "triton": Backend(prepare="graphsafe.ops.cache.triton:prepare_concat_and_cache_mla"),
     },
 )
 def concat_and_cache_mla(
@@ -51,7 +51,7 @@ def concat_and_cache_mla(
     family="cache",
     backends={
         "reference": "graphsafe.ops.cache.reference:reshape_and_cache",
-        "triton": "graphsafe.ops.cache.triton:reshape_and_cache",
+        "triton": Backend(prepare="graphsafe.ops.cache.triton:prepare_reshape_and_cache"),
     },
 )
 def reshape_and_cache(

@@ -1,10 +1,16 @@
-"""Triton backend of the paged-cache writes: one program per token, masked on padding slots."""
+"""Triton backend of the paged-cache writes: one program per token, masked on padding slots.
+
+`prepare_*` bind the kernel to a call signature once (`graphsafe.launch.bind`); the
+runners they return launch it with the tensors alone.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from graphsafe.launch import bind
 
 # Globals read inside @triton.jit code must be constexpr objects (the interpreter does
 # not enforce it; the compiler does).
@@ -49,19 +55,29 @@ def _block(n: int, cap: int = 1024) -> int:
     return min(triton.next_power_of_2(max(n, 1)), cap)
 
 
-def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+def prepare_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None):
     t, r = kv_c.shape
     p = k_pe.shape[1]
     if t == 0:
-        return
+        return _nothing
     quant = kv_cache.dtype == torch.float8_e4m3fn
     nb, bs = kv_cache.shape[:2]
-    _concat_and_cache_mla_kernel[(t,)](
+    launch = bind(
+        _concat_and_cache_mla_kernel, (t,),
         kv_c, k_pe, kv_cache, slot_mapping, scale if quant else kv_c,
         nb * bs, bs,
         kv_c.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         R=r, P=p, BLOCK_R=_block(r), BLOCK_P=_block(p), QUANT=quant,
     )
+
+    def run(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
+        launch(kv_c, k_pe, kv_cache, slot_mapping, scale if quant else kv_c)
+
+    return run
 
 
 @triton.jit
@@ -111,17 +127,18 @@ def _reshape_and_cache_kernel(
     )
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+def prepare_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
     t, hk, d = key.shape
     dv = value.shape[2]
     if t == 0 or hk == 0:
-        return
+        return _nothing
     quant = key_cache.dtype == torch.float8_e4m3fn
     nb, bs = key_cache.shape[:2]
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
     # Keep a tile at <= 4096 elements: the head loop covers the rest.
     block_h = max(1, min(triton.next_power_of_2(hk), 4096 // max(block_d, block_dv)))
-    _reshape_and_cache_kernel[(t,)](
+    launch = bind(
+        _reshape_and_cache_kernel, (t,),
         key, value, key_cache, value_cache, slot_mapping,
         k_scale if quant else key, v_scale if quant else value,
         nb * bs, bs, hk,
@@ -130,3 +147,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         D=d, DV=dv, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv, QUANT=quant,
     )
+
+    def run(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+        launch(key, value, key_cache, value_cache, slot_mapping,
+               k_scale if quant else key, v_scale if quant else value)
+
+    return run

@@ -29,7 +29,7 @@ from graphsafe.ops.indexer.plan import (
     sparse_attn_indexer_decode_workspace,
     sparse_attn_indexer_prefill_workspace,
 )
-from graphsafe.registry import register_op
+from graphsafe.registry import Backend, register_op
 
 __all__ = [
     "indexer_k_quant_and_cache",
@@ -211,20 +211,17 @@ def req_local_to_global_slots(req_id_per_token: Tensor, block_table: Tensor, top
     """
 
 
-_COMPOSITE = {
-    "reference": "graphsafe.ops.indexer.reference:{}",
-    "triton": "graphsafe.ops.indexer.composite:{}",
-}
-
-
 @register_op(
     "sparse_attn_indexer_decode",
     fake=fakes.fake_sparse_attn_indexer_decode,
     check=fakes.check_sparse_attn_indexer_decode,
     mutates_args=("kv_cache", "topk_indices"),
     family="indexer",
-    workspace=sparse_attn_indexer_decode_workspace,
-    backends={k: v.format("sparse_attn_indexer_decode") for k, v in _COMPOSITE.items()},
+    backends={
+        "reference": "graphsafe.ops.indexer.reference:sparse_attn_indexer_decode",
+        "triton": Backend("graphsafe.ops.indexer.composite:sparse_attn_indexer_decode",
+                          workspace=sparse_attn_indexer_decode_workspace),
+    },
 )
 def sparse_attn_indexer_decode(
     kv_cache: Tensor,
@@ -296,8 +293,11 @@ def sparse_attn_indexer_decode(
     check=fakes.check_sparse_attn_indexer_prefill,
     mutates_args=("kv_cache", "topk_indices"),
     family="indexer",
-    workspace=sparse_attn_indexer_prefill_workspace,
-    backends={k: v.format("sparse_attn_indexer_prefill") for k, v in _COMPOSITE.items()},
+    backends={
+        "reference": "graphsafe.ops.indexer.reference:sparse_attn_indexer_prefill",
+        "triton": Backend("graphsafe.ops.indexer.composite:sparse_attn_indexer_prefill",
+                          workspace=sparse_attn_indexer_prefill_workspace),
+    },
 )
 def sparse_attn_indexer_prefill(
     kv_cache: Tensor,

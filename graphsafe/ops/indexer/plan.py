@@ -49,10 +49,7 @@ def _topk_specs(decode: bool, rows: int, width: int, topk: int) -> list[Spec]:
     from graphsafe.registry import get_op
 
     spec = get_op("top_k_per_row_decode" if decode else "top_k_per_row_prefill")
-    if spec.workspace is None:
-        return []
-    specs = spec.workspace(num_rows=rows, width=width, topk=topk)
-    return [(tuple(int(s) for s in shape), dtype) for shape, dtype in specs]
+    return spec.workspace_specs(num_rows=rows, width=width, topk=topk)
 
 
 # -- decode --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from graphsafe.fake_impls import mla as fakes
 from graphsafe.ops.mla.splits import mla_decode_workspace_specs, sparse_mla_workspace_specs
-from graphsafe.registry import register_op
+from graphsafe.registry import Backend, register_op
 
 __all__ = ["mla_decode", "sparse_mla", "mla_decode_workspace_specs", "sparse_mla_workspace_specs"]
 
@@ -27,11 +27,10 @@ __all__ = ["mla_decode", "sparse_mla", "mla_decode_workspace_specs", "sparse_mla
     fake=fakes.fake_mla_decode,
     check=fakes.check_mla_decode,
     family="mla",
-    workspace=mla_decode_workspace_specs,
     backends={
         "reference": "graphsafe.ops.mla.reference:mla_decode",
-        "triton": "graphsafe.ops.mla.triton:mla_decode",
-        "aiter": "graphsafe.ops.mla.aiter:mla_decode",
+        "triton": Backend("graphsafe.ops.mla.triton:mla_decode", workspace=mla_decode_workspace_specs),
+        "aiter": Backend("graphsafe.ops.mla.aiter:mla_decode", workspace=mla_decode_workspace_specs),
     },
 )
 def mla_decode(
@@ -76,11 +75,10 @@ def mla_decode(
     fake=fakes.fake_sparse_mla,
     check=fakes.check_sparse_mla,
     family="mla",
-    workspace=sparse_mla_workspace_specs,
     backends={
         "reference": "graphsafe.ops.mla.reference:sparse_mla",
-        "triton": "graphsafe.ops.mla.triton:sparse_mla",
-        "aiter": "graphsafe.ops.mla.aiter:sparse_mla",
+        "triton": Backend("graphsafe.ops.mla.triton:sparse_mla", workspace=sparse_mla_workspace_specs),
+        "aiter": Backend("graphsafe.ops.mla.aiter:sparse_mla", workspace=sparse_mla_workspace_specs),
     },
 )
 def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:

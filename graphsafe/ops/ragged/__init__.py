@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from graphsafe.fake_impls import ragged as fakes
-from graphsafe.registry import register_op
+from graphsafe.registry import Backend, register_op
 
 
 @register_op(
@@ -15,7 +15,7 @@ from graphsafe.registry import register_op
     family="ragged",
     backends={
         "reference": "graphsafe.ops.ragged.reference:build_ragged_indices_from_dense",
-        "triton": "graphsafe.ops.ragged.triton:build_ragged_indices_from_dense",
+        "triton": Backend(prepare="graphsafe.ops.ragged.triton:prepare_build_ragged_indices_from_dense"),
     },
 )
 def build_ragged_indices_from_dense(indices: Tensor, lengths: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphsafe.launch import bind
+
 
 @triton.jit
 def _indptr_kernel(lengths_ptr, indptr_ptr, n, w, BLOCK: tl.constexpr):
@@ -46,14 +48,24 @@ def _fill_kernel(
     tl.store(flat_ptr + dest, tl.where(valid, values, -1), mask=mask)
 
 
-def build_ragged_indices_from_dense(indices: torch.Tensor, lengths: torch.Tensor, num_rows: int):
+def prepare_build_ragged_indices_from_dense(indices: torch.Tensor, lengths: torch.Tensor, num_rows: int):
     n, w = indices.shape
-    flat = torch.empty(n * w, dtype=torch.int32, device=indices.device)
-    indptr = torch.empty(n + 1, dtype=torch.int32, device=indices.device)
-    _indptr_kernel[(1,)](lengths, indptr, n, w, BLOCK=1024)
+    device = indices.device
+    # Placeholders for the outputs' positions in `bind` (only their device is read).
+    flat = indptr = indices
+    scan = bind(_indptr_kernel, (1,), lengths, indptr, n, w, BLOCK=1024)
+    fill = None
     if n * w > 0:
         block_w = min(triton.next_power_of_2(w), 1024)
-        _fill_kernel[(n, triton.cdiv(w, block_w))](
-            indices, lengths, indptr, flat, n, w, num_rows, BLOCK_W=block_w
-        )
-    return flat, indptr
+        fill = bind(_fill_kernel, (n, triton.cdiv(w, block_w)), indices, lengths, indptr, flat, n, w, num_rows,
+                    BLOCK_W=block_w)
+
+    def run(indices, lengths, num_rows):
+        flat = torch.empty(n * w, dtype=torch.int32, device=device)
+        indptr = torch.empty(n + 1, dtype=torch.int32, device=device)
+        scan(lengths, indptr)
+        if fill is not None:
+            fill(indices, lengths, indptr, flat)
+        return flat, indptr
+
+    return run

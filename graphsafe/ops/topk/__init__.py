@@ -22,7 +22,7 @@ from torch import Tensor
 
 from graphsafe.fake_impls import topk as fakes
 from graphsafe.ops.topk.plan import workspace_specs, workspace_specs_decode
-from graphsafe.registry import register_op
+from graphsafe.registry import Backend, register_op
 
 
 @register_op(
@@ -31,11 +31,10 @@ from graphsafe.registry import register_op
     check=fakes.check_top_k_per_row_prefill,
     mutates_args=("indices",),
     family="topk",
-    workspace=workspace_specs,
     backends={
         "reference": "graphsafe.ops.topk.reference:top_k_per_row_prefill",
-        "triton": "graphsafe.ops.topk.triton:top_k_per_row_prefill",
-        "aiter": "graphsafe.ops.topk.aiter:top_k_per_row_prefill",
+        "triton": Backend("graphsafe.ops.topk.triton:top_k_per_row_prefill", workspace=workspace_specs),
+        "aiter": Backend("graphsafe.ops.topk.aiter:top_k_per_row_prefill", workspace=workspace_specs),
     },
 )
 def top_k_per_row_prefill(logits: Tensor, row_starts: Tensor, row_ends: Tensor, indices: Tensor, topk: int) -> None:
@@ -66,11 +65,10 @@ def top_k_per_row_prefill(logits: Tensor, row_starts: Tensor, row_ends: Tensor, 
     check=fakes.check_top_k_per_row_decode,
     mutates_args=("indices",),
     family="topk",
-    workspace=workspace_specs_decode,
     backends={
         "reference": "graphsafe.ops.topk.reference:top_k_per_row_decode",
-        "triton": "graphsafe.ops.topk.triton:top_k_per_row_decode",
-        "aiter": "graphsafe.ops.topk.aiter:top_k_per_row_decode",
+        "triton": Backend("graphsafe.ops.topk.triton:top_k_per_row_decode", workspace=workspace_specs_decode),
+        "aiter": Backend("graphsafe.ops.topk.aiter:top_k_per_row_decode", workspace=workspace_specs_decode),
     },
 )
 def top_k_per_row_decode(logits: Tensor, next_n: int, seq_lens: Tensor, indices: Tensor, topk: int) -> None:

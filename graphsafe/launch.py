@@ -1,0 +1,249 @@
+"""Launching Triton kernels without Triton's per-call binder: `bind` once, call many times.
+
+`kernel[grid](*args, **meta)` re-derives everything on every call: it binds the Python
+arguments to the kernel's signature, specialises each one (dtype, 16-byte alignment,
+integer divisibility), builds a cache key that includes `str()` of the options, looks the
+compiled kernel up, builds launch metadata for the profiler hooks, and only then calls the
+C launcher, which asks each tensor for `data_ptr()` and the driver whether that pointer is
+a device pointer. On a loaded host that is 15-20 us per launch, more than a small kernel
+runs on the GPU.
+
+`bind(kernel, grid, *args, **meta)` takes the same arguments once, for one *signature*:
+the grid, every non-tensor argument (sizes, strides, scalars), the constexprs and the
+options are fixed; the tensor arguments are what each call passes. The returned callable
+takes the tensors only, in the order they appear among `args`:
+
+    launch = bind(_copy_kernel, (n_blocks,), src, dst, n, src.stride(0), BLOCK=1024)
+    launch(src, dst)          # every later call with tensors of the same dtypes
+
+A call costs one `data_ptr()` per tensor, an alignment test, the current stream and the C
+launcher with plain integers for pointers (Inductor and vLLM launch their compiled
+kernels the same way). The first call whose tensors are all 16-byte aligned goes through
+`kernel[grid]` (compiling if needed) and keeps the compiled kernel it returns; later calls
+launch that handle directly.
+
+What keeps it correct on any Triton:
+* the handle is kept only if the object `kernel[grid]` returns has the `run`,
+  `function` and `packed_metadata` attributes of Triton's `CompiledKernel` (Triton 3.3 to
+  3.9 at least; their `run` takes every bound argument, constexprs included, in signature
+  order). Otherwise, and always under `TRITON_INTERPRET=1`, every call is the plain
+  `kernel[grid](...)` launch: slower, never wrong;
+* a call whose tensors are not all 16-byte aligned (Triton specialises on it), that runs
+  while launch hooks are installed (a profiler such as Proton), or whose current device is
+  not the device of the first launch takes the plain launch too;
+* what the handle bakes in (non-tensor arguments, constexprs, tensor dtypes) is what the
+  caller fixed at `bind`: one binding serves one signature. The registry (`prepare`
+  functions of the backends) keeps one binding per call signature.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+# Options of `kernel[grid](...)` that are not kernel parameters.
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl", "launch_cooperative_grid")
+
+
+def _triton_runtime() -> tuple[Any, Any]:
+    """(Triton's active driver, its runtime knobs) or (None, None) where either is missing."""
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+    except ImportError:  # Triton < 3.3: no knobs module; the plain launch is used
+        return None, None
+    return driver, getattr(knobs, "runtime", None)
+
+
+def _hooks_probe(runtime: Any) -> Callable[[], bool] | None:
+    """A cheap test of "launch hooks are installed", or None where we cannot tell."""
+    enter = getattr(runtime, "launch_enter_hook", None)
+    exit_ = getattr(runtime, "launch_exit_hook", None)
+    if hasattr(enter, "calls") and hasattr(exit_, "calls"):  # Triton 3.4+: HookChain objects
+        return lambda: bool(enter.calls or exit_.calls)
+    if enter is None and exit_ is None:  # older: plain optional attributes
+        return lambda: runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return None
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1)."""
+    from graphsafe.backends import triton_interpreter_enabled
+
+    return triton_interpreter_enabled()
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _tensor_device(t: torch.Tensor) -> int | None:
+    """The CUDA device index of `t`, None off CUDA (no fast launch there)."""
+    if t.device.type != "cuda":
+        return None
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def compiled_handle(compiled: Any) -> tuple[Callable, Any, Any] | None:
+    """(run, function, packed_metadata) of what `kernel[grid](...)` returned, or None when it
+    is not a compiled kernel this module knows how to launch (the interpreter returns None)."""
+    try:
+        return compiled.run, compiled.function, compiled.packed_metadata
+    except Exception:  # noqa: BLE001 - anything unexpected means "use the plain launch"
+        return None
+
+
+class LaunchState:
+    """What a bound launch did so far (tests and the bench read it).
+
+    `fast`: calls launch the compiled handle (False until the first aligned call, and
+    forever under the interpreter or an unknown Triton). `plain_calls`: calls that took
+    the plain `kernel[grid]` path.
+    """
+
+    __slots__ = ("kernel", "grid", "num_tensors", "plain_calls", "_ns")
+
+    def __init__(self, kernel: Any, grid: tuple[int, int, int], num_tensors: int, ns: dict[str, Any]) -> None:
+        self.kernel = kernel
+        self.grid = grid
+        self.num_tensors = num_tensors
+        self.plain_calls = 0
+        self._ns = ns
+
+    @property
+    def fast(self) -> bool:
+        return self._ns.get("RUN") is not None
+
+
+Launch = Callable[..., Any]
+_PLAIN_LAUNCHES = [0]
+
+
+def plain_launch_count() -> int:
+    """Launches so far, in this process, that went through `kernel[grid]` (the binder)."""
+    return _PLAIN_LAUNCHES[0]
+
+
+class _Unadoptable(Exception):
+    """The compiled kernel's `run` refused our arguments (an unknown Triton): plain launches."""
+
+
+def _make_launch(kernel: Any, grid: tuple[int, int, int], full_args: list[Any], tensor_slots: list[int],
+                 num_positional: int, keywords: dict[str, Any], device: int | None) -> Launch:
+    """The generated launch function. `full_args`: every kernel parameter in signature
+    order (None at tensor slots); the plain launch passes the first `num_positional` by
+    position and `keywords` (the rest by name, and the options) by keyword."""
+    slot_of = {arg: i for i, arg in enumerate(tensor_slots)}
+    params = ", ".join(f"t{i}" for i in range(len(tensor_slots)))
+    # The plain launch: `kernel[grid](*positional args, **the rest and the options)`.
+    plain_args = ", ".join([f"t{slot_of[i]}" if i in slot_of else f"A[{i}]" for i in range(num_positional)] + ["**KW"])
+    # The fast launch: every parameter in order, pointers as integers (the C launcher takes
+    # an int as the device address and skips its data_ptr() call and driver query).
+    fast_args = ", ".join(f"p{slot_of[i]}" if i in slot_of else f"A[{i}]" for i in range(len(full_args)))
+    ptrs = "; ".join(f"p{i} = t{i}.data_ptr()" for i in range(len(tensor_slots))) or "pass"
+    aligned = " | ".join(f"p{i}" for i in range(len(tensor_slots))) or "0"
+    source = f"""
+def plain({params}):
+    STATE.plain_calls += 1
+    PLAIN[0] += 1
+    if DEVICE is not None and CURRENT_DEVICE() != DEVICE:
+        with DEVICE_GUARD(DEVICE):
+            return KERNEL[GRID]({plain_args})
+    return KERNEL[GRID]({plain_args})
+
+def slow({params}{", " if params else ""}aligned):
+    compiled = plain({params})
+    if RUN is None and ADOPT is not None and aligned & 15 == 0:
+        ADOPT(compiled)
+
+def launch({params}):
+    {ptrs}
+    if RUN is None or ({aligned}) & 15 or HOOKS() or CURRENT_DEVICE() != DEVICE:
+        return slow({params}{", " if params else ""}{aligned})
+    try:
+        RUN(G0, G1, G2, STREAM(DEVICE), FUNC, PACKED, None, None, None, {fast_args})
+    except UNADOPTABLE:
+        return plain({params})
+"""
+    driver, runtime = _triton_runtime()
+    hooks = _hooks_probe(runtime) if runtime is not None else None
+    ns: dict[str, Any] = {
+        "KERNEL": kernel, "GRID": grid, "KW": keywords, "A": full_args, "DEVICE": device,
+        "G0": grid[0], "G1": grid[1], "G2": grid[2], "HOOKS": hooks, "RUN": None, "ADOPT": None,
+        "UNADOPTABLE": _Unadoptable, "PLAIN": _PLAIN_LAUNCHES,
+        "CURRENT_DEVICE": _current_device, "DEVICE_GUARD": torch.cuda.device,
+    }
+    state = ns["STATE"] = LaunchState(kernel, grid, len(tensor_slots), ns)
+    exec(compile(source, f"<graphsafe.launch {getattr(kernel, '__name__', kernel)}>", "exec"), ns)
+    launch = ns["launch"]
+    launch.state = state
+    if device is None or driver is None or hooks is None:
+        return launch  # CPU (interpreter) or an unknown Triton: the plain launch, always
+
+    def adopt(compiled: Any) -> None:
+        handle = compiled_handle(compiled)
+        try:
+            stream = driver.active.get_current_stream
+        except Exception:  # noqa: BLE001 - no active driver: keep the plain launch
+            handle = None
+        ns["ADOPT"] = None  # one try: a kernel that cannot be adopted stays plain
+        if handle is None:
+            return
+        run = handle[0]
+
+        def run_first(*launch_args: Any) -> None:
+            # Triton's C launcher parses every argument before it launches: a TypeError
+            # here means a calling convention this module does not know, and nothing ran.
+            try:
+                run(*launch_args)
+            except TypeError:
+                ns["RUN"] = None
+                raise _Unadoptable from None
+            ns["RUN"] = run
+
+        ns["FUNC"], ns["PACKED"], ns["STREAM"] = handle[1], handle[2], stream
+        ns["RUN"] = run_first
+
+    ns["ADOPT"] = adopt
+    return launch
+
+
+def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
+    g = tuple(int(x) for x in grid)
+    if not 1 <= len(g) <= 3:
+        raise ValueError(f"a launch grid has 1 to 3 dimensions, got {grid!r}")
+    return g + (1,) * (3 - len(g))  # type: ignore[return-value]
+
+
+def bind(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> Launch:
+    """Bind `kernel` (a `@triton.jit` or Gluon function) to a grid, its non-tensor arguments,
+    constexprs and options; the result is called with the tensor arguments only, in order.
+
+    `args` and `meta` are what `kernel[grid](*args, **meta)` would take. Tensor positions
+    are placeholders here (only their device is read: a CUDA tensor makes the binding
+    eligible for the fast launch on that device); no tensor is kept.
+    """
+    fn = getattr(kernel, "fn", None)
+    if fn is None:
+        raise TypeError(f"bind() needs a @triton.jit function, got {type(kernel).__name__}")
+    keywords = {k: meta.pop(k) for k in _OPTIONS if k in meta}
+    bound = inspect.signature(fn).bind(*args, **meta)
+    bound.apply_defaults()
+    full_args: list[Any] = []
+    tensor_slots: list[int] = []
+    device: int | None = None
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        if isinstance(value, torch.Tensor):
+            if i >= len(args):
+                raise TypeError(f"{fn.__name__}: pass tensor argument {name!r} by position to bind()")
+            tensor_slots.append(i)
+            if device is None:
+                device = _tensor_device(value)
+            value = None
+        elif i >= len(args):
+            keywords[name] = value
+        full_args.append(value)
+    return _make_launch(kernel, _grid3(grid), full_args, tensor_slots, len(args), keywords, device)

@@ -1,0 +1,173 @@
+"""graphsafe.launch: kernels bound once per signature, launched without Triton's binder.
+
+On the CPU the kernels run through Triton's interpreter, where `kernel[grid]` returns no
+compiled kernel: every call must take the plain launch and give the right answer. The
+fast path is driven here with a stand-in compiled kernel that records what its `run`
+receives, and compared with what Triton's own launch passes (`*bound_args.values()`:
+every parameter in signature order, constexprs and defaults included); on the GPU,
+tests/test_launch_gpu.py runs it for real.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from graphsafe import launch as L
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, stride_x, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 0.0):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs * stride_x, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, alpha * x + y + SHIFT, mask=mask)
+
+
+def _bind(x, y, out, n, **meta):
+    return L.bind(_axpy_kernel, (triton.cdiv(n, 16),), x, y, out, n, 2.0, x.stride(0), BLOCK=16, **meta)
+
+
+@pytest.mark.parametrize("n", [1, 16, 37])
+def test_plain_launch_on_the_cpu_is_exact(n):
+    if not L.interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU-only machines)")
+    x, y, out = torch.randn(2 * n)[::2], torch.randn(n), torch.full((n,), float("nan"))
+    launch = _bind(x, y, out, n, SHIFT=0.5)
+    for _ in range(3):
+        x.normal_(), y.normal_(), out.fill_(float("nan"))
+        launch(x, y, out)
+        torch.testing.assert_close(out, 2.0 * x + y + 0.5)
+    assert not launch.state.fast and launch.state.plain_calls == 3
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: records each run(...) call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.function, self.packed_metadata = object(), object()
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+class _Kernel:
+    """Stands in for a JIT function: `kernel[grid](...)` records the plain launch and
+    returns the compiled stand-in (or None, as Triton's interpreter does)."""
+
+    def __init__(self, fn, compiled):
+        self.fn, self.params, self.compiled, self.plain = fn, (), compiled, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.plain.append((grid, args, kwargs))
+            return self.compiled
+
+        return launch
+
+
+class _Driver:
+    class active:  # noqa: N801 - mirrors triton.runtime.driver.active
+        @staticmethod
+        def get_current_stream(device):
+            return 1000 + device
+
+
+class _Tensor(torch.Tensor):
+    pass
+
+
+def _fake_cuda(monkeypatch, compiled):
+    """Bind as if on cuda:0 with a Triton whose launch hooks are empty."""
+    hooks = type("Hooks", (), {"calls": []})
+
+    class Runtime:
+        launch_enter_hook = hooks()
+        launch_exit_hook = hooks()
+
+    monkeypatch.setattr(L, "_triton_runtime", lambda: (_Driver, Runtime))
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_tensor_device", lambda t: 0)
+    return Runtime
+
+
+def test_fast_launch_passes_what_triton_passes(monkeypatch):
+    compiled = _Compiled()
+    _fake_cuda(monkeypatch, compiled)
+    kernel = _Kernel(_axpy_kernel.fn, compiled)
+    x, y, out = torch.randn(8), torch.randn(8), torch.empty(8)
+    launch = L.bind(kernel, (3, 2), x, y, out, 8, 2.0, 1, BLOCK=16, num_warps=2)
+    launch(x, y, out)  # first call: the plain launch, whose compiled kernel is adopted
+    assert kernel.plain == [((3, 2, 1), (x, y, out, 8, 2.0, 1), {"BLOCK": 16, "SHIFT": 0.0, "num_warps": 2})]
+    assert launch.state.fast and not compiled.calls
+    x2, y2, out2 = torch.randn(8), torch.randn(8), torch.empty(8)
+    launch(x2, y2, out2)
+    assert len(kernel.plain) == 1, "the second call skips kernel[grid]"
+    (call,) = compiled.calls
+    grid, stream, function, packed, hooks = call[:3], call[3], call[4], call[5], call[6:9]
+    assert grid == (3, 2, 1) and stream == 1000 and function is compiled.function and packed is compiled.packed_metadata
+    assert hooks == (None, None, None)
+    # Triton's launch passes every parameter in order: pointers here as integers.
+    assert call[9:] == (x2.data_ptr(), y2.data_ptr(), out2.data_ptr(), 8, 2.0, 1, 16, 0.0)
+
+
+def test_misaligned_tensor_or_hooks_take_the_plain_launch(monkeypatch):
+    compiled = _Compiled()
+    runtime = _fake_cuda(monkeypatch, compiled)
+    kernel = _Kernel(_axpy_kernel.fn, compiled)
+    base = torch.randn(64)
+    x, y, out = base[:8], torch.randn(8), torch.empty(8)
+    launch = L.bind(kernel, (1,), x, y, out, 8, 2.0, 1, BLOCK=16)
+    launch(base[1:9], y, out)  # misaligned first call: plain, nothing adopted
+    assert not launch.state.fast
+    launch(x, y, out)
+    assert launch.state.fast and len(kernel.plain) == 2
+    launch(base[1:9], y, out)  # Triton specialised the handle on 16-byte alignment
+    assert len(kernel.plain) == 3 and not compiled.calls
+    runtime.launch_enter_hook.calls.append(print)  # a profiler's hook: it must be called
+    launch(x, y, out)
+    assert len(kernel.plain) == 4 and not compiled.calls
+    runtime.launch_enter_hook.calls.clear()
+    launch(x, y, out)
+    assert len(compiled.calls) == 1
+
+
+def test_unknown_compiled_object_keeps_the_plain_launch(monkeypatch):
+    _fake_cuda(monkeypatch, None)
+    kernel = _Kernel(_axpy_kernel.fn, None)  # what the interpreter returns
+    x, y, out = torch.randn(8), torch.randn(8), torch.empty(8)
+    launch = L.bind(kernel, (1,), x, y, out, 8, 2.0, 1, BLOCK=16)
+    for _ in range(3):
+        launch(x, y, out)
+    assert not launch.state.fast and len(kernel.plain) == 3 and launch.state.plain_calls == 3
+
+
+def test_bind_refuses_what_it_cannot_bind():
+    x = torch.randn(4)
+    with pytest.raises(TypeError, match="jit"):
+        L.bind(lambda x: x, (1,), x)
+    with pytest.raises(TypeError, match="by position"):
+        L.bind(_axpy_kernel, (1,), x, x, out_ptr=x, n=4, alpha=2.0, stride_x=1, BLOCK=16)
+    with pytest.raises(ValueError, match="1 to 3"):
+        L.bind(_axpy_kernel, (1, 1, 1, 1), x, x, x, 4, 2.0, 1, BLOCK=16)
+
+
+def test_a_run_that_refuses_its_arguments_reverts_to_the_plain_launch(monkeypatch):
+    class Refusing(_Compiled):
+        def run(self, *args):
+            self.calls.append(args)
+            raise TypeError("function takes exactly 12 arguments")
+
+    compiled = Refusing()
+    _fake_cuda(monkeypatch, compiled)
+    kernel = _Kernel(_axpy_kernel.fn, compiled)
+    x, y, out = torch.randn(8), torch.randn(8), torch.empty(8)
+    launch = L.bind(kernel, (1,), x, y, out, 8, 2.0, 1, BLOCK=16)
+    for _ in range(4):
+        launch(x, y, out)
+    assert len(compiled.calls) == 1, "one refused try, then never again"
+    assert len(kernel.plain) == 4 and not launch.state.fast
