@@ -18,9 +18,11 @@ takes the tensors only, in the order they appear among `args`:
 
 A call costs one `data_ptr()` per tensor, an alignment test, the current stream and the C
 launcher with plain integers for pointers (Inductor and vLLM launch their compiled
-kernels the same way). The first call whose tensors are all 16-byte aligned goes through
-`kernel[grid]` (compiling if needed) and keeps the compiled kernel it returns; later calls
-launch that handle directly.
+kernels the same way). The first call goes through `kernel[grid]` (compiling if needed)
+and keeps the compiled kernel it returns; later calls launch that handle directly.
+Triton specialises a kernel on which pointers are 16-byte aligned, so handles are kept
+per alignment pattern: the all-aligned one is the hot path, a view at an odd offset gets
+its own handle on its first call.
 
 What keeps it correct on any Triton:
 * the handle is kept only if the object `kernel[grid]` returns has the `run`,
@@ -28,9 +30,11 @@ What keeps it correct on any Triton:
   3.9 at least; their `run` takes every bound argument, constexprs included, in signature
   order). Otherwise, and always under `TRITON_INTERPRET=1`, every call is the plain
   `kernel[grid](...)` launch: slower, never wrong;
-* a call whose tensors are not all 16-byte aligned (Triton specialises on it), that runs
-  while launch hooks are installed (a profiler such as Proton), or whose current device is
-  not the device of the first launch takes the plain launch too;
+* a call that runs while launch hooks are installed (a profiler such as Proton), or
+  whose current device is not the bound tensors' device, takes the plain launch too;
+  so does every call after a compiled kernel's `run` refused its arguments (a
+  calling convention this module does not know: the C launcher parses before it
+  launches, so nothing ran);
 * what the handle bakes in (non-tensor arguments, constexprs, tensor dtypes) is what the
   caller fixed at `bind`: one binding serves one signature. The registry (`prepare`
   functions of the backends) keeps one binding per call signature.
@@ -76,8 +80,10 @@ def interpreter_enabled() -> bool:
     return triton_interpreter_enabled()
 
 
-def _current_device() -> int:
-    return torch.cuda.current_device()
+# The current CUDA device, asked on every fast launch. torch.cuda.current_device() checks
+# lazy initialisation first (~0.3 us); a bound launch exists only after a CUDA tensor was
+# seen, so CUDA is initialised and the raw query is enough where this torch has it.
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def _tensor_device(t: torch.Tensor) -> int | None:
@@ -115,6 +121,7 @@ class LaunchState:
 
     @property
     def fast(self) -> bool:
+        """Whether a call with all tensors 16-byte aligned launches a compiled handle."""
         return self._ns.get("RUN") is not None
 
 
@@ -127,6 +134,9 @@ def plain_launch_count() -> int:
     return _PLAIN_LAUNCHES[0]
 
 
+_MISSING = object()
+
+
 class _Unadoptable(Exception):
     """The compiled kernel's `run` refused our arguments (an unknown Triton): plain launches."""
 
@@ -135,18 +145,25 @@ def _make_launch(kernel: Any, grid: tuple[int, int, int], full_args: list[Any], 
                  num_positional: int, keywords: dict[str, Any], device: int | None) -> Launch:
     """The generated launch function. `full_args`: every kernel parameter in signature
     order (None at tensor slots); the plain launch passes the first `num_positional` by
-    position and `keywords` (the rest by name, and the options) by keyword."""
+    position and `keywords` (the rest by name, and the options) by keyword.
+
+    Compiled handles are kept per alignment mask (bit i: tensor i 16-byte aligned), the
+    one property of the tensors Triton specialises on: the all-aligned handle is the
+    fast path's, others serve views at odd offsets from the second such call on."""
+    n = len(tensor_slots)
     slot_of = {arg: i for i, arg in enumerate(tensor_slots)}
-    params = ", ".join(f"t{i}" for i in range(len(tensor_slots)))
+    ts = ", ".join(f"t{i}" for i in range(n))
+    ps = ", ".join(f"p{i}" for i in range(n))
     # The plain launch: `kernel[grid](*positional args, **the rest and the options)`.
     plain_args = ", ".join([f"t{slot_of[i]}" if i in slot_of else f"A[{i}]" for i in range(num_positional)] + ["**KW"])
     # The fast launch: every parameter in order, pointers as integers (the C launcher takes
     # an int as the device address and skips its data_ptr() call and driver query).
     fast_args = ", ".join(f"p{slot_of[i]}" if i in slot_of else f"A[{i}]" for i in range(len(full_args)))
-    ptrs = "; ".join(f"p{i} = t{i}.data_ptr()" for i in range(len(tensor_slots))) or "pass"
-    aligned = " | ".join(f"p{i}" for i in range(len(tensor_slots))) or "0"
+    ptrs = "; ".join(f"p{i} = t{i}.data_ptr()" for i in range(n)) or "pass"
+    any_misaligned = " | ".join(f"p{i}" for i in range(n)) or "0"
+    mask = " | ".join(f"((p{i} & 15) == 0) << {i}" for i in range(n)) or "0"
     source = f"""
-def plain({params}):
+def plain({ts}):
     STATE.plain_calls += 1
     PLAIN[0] += 1
     if DEVICE is not None and CURRENT_DEVICE() != DEVICE:
@@ -154,60 +171,78 @@ def plain({params}):
             return KERNEL[GRID]({plain_args})
     return KERNEL[GRID]({plain_args})
 
-def slow({params}{", " if params else ""}aligned):
-    compiled = plain({params})
-    if RUN is None and ADOPT is not None and aligned & 15 == 0:
-        ADOPT(compiled)
-
-def launch({params}):
-    {ptrs}
-    if RUN is None or ({aligned}) & 15 or HOOKS() or CURRENT_DEVICE() != DEVICE:
-        return slow({params}{", " if params else ""}{aligned})
+def slow({ts}{", " if n else ""}{ps}):
+    if not ENABLED[0] or HOOKS() or CURRENT_DEVICE() != DEVICE:
+        return plain({ts})
+    mask = {mask}
+    handle = HANDLES.get(mask, MISSING)
+    if handle is MISSING:
+        return ADOPT(mask, plain({ts}))
+    if handle is None:
+        return plain({ts})
     try:
+        handle[0](G0, G1, G2, STREAM(DEVICE), handle[1], handle[2], None, None, None, {fast_args})
+    except TypeError:
+        REFUSED()
+        return plain({ts})
+
+def launch({ts}):
+    {ptrs}
+    if RUN is None or ({any_misaligned}) & 15 or HOOKS() or CURRENT_DEVICE() != DEVICE:
+        return slow({ts}{", " if n else ""}{ps})
+    try:  # free when nothing is raised (zero-cost exceptions)
         RUN(G0, G1, G2, STREAM(DEVICE), FUNC, PACKED, None, None, None, {fast_args})
     except UNADOPTABLE:
-        return plain({params})
+        return plain({ts})
 """
     driver, runtime = _triton_runtime()
     hooks = _hooks_probe(runtime) if runtime is not None else None
+    enabled = device is not None and driver is not None and hooks is not None
     ns: dict[str, Any] = {
         "KERNEL": kernel, "GRID": grid, "KW": keywords, "A": full_args, "DEVICE": device,
-        "G0": grid[0], "G1": grid[1], "G2": grid[2], "HOOKS": hooks, "RUN": None, "ADOPT": None,
-        "UNADOPTABLE": _Unadoptable, "PLAIN": _PLAIN_LAUNCHES,
-        "CURRENT_DEVICE": _current_device, "DEVICE_GUARD": torch.cuda.device,
+        "G0": grid[0], "G1": grid[1], "G2": grid[2], "HOOKS": hooks, "RUN": None,
+        "HANDLES": {}, "MISSING": _MISSING, "ENABLED": [enabled], "PLAIN": _PLAIN_LAUNCHES,
+        "UNADOPTABLE": _Unadoptable,
+        "CURRENT_DEVICE": _current_device if device is not None else None, "DEVICE_GUARD": torch.cuda.device,
     }
-    state = ns["STATE"] = LaunchState(kernel, grid, len(tensor_slots), ns)
+    state = ns["STATE"] = LaunchState(kernel, grid, n, ns)
     exec(compile(source, f"<graphsafe.launch {getattr(kernel, '__name__', kernel)}>", "exec"), ns)
     launch = ns["launch"]
     launch.state = state
-    if device is None or driver is None or hooks is None:
-        return launch  # CPU (interpreter) or an unknown Triton: the plain launch, always
+    all_aligned = (1 << n) - 1
 
-    def adopt(compiled: Any) -> None:
+    def refused() -> None:
+        # Triton's C launcher parses every argument before it launches: a TypeError means
+        # a calling convention this module does not know, and nothing ran. Plain from now.
+        ns["ENABLED"][0] = False
+        ns["RUN"] = None
+        ns["HANDLES"].clear()
+
+    def adopt(mask: int, compiled: Any) -> None:
         handle = compiled_handle(compiled)
-        try:
-            stream = driver.active.get_current_stream
-        except Exception:  # noqa: BLE001 - no active driver: keep the plain launch
-            handle = None
-        ns["ADOPT"] = None  # one try: a kernel that cannot be adopted stays plain
-        if handle is None:
+        if handle is not None:
+            try:
+                ns["STREAM"] = driver.active.get_current_stream
+            except Exception:  # noqa: BLE001 - no active driver: keep the plain launch
+                handle = None
+        ns["HANDLES"][mask] = handle  # None: this mask stays plain (one try)
+        if handle is None or mask != all_aligned:
             return
         run = handle[0]
 
         def run_first(*launch_args: Any) -> None:
-            # Triton's C launcher parses every argument before it launches: a TypeError
-            # here means a calling convention this module does not know, and nothing ran.
+            ns["RUN"] = None  # until this first fast launch went through
             try:
                 run(*launch_args)
             except TypeError:
-                ns["RUN"] = None
+                refused()
                 raise _Unadoptable from None
             ns["RUN"] = run
 
-        ns["FUNC"], ns["PACKED"], ns["STREAM"] = handle[1], handle[2], stream
+        ns["FUNC"], ns["PACKED"] = handle[1], handle[2]
         ns["RUN"] = run_first
 
-    ns["ADOPT"] = adopt
+    ns["ADOPT"], ns["REFUSED"] = adopt, refused
     return launch
 
 

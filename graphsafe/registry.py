@@ -248,17 +248,18 @@ class OpSpec:
             table.clear()
 
     # -- workspace ------------------------------------------------------------------
-    def workspace_specs(self, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> list:
+    def workspace_specs(self, *args: Any, device: torch.device | str | None = None, backend: str | None = None,
+                        **kwargs: Any) -> list:
         """Worst-case workspace `[(shape, dtype), ...]` of one call on `device` (default: the
         current CUDA device, else the CPU), from shapes: the largest among the backends
-        that may serve it (`selection_order`). `device` is passed on to backends whose
-        workspace function takes it."""
+        that may serve it (`selection_order`), or `backend`'s own. `device` is passed on
+        to backends whose workspace function takes it."""
         from graphsafe.workspace import workspace_bytes
 
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         best: list = []
-        for backend in self.selection_order(dev.type):
+        for backend in [backend] if backend is not None else self.selection_order(dev.type):
             fn = self._part(backend, "workspace")
             if fn is None:
                 continue

@@ -115,25 +115,41 @@ def test_fast_launch_passes_what_triton_passes(monkeypatch):
     assert call[9:] == (x2.data_ptr(), y2.data_ptr(), out2.data_ptr(), 8, 2.0, 1, 16, 0.0)
 
 
-def test_misaligned_tensor_or_hooks_take_the_plain_launch(monkeypatch):
+def test_each_alignment_pattern_gets_its_own_handle_and_hooks_take_the_plain_launch(monkeypatch):
     compiled = _Compiled()
     runtime = _fake_cuda(monkeypatch, compiled)
     kernel = _Kernel(_axpy_kernel.fn, compiled)
     base = torch.randn(64)
     x, y, out = base[:8], torch.randn(8), torch.empty(8)
     launch = L.bind(kernel, (1,), x, y, out, 8, 2.0, 1, BLOCK=16)
-    launch(base[1:9], y, out)  # misaligned first call: plain, nothing adopted
-    assert not launch.state.fast
-    launch(x, y, out)
+    launch(base[1:9], y, out)  # misaligned first call: plain, its handle kept for that pattern
+    assert not launch.state.fast and len(kernel.plain) == 1
+    launch(x, y, out)  # all aligned: plain once more (Triton specialises on alignment)
     assert launch.state.fast and len(kernel.plain) == 2
-    launch(base[1:9], y, out)  # Triton specialised the handle on 16-byte alignment
-    assert len(kernel.plain) == 3 and not compiled.calls
+    launch(base[1:9], y, out)
+    launch(x, y, out)
+    assert len(kernel.plain) == 2 and len(compiled.calls) == 2, "both patterns launch their handles"
+    assert compiled.calls[0][9] == base[1:9].data_ptr()
     runtime.launch_enter_hook.calls.append(print)  # a profiler's hook: it must be called
     launch(x, y, out)
-    assert len(kernel.plain) == 4 and not compiled.calls
+    assert len(kernel.plain) == 3 and len(compiled.calls) == 2
     runtime.launch_enter_hook.calls.clear()
     launch(x, y, out)
-    assert len(compiled.calls) == 1
+    assert len(compiled.calls) == 3
+
+
+def test_another_current_device_takes_the_guarded_plain_launch(monkeypatch):
+    compiled = _Compiled()
+    _fake_cuda(monkeypatch, compiled)
+    kernel = _Kernel(_axpy_kernel.fn, compiled)
+    x, y, out = torch.randn(8), torch.randn(8), torch.empty(8)
+    monkeypatch.setattr(L, "_current_device", lambda: 1)  # tensors on cuda:0, cuda:1 current
+    guarded = []
+    monkeypatch.setattr(L.torch.cuda, "device", lambda d: guarded.append(d) or __import__("contextlib").nullcontext())
+    launch = L.bind(kernel, (1,), x, y, out, 8, 2.0, 1, BLOCK=16)
+    launch(x, y, out)
+    launch(x, y, out)
+    assert len(kernel.plain) == 2 and not compiled.calls and guarded == [0, 0]
 
 
 def test_unknown_compiled_object_keeps_the_plain_launch(monkeypatch):
