@@ -255,14 +255,17 @@ def test_decode_workspace_helper_is_exact():
     params = {**case.example, "B": 1, "Hk": 1, "block_size": 8, "max_blocks": 16, "seq_lens": [100]}
     args = case.inputs(params, "cpu", 0)
     b, hq, _ = args[0].shape
-    specs = paged_attention_decode_workspace(b, hq, 1, args[2].shape[3], 16, 8, device="cpu")
-    assert plan_decode_splits(b, 1, 16, 8, "cpu") > 1 and specs
-    with graphsafe.use_backend("triton"):
+    assert paged_attention_decode_workspace(b, hq, 1, args[2].shape[3], 16, 8, device="cpu") == []  # reference
+    with graphsafe.use_backend("triton"):  # the helper sizes for the backends that may serve
+        specs = paged_attention_decode_workspace(b, hq, 1, args[2].shape[3], 16, 8, device="cpu")
+        assert plan_decode_splits(b, 1, 16, 8, "cpu") > 1 and specs
         graphsafe.paged_attention_decode(*args)
+        op_bytes = graphsafe.get_op("paged_attention_decode").workspace_bytes(b, hq, 1, args[2].shape[3], 16, 8,
+                                                                             device="cpu")
     stats = current_workspace_manager("cpu").stats()
     assert stats.requests.get("paged_attention_decode") == 1
     assert stats.peak_request_bytes == workspace_bytes(*specs)
-    assert graphsafe.get_op("paged_attention_decode").workspace_bytes(b, hq, 1, args[2].shape[3], 16, 8, device="cpu") == workspace_bytes(*specs)
+    assert op_bytes == workspace_bytes(*specs)
 
 
 # -- varlen: kernels vs reference --------------------------------------------------------------
@@ -311,11 +314,10 @@ def _quantise_with_kernels(q, k, v):
     tk, hk, d = k.shape
     k8 = torch.full((tk, hk, d), float("nan"), dtype=torch.float32).to(FP8_DTYPE)  # poison
     vt = torch.full((hk, v.shape[2], Q.vt_columns(tk)), 3.0).to(FP8_DTYPE)  # poison, padding too
-    scales = torch.full((8,), 123.0)  # poison: prepare_varlen must reset the slots
+    scales = torch.full((Q.SCALE_SLOTS,), 123.0)  # poison: the prepare kernel must reset the slots
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
-    Q.prepare_varlen(out, torch.zeros(1, dtype=torch.int32), scales)
-    Q.amax_into(q, k, v, scales)
-    Q.quantize_kv_into(k, v, k8, vt, scales)
+    cu = torch.zeros(1, dtype=torch.int32)
+    _triton().prepare_fp8_quantisation(q, k, v, cu)(q, k, v, cu, out, k8, vt, scales)
     return k8, vt, scales
 
 
@@ -398,7 +400,9 @@ def test_v_transpose_copy_of_fp8_inputs():
 
     v = torch.randn(21, 2, 2, 32).to(FP8_DTYPE)[:, :, 1]  # strided
     vt = torch.full((2, 32, Q.vt_columns(21)), 3.0).to(FP8_DTYPE)
-    Q.quantize_kv_into(v, v, None, vt, torch.zeros(8), quant=False)
+    cu, out = torch.zeros(1, dtype=torch.int32), torch.empty(21, 2, 32, dtype=torch.bfloat16)
+    copy = _triton().prepare_fp8_quantisation(v, v, v, cu, quantize=False)
+    copy(v, v, v, cu, out, None, vt, torch.zeros(Q.SCALE_SLOTS))
     assert torch.equal(vt[..., :21].permute(2, 0, 1).view(torch.uint8), v.view(torch.uint8))
     assert not vt[..., 21:].view(torch.uint8).any()
 
@@ -475,17 +479,20 @@ def test_negative_and_zero_score_scales():
 
 @needs_triton
 def test_varlen_workspace_helper_covers_the_fp8_call():
-    specs = flash_attn_varlen_workspace(100, 120, 8, 2, 128, 128)
-    assert workspace_bytes(*specs) >= 120 * 2 * 128 + 2 * 128 * 128  # k in fp8, V^T in fp8 (q: in-kernel)
-    assert flash_attn_varlen_workspace(100, 120, 8, 2, 128, 128, fp8=False) == []
-    reset_workspace_managers()
-    case = case_for("flash_attn_varlen")
-    for mode in ("on", "fp8_inputs"):
-        args = case.inputs({**case.example, "mode": mode}, "cpu", 0)
-        q, k, v = args[:3]
-        _triton().flash_attn_varlen(*args)
-        peak = current_workspace_manager("cpu").stats().peak_request_bytes
-        assert 0 < peak <= workspace_bytes(*flash_attn_varlen_workspace(q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2]))
+    assert flash_attn_varlen_workspace(100, 120, 8, 2, 128, 128, device="cpu") == []  # the reference serves
+    with graphsafe.use_backend("triton"):
+        specs = flash_attn_varlen_workspace(100, 120, 8, 2, 128, 128, device="cpu")
+        assert workspace_bytes(*specs) >= 120 * 2 * 128 + 2 * 128 * 128  # k in fp8, V^T in fp8 (q: in-kernel)
+        assert flash_attn_varlen_workspace(100, 120, 8, 2, 128, 128, fp8=False, device="cpu") == []
+        reset_workspace_managers()
+        case = case_for("flash_attn_varlen")
+        for mode in ("on", "fp8_inputs"):
+            args = case.inputs({**case.example, "mode": mode}, "cpu", 0)
+            q, k, v = args[:3]
+            graphsafe.flash_attn_varlen(*args)
+            peak = current_workspace_manager("cpu").stats().peak_request_bytes
+            shapes = (q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2])
+            assert 0 < peak <= workspace_bytes(*flash_attn_varlen_workspace(*shapes, device="cpu"))
 
 
 @needs_triton
@@ -541,14 +548,18 @@ def test_aiter_adapter_glue(monkeypatch):
     _fake_aiter(monkeypatch, calls)
     case = case_for("flash_attn_varlen")
     args = case.inputs({**case.example, "pad_q": 3}, "cpu", 0)
-    out = adapter.flash_attn_varlen(*args)
+    assert adapter.supports_flash_attn_varlen(*args)
+    assert not adapter.supports_flash_attn_varlen(*args[:12], "on")  # fp8 goes to the next backend
+    out = graphsafe.get_op("flash_attn_varlen").backend_impl("aiter")(*args)
     assert calls[-1] == {"dropout_p": 0.0, "scale": args[7], "causal": args[8]}
     torch.testing.assert_close(out, reference.flash_attn_varlen(*args), rtol=0, atol=0)
 
     dcase = case_for("paged_attention_decode")
     params = {**dcase.example, "D": 64, "block_size": 16, "max_blocks": 3, "seq_lens": [0, 40, 48]}
     dargs = dcase.inputs(params, "cpu", 0)
-    out = adapter.paged_attention_decode(*dargs)
+    assert adapter.supports_paged_attention_decode(*dargs)
+    assert not adapter.supports_paged_attention_decode(*dcase.inputs({**params, "block_size": 8}, "cpu", 0))
+    out = graphsafe.get_op("paged_attention_decode").backend_impl("aiter")(*dargs)
     call = calls[-1]
     assert call["layout"] == "NHD" and call["max_len"] == 48 and call["kv_dtype"] == "auto" and call["ks"] == 1.0
     assert call["cu"].tolist() == [0, 1, 2] and call["lens"].tolist() == [0, 40, 48] and call["part"] == 256

@@ -14,11 +14,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphsafe.backends import backend_available
 from graphsafe.fake_impls import attention as fakes
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported
 from graphsafe.ops.attention.split_kv import decode_workspace_specs, plan_decode_splits
-from graphsafe.registry import Backend, register_op
+from graphsafe.registry import Backend, get_op, register_op
 
 __all__ = [
     "flash_attn_varlen",
@@ -30,42 +29,31 @@ __all__ = [
 ]
 
 
-def _default_device(device) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def paged_attention_decode_workspace(
     batch_size: int, num_q_heads: int, num_kv_heads: int, head_dim_v: int, max_blocks_per_seq: int, block_size: int,
     device: torch.device | str | None = None, head_dim: int | None = None,
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Worst-case scratch `[(shape, dtype), ...]` of one `paged_attention_decode` call on
-    `device` (default: the current CUDA device, else the CPU), from shapes only. Feed it
-    to `WorkspaceManager.reserve(*specs)` before capturing a graph."""
-    device = _default_device(device)
-    specs = decode_workspace_specs(
-        batch_size, num_q_heads, num_kv_heads, head_dim_v, max_blocks_per_seq, block_size, device
+    `device` (default: the current CUDA device, else the CPU), from shapes only: the
+    largest over the backends that may serve it there. Feed it to
+    `WorkspaceManager.reserve(*specs)` before capturing a graph."""
+    return get_op("paged_attention_decode").workspace_specs(
+        batch_size, num_q_heads, num_kv_heads, head_dim_v, max_blocks_per_seq, block_size,
+        head_dim=head_dim, device=device,
     )
-    if device.type == "cuda" and backend_available("aiter", "cuda"):
-        from graphsafe.ops.attention.aiter import decode_workspace_specs as aiter_specs
-        from graphsafe.workspace import workspace_bytes
-
-        other = aiter_specs(batch_size, num_q_heads, head_dim or head_dim_v, max_blocks_per_seq, block_size)
-        specs = max(specs, other, key=lambda s: workspace_bytes(*s))
-    return specs
 
 
 def flash_attn_varlen_workspace(
     total_q: int, total_k: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, fp8: bool = True,
+    device: torch.device | str | None = None,
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Worst-case scratch of one `flash_attn_varlen` call: the fp8 path quantising
-    bf16/fp16 inputs (fp8 inputs need less); nothing when `fp8` is False."""
-    if not fp8:
-        return []
-    from graphsafe.ops.attention.triton import varlen_workspace_specs
-
-    return varlen_workspace_specs(total_q, total_k, num_q_heads, num_kv_heads, head_dim, head_dim_v, quantize=True)
+    """Worst-case scratch of one `flash_attn_varlen` call on `device` (default: the
+    current CUDA device, else the CPU), over the backends that may serve it there: the
+    fp8 path quantising bf16/fp16 inputs (fp8 inputs need less); nothing when `fp8` is
+    False."""
+    return get_op("flash_attn_varlen").workspace_specs(
+        total_q, total_k, num_q_heads, num_kv_heads, head_dim, head_dim_v, fp8=fp8, device=device,
+    )
 
 
 @register_op(
@@ -75,8 +63,16 @@ def flash_attn_varlen_workspace(
     family="attention",
     backends={
         "reference": "graphsafe.ops.attention.reference:paged_attention_decode",
-        "triton": Backend("graphsafe.ops.attention.triton:paged_attention_decode", workspace=paged_attention_decode_workspace),
-        "aiter": Backend("graphsafe.ops.attention.aiter:paged_attention_decode", workspace=paged_attention_decode_workspace),
+        "triton": Backend(
+            "graphsafe.ops.attention.triton:paged_attention_decode",
+            prepare="graphsafe.ops.attention.triton:prepare_paged_attention_decode",
+            workspace=decode_workspace_specs,
+        ),
+        "aiter": Backend(
+            prepare="graphsafe.ops.attention.aiter:prepare_paged_attention_decode",
+            supports="graphsafe.ops.attention.aiter:supports_paged_attention_decode",
+            workspace="graphsafe.ops.attention.aiter:paged_attention_decode_workspace",
+        ),
     },
 )
 def paged_attention_decode(
@@ -128,8 +124,15 @@ def paged_attention_decode(
     family="attention",
     backends={
         "reference": "graphsafe.ops.attention.reference:flash_attn_varlen",
-        "triton": Backend("graphsafe.ops.attention.triton:flash_attn_varlen", workspace=flash_attn_varlen_workspace),
-        "aiter": Backend("graphsafe.ops.attention.aiter:flash_attn_varlen", workspace=flash_attn_varlen_workspace),
+        "triton": Backend(
+            "graphsafe.ops.attention.triton:flash_attn_varlen",
+            prepare="graphsafe.ops.attention.triton:prepare_flash_attn_varlen",
+            workspace="graphsafe.ops.attention.triton:flash_attn_varlen_workspace",
+        ),
+        "aiter": Backend(
+            prepare="graphsafe.ops.attention.aiter:prepare_flash_attn_varlen",
+            supports="graphsafe.ops.attention.aiter:supports_flash_attn_varlen",
+        ),
     },
 )
 def flash_attn_varlen(

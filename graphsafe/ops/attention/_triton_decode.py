@@ -7,12 +7,16 @@ with exp2 (log2(e) folded into the scale). Each request divides its own length (
 the device) evenly among the splits; the split count itself is fixed from shapes on the
 host (split_kv.py). With one split the kernel writes the output; otherwise it writes a
 normalised partial output and its log2-sum-exp, and `_combine_kernel` merges them.
+`bind_paged_decode` and `bind_combine` bind the two launches to a call signature.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from graphsafe.launch import Launch, bind
 
 LOG2E = 1.4426950408889634
 
@@ -125,34 +129,41 @@ def _combine_kernel(
     tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty), mask=dv_mask)
 
 
-def launch_paged_decode(
-    q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, out, partials, num_splits, config
-):
-    """Launch the decode kernel (and the combine when `num_splits > 1`) into `out`."""
+def bind_paged_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, num_splits: int, config: tuple[int, int, int],
+) -> Launch:
+    """The decode kernel bound to these inputs' shapes and strides, into a contiguous
+    `[B, Hq, Dv]` output: `launch(q, k_cache, v_cache, block_table, seq_lens, k_scale,
+    v_scale, out, part_o, part_lse)`. bf16/fp16 caches read no scales, and one split
+    writes no partials: pass any tensor of the device there (e.g. q, out)."""
     b, hq, d = q.shape
     _, block_size, hk, dv = v_cache.shape
     group = hq // hk
     block_n, num_warps, num_stages = config
-    kv_fp8 = k_cache.dtype.itemsize == 1
-    part_o, part_lse = partials if num_splits > 1 else (out, out)
-    _paged_decode_kernel[(b, hk, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens,
-        k_scale if kv_fp8 else q, v_scale if kv_fp8 else q,
-        out, part_o, part_lse,
+    return bind(
+        _paged_decode_kernel, (b, hk, num_splits),
+        q, k_cache, v_cache, block_table, seq_lens, q, q, q, q, q,  # scales, out, partials: placeholders
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), block_table.stride(1), seq_lens.stride(0),
-        out.stride(0), out.stride(1),
+        hq * dv, dv,  # the output's strides
         block_table.shape[1] * block_size, block_size, scale * LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_FP8=kv_fp8,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_FP8=k_cache.dtype.itemsize == 1,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
-        _combine_kernel[(b, hq)](
-            part_o, part_lse, out, hq, out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            DV=dv, BLOCK_DV=triton.next_power_of_2(dv), num_warps=4,
-        )
+
+
+def bind_combine(like: torch.Tensor, batch: int, num_q_heads: int, head_dim_v: int, num_splits: int) -> Launch:
+    """The combine kernel bound for `num_splits` partials per (request, query head):
+    `launch(part_o, part_lse, out)`, out contiguous `[B, Hq, Dv]`. `like`: any tensor of
+    the device (placeholder for the tensor arguments)."""
+    return bind(
+        _combine_kernel, (batch, num_q_heads),
+        like, like, like, num_q_heads, num_q_heads * head_dim_v, head_dim_v,
+        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        DV=head_dim_v, BLOCK_DV=triton.next_power_of_2(head_dim_v), num_warps=4,
+    )

@@ -32,11 +32,13 @@ needs no multiply, and acc is rescaled and then accumulated in place by the MMA.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from graphsafe.ops.attention._triton_quant import cast_fp8, descale_of, prepare_varlen, quantize_values
-from graphsafe.ops.attention.fp8 import P_SCALE
+from graphsafe.launch import Launch, bind
+from graphsafe.ops.attention._triton_quant import cast_fp8, descale_of, quantize_values
+from graphsafe.ops.attention.fp8_format import P_SCALE
 
 LOG2E = 1.4426950408889634
 # V^T rows are read from multiples of KV_ALIGN tokens (16 fp8 bytes: cp.async's widest copy).
@@ -265,11 +267,6 @@ def _varlen_fwd_kernel(
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_dv[None, :] < DV))
 
 
-def launch_zero_tail(out, cu_q) -> None:
-    """Zero the rows of contiguous `out` [Tq, Hq, Dv] past `cu_q[B]` (read on the device)."""
-    prepare_varlen(out, cu_q)
-
-
 def _split_head_dim(d: int, min_block: int) -> tuple[int, int]:
     """D = BLOCK_DA (+ BLOCK_DB): a power of two and a power-of-two remainder, each at
     least `min_block` (the dot's smallest K: 16, or 32 for fp8 operands)."""
@@ -278,33 +275,35 @@ def _split_head_dim(d: int, min_block: int) -> tuple[int, int]:
     return block_da, (0 if rest <= 0 else max(min_block, triton.next_power_of_2(rest)))
 
 
-def launch_varlen(
-    q, k, v, out, cu_q, cu_k, max_seqlen_q, scale, causal, descales, v_strides, fp8, config, emulate, q_quant=False
-):
-    """Launch the forward kernel (the caller zeroes the output tail: `prepare_varlen`).
-    `descales` is None or three (tensor, stride_b, stride_h); `v_strides` (t, h, d) of `v`
-    (transposed for fp8). `q_quant`: q is bf16/fp16 and the first descale entry points
-    at its amax."""
+def bind_varlen(
+    q: torch.Tensor, num_seqs: int, num_kv_heads: int, head_dim_v: int,
+    k_strides: tuple[int, int], v_strides: tuple[int, int, int], max_seqlen_q: int, scale: float, causal: bool,
+    descale_strides: tuple[tuple[int, int], ...] | None, fp8: bool, config: tuple[int, int, int, int],
+    emulate: bool, q_quant: bool = False,
+) -> Launch | None:
+    """The forward kernel bound to q's shape and strides and the rest of the call's
+    shape: `launch(q, k, v, out, cu_q, cu_k, q_descale, k_descale, v_descale)` into a
+    contiguous `out` [Tq, Hq, Dv] (the caller zeroes its tail: `bind_prepare`).
+    `k_strides` (t, h) of k; `v_strides` (t, h, d) of v (of V^T for fp8).
+    `descale_strides`: None (no descales: pass any tensor of the device for them) or
+    three (stride_b, stride_h). `q_quant`: q is bf16/fp16 and `q_descale` points at its
+    amax. None when there is nothing to compute."""
     hq, d = q.shape[1:]
-    hk, dv = k.shape[1], out.shape[2]
-    batch = cu_q.shape[0] - 1
     block_m, block_n, num_warps, num_stages = config
     num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
-    if batch == 0 or num_m_blocks == 0 or hq == 0:
-        return
+    if num_seqs == 0 or num_m_blocks == 0 or hq == 0:
+        return None
     block_da, block_db = _split_head_dim(d, 32 if fp8 else 16)
-    if descales is None:
-        (qd, sqb, sqh), (kd, skb, skh), (vd, svb, svh) = ((q, 0, 0),) * 3
-    else:
-        (qd, sqb, sqh), (kd, skb, skh), (vd, svb, svh) = descales
+    (sqb, sqh), (skb, skh), (svb, svh) = descale_strides or ((0, 0),) * 3
     vt, vh, vdd = v_strides
-    _varlen_fwd_kernel[(num_m_blocks * batch * hq,)](
-        q, k, v, out, cu_q, cu_k, qd, kd, vd,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), vt, vh, vdd, out.stride(0), out.stride(1),
+    return bind(
+        _varlen_fwd_kernel, (num_m_blocks * num_seqs * hq,),
+        q, q, q, q, q, q, q, q, q,  # placeholders: only their device is read
+        q.stride(0), q.stride(1), k_strides[0], k_strides[1], vt, vh, vdd, hq * head_dim_v, head_dim_v,
         sqb, sqh, skb, skh, svb, svh,
         scale * LOG2E, hq, num_m_blocks,
-        GROUP=hq // hk, D=d, BLOCK_DA=block_da, BLOCK_DB=block_db,
-        DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, FP8=fp8, HAS_DESCALE=descales is not None, Q_QUANT=q_quant, EMULATE=emulate,
+        GROUP=hq // num_kv_heads, D=d, BLOCK_DA=block_da, BLOCK_DB=block_db,
+        DV=head_dim_v, BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)), BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, FP8=fp8, HAS_DESCALE=descale_strides is not None, Q_QUANT=q_quant, EMULATE=emulate,
         KV_ALIGN=KV_ALIGN if fp8 else 1, num_warps=num_warps, num_stages=num_stages,
     )

@@ -1,11 +1,12 @@
 """Triton pieces of the fp8 prefill path: per-tensor amax and quantisation into workspace
 buffers, the fp8 cast helper, and the device probe behind `fp8_prefill_supported`.
 
-Launches of the fp8 path (bf16/fp16 inputs): `prepare_varlen` (zero the output tail and
-reset the scale slots), `amax_into` (amax of q, k and v, one pass each, one launch, float
-atomic max), `quantize_kv_into` (k and V^T into the workspace, one launch), then the
+Launches of the fp8 path (bf16/fp16 inputs), each bound once per call signature by a
+`bind_*` function here (`graphsafe.launch.bind`): `bind_prepare` (zero the output tail and
+reset the scale slots), `bind_amax` (amax of q, k and v, one pass each, one launch, float
+atomic max), `bind_quantize_kv` (k and V^T into the workspace, one launch), then the
 attention kernel, which quantises each query tile once, from q's amax. fp8 inputs skip
-the amax and k: `quantize_kv_into(..., quant=False)` only builds V^T.
+the amax and k: `bind_quantize_kv(..., quant=False)` only builds V^T.
 
 Quantisation matches `fp8.quantize_per_tensor` bit for bit: `descale = max(amax, EPS) /
 448` uses IEEE division (`div_rn`), and so does `x / descale` in effect: each element
@@ -29,7 +30,8 @@ import triton.language as tl
 
 from graphsafe.backends import triton_interpreter_enabled
 from graphsafe.device_info import num_sms
-from graphsafe.ops.attention.fp8 import AMAX_EPS, FP8_MAX
+from graphsafe.launch import Launch, bind
+from graphsafe.ops.attention.fp8_format import AMAX_EPS, FP8_MAX
 
 EMULATE_FP8_CAST = triton_interpreter_enabled()
 _EPS = tl.constexpr(AMAX_EPS)
@@ -61,10 +63,16 @@ def cast_fp8(x, EMULATE: tl.constexpr):
     return x.to(tl.float8e4nv)
 
 
-# Scale slots of the fp8 path's float32 scratch `scales[8]`: amax of q, k, v (atomic max
-# targets, zeroed by `prepare_varlen` first), descales of k and v (written by the quantise
-# kernel), and a constant 1.0 (stands in for descales a caller left out).
-AMAX_Q, AMAX_K, AMAX_V, DESCALE_K, DESCALE_V, ONE = 0, 1, 2, 4, 5, 7
+# Scale slots of the fp8 path's float32 scratch `scales[SCALE_SLOTS]`: amax of q, k, v
+# (atomic max targets, zeroed by the prepare kernel first), descales of k and v (written
+# by the quantise kernel), and a constant 1.0 (stands in for descales a caller left out).
+# The attention kernel reads the q amax, the descales and the 1.0 through pointers of
+# their own: each starts a 16-byte group, as a bound launch needs of its tensors
+# (`graphsafe.launch`: a misaligned one takes Triton's slow binder), and the q amax is
+# slot 0, so `scales` itself points at it.
+SCALE_SLOTS = 16
+AMAX_Q, AMAX_K, AMAX_V, DESCALE_K, DESCALE_V, ONE = 0, 1, 2, 4, 8, 12
+_SCALE_SLOTS = tl.constexpr(SCALE_SLOTS)
 _AMAX_Q = tl.constexpr(AMAX_Q)
 _AMAX_K = tl.constexpr(AMAX_K)
 _AMAX_V = tl.constexpr(AMAX_V)
@@ -195,7 +203,7 @@ def _prepare_kernel(
     pid = tl.program_id(0)
     if HAS_SCALES:
         if pid == 0:
-            slots = tl.arange(0, 8)
+            slots = tl.arange(0, _SCALE_SLOTS)
             tl.store(scales_ptr + slots, tl.where(slots == _ONE, 1.0, 0.0))
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     first = tl.load(cu_q_ptr + batch)
@@ -208,17 +216,19 @@ def _prepare_kernel(
             tl.store(ptrs, zeros, mask=rows_mask[:, None] & (cols[None, :] < row_len))
 
 
-def prepare_varlen(out: torch.Tensor, cu_q: torch.Tensor, scales: torch.Tensor | None = None) -> None:
-    """Zero the rows of contiguous `out` [Tq, Hq, Dv] past `cu_q[B]` (read on the device)
-    and reset `scales` (float32 [8]) when given. One launch, at least one program when
-    `scales` is given (so the reset always happens)."""
-    tq, hq, dv = out.shape
-    row_len = hq * dv
-    if scales is None and (tq == 0 or row_len == 0):
-        return
-    _prepare_kernel[(max(1, triton.cdiv(tq, 64)),)](
-        out, cu_q, scales if scales is not None else out, cu_q.shape[0] - 1, tq, row_len, BLOCK_R=64,
-        BLOCK_C=min(1024, triton.next_power_of_2(max(row_len, 1))), HAS_SCALES=scales is not None,
+def bind_prepare(like: torch.Tensor, num_seqs: int, n_rows: int, row_len: int, has_scales: bool) -> Launch | None:
+    """`_prepare_kernel` bound for a contiguous output of `n_rows` rows of `row_len`
+    elements and `num_seqs` sequences: `launch(out, cu_q, scales)` zeroes the rows past
+    `cu_q[num_seqs]` (read on the device) and, with `has_scales`, resets `scales`
+    (float32 [SCALE_SLOTS]; without, pass any tensor there, e.g. `out`). At least one
+    program when `has_scales` (the reset always happens); None when there is nothing to
+    do. `like`: any tensor of the device (placeholder for the tensor arguments)."""
+    if not has_scales and (n_rows == 0 or row_len == 0):
+        return None
+    return bind(
+        _prepare_kernel, (max(1, triton.cdiv(n_rows, 64)),),
+        like, like, like, num_seqs, n_rows, row_len, BLOCK_R=64,
+        BLOCK_C=min(1024, triton.next_power_of_2(max(row_len, 1))), HAS_SCALES=has_scales,
     )
 
 
@@ -230,9 +240,10 @@ def _programs(device: torch.device, tiles: int) -> int:
     return max(1, min(per_device, tiles))
 
 
-def amax_into(q, k, v, scales: torch.Tensor) -> None:
-    """`scales[AMAX_*] = max(scales[AMAX_*], amax(|x|))` for q, k, v [T, H, D] in one
-    launch (reset the slots first: `prepare_varlen`)."""
+def bind_amax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Launch:
+    """`_amax_kernel` bound to the shapes and strides of q, k, v [T, H, D]:
+    `launch(q, k, v, scales)` sets `scales[AMAX_*] = max(scales[AMAX_*], amax(|x|))` for
+    the three in one launch (reset the slots first: the prepare kernel)."""
     tq, hq, d = q.shape
     tk, hk, dv = v.shape
     block_d, block_dv = triton.next_power_of_2(max(d, 1)), triton.next_power_of_2(max(dv, 1))
@@ -240,8 +251,9 @@ def amax_into(q, k, v, scales: torch.Tensor) -> None:
     # 6 programs per SM (~64 registers each: all resident) keep ~48 KiB in flight per SM.
     block_t = 16 if EMULATE_FP8_CAST else max(16, 4096 // max(block_d, block_dv))
     tiles = max(triton.cdiv(tq, block_t) * hq, triton.cdiv(tk, block_t) * hk)
-    _amax_kernel[(_programs(q.device, tiles),)](
-        q, k, v, scales, tq, tk, hq, hk,
+    return bind(
+        _amax_kernel, (_programs(q.device, tiles),),
+        q, k, v, q, tq, tk, hq, hk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4,
     )
@@ -252,23 +264,26 @@ def vt_columns(n_tokens: int) -> int:
     return -(-n_tokens // 16) * 16
 
 
-def quantize_kv_into(k, v, k8, vt: torch.Tensor, scales: torch.Tensor, quant: bool = True) -> None:
-    """One launch: k -> k8 [Tk, Hk, D] (contiguous) and v -> V^T `vt` [Hk, Dv, Tk_pad]
-    (contiguous, Tk_pad = `vt_columns(Tk)`), quantised per tensor from the amax slots
-    (`amax_into` first; the descales land in scales[DESCALE_K/V]). `quant=False` (fp8
-    inputs): only V^T, a transposed copy of v; k and k8 are not touched (k8 may be None)."""
+def bind_quantize_kv(k: torch.Tensor, v: torch.Tensor, quant: bool = True) -> Launch | None:
+    """`_quant_kv_kernel` bound to the shapes and strides of k [Tk, Hk, D], v [Tk, Hk, Dv]:
+    `launch(k, v, k8, vt, scales)` writes k -> k8 [Tk, Hk, D] (contiguous) and v -> V^T
+    `vt` [Hk, Dv, Tk_pad] (contiguous, Tk_pad = `vt_columns(Tk)`), quantised per tensor
+    from the amax slots (the amax launch first; the descales land in
+    scales[DESCALE_K/V]). `quant=False` (fp8 inputs): only V^T, a transposed copy of v;
+    k and k8 are not touched (pass `vt` for k8). None when there is nothing to write."""
     tk, hk, d = k.shape
     dv = v.shape[2]
-    assert vt.is_contiguous() and tuple(vt.shape) == (hk, dv, vt_columns(tk)), vt.shape
     if hk == 0 or tk == 0:
-        return
+        return None
+    columns = vt_columns(tk)
     block_d, block_dv = triton.next_power_of_2(max(d, 1)), triton.next_power_of_2(max(dv, 1))
     block_t = 16 if EMULATE_FP8_CAST else 64
     k_tiles = triton.cdiv(tk, block_t) if quant else 0
-    v_tiles = triton.cdiv(vt.shape[2], block_t)
-    _quant_kv_kernel[(k_tiles + v_tiles, hk)](
-        k, v, k8 if quant else vt, vt, scales, tk, hk, k_tiles,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), vt.stride(0), vt.stride(1),
+    v_tiles = triton.cdiv(columns, block_t)
+    return bind(
+        _quant_kv_kernel, (k_tiles + v_tiles, hk),
+        k, v, k, k, k, tk, hk, k_tiles,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), dv * columns, columns,  # vt's strides
         D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, QUANT=quant, EMULATE=EMULATE_FP8_CAST,
         num_warps=4,
     )
@@ -300,7 +315,10 @@ def run_fp8_probe(device: torch.device) -> bool:
     s = torch.empty(64, 64, device=device)
     o = torch.empty(64, 32, device=device)
     a, b, p, v = (x.to(device) for x in (a, b, p, v))
-    _fp8_probe_kernel[(1,)](a, b, p, v, s, o, EMULATE=EMULATE_FP8_CAST, num_warps=4)
+    # Run once per device (fp8_prefill_supported caches the answer): no binding to keep.
+    _fp8_probe_kernel[(1,)](  # graphsafe: plain-launch (one-time probe)
+        a, b, p, v, s, o, EMULATE=EMULATE_FP8_CAST, num_warps=4,
+    )
     want_s = a.float() @ b.float().t()
     want_o = p @ v.float().t()
     return bool(

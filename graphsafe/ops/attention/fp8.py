@@ -3,7 +3,8 @@ and the per-tensor quantisation the reference uses (the seed PR vLLM #42509 patt
 
 Quantisation of one tensor x (bf16/fp16): `descale = max(amax(|x|), AMAX_EPS) / 448`
 (float32, IEEE division), `x8 = clamp(x / descale, -448, 448)` rounded to nearest-even
-float8_e4m3fn. The Triton kernels (`_triton_quant.py`) compute the very same bits.
+float8_e4m3fn. The Triton kernels (`_triton_quant.py`) compute the very same bits; the
+constants both use live in the leaf module `fp8_format.py`.
 """
 
 from __future__ import annotations
@@ -14,14 +15,8 @@ import torch
 
 from graphsafe.device_info import has_fp8_matrix_units
 from graphsafe.errors import GraphsafeError
+from graphsafe.ops.attention.fp8_format import AMAX_EPS, FP8_DTYPE, FP8_MAX
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-# Floor of a tensor's amax: an all-zero (or empty) tensor quantises to zeros, not NaN.
-AMAX_EPS = 1e-12
-# Softmax probabilities (<= 1) are multiplied by this before their fp8 cast for the P.V
-# product, so that p down to 2^-17 stays representable (e4m3's smallest subnormal is 2^-9).
-P_SCALE = 256.0
 MODES = ("auto", "on", "off")
 
 _probe_lock = threading.Lock()

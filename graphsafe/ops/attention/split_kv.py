@@ -53,13 +53,18 @@ def plan_decode_splits(
 
 
 def decode_workspace_specs(
-    batch: int, num_q_heads: int, num_kv_heads: int, head_dim_v: int, max_blocks_per_seq: int, block_size: int,
-    device: torch.device | str,
+    batch_size: int, num_q_heads: int, num_kv_heads: int, head_dim_v: int, max_blocks_per_seq: int, block_size: int,
+    device: torch.device | str | None = None, head_dim: int | None = None,
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Scratch of one Triton decode call: per-split outputs `[B, Hq, S, Dv]` f32 and
+    """Scratch of one Triton decode call on `device` (the registry passes it; default: the
+    current CUDA device, else the CPU): per-split outputs `[B, Hq, S, Dv]` f32 and
     log2-sum-exp `[B, Hq, S]` f32; nothing when one split suffices (the kernel then
-    writes the output directly)."""
-    splits = plan_decode_splits(batch, num_kv_heads, max_blocks_per_seq, block_size, device)
+    writes the output directly). `head_dim` (a parameter every backend's workspace
+    function takes) does not change the Triton kernel's scratch."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    splits = plan_decode_splits(batch_size, num_kv_heads, max_blocks_per_seq, block_size, device)
     if splits == 1:
         return []
-    return [((batch, num_q_heads, splits, head_dim_v), torch.float32), ((batch, num_q_heads, splits), torch.float32)]
+    return [((batch_size, num_q_heads, splits, head_dim_v), torch.float32),
+            ((batch_size, num_q_heads, splits), torch.float32)]

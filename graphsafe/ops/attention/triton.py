@@ -1,8 +1,12 @@
-"""Triton backend of the GQA attention ops: launch wrappers, configs and scratch.
+"""Triton backend of the GQA attention ops: per-signature runners, configs and scratch.
 
 Kernels live in `_triton_decode.py` (paged decode + split combine), `_triton_prefill.py`
-(varlen FlashAttention-2 forward) and `_triton_quant.py` (fp8 quantisation). Every host
-int comes from shapes or arguments; scratch comes from the workspace manager.
+(varlen FlashAttention-2 forward) and `_triton_quant.py` (fp8 quantisation). The
+`prepare_*` functions run once per call signature (the registry keeps their runners):
+plans, tile configs, grids, workspace specs and every launch are bound there
+(`graphsafe.launch.bind`). A runner allocates the output, takes its scratch from the
+workspace manager and calls the bound launches with tensors only. Every host int comes
+from shapes or arguments.
 """
 
 from __future__ import annotations
@@ -12,17 +16,18 @@ import torch
 from graphsafe.device_info import compute_capability
 from graphsafe.fake_impls.attention import FP8, output_dtype
 from graphsafe.ops.attention import reference
-from graphsafe.ops.attention._triton_decode import launch_paged_decode
-from graphsafe.ops.attention._triton_prefill import launch_varlen
+from graphsafe.ops.attention._triton_decode import bind_combine, bind_paged_decode
+from graphsafe.ops.attention._triton_prefill import bind_varlen
 from graphsafe.ops.attention._triton_quant import (
     AMAX_Q,
     DESCALE_K,
     DESCALE_V,
     EMULATE_FP8_CAST,
     ONE,
-    amax_into,
-    prepare_varlen,
-    quantize_kv_into,
+    SCALE_SLOTS,
+    bind_amax,
+    bind_prepare,
+    bind_quantize_kv,
     vt_columns,
 )
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
@@ -31,6 +36,8 @@ from graphsafe.workspace import current_workspace_manager
 
 DECODE_OWNER = "paged_attention_decode"
 VARLEN_OWNER = "flash_attn_varlen"
+# The runners pass `scales` itself as the pointer to q's amax (no view to cut per call).
+assert AMAX_Q == 0
 
 
 def _hopper_or_newer(device: torch.device) -> bool:
@@ -45,27 +52,60 @@ def decode_config(device: torch.device) -> tuple[int, int, int]:
     return decode_block_n(device), 4, stages
 
 
+def prepare_paged_attention_decode(
+    q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None, *, num_splits=None
+):
+    """The runner of this call signature: the split plan, the decode launch and (with
+    more than one split) the combine launch and the partials' workspace specs, fixed
+    here. A call makes 1 launch, or 2 with splits. `num_splits` (tests only) overrides
+    the shape-based plan."""
+    b, hq, _ = q.shape
+    _, block_size, hk, dv = v_cache.shape
+    shape, dtype, device = (b, hq, dv), q.dtype, q.device
+
+    if b == 0 or hq == 0:
+        def run_empty(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        return run_empty
+
+    if num_splits is None:
+        num_splits = plan_decode_splits(b, hk, block_table.shape[1], block_size, device)
+    kv_fp8 = k_cache.dtype.itemsize == 1
+    decode = bind_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, decode_config(device))
+    if num_splits == 1:
+        def run(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
+            out = torch.empty(shape, dtype=dtype, device=device)
+            if not kv_fp8:
+                k_scale = v_scale = q  # bf16/fp16 caches read no scale: placeholders
+            decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, out, out, out)
+            return out
+
+        return run
+
+    specs = (((b, hq, num_splits, dv), torch.float32), ((b, hq, num_splits), torch.float32))
+    combine = bind_combine(q, b, hq, dv, num_splits)
+
+    def run_split(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
+        out = torch.empty(shape, dtype=dtype, device=device)
+        part_o, part_lse = current_workspace_manager(device).get_simultaneous(*specs, owner=DECODE_OWNER)
+        if not kv_fp8:
+            k_scale = v_scale = q
+        decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, out, part_o, part_lse)
+        combine(part_o, part_lse, out)
+        return out
+
+    return run_split
+
+
 def paged_attention_decode(
     q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None, *, num_splits=None
 ):
-    """`num_splits` (tests only) overrides the shape-based plan."""
-    b, hq, _ = q.shape
-    _, block_size, hk, dv = v_cache.shape
-    out = torch.empty((b, hq, dv), dtype=q.dtype, device=q.device)
-    if b == 0 or hq == 0:
-        return out
-    if num_splits is None:
-        num_splits = plan_decode_splits(b, hk, block_table.shape[1], block_size, q.device)
-    partials = None
-    if num_splits > 1:
-        partials = current_workspace_manager(q.device).get_simultaneous(
-            ((b, hq, num_splits, dv), torch.float32), ((b, hq, num_splits), torch.float32), owner=DECODE_OWNER
-        )
-    launch_paged_decode(
-        q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, out, partials, num_splits,
-        decode_config(q.device),
+    """One call, prepared afresh. `num_splits` (tests only) overrides the shape-based plan."""
+    run = prepare_paged_attention_decode(
+        q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, num_splits=num_splits
     )
-    return out
+    return run(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale)
 
 
 # -- varlen prefill -----------------------------------------------------------------------
@@ -98,64 +138,161 @@ def varlen_workspace_specs(
 ):
     """Scratch of one fp8 call: V^T (fp8, token-contiguous rows padded to 16 tokens), k in
     fp8 when quantising bf16/fp16 inputs (q is quantised tile by tile inside the attention
-    kernel), and 8 float32 scale slots (`_triton_quant.AMAX_Q` ...). The bf16/fp16 path
-    needs none."""
+    kernel), and the float32 scale slots (`_triton_quant.SCALE_SLOTS`). The bf16/fp16
+    path needs none."""
     specs = [((num_kv_heads, head_dim_v, vt_columns(total_k)), FP8)]
     if quantize:
         specs += [((total_k, num_kv_heads, head_dim), FP8)]
-    return specs + [((8,), torch.float32)]
+    return specs + [((SCALE_SLOTS,), torch.float32)]
 
 
-def _descale_arg(x: torch.Tensor | None, one: torch.Tensor):
-    if x is None:
-        return one, 0, 0
-    return (x, x.stride(0), x.stride(1)) if x.dim() == 2 else (x, 0, 0)
+def flash_attn_varlen_workspace(
+    total_q: int, total_k: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, fp8: bool = True,
+):
+    """This backend's worst case for one call (the record's `workspace`): the fp8 path
+    quantising bf16/fp16 inputs (fp8 inputs need less); nothing when `fp8` is False."""
+    if not fp8:
+        return []
+    return varlen_workspace_specs(total_q, total_k, num_q_heads, num_kv_heads, head_dim, head_dim_v, quantize=True)
+
+
+def prepare_fp8_quantisation(q, k, v, cu_seqlens_q, quantize=True):
+    """The fp8 path's launches before the attention kernel, bound to these shapes and
+    strides (the op's own runners use it; public for tests and the benchmark).
+
+    Returns `run(q, k, v, cu_seqlens_q, out, k8, vt, scales)`: zeroes the rows of `out`
+    (contiguous `[Tq, Hq, Dv]`) past `cu_seqlens_q[B]` and resets `scales` (float32
+    `[SCALE_SLOTS]`), one launch; then with `quantize` (bf16/fp16 inputs) the amax of q,
+    k and v (one launch) and k, V^T quantised into `k8` (contiguous `[Tk, Hk, D]`) and
+    `vt` (contiguous `[Hk, Dv, vt_columns(Tk)]`, one launch); without (fp8 inputs) V^T
+    is a transposed copy of v and `k8` is not used (pass None)."""
+    tq, hq, _ = q.shape
+    prep = bind_prepare(q, cu_seqlens_q.shape[0] - 1, tq, hq * v.shape[2], True)
+    to_fp8 = bind_quantize_kv(k, v, quantize)  # None when k and v have no token (or head)
+    if not quantize:
+        def run_copy(q, k, v, cu_seqlens_q, out, k8, vt, scales):
+            prep(out, cu_seqlens_q, scales)
+            if to_fp8 is not None:
+                to_fp8(k, v, vt, vt, scales)
+
+        return run_copy
+
+    amax = bind_amax(q, k, v)
+
+    def run(q, k, v, cu_seqlens_q, out, k8, vt, scales):
+        prep(out, cu_seqlens_q, scales)
+        amax(q, k, v, scales)
+        if to_fp8 is not None:
+            to_fp8(k, v, k8, vt, scales)
+
+    return run
+
+
+def _descale_strides(x: torch.Tensor | None) -> tuple[int, int]:
+    return (x.stride(0), x.stride(1)) if x is not None and x.dim() == 2 else (0, 0)
+
+
+def prepare_flash_attn_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+    q_descale=None, k_descale=None, v_descale=None, fp8="auto", *, config=None,
+):
+    """The runner of this call signature. `fp8` is resolved here ("auto": the cached
+    per-device probe), with the tile config, the workspace specs and every launch.
+    A call makes 2 launches (zero the output tail, attention) on the bf16/fp16 path,
+    4 quantising bf16/fp16 inputs (reset + tail, amax, k and V^T, attention) and 3 on
+    fp8 inputs (reset + tail, V^T, attention). `config` (tests and benchmarks only)
+    overrides (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    device = q.device
+    tq, hq, d = q.shape
+    tk, hk, dv = v.shape
+    quantize = quantize_inputs(fp8, q.dtype, device)
+    use_fp8 = q.dtype == FP8 or quantize
+    if use_fp8 and device.type == "cuda" and not fp8_prefill_supported(device):
+        # No fp8 matrix units (or no working fp8 codegen): the slow, exact PyTorch path.
+        return reference.flash_attn_varlen
+    shape, dtype = (tq, hq, dv), output_dtype(q.dtype)
+    if tq * hq * dv == 0:
+        def run_empty(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                      q_descale=None, k_descale=None, v_descale=None, fp8="auto"):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        return run_empty
+
+    config = config or varlen_config(device, d, dv, use_fp8, max_seqlen_q)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    emulate = EMULATE_FP8_CAST and device.type == "cpu"
+
+    if not use_fp8:
+        zero_tail = bind_prepare(q, num_seqs, tq, hq * dv, False)  # not None: out has elements
+        attend = bind_varlen(
+            q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1), v.stride(2)),
+            max_seqlen_q, scale, causal, None, False, config, emulate,
+        )
+
+        def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                q_descale=None, k_descale=None, v_descale=None, fp8="auto"):
+            out = torch.empty(shape, dtype=dtype, device=device)
+            zero_tail(out, cu_seqlens_q, out)
+            if attend is not None:
+                attend(q, k, v, out, cu_seqlens_q, cu_seqlens_k, q, q, q)  # no descales: placeholders
+            return out
+
+        return run
+
+    # fp8: V^T [Hk, Dv, Tk_pad] from the workspace, seen by the kernel as [Tk, Hk, Dv].
+    specs = tuple(varlen_workspace_specs(tq, tk, hq, hk, d, dv, quantize))
+    columns = vt_columns(tk)
+    vt_strides = (1, dv * columns, columns)
+    quantise = prepare_fp8_quantisation(q, k, v, cu_seqlens_q, quantize)
+
+    if quantize:
+        # k8 is contiguous; every descale is a [1] scale slot.
+        attend = bind_varlen(
+            q, num_seqs, hk, dv, (hk * d, d), vt_strides, max_seqlen_q, scale, causal, ((0, 0),) * 3, True,
+            config, emulate, q_quant=True,
+        )
+
+        def run_quantised(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                          q_descale=None, k_descale=None, v_descale=None, fp8="auto"):
+            out = torch.empty(shape, dtype=dtype, device=device)
+            vt, k8, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
+            quantise(q, k, v, cu_seqlens_q, out, k8, vt, scales)
+            if attend is not None:
+                # The attention kernel quantises q itself, from its amax (slot 0: `scales`).
+                attend(q, k8, vt, out, cu_seqlens_q, cu_seqlens_k,
+                       scales, scales[DESCALE_K : DESCALE_K + 1], scales[DESCALE_V : DESCALE_V + 1])
+            return out
+
+        return run_quantised
+
+    attend = bind_varlen(
+        q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), vt_strides, max_seqlen_q, scale, causal,
+        tuple(_descale_strides(x) for x in (q_descale, k_descale, v_descale)), True, config, emulate,
+    )
+    needs_one = q_descale is None or k_descale is None or v_descale is None
+
+    def run_fp8_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                       q_descale=None, k_descale=None, v_descale=None, fp8="auto"):
+        out = torch.empty(shape, dtype=dtype, device=device)
+        vt, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
+        quantise(q, k, v, cu_seqlens_q, out, None, vt, scales)
+        if attend is not None:
+            one = scales[ONE : ONE + 1] if needs_one else None  # stands in for descales left out
+            attend(q, k, vt, out, cu_seqlens_q, cu_seqlens_k,
+                   one if q_descale is None else q_descale,
+                   one if k_descale is None else k_descale,
+                   one if v_descale is None else v_descale)
+        return out
+
+    return run_fp8_inputs
 
 
 def flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
     q_descale=None, k_descale=None, v_descale=None, fp8="auto", *, config=None,
 ):
-    """`config` (tests and benchmarks only) overrides (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-    device = q.device
-    tq, hq, d = q.shape
-    tk, hk, dv = v.shape
-    in_fp8 = q.dtype == FP8
-    quantize = quantize_inputs(fp8, q.dtype, device)
-    use_fp8 = in_fp8 or quantize
-    if use_fp8 and device.type == "cuda" and not fp8_prefill_supported(device):
-        # No fp8 matrix units (or no working fp8 codegen): the slow, exact PyTorch path.
-        return reference.flash_attn_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-            q_descale, k_descale, v_descale, fp8,
-        )
-    out = torch.empty((tq, hq, dv), dtype=output_dtype(q.dtype), device=device)
-    if out.numel() == 0:
-        return out
-    config = config or varlen_config(device, d, dv, use_fp8, max_seqlen_q)
-    descales = None
-    v_strides = (v.stride(0), v.stride(1), v.stride(2))
-    if not use_fp8:
-        prepare_varlen(out, cu_seqlens_q)
-    else:
-        bufs = current_workspace_manager(device).get_simultaneous(
-            *varlen_workspace_specs(tq, tk, hq, hk, d, dv, quantize), owner=VARLEN_OWNER
-        )
-        vt, scales = bufs[0], bufs[-1]
-        prepare_varlen(out, cu_seqlens_q, scales)  # also resets the amax slots and the 1.0
-        if quantize:
-            k8 = bufs[1]
-            amax_into(q, k, v, scales)  # the attention kernel quantises q itself, from its amax
-            quantize_kv_into(k, v, k8, vt, scales)
-            k = k8
-            descales = tuple((scales[i : i + 1], 0, 0) for i in (AMAX_Q, DESCALE_K, DESCALE_V))
-        else:
-            quantize_kv_into(k, v, None, vt, scales, quant=False)  # V^T only
-            one = scales[ONE : ONE + 1]  # stands in for descales the caller left out
-            descales = tuple(_descale_arg(x, one) for x in (q_descale, k_descale, v_descale))
-        v, v_strides = vt, (1, vt.stride(0), vt.stride(1))  # V^T [Hk, Dv, Tk_pad] seen as [Tk, Hk, Dv]
-    launch_varlen(
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, causal, descales, v_strides, use_fp8,
-        config, EMULATE_FP8_CAST and device.type == "cpu", q_quant=quantize,
-    )
-    return out
+    """One call, prepared afresh. `config` (tests and benchmarks only) overrides
+    (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+            q_descale, k_descale, v_descale, fp8)
+    return prepare_flash_attn_varlen(*args, config=config)(*args)
