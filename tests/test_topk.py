@@ -527,13 +527,22 @@ def test_workspace_request_is_the_declared_worst_case(name):
         spec.runner("triton")(*C.clone_args(args))
     finally:
         wm.WorkspaceManager.get_simultaneous = original
-    assert requested == [(name, spec.workspace_bytes(num_rows=rows, width=width, topk=topk))]
+    # The op's worst case over the backends that may serve (the CPU's automatic order has
+    # the reference only: the Triton backend forced, as the interpreter runs it).
+    with graphsafe.use_backend("triton", ops=[name]):
+        declared = spec.workspace_bytes(num_rows=rows, width=width, topk=topk, device="cpu")
+    assert requested == [(name, declared)] and declared > 0
 
 
 def test_workspace_worst_case_grows_with_shapes_only():
-    small = graphsafe.get_op(DECODE).workspace_bytes(num_rows=1, width=32768, topk=2048)
-    big = graphsafe.get_op(DECODE).workspace_bytes(num_rows=128, width=131072, topk=2048)
-    assert 0 < small < big < 128 * 131072 * 4, "scratch stays well below the logits it selects from"
+    # Each backend's own worst case (the op's is the largest of those that may serve a
+    # device: none but the reference on a CPU).
+    from graphsafe.workspace import workspace_bytes
+
+    for fn in (plan.workspace_specs_decode, plan.aiter_workspace_specs_decode):
+        small = workspace_bytes(*fn(num_rows=1, width=32768, topk=2048))
+        big = workspace_bytes(*fn(num_rows=128, width=131072, topk=2048))
+        assert 0 < small < big < 128 * 131072 * 4, "scratch stays well below the logits it selects from"
 
 
 # -- aiter adapter, against a fake aiter -------------------------------------------
@@ -571,6 +580,7 @@ def test_aiter_adapter_localises_and_fills(monkeypatch, name, takes_k):
     calls: list = []
     monkeypatch.setitem(sys.modules, "aiter", _fake_aiter(takes_k, calls))
     adapter._entry.cache_clear()
+    supports = getattr(adapter, f"supports_{name}")
     try:
         spec = graphsafe.get_op(name)
         for params in (
@@ -579,13 +589,28 @@ def test_aiter_adapter_localises_and_fills(monkeypatch, name, takes_k):
             {**spec.case.example, "values": "ties_inf", "extra_k": 0},
         ):
             args = spec.case.inputs(params, "cpu", 1)
-            C.check_backend_matches_reference(spec, spec.case, "aiter", args, params)
+            # An aiter without `k` only serves topk == 2048: `supports` hands the rest to
+            # the Triton backend (the registry decides once per signature).
+            assert supports(*args) is takes_k
+            if takes_k:
+                C.check_backend_matches_reference(spec, spec.case, "aiter", args, params)
+        # Empty shapes go to the Triton backend; topk == 2048 is served without `k` too.
+        logits, wide = torch.zeros(2, 16), torch.empty(2, 2048, dtype=torch.int32)
+        rows = (torch.zeros(2, dtype=torch.int32),) * 2
+        if name == PREFILL:
+            assert supports(logits, *rows, wide, 2048)
+            assert not supports(logits[:0], *(r[:0] for r in rows), wide[:0], 2048)
+            assert not supports(logits, *rows, wide, 0)
+        else:
+            assert supports(logits, 1, rows[0], wide, 2048)
+            assert not supports(logits[:, :0], 1, rows[0], wide, 2048)
+            assert not supports(logits, 1, rows[0], wide, 0)
     finally:
         adapter._entry.cache_clear()
     if takes_k:
         assert calls and all(k == spec.case.example["topk"] for _, k in calls)
     else:
-        assert not calls, "an aiter without `k` only serves topk == 2048; the rest runs the Triton kernels"
+        assert not calls
 
 
 # -- GPU compilation, without a GPU ------------------------------------------------
@@ -597,7 +622,7 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-from graphsafe.ops.topk import triton as tt
+from graphsafe.ops.topk import triton as tt, triton_external as ext
 
 def sig_of(fn, ones):
     sig, consts, attrs = {}, {}, {}
@@ -627,8 +652,8 @@ cases = [
     (F, dict(P1=8, REG=1024, IN_REGS=True, LBLOCK=1024, DECODE=True, SC=512), ("next_n",), 16),
     (F, dict(P1=1, REG=4096, IN_REGS=True, LBLOCK=1024, DECODE=False, SC=256), (), 8),
     (F, dict(P1=16, REG=1024, IN_REGS=False, LBLOCK=1024, DECODE=True, SC=256), ("next_n", "out_cols", "width"), 8),
-    (tt._finish_external_kernel, {"LOCALIZE": True, "BLOCK": 1024}, ("topk",), 4),
-    (tt._decode_row_ends_kernel, {"BLOCK": 1024}, ("next_n",), 4),
+    (ext._finish_external_kernel, {"LOCALIZE": True, "BLOCK": 1024}, ("topk",), 4),
+    (ext._decode_row_ends_kernel, {"BLOCK": 1024}, ("next_n",), 4),
 ]
 # The one-launch decode kernel (both plans): next_n = 1 and MTP; 4-byte loads; the
 # profiles' prefixes.

@@ -12,8 +12,10 @@ Shared contract of both ops:
   whose scores are the c largest of the row (any such set when scores tie; order within
   a row unspecified); `indices[r, c:]` is -1, also the columns past `topk`.
 * No host sync and no data-dependent shapes: the ops capture into CUDA graphs, and the
-  Triton backend takes its scratch from the workspace manager (worst case:
+  backends take their scratch from the workspace manager (worst case:
   `spec.workspace_bytes(num_rows=..., width=..., topk=...)`).
+* Each backend's `prepare` fixes a call signature's plan (one launch or two) and binds
+  its kernels once; a call then takes its scratch and launches.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from __future__ import annotations
 from torch import Tensor
 
 from graphsafe.fake_impls import topk as fakes
-from graphsafe.ops.topk.plan import workspace_specs, workspace_specs_decode
+from graphsafe.ops.topk.plan import (
+    aiter_workspace_specs,
+    aiter_workspace_specs_decode,
+    workspace_specs,
+    workspace_specs_decode,
+)
 from graphsafe.registry import Backend, register_op
 
 
@@ -33,8 +40,16 @@ from graphsafe.registry import Backend, register_op
     family="topk",
     backends={
         "reference": "graphsafe.ops.topk.reference:top_k_per_row_prefill",
-        "triton": Backend("graphsafe.ops.topk.triton:top_k_per_row_prefill", workspace=workspace_specs),
-        "aiter": Backend("graphsafe.ops.topk.aiter:top_k_per_row_prefill", workspace=workspace_specs),
+        "triton": Backend(
+            impl="graphsafe.ops.topk.triton:top_k_per_row_prefill",
+            prepare="graphsafe.ops.topk.triton:prepare_top_k_per_row_prefill",
+            workspace=workspace_specs,
+        ),
+        "aiter": Backend(
+            prepare="graphsafe.ops.topk.aiter:prepare_top_k_per_row_prefill",
+            supports="graphsafe.ops.topk.aiter:supports_top_k_per_row_prefill",
+            workspace=aiter_workspace_specs,
+        ),
     },
 )
 def top_k_per_row_prefill(logits: Tensor, row_starts: Tensor, row_ends: Tensor, indices: Tensor, topk: int) -> None:
@@ -67,8 +82,16 @@ def top_k_per_row_prefill(logits: Tensor, row_starts: Tensor, row_ends: Tensor, 
     family="topk",
     backends={
         "reference": "graphsafe.ops.topk.reference:top_k_per_row_decode",
-        "triton": Backend("graphsafe.ops.topk.triton:top_k_per_row_decode", workspace=workspace_specs_decode),
-        "aiter": Backend("graphsafe.ops.topk.aiter:top_k_per_row_decode", workspace=workspace_specs_decode),
+        "triton": Backend(
+            impl="graphsafe.ops.topk.triton:top_k_per_row_decode",
+            prepare="graphsafe.ops.topk.triton:prepare_top_k_per_row_decode",
+            workspace=workspace_specs_decode,
+        ),
+        "aiter": Backend(
+            prepare="graphsafe.ops.topk.aiter:prepare_top_k_per_row_decode",
+            supports="graphsafe.ops.topk.aiter:supports_top_k_per_row_decode",
+            workspace=aiter_workspace_specs_decode,
+        ),
     },
 )
 def top_k_per_row_decode(logits: Tensor, next_n: int, seq_lens: Tensor, indices: Tensor, topk: int) -> None:

@@ -16,8 +16,10 @@ Older aiter releases have no `k` (the kernels are built for 2048). What we adapt
 * Row bounds are clipped to `[0, N)` first (our contract; aiter does not clip), and the
   decode row ends `seq_lens[b] - next_n + i + 1` are precomputed per row and passed with
   `next_n = 1` (vLLM's ROCm call pattern), so aiter never reads past a row.
-Anything aiter cannot serve (a `topk` other than 2048 on an aiter without `k`) runs the
-Triton kernels instead, which run on ROCm too.
+The records' `supports` predicates (`supports_*`) hand what aiter cannot serve (a `topk`
+other than 2048 on an aiter without `k`; empty shapes) to the Triton backend, which runs
+on ROCm too: decided once per call signature. `prepare_*` bind a runner to a signature;
+the two small Triton kernels around the aiter call come from `triton_external`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import inspect
 
 import torch
 
-from graphsafe.ops.topk import triton as tt
+from graphsafe.ops.topk.plan import aiter_workspace_specs, aiter_workspace_specs_decode
+from graphsafe.ops.topk.triton_external import bind_decode_row_ends, bind_finish_external
 from graphsafe.workspace import current_workspace_manager
 
 
@@ -56,44 +59,70 @@ def _usable(name: str, topk: int):
     return fn, takes_k
 
 
-def _scratch(op: str, rows: int, topk: int, device, need_out: bool):
-    """Row bounds (lo, hi) int32 [rows] each and, if needed, a contiguous [rows, topk] output."""
-    specs = [((rows,), torch.int32), ((rows,), torch.int32)]
-    if need_out:
-        specs.append(((rows, topk), torch.int32))
-    views = current_workspace_manager(device).get_simultaneous(*specs, owner=op)
-    return views[0], views[1], (views[2] if need_out else None)
-
-
-def top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk) -> None:
+def supports_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk) -> bool:
+    """Whether aiter serves this call signature (else the Triton backend does)."""
     rows, width = logits.shape
-    entry = _usable("top_k_per_row_prefill", topk)
-    if entry is None or rows == 0 or topk == 0 or width == 0:
-        return tt.top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk)
-    fn, takes_k = entry
+    return rows > 0 and width > 0 and topk > 0 and _usable("top_k_per_row_prefill", topk) is not None
+
+
+def supports_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk) -> bool:
+    """Whether aiter serves this call signature (else the Triton backend does)."""
+    rows, width = logits.shape
+    return rows > 0 and width > 0 and topk > 0 and _usable("top_k_per_row_decode", topk) is not None
+
+
+def _entry_of(name: str, topk: int):
+    """The usable entry; prepare runs only where `supports` said yes."""
+    entry = _usable(name, topk)
+    if entry is None:
+        raise NotImplementedError(f"{name}: this aiter does not serve topk={topk} (see supports_{name})")
+    return entry
+
+
+def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk):
+    fn, takes_k = _entry_of("top_k_per_row_prefill", topk)
+    rows, width = logits.shape
+    # aiter writes a contiguous [rows, topk] block: into indices when it is one.
     direct = indices.shape[1] == topk and indices.is_contiguous()
-    lo, hi, out = _scratch("top_k_per_row_prefill", rows, topk, logits.device, not direct)
-    torch.clamp(row_starts, 0, width, out=lo)
-    torch.clamp(row_ends, max=width, out=hi)
-    torch.maximum(hi, lo, out=hi)
-    dst = indices if direct else out
+    specs = tuple(aiter_workspace_specs(rows, width, topk)[: 2 if direct else 3])
+    device, owner = logits.device, "top_k_per_row_prefill"
+    stride0, stride1 = logits.stride()
     kwargs = {"k": topk} if takes_k else {}
-    fn(logits, lo, hi, dst, None, rows, logits.stride(0), logits.stride(1), **kwargs)
     # Absolute columns -> positions relative to the (unclipped) row start.
-    tt.finish_external(dst, indices, topk, row_starts)
+    finish = bind_finish_external(indices, indices.stride(0) if direct else topk, topk, True)
+
+    def run(logits, row_starts, row_ends, indices, topk) -> None:
+        views = current_workspace_manager(device).get_simultaneous(*specs, owner=owner)
+        lo, hi = views[0], views[1]
+        torch.clamp(row_starts, 0, width, out=lo)
+        torch.clamp(row_ends, max=width, out=hi)
+        torch.maximum(hi, lo, out=hi)
+        dst = indices if direct else views[2]
+        fn(logits, lo, hi, dst, None, rows, stride0, stride1, **kwargs)
+        finish(dst, indices, row_starts)
+
+    return run
 
 
-def top_k_per_row_decode(logits, next_n, seq_lens, indices, topk) -> None:
+def prepare_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk):
+    fn, takes_k = _entry_of("top_k_per_row_decode", topk)
     rows, width = logits.shape
-    entry = _usable("top_k_per_row_decode", topk)
-    if entry is None or rows == 0 or topk == 0 or width == 0:
-        return tt.top_k_per_row_decode(logits, next_n, seq_lens, indices, topk)
-    fn, takes_k = entry
     direct = indices.shape[1] == topk and indices.is_contiguous()
-    _, ends, out = _scratch("top_k_per_row_decode", rows, topk, logits.device, not direct)
-    tt.decode_row_ends(seq_lens, next_n, width, ends)
-    dst = indices if direct else out
+    specs = tuple(aiter_workspace_specs_decode(rows, width, topk)[: 1 if direct else 2])
+    device, owner = logits.device, "top_k_per_row_decode"
+    stride0, stride1 = logits.stride()
     kwargs = {"k": topk} if takes_k else {}
-    fn(logits, 1, ends, dst, rows, logits.stride(0), logits.stride(1), **kwargs)
-    if not direct:
-        tt.finish_external(dst, indices, topk, None)
+    row_ends = bind_decode_row_ends(seq_lens, rows, next_n, width)
+    # Only the copy into a wider or strided indices (decode positions are absolute already).
+    finish = None if direct else bind_finish_external(indices, topk, topk, False)
+
+    def run(logits, next_n, seq_lens, indices, topk) -> None:
+        views = current_workspace_manager(device).get_simultaneous(*specs, owner=owner)
+        ends = views[0]
+        row_ends(seq_lens, ends)
+        dst = indices if finish is None else views[1]
+        fn(logits, 1, ends, dst, rows, stride0, stride1, **kwargs)
+        if finish is not None:
+            finish(dst, indices, indices)
+
+    return run

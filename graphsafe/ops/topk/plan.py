@@ -1,6 +1,7 @@
-"""Launch geometry and scratch sizes of the Triton top-k, from shapes only (no triton
-import: the registry reads the worst case through `workspace_specs` without loading a
-backend). See triton.py for the algorithm these numbers serve.
+"""Launch geometry and scratch sizes of the Triton top-k, and the aiter adapter's
+scratch, from shapes only (no triton import: the registry reads each backend's worst
+case through `workspace_specs*` without loading a backend). See triton.py for the
+algorithm these numbers serve.
 """
 
 from __future__ import annotations
@@ -229,3 +230,19 @@ def workspace_specs(num_rows: int, width: int, topk: int) -> list[tuple[tuple[in
         return specs(max(num_rows, 0), 1, 1)
     p1, cap = _row_need(width, topk)
     return specs(num_rows, p1, cap)
+
+
+# -- the aiter adapter (aiter.py) ----------------------------------------------------
+def aiter_workspace_specs(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Prefill through aiter: the clipped row bounds (lo, hi) int32 [rows] each, and the
+    contiguous [rows, topk] block aiter writes when `indices` cannot take it (the worst
+    case)."""
+    rows, k = max(int(num_rows), 0), max(int(topk), 0)
+    return [((rows,), torch.int32), ((rows,), torch.int32), ((rows, k), torch.int32)]
+
+
+def aiter_workspace_specs_decode(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Decode through aiter: the clipped row ends int32 [rows], and the contiguous
+    [rows, topk] block aiter writes when `indices` cannot take it (the worst case)."""
+    rows, k = max(int(num_rows), 0), max(int(topk), 0)
+    return [((rows,), torch.int32), ((rows, k), torch.int32)]

@@ -1,7 +1,7 @@
 """Triton backend of the per-row top-k ops: each logit read from HBM once, in two launches
 (prefill, and decode with few wide rows; other decode calls take one: triton_rowwise.py).
 
-Keys are the order-preserving uint32 image of the float bits (`_sortable_key`, the same
+Keys are the order-preserving uint32 image of the float bits (`sortable_key`, the same
 order as the reference's `sortable_keys`). A row's valid range is [lo, hi); rows with at
 most `topk` valid entries need no data: their positions are written directly.
 
@@ -35,10 +35,15 @@ share far above its mean, or rows built to defeat the bound, e.g. periodic in G)
 runs an exact radix select over the row itself: slow, correct. Columns past topk (and
 past the row length) get -1.
 
-Decode takes one launch instead (`plan.rowwise_applies`, `_launch_rowwise`) unless the
-rows are few and wide: `triton_rowwise._rowwise_kernel`, one program a row (a bound from
-a sample of the row, ballot-placed candidates in per-warp regions, the selection among
-them in the same program).
+Decode takes one launch instead (`plan.rowwise_applies`) unless the rows are few and
+wide: `triton_rowwise._rowwise_kernel`, one program a row (a bound from a sample of the
+row, ballot-placed candidates in per-warp regions, the selection among them in the same
+program). The helpers both plans share (row bounds, the exact select over a row, the
+position writes) live in triton_common.py.
+
+`prepare_top_k_per_row_*` decide the plan of a call signature (one launch or two, the
+geometry, the scratch) and bind its launches once (`graphsafe.launch.bind`); the runner
+they return takes the scratch from the workspace and launches.
 
 Nothing is zeroed and no counter is shared: no memset, no atomic, a deterministic
 result. Scratch (per-program state, candidate regions) comes from the workspace
@@ -52,39 +57,23 @@ import torch
 import triton
 import triton.language as tl
 
+from graphsafe.launch import bind
 from graphsafe.ops.topk import plan as _plan
+from graphsafe.ops.topk import triton_rowwise
 from graphsafe.ops.topk.plan import NMETA, SEGW, pow2
+from graphsafe.ops.topk.triton_common import (
+    radix_kth,
+    radix_write,
+    row_bounds,
+    select_row,
+    sortable_key,
+    write_positions,
+)
 from graphsafe.workspace import current_workspace_manager
 
 # Block of the looped paths (radix rounds over a list or a row, the short-row writes).
 LBLOCK = 1024
 _NMETA = tl.constexpr(NMETA)  # kernels may only read constexpr globals
-
-
-@triton.jit
-def _sortable_key(x):
-    """float32 -> uint32 with the float order (negatives flipped, positives offset)."""
-    bits = x.to(tl.int32, bitcast=True)
-    # Sign-extended sign bit: all ones for negatives (flip every bit), else set the top
-    # bit. Two ALU ops, no predicate (predicate registers are scarce next to masked loads).
-    return (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE: tl.constexpr):
-    """[lo, hi): the row's valid columns clipped to [0, width); shift: position origin."""
-    if DECODE:
-        b = row // next_n
-        end = tl.load(seq_lens_ptr + b) - next_n + (row - b * next_n) + 1
-        start = end * 0
-        shift = start
-    else:
-        start = tl.load(starts_ptr + row)
-        end = tl.load(ends_ptr + row)
-        shift = start
-    lo = tl.minimum(tl.maximum(start, 0), width)
-    hi = tl.minimum(tl.maximum(end, lo), width)
-    return lo, hi, shift
 
 
 @triton.jit
@@ -185,7 +174,7 @@ def _bound_kernel(
     pid = tl.program_id(0)
     row = pid // P1
     c = pid - row * P1
-    lo, hi, shift = _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
+    lo, hi, shift = row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
     n = hi - lo
     if n > topk:
         G: tl.constexpr = BJ * P1
@@ -205,12 +194,12 @@ def _bound_kernel(
         #    (The loads are not vectorised: Triton gives them the layout of the scattered
         #    stores below, one element a thread, which spares a shuffle of the tile.)
         if (base >= lo) & (base + DP * G <= hi):
-            key = _sortable_key(tl.load(row_ptr + pos))
+            key = sortable_key(tl.load(row_ptr + pos))
         else:
             lo_al = (lo // SEGW) * SEGW
             hi_al = tl.minimum(((hi + SEGW - 1) // SEGW) * SEGW, width)
             x = tl.load(row_ptr + pos, mask=(pos >= lo_al) & (pos < hi_al), other=0.0)
-            key = tl.where(_in_range(pos, lo, hi, DECODE), _sortable_key(x), 0)
+            key = tl.where(_in_range(pos, lo, hi, DECODE), sortable_key(x), 0)
         key2 = tl.reshape(key, [DP, BJ])
         # 2. The bound: about kc of the BJ column maxima lie at or above it. Empty
         #    columns hold 0 and every tested bound is >= 1: they never count.
@@ -249,85 +238,6 @@ def _bound_kernel(
         tl.store(meta + 2, total >> 16)
 
 
-# -- looped exact selection (candidate lists too large for registers, and the row) -----
-@triton.jit
-def _src_block(
-    FROM_ROW: tl.constexpr, b, row_ptr, lo, hi, shift, cand_row, meta_row,
-    P1: tl.constexpr, REG: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Block b of a selection source: the row's valid entries, or the kept candidates."""
-    offs = b * BLOCK + tl.arange(0, BLOCK)
-    if FROM_ROW:
-        m = (offs >= lo) & (offs < hi)
-        key = _sortable_key(tl.load(row_ptr + offs, mask=m, other=0.0))
-        pos = offs - shift
-    else:
-        inside = offs < P1 * REG
-        meta = meta_row + (offs // REG) * _NMETA
-        kept = tl.minimum(tl.load(meta + 1, mask=inside, other=0) + tl.load(meta + 2, mask=inside, other=0), REG)
-        m = inside & ((offs % REG) < kept)
-        packed = tl.load(cand_row + offs, mask=m, other=0)
-        key = (packed.to(tl.uint64, bitcast=True) >> 32).to(tl.uint32)
-        pos = tl.where(m, packed.to(tl.int32), -1)
-    return key, pos, m
-
-
-@triton.jit
-def _radix_kth(
-    FROM_ROW: tl.constexpr, b0, b1, row_ptr, lo, hi, shift, cand_row, meta_row, topk,
-    P1: tl.constexpr, REG: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """(t, need): the topk-th largest key of the source (radix select, 8 bits a round)
-    and how many entries == t complete the top-k after those > t."""
-    bins = tl.arange(0, 256)
-    prefix = tl.full([], 0, tl.uint32)
-    need = topk  # entries still to take among those matching `prefix` so far
-    for d in tl.static_range(4):
-        SHIFT = 24 - 8 * d
-        hist = tl.zeros([256], dtype=tl.int32)
-        for b in range(b0, b1):
-            key, pos, m = _src_block(FROM_ROW, b, row_ptr, lo, hi, shift, cand_row, meta_row, P1, REG, BLOCK)
-            if d > 0:
-                m = m & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-            hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=m)
-        # The digit: the largest bin whose suffix count still covers `need`.
-        suffix = tl.cumsum(hist, 0, reverse=True)
-        digit = tl.max(tl.where(suffix >= need, bins, 0), axis=0)
-        need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-        prefix = prefix | (digit.to(tl.uint32) << SHIFT)
-    return prefix, need
-
-
-@triton.jit
-def _radix_write(
-    FROM_ROW: tl.constexpr, b0, b1, row_ptr, lo, hi, shift, cand_row, meta_row, t, need, topk, out_row,
-    P1: tl.constexpr, REG: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Write every key > t, then the first `need` keys == t."""
-    n_above = topk - need
-    c_above = need * 0
-    c_eq = need * 0
-    for b in range(b0, b1):
-        key, pos, m = _src_block(FROM_ROW, b, row_ptr, lo, hi, shift, cand_row, meta_row, P1, REG, BLOCK)
-        above = m & (key > t)
-        tie = m & (key == t)
-        slot = c_above + tl.cumsum(above.to(tl.int32), 0) - 1
-        rank = c_eq + tl.cumsum(tie.to(tl.int32), 0) - 1
-        tl.store(out_row + slot, pos, mask=above)
-        tl.store(out_row + n_above + rank, pos, mask=tie & (rank < need))
-        c_above += tl.sum(above.to(tl.int32), axis=0)
-        c_eq += tl.sum(tie.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _select_row(row_ptr, lo, hi, shift, topk, out_row, BLOCK: tl.constexpr):
-    """Exact top-k of the row itself (the fallback)."""
-    b0 = lo // BLOCK
-    b1 = (hi + BLOCK - 1) // BLOCK
-    t, need = _radix_kth(True, b0, b1, row_ptr, lo, hi, shift, row_ptr, row_ptr, topk, 1, 1, BLOCK)
-    _radix_write(True, b0, b1, row_ptr, lo, hi, shift, row_ptr, row_ptr, t, need, topk, out_row, 1, 1, BLOCK)
-
-
 @triton.jit
 def _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1: tl.constexpr, REG: tl.constexpr,
                            SC: tl.constexpr):
@@ -354,15 +264,6 @@ def _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1: tl.constexp
     return ok
 
 
-@triton.jit
-def _write_positions(out_row, first, count, start, out_cols, LBLOCK: tl.constexpr):
-    """out_row[c] = start + c for first <= c < count, then -1 up to out_cols."""
-    offs = tl.arange(0, LBLOCK)
-    for c0 in range(first, out_cols, LBLOCK):
-        c = c0 + offs
-        tl.store(out_row + c, tl.where(c < count, start + c, -1), mask=c < out_cols)
-
-
 @triton.jit(do_not_specialize=["topk"])
 def _final_kernel(
     logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
@@ -371,11 +272,11 @@ def _final_kernel(
     SC: tl.constexpr,
 ):
     row = tl.program_id(0)
-    lo, hi, shift = _row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
+    lo, hi, shift = row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
     out_row = out_ptr + row.to(tl.int64) * stride_or
     if hi - lo <= topk:
         # Short row: every valid position, then -1; no data needed.
-        _write_positions(out_row, 0, hi - lo, lo - shift, out_cols, LBLOCK)
+        write_positions(out_row, 0, hi - lo, lo - shift, out_cols, LBLOCK)
     else:
         meta_row = meta_ptr + row.to(tl.int64) * stride_mr
         cand_row = cand_ptr + row.to(tl.int64) * stride_cr
@@ -399,45 +300,19 @@ def _final_kernel(
                 ok = _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1, REG, SC)
             else:
                 b1 = (P1 * REG + LBLOCK - 1) // LBLOCK
-                t, need = _radix_kth(
+                t, need = radix_kth(
                     False, 0, b1, logits_ptr, lo, hi, shift, cand_row, meta_row, topk, P1, REG, LBLOCK,
                 )
                 ok = (t >= max_w).to(tl.int32)
                 if ok != 0:
-                    _radix_write(
+                    radix_write(
                         False, 0, b1, logits_ptr, lo, hi, shift, cand_row, meta_row, t, need, topk, out_row,
                         P1, REG, LBLOCK,
                     )
         if ok == 0:
             row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
-            _select_row(row_ptr, lo, hi, shift, topk, out_row, LBLOCK)
-        _write_positions(out_row, topk, 0, 0, out_cols, LBLOCK)  # -1 past topk
-
-
-@triton.jit
-def _finish_external_kernel(
-    src_ptr, stride_src, dst_ptr, stride_dst, shift_ptr, topk, out_cols,
-    LOCALIZE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """dst[r, c] = src[r, c] - shift[r] (or -1 where src < 0) for c < topk, -1 after.
-
-    Used by the aiter adapter: aiter's prefill top-k returns absolute columns, and its
-    output is a contiguous [rows, topk] buffer. In place when src is dst.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(src_ptr + row * stride_src + c, mask=c < topk, other=-1)
-    if LOCALIZE:
-        v = tl.where(v >= 0, v - tl.load(shift_ptr + row), -1)
-    tl.store(dst_ptr + row * stride_dst + c, tl.where(c < topk, v, -1), mask=c < out_cols)
-
-
-@triton.jit
-def _decode_row_ends_kernel(seq_lens_ptr, ends_ptr, rows, next_n, width, BLOCK: tl.constexpr):
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    b = r // next_n
-    end = tl.load(seq_lens_ptr + b, mask=r < rows, other=0) - next_n + (r - b * next_n) + 1
-    tl.store(ends_ptr + r, tl.minimum(tl.maximum(end, 0), width), mask=r < rows)
+            select_row(row_ptr, lo, hi, shift, topk, out_row, LBLOCK)
+        write_positions(out_row, topk, 0, 0, out_cols, LBLOCK)  # -1 past topk
 
 
 # -- host side ----------------------------------------------------------------------
@@ -464,19 +339,41 @@ def _final_warps(plan) -> int:
     return max(1, min(8, min(plan.cap, plan.max_slots) // 512))
 
 
-def _launch(
-    logits, starts, ends, seq_lens, next_n, indices, topk, decode: bool,
-    *, scratch=None, p1=None, reg=None, margin=None, max_slots=None, rowwise=None,
-) -> None:
-    """Run both launches. `scratch` (the views of `workspace_specs`) lets a caller pass its
-    own; the keyword overrides force plans and paths (tests): `rowwise` True/False (or a
-    `plan.RowwisePlan`) forces the one-launch decode kernel (triton_rowwise.py) in or out."""
+def _scratch_specs(rows: int, width: int, topk: int, decode: bool, programs: int, slots: int):
+    """The op's declared worst case (per-program state, candidate slots), or a larger one
+    when a forced plan needs more (tests)."""
+    specs = (_plan.workspace_specs_decode if decode else _plan.workspace_specs)(rows, width, topk)
+    if specs[0][0][1] < programs or specs[1][0][1] < slots:
+        specs = _plan.specs(rows, programs, slots)
+    return tuple(specs)
+
+
+def _nothing(*tensors) -> None:
+    return None
+
+
+def _fill_indices(logits, starts, ends, seq_lens, indices, meta, cand) -> None:
+    indices.fill_(-1)
+
+
+def _prepare(
+    logits, indices, topk: int, next_n: int, decode: bool, scratch=None,
+    p1=None, reg=None, margin=None, max_slots=None, rowwise=None,
+):
+    """The plan of one call signature, bound: `(specs, strides, steps)`. `steps(logits,
+    starts, ends, seq_lens, indices, meta, cand)` launches the kernels; `specs` is the
+    scratch `(meta, cand)` it takes from the workspace (None: it takes none) and `strides`
+    their row strides, bound into the launches.
+
+    `scratch` (a caller's own `(meta, cand)`, tests) is read for its shapes and strides
+    only: the runner must then be called with the same views. The keyword overrides force
+    plans and paths (tests): `rowwise` True/False (or a `plan.RowwisePlan`) forces the
+    one-launch decode kernel (triton_rowwise.py) in or out."""
     rows, width = logits.shape
     if rows == 0 or indices.numel() == 0:
-        return
+        return None, None, _nothing
     if topk == 0 or width == 0:
-        indices.fill_(-1)
-        return
+        return None, None, _fill_indices
     if rowwise is None:
         # Not when a two-launch plan is forced, nor on ROCm: the one-launch kernel's
         # ballots, loads and stores are PTX (its portable path, reshapes and prefix sums,
@@ -484,79 +381,120 @@ def _launch(
         forced = any(v is not None for v in (p1, reg, margin, max_slots))
         rowwise = not forced and torch.version.hip is None and _plan.rowwise_applies(rows, width, topk)
     if decode and rowwise:
-        _launch_rowwise(logits, seq_lens, next_n, indices, topk, scratch,
-                        rowwise if isinstance(rowwise, _plan.RowwisePlan) else _plan.rowwise_plan(width))
-        return
-    plan = _plan.choose(
-        rows, width, topk, p1=p1, reg=reg,
-        margin=_plan.MARGIN if margin is None else float(margin),
-        max_slots=_plan.MAX_SLOTS if max_slots is None else int(max_slots),
-    )
-    meta, cand = scratch if scratch is not None else _scratch(logits, topk, decode, plan.p1, plan.cap)
-    assert meta.shape[1] >= plan.p1 and cand.shape[1] >= plan.cap and cand.dtype == torch.int64, "scratch smaller than the plan"
+        cfg = rowwise if isinstance(rowwise, _plan.RowwisePlan) else _plan.rowwise_plan(width)
+        programs, slots = cfg.warps, cfg.slots
+    else:
+        plan = _plan.choose(
+            rows, width, topk, p1=p1, reg=reg,
+            margin=_plan.MARGIN if margin is None else float(margin),
+            max_slots=_plan.MAX_SLOTS if max_slots is None else int(max_slots),
+        )
+        programs, slots = plan.p1, plan.cap
+    if scratch is None:
+        specs = _scratch_specs(rows, width, topk, decode, programs, slots)
+        (meta_shape, _), (cand_shape, cand_dtype) = specs
+        # Workspace views are contiguous.
+        strides = (meta_shape[1] * NMETA, cand_shape[1])
+    else:
+        specs = None
+        meta, cand = scratch
+        assert meta.stride(-1) == 1 and meta.stride(1) == NMETA, "meta scratch: [rows, programs, NMETA] rows"
+        meta_shape, cand_shape, cand_dtype = tuple(meta.shape), tuple(cand.shape), cand.dtype
+        strides = (meta.stride(0), cand.stride(0))
+    assert meta_shape[1] >= programs and cand_shape[1] >= slots and cand_dtype == torch.int64, (
+        "scratch smaller than the plan")
+    if decode and rowwise:
+        launch = triton_rowwise.prepare_topk_decode(logits, next_n, indices, topk, strides[0], strides[1], cfg)
+
+        def steps(logits, starts, ends, seq_lens, indices, meta, cand) -> None:
+            launch(logits, seq_lens, indices, meta, cand)
+
+        return specs, strides, steps
     # Counts of a program's tile and of the final register block are packed in 16 bits.
     assert plan.tile < 65536 and (not plan.in_registers or plan.cap < 65536), plan
-    common = (logits, logits.stride(0), starts, ends, seq_lens, next_n, width, topk)
+    # Tensor placeholders (only their device is read): starts, ends, seq_lens, meta, cand.
+    t = logits
+    common = (logits, logits.stride(0), t, t, t, next_n, width, topk)
     bound_warps, final_warps = _bound_warps(plan), _final_warps(plan)
-    _bound_kernel[(rows * plan.p1,)](
-        *common, meta, meta.stride(0), cand, cand.stride(0),
+    bound = bind(
+        _bound_kernel, (rows * plan.p1,),
+        *common, t, strides[0], t, strides[1],
         P1=plan.p1, BJ=plan.bj, DP=plan.dp, REG=plan.reg, SEGW=SEGW, MARGIN=plan.margin, DECODE=decode,
         SC=search_columns(plan.bj, bound_warps),
         num_warps=bound_warps,
     )
-    _final_kernel[(rows,)](
-        *common, indices, indices.stride(0), indices.shape[1], meta, meta.stride(0), cand, cand.stride(0),
+    final = bind(
+        _final_kernel, (rows,),
+        *common, indices, indices.stride(0), indices.shape[1], t, strides[0], t, strides[1],
         P1=plan.p1, REG=plan.reg, IN_REGS=plan.in_registers, LBLOCK=min(LBLOCK, pow2(max(width, plan.cap))),
         DECODE=decode, SC=search_columns(plan.cap, final_warps),
         num_warps=final_warps,
     )
 
+    def steps(logits, starts, ends, seq_lens, indices, meta, cand) -> None:
+        bound(logits, starts, ends, seq_lens, meta, cand)
+        final(logits, starts, ends, seq_lens, indices, meta, cand)
 
-def _scratch(logits, topk: int, decode: bool, programs: int, slots: int):
-    """The op's declared worst case from the workspace (per-program state, candidate
-    slots), or a larger one when a forced plan needs more (tests)."""
-    rows, width = logits.shape
-    specs = (_plan.workspace_specs_decode if decode else _plan.workspace_specs)(rows, width, topk)
-    if specs[0][0][1] < programs or specs[1][0][1] < slots:
-        specs = _plan.specs(rows, programs, slots)
-    return current_workspace_manager(logits.device).get_simultaneous(*specs, owner=_OWNER[decode])
+    return specs, strides, steps
 
 
-def _launch_rowwise(logits, seq_lens, next_n, indices, topk, scratch, cfg) -> None:
-    """Decode in one launch, one program a row (triton_rowwise.py)."""
-    from graphsafe.ops.topk import triton_rowwise
-
-    meta, cand = scratch if scratch is not None else _scratch(logits, topk, True, cfg.warps, cfg.slots)
-    triton_rowwise.topk_decode(logits, seq_lens, next_n, indices, topk, meta, cand, cfg)
+def _same_strides(scratch, strides) -> bool:
+    return (scratch[0].stride(0), scratch[1].stride(0)) == strides
 
 
-_OWNER = {False: "top_k_per_row_prefill", True: "top_k_per_row_decode"}
+def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk, *, scratch=None, **overrides):
+    """The runner of one call signature: its plan and launches are fixed here. `scratch`
+    and the overrides: `_prepare` (tests and tuning)."""
+    specs, strides, steps = _prepare(logits, indices, topk, 1, False, scratch, **overrides)
+    device, owner = logits.device, "top_k_per_row_prefill"
+    if strides is None:  # nothing to select: no scratch
+
+        def run(logits, row_starts, row_ends, indices, topk, scratch=None) -> None:
+            steps(logits, row_starts, row_ends, row_starts, indices, None, None)
+
+        return run
+
+    def run(logits, row_starts, row_ends, indices, topk, scratch=None) -> None:
+        if scratch is None:
+            meta, cand = current_workspace_manager(device).get_simultaneous(*specs, owner=owner)
+        else:
+            assert _same_strides(scratch, strides), "run with the scratch it was prepared with"
+            meta, cand = scratch
+        steps(logits, row_starts, row_ends, row_starts, indices, meta, cand)
+
+    return run
 
 
-def top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk, **kw) -> None:
-    _launch(logits, row_starts, row_ends, row_starts, 1, indices, topk, False, **kw)
+def prepare_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk, *, scratch=None, **overrides):
+    """The runner of one call signature (see `prepare_top_k_per_row_prefill`)."""
+    specs, strides, steps = _prepare(logits, indices, topk, next_n, True, scratch, **overrides)
+    device, owner = logits.device, "top_k_per_row_decode"
+    if strides is None:  # nothing to select: no scratch
+
+        def run(logits, next_n, seq_lens, indices, topk, scratch=None) -> None:
+            steps(logits, seq_lens, seq_lens, seq_lens, indices, None, None)
+
+        return run
+
+    def run(logits, next_n, seq_lens, indices, topk, scratch=None) -> None:
+        if scratch is None:
+            meta, cand = current_workspace_manager(device).get_simultaneous(*specs, owner=owner)
+        else:
+            assert _same_strides(scratch, strides), "run with the scratch it was prepared with"
+            meta, cand = scratch
+        steps(logits, seq_lens, seq_lens, seq_lens, indices, meta, cand)
+
+    return run
 
 
-def top_k_per_row_decode(logits, next_n, seq_lens, indices, topk, **kw) -> None:
-    _launch(logits, seq_lens, seq_lens, seq_lens, next_n, indices, topk, True, **kw)
+def top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk, *, scratch=None, **overrides) -> None:
+    """Prepare and run once: `scratch` (a caller's own `(meta, cand)`, sized by
+    `plan.specs`) and the plan overrides are for tests and tuning."""
+    prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk, scratch=scratch, **overrides)(
+        logits, row_starts, row_ends, indices, topk, scratch)
 
 
-# -- helpers for the aiter adapter --------------------------------------------------
-def finish_external(src: torch.Tensor, indices: torch.Tensor, topk: int, row_starts: torch.Tensor | None) -> None:
-    """indices[:, :topk] <- src (minus row_starts where >= 0, when given), -1 after."""
-    rows, cols = indices.shape
-    if rows == 0 or cols == 0:
-        return
-    blk = min(1024, pow2(cols))
-    _finish_external_kernel[(rows, triton.cdiv(cols, blk))](
-        src, src.stride(0), indices, indices.stride(0),
-        row_starts if row_starts is not None else indices, topk, cols,
-        LOCALIZE=row_starts is not None, BLOCK=blk,
-    )
-
-
-def decode_row_ends(seq_lens: torch.Tensor, next_n: int, width: int, out: torch.Tensor) -> None:
-    """out[r] = clamp(seq_lens[r // next_n] - next_n + r % next_n + 1, 0, width)."""
-    rows = out.shape[0]
-    if rows:
-        _decode_row_ends_kernel[(triton.cdiv(rows, 1024),)](seq_lens, out, rows, next_n, width, BLOCK=1024)
+def top_k_per_row_decode(logits, next_n, seq_lens, indices, topk, *, scratch=None, **overrides) -> None:
+    """Prepare and run once (see `top_k_per_row_prefill`)."""
+    prepare_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk, scratch=scratch, **overrides)(
+        logits, next_n, seq_lens, indices, topk, scratch)

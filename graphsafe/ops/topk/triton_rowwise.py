@@ -1,5 +1,5 @@
 """Decode top-k in one launch, one program a row (`_rowwise_kernel`; chosen by
-`plan.rowwise_applies`, launched by triton.py's `_launch_rowwise`).
+`plan.rowwise_applies`, bound by `prepare_topk_decode` for triton.py's runners).
 
 The two-launch plan of triton.py splits a row over several programs, each finding its
 own bound by a radix search over column maxima and placing its kept entries with
@@ -23,7 +23,7 @@ B. Collect (`_collect`). The row in [E, 32 * warps] tiles (entry (e, t) in regis
    ballots), so a run of equal scores cannot crowd out a larger one.
 C. If fewer than topk entries were kept, or a region overflowed, the pass runs once
    more with the bound RETRY_Z sigma out (too few) or Z/2 in (overflow); if that fails
-   too, the exact radix select over the row (`triton._select_row`).
+   too, the exact radix select over the row (`triton_common.select_row`).
 D. Select (`_select_kept`), in the same program after a barrier: the regions come back
    from L2, a warp its own, and a search over 32-bin histograms (ballots again, each
    lane counting its own bin: `_ranked_bin`) finds the topk-th largest kept key; every
@@ -50,8 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
+from graphsafe.launch import bind
 from graphsafe.ops.topk.plan import NMETA
-from graphsafe.ops.topk.triton import _row_bounds, _select_row, _write_positions
+from graphsafe.ops.topk.triton_common import row_bounds, select_row, write_positions
 
 _NMETA = tl.constexpr(NMETA)
 
@@ -201,7 +202,7 @@ def _load_tile(row_ptr, pos, hi, VEC: tl.constexpr, ASM: tl.constexpr, PINNED: t
 
 @triton.jit
 def _tile_keys(bits, pos, hi, partial):
-    """Keys of a loaded tile (triton.py's `_sortable_key` of the bits), 0 from hi on:
+    """Keys of a loaded tile (triton_common's `sortable_key` of the bits), 0 from hi on:
     only a `partial` tile (the row's last) pays for the mask."""
     key = bits ^ ((bits.to(tl.int32, bitcast=True) >> 31).to(tl.uint32, bitcast=True) | 0x80000000)
     if partial:
@@ -730,12 +731,12 @@ def _rowwise_kernel(
     T: tl.constexpr = 32 * NW
     row = tl.program_id(0)
     # Decode rows start at column 0: lo = shift = 0.
-    lo, hi, shift = _row_bounds(row, seq_lens_ptr, seq_lens_ptr, seq_lens_ptr, next_n, width, True)
+    lo, hi, shift = row_bounds(row, seq_lens_ptr, seq_lens_ptr, seq_lens_ptr, next_n, width, True)
     n = hi - lo
     out_row = out_ptr + row.to(tl.int64) * stride_or
     if n <= topk:
         # Short row: every valid position, then -1; no data needed.
-        _write_positions(out_row, 0, n, lo - shift, out_cols, LBLOCK)
+        write_positions(out_row, 0, n, lo - shift, out_cols, LBLOCK)
     else:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
         regions = cand_ptr + row.to(tl.int64) * stride_cr  # NW regions of CAPW slots
@@ -779,8 +780,8 @@ def _rowwise_kernel(
                 search = _select_kept(regions, n_gt, n_eq, n_kept, vlo, smax, topk, out_row, (CAPW + 31) // 32, T,
                                       CAPW, ASM, UNTIL)
         else:
-            _select_row(row_ptr, lo, hi, shift, topk, out_row, LBLOCK)
-        _write_positions(out_row, topk, 0, 0, out_cols, LBLOCK)  # -1 past topk
+            select_row(row_ptr, lo, hi, shift, topk, out_row, LBLOCK)
+        write_positions(out_row, topk, 0, 0, out_cols, LBLOCK)  # -1 past topk
         # Each warp's (vlo, #entries above, #ties at the top, search * 16 + passes * 4 +
         # outcome): tests and profiles (`testing.cases.topk.rowwise_outcomes`).
         meta = meta_ptr + row.to(tl.int64) * stride_mr + (tl.arange(0, T) // 32) * _NMETA
@@ -795,22 +796,50 @@ def vector_loads(logits) -> bool:
     """Whether the kernel may read the rows 16 bytes at a time: every row starts 16-byte
     aligned and holds whole groups of 4 (a group that starts before a row's end then ends
     inside the row's storage)."""
-    return logits.data_ptr() % 16 == 0 and logits.stride(0) % 4 == 0 and logits.shape[1] % 4 == 0
+    return logits.data_ptr() % 16 == 0 and _whole_groups(logits)
 
 
-def topk_decode(logits, seq_lens, next_n, indices, topk, meta, cand, cfg, until=9) -> None:
-    """The whole decode top-k in one launch, one program a row. Scratch: `meta` int32
-    [rows, >= cfg.warps, NMETA] (each warp's counts, read by tests) and `cand` int64
-    [rows, >= cfg.slots] (the warps' regions). `until` < 5 runs a prefix of the kernel
-    (profiles, `_rowwise_kernel`'s UNTIL: the indices it leaves are not valid)."""
+def _whole_groups(logits) -> bool:
+    """The part of `vector_loads` a call signature fixes (the row stride and width)."""
+    return logits.stride(0) % 4 == 0 and logits.shape[1] % 4 == 0
+
+
+def prepare_topk_decode(logits, next_n, indices, topk, meta_stride, cand_stride, cfg, until=9):
+    """The whole decode top-k in one launch, one program a row, bound to a call
+    signature: returns `launch(logits, seq_lens, indices, meta, cand)`. Scratch: `meta`
+    int32 [rows, >= cfg.warps, NMETA] (each warp's counts, read by tests), rows
+    `meta_stride` apart, and `cand` int64 [rows, >= cfg.slots] (the warps' regions), rows
+    `cand_stride` apart. `until` < 5 runs a prefix of the kernel (profiles,
+    `_rowwise_kernel`'s UNTIL: the indices it leaves are not valid).
+
+    16-byte loads need a 16-byte aligned logits pointer, which the signature does not
+    fix: where the rows allow them, both variants are bound and each call picks one."""
     rows, width = logits.shape
-    assert meta.stride(0) >= NMETA * cfg.warps and meta.stride(-1) == 1, "meta scratch smaller than the plan"
-    assert cand.shape[1] >= cfg.slots and cand.dtype.itemsize == 8, "candidate scratch smaller than the plan"
+    assert meta_stride >= NMETA * cfg.warps, "meta scratch smaller than the plan"
+    assert cand_stride >= cfg.slots, "candidate scratch smaller than the plan"
     assert cfg.per_thread % 4 == 0, "a step's 16-byte loads fill groups of 4 registers"
-    _rowwise_kernel[(rows,)](
-        logits, logits.stride(0), seq_lens, next_n, width, topk, indices, indices.stride(0), indices.shape[1],
-        cand, cand.stride(0), meta, meta.stride(0),
-        S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z, E=cfg.per_thread, NW=cfg.warps,
-        CAPW=cfg.slots_per_warp, LBLOCK=1024, VEC=vector_loads(logits),
-        ASM=logits.is_cuda and torch.version.hip is None, UNTIL=until, num_warps=cfg.warps,
-    )
+
+    def bound(vec: bool):
+        # Tensor placeholders (only their device is read): seq_lens, cand, meta.
+        return bind(
+            _rowwise_kernel, (rows,),
+            logits, logits.stride(0), logits, next_n, width, topk, indices, indices.stride(0), indices.shape[1],
+            logits, cand_stride, logits, meta_stride,
+            S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z, E=cfg.per_thread, NW=cfg.warps,
+            CAPW=cfg.slots_per_warp, LBLOCK=1024, VEC=vec,
+            ASM=logits.is_cuda and torch.version.hip is None, UNTIL=until, num_warps=cfg.warps,
+        )
+
+    scalar = bound(False)
+    if not _whole_groups(logits):
+
+        def launch(logits, seq_lens, indices, meta, cand) -> None:
+            scalar(logits, seq_lens, indices, cand, meta)
+
+        return launch
+    vector = bound(True)
+
+    def launch(logits, seq_lens, indices, meta, cand) -> None:
+        (scalar if logits.data_ptr() % 16 else vector)(logits, seq_lens, indices, cand, meta)
+
+    return launch

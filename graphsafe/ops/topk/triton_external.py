@@ -1,0 +1,71 @@
+"""Two small Triton kernels around an external top-k kernel (the aiter adapter's pre- and
+post-processing): the decode rows' clipped ends, and the copy of a contiguous
+`[rows, topk]` result into `indices` (positions made relative, -1 past topk).
+
+Kept apart from the Triton backend (triton.py) so that the aiter adapter imports these
+two kernels only. `bind_*` bind them to one call signature (`graphsafe.launch.bind`);
+the launches they return take the tensors alone.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from graphsafe.launch import bind
+from graphsafe.ops.topk.plan import pow2
+
+
+@triton.jit
+def _finish_external_kernel(
+    src_ptr, stride_src, dst_ptr, stride_dst, shift_ptr, topk, out_cols,
+    LOCALIZE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """dst[r, c] = src[r, c] - shift[r] (or -1 where src < 0) for c < topk, -1 after.
+
+    Used by the aiter adapter: aiter's prefill top-k returns absolute columns, and its
+    output is a contiguous [rows, topk] buffer. In place when src is dst.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(src_ptr + row * stride_src + c, mask=c < topk, other=-1)
+    if LOCALIZE:
+        v = tl.where(v >= 0, v - tl.load(shift_ptr + row), -1)
+    tl.store(dst_ptr + row * stride_dst + c, tl.where(c < topk, v, -1), mask=c < out_cols)
+
+
+@triton.jit
+def _decode_row_ends_kernel(seq_lens_ptr, ends_ptr, rows, next_n, width, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    b = r // next_n
+    end = tl.load(seq_lens_ptr + b, mask=r < rows, other=0) - next_n + (r - b * next_n) + 1
+    tl.store(ends_ptr + r, tl.minimum(tl.maximum(end, 0), width), mask=r < rows)
+
+
+def _nothing(*tensors) -> None:
+    return None
+
+
+def bind_finish_external(indices, src_stride: int, topk: int, localize: bool):
+    """`launch(src, indices, shift)`: indices[:, :topk] <- src (minus shift[r] where >= 0
+    when `localize`), -1 after. `src` rows lie `src_stride` apart; without `localize`
+    `shift` is not read (pass any tensor of the device). `indices` is a placeholder here
+    (its shape and row stride are read)."""
+    rows, cols = indices.shape
+    if rows == 0 or cols == 0:
+        return _nothing
+    blk = min(1024, pow2(cols))
+    return bind(
+        _finish_external_kernel, (rows, triton.cdiv(cols, blk)),
+        indices, src_stride, indices, indices.stride(0), indices, topk, cols,
+        LOCALIZE=localize, BLOCK=blk,
+    )
+
+
+def bind_decode_row_ends(seq_lens, rows: int, next_n: int, width: int):
+    """`launch(seq_lens, ends)`: ends[r] = clamp(seq_lens[r // next_n] - next_n + r % next_n
+    + 1, 0, width) for r < rows (`seq_lens` is a placeholder here)."""
+    if rows == 0:
+        return _nothing
+    return bind(_decode_row_ends_kernel, (triton.cdiv(rows, 1024),), seq_lens, seq_lens, rows, next_n, width,
+                BLOCK=1024)
