@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphsafe
+from graphsafe import registry
 from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
 from graphsafe.ops.mla import reference as ref
 from graphsafe.ops.mla import splits
@@ -387,32 +388,98 @@ def test_many_head_tiles_follow_the_shared_memory_of_the_device():
     assert splits.max_shared_memory(torch.device("cpu")) is None
 
 
+class _StandInKernel:
+    """Stands in for a JIT kernel of (q, kv, SPARSE, SPLIT): `graphsafe.launch.bind` binds it
+    (CPU tensors: every call is the plain `kernel[grid]` launch), and the launch records its
+    pipeline depth, then raises what `fail(num_stages)` returns, as a compile would."""
+
+    def __init__(self, name, fail=lambda stages: None):
+        def fn(q_ptr, kv_ptr, SPARSE, SPLIT):
+            pass
+
+        self.fn, self.name, self.fail, self.calls = fn, name, fail, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, num_stages=None, **kw):
+            self.calls.append(num_stages)
+            exc = self.fail(num_stages)
+            if exc is not None:
+                raise exc
+
+        return launch
+
+
+_VARIANT = {"SPARSE": False, "SPLIT": True}
+_WHERE = ("cuda", torch.bfloat16, 576)
+
+
 def test_launch_drops_a_stage_when_shared_memory_runs_out(monkeypatch):
     """A Triton that allocates more shared memory than the config assumes gets one stage
-    fewer (same tiles, so the same split plan and workspace), remembered per variant."""
+    fewer (same tiles, so the same split plan and workspace): the bound launch fails at its
+    first call (the compile), is bound again and relaunched; the depth is remembered per
+    variant for later bindings."""
     from triton.runtime import OutOfResources
 
-    calls, fits = [], {"stages": 1}
-
-    class Kernel:
-        def __getitem__(self, grid):
-            def launch(*args, num_stages, **kw):
-                calls.append(num_stages)
-                if num_stages > fits["stages"]:
-                    raise OutOfResources(240000, 232448, "shared memory")
-            return launch
-
-    monkeypatch.setattr(tri, "_mla_attn_kernel", Kernel())
+    fits = {"stages": 1}
+    kernel = _StandInKernel("attn", lambda n: OutOfResources(240000, 232448, "shared") if n > fits["stages"] else None)
+    monkeypatch.setattr(tri, "_mla_attn_kernel", kernel)
     monkeypatch.setattr(tri, "_STAGES", {})
     cfg = splits.KernelConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, value_chunks=2)
-    constexprs = {"SPARSE": False, "SPLIT": True}
-    tri._launch((1,), (), constexprs, cfg, ("cuda", torch.bfloat16, 576))
-    tri._launch((1,), (), constexprs, cfg, ("cuda", torch.bfloat16, 576))
-    assert calls == [3, 2, 1, 1], "retries down to one stage once, then launches with it directly"
+    x = torch.zeros(4)
+    launch = tri._triton_launch((1,), (x, x), _VARIANT, cfg, _WHERE)
+    launch(x, x)
+    launch(x, x)
+    assert kernel.calls == [3, 2, 1, 1], "retries down to one stage once, then launches with it directly"
+    assert tri._STAGES == {(cfg, *_WHERE, False, True): 1}
+    kernel.calls.clear()
+    tri._triton_launch((1,), (x, x), _VARIANT, cfg, _WHERE)(x, x)
+    assert kernel.calls == [1], "a later binding of the variant starts from the depth that compiled"
     monkeypatch.setattr(tri, "_STAGES", {})
     fits["stages"] = 0  # not even one stage fits: the error reaches the caller
     with pytest.raises(OutOfResources):
-        tri._launch((1,), (), constexprs, cfg, ("cuda", torch.bfloat16, 576))
+        tri._triton_launch((1,), (x, x), _VARIANT, cfg, _WHERE)(x, x)
+
+
+def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch):
+    """The Gluon kernel compiles at the first call of its binding: a failure there (nothing
+    launched) warns once, is remembered per variant, and the Triton kernel runs that call
+    and the later ones; calls whose q or cache is not 16-byte aligned run the Triton kernel."""
+    import types
+    import warnings
+
+    gluon = _StandInKernel("gluon", lambda n: RuntimeError("PassManager::run failed"))
+    attn = _StandInKernel("attn")
+    monkeypatch.setattr(tri, "_mla_attn_kernel", attn)
+    monkeypatch.setattr(tri, "_gluon_module", lambda: types.SimpleNamespace(mla_attn_wgmma_kernel=gluon, NUM_WARPS=8))
+    monkeypatch.setattr(tri, "_GLUON_FAILED", set())
+    monkeypatch.setattr(tri, "_STAGES", {})
+    cfg = splits.kernel_config(128, "cuda")
+    x = torch.zeros(64)
+    bind = lambda: tri._attention_launch((1,), (x, x), _VARIANT, _VARIANT, cfg, _WHERE, True)  # noqa: E731
+
+    launch = bind()
+    launch(x[1:], x)  # misaligned q: the Triton kernel, the Gluon one is not tried
+    assert (len(gluon.calls), len(attn.calls)) == (0, 1)
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        launch(x, x)
+    assert (len(gluon.calls), len(attn.calls)) == (1, 2), "the failed compile launched nothing: Triton ran the call"
+    assert tri._GLUON_FAILED == {(*_WHERE, False, True)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch(x, x)
+        bind()(x, x)  # a new binding of the variant: the Triton kernel at once, no warning
+    assert (len(gluon.calls), len(attn.calls)) == (1, 4)
+
+
+def test_direct_calls_reuse_one_runner_per_signature_and_overrides(monkeypatch):
+    """Direct calls with the same signature and overrides reuse one prepared runner."""
+    args = _decode_args(torch.float16, [3, 0, 50, 96])
+    monkeypatch.setattr(tri, "_RUNNERS", {})
+    first = tri.mla_decode(*args, num_splits=3)
+    second = tri.mla_decode(*args, num_splits=3)
+    assert torch.equal(first[0], second[0]) and len(tri._RUNNERS) == 1
+    tri.mla_decode(*args, num_splits=2)
+    assert len(tri._RUNNERS) == 2
 
 
 def test_kernel_config_tiles_are_legal_dot_shapes():
@@ -498,11 +565,33 @@ def test_aiter_adapter_builds_the_csr_and_call_aiter_documents(op, monkeypatch):
         assert calls["persistent"] == [False]
     expected = C.run_backend(graphsafe.get_op(op), "reference", args)
     _check(expected, (out, lse))
-    # fp16 and other head counts have no aiter kernel: the Triton backend serves them.
-    calls.clear()
-    small = graphsafe.get_op(op).case.inputs(graphsafe.get_op(op).case.example, CPU, 13)
-    _check(C.run_backend(graphsafe.get_op(op), "reference", small), getattr(adapter, op)(*small))
-    assert "persistent" not in calls
+    # One prepared runner serves repeated calls (the metadata sizes asked once).
+    run = getattr(adapter, f"prepare_{op}")(*args)
+    for _ in range(2):
+        _check(expected, run(*C.clone_args(args)))
+    # fp16 and other head counts have no aiter kernel: its `supports` refuses them, and
+    # the registry hands them to the next backend (Triton, which runs on ROCm); aiter's
+    # workspace function sizes only what it serves.
+    spec = graphsafe.get_op(op)
+    small = spec.case.inputs(spec.case.example, CPU, 13)
+    supports = getattr(adapter, f"{op}_supports")
+    assert supports(*args) and not supports(*small)
+    monkeypatch.setattr(registry, "backend_available", lambda backend, device_type: True)
+    monkeypatch.setattr(registry, "AUTO_ORDER", {"cpu": ("aiter", "triton", "reference")})
+    with graphsafe.use_backend(None):  # fresh signature tables, here and on exit
+        assert spec.selection_order("cpu") == ["aiter", "triton"]
+        assert spec.serving_backend("cpu", *args) == "aiter" and spec.serving_backend("cpu", *small) == "triton"
+        calls.clear()
+        _check(expected, spec.overload(*C.clone_args(args)))
+        assert calls["persistent"] == [op == "mla_decode"], "the dispatcher ran aiter"
+        calls.clear()
+        _check(C.run_backend(spec, "reference", small), spec.overload(*C.clone_args(small)))
+        assert "persistent" not in calls, "Triton served the shapes aiter has no kernel for"
+        helper = mla_decode_workspace_specs if op == "mla_decode" else sparse_mla_workspace_specs
+        rows, heads, width = small[0].shape[0], small[0].shape[1], small[2].shape[1]
+        shape = (rows, heads, small[-1], width * small[1].shape[1] if op == "mla_decode" else width)
+        assert helper(*shape, device="cpu", backend="aiter", dtype=small[0].dtype) == []
+        assert helper(*shape, device="cpu", dtype=small[0].dtype) == helper(*shape, device="cpu", backend="triton")
 
 
 # -- GPU compilation, without a GPU ------------------------------------------------
@@ -547,14 +636,13 @@ from graphsafe.ops.mla import splits, triton as tri
 
 launches = []
 
-class Recorder:
-    def __init__(self, fn):
-        self.fn = fn
-    def __getitem__(self, grid):
-        return lambda *args, **kw: launches.append((self.fn, args, kw))
+def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record each launch, run nothing
+    def launch(*tensors):  # the call's tensors take the placeholders' places
+        it = iter(tensors)
+        launches.append((kernel, tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), dict(kw)))
+    return launch
 
-tri._mla_attn_kernel = Recorder(tri._mla_attn_kernel)
-tri._combine_kernel = Recorder(tri._combine_kernel)
+tri.bind = record
 """ + _SPECIALISE + r"""
 for heads in (16, 128):
     cfg = splits.kernel_config(heads, "cuda")
@@ -610,19 +698,18 @@ from graphsafe.ops.mla import splits, triton as tri
 
 launches = []
 
-class Recorder:
-    def __getitem__(self, grid):
-        return lambda *args, **kw: launches.append((args, kw))
+# Record what the launcher binds on an sm_90 device (CPU tensors stand in for CUDA ones);
+# the Triton kernels (the combine, the fallback) are compiled by
+# test_kernels_compile_for_sm90_without_a_gpu.
+def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record each launch, run nothing
+    def launch(*tensors):  # the call's tensors take the placeholders' places
+        it = iter(tensors)
+        if kernel is G.mla_attn_wgmma_kernel:
+            launches.append((tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), dict(kw)))
+    return launch
 
-# Record what the launcher passes on an sm_90 device (CPU tensors stand in for CUDA ones).
-tri.warpgroup_split_applies = lambda *a: True
-tri._gluon_module = lambda: types.SimpleNamespace(mla_attn_wgmma_kernel=Recorder(), NUM_WARPS=G.NUM_WARPS)
-
-class Skip:  # the combine is a Triton kernel, compiled by test_kernels_compile_for_sm90_without_a_gpu
-    def __getitem__(self, grid):
-        return lambda *args, **kw: None
-
-tri._combine_kernel = Skip()
+tri.bind = record
+tri.warpgroup_split_fits = lambda *a: True
 """ + _SPECIALISE + r"""
 cfg = splits.kernel_config(128, "cuda")
 for dtype in (torch.bfloat16, torch.float16):

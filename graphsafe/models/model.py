@@ -38,7 +38,7 @@ from graphsafe.models.rope import apply_half, apply_interleaved, rope_tables
 from graphsafe.models.state import HostState
 from graphsafe.models.weights import convert_state_dict
 from graphsafe.ops.indexer.plan import sparse_attn_indexer_decode_workspace, sparse_attn_indexer_prefill_workspace
-from graphsafe.ops.mla.splits import sparse_mla_workspace_specs
+from graphsafe.ops.mla import sparse_mla_workspace_specs
 from graphsafe.workspace import current_workspace_manager, workspace_bytes
 
 import graphsafe

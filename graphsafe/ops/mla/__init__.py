@@ -9,14 +9,19 @@ row is its first R entries, so K and V are one read of the cache.
 Split-KV scratch (f32 partial outputs and LSEs) comes from the workspace manager; its
 size is a function of shapes only (`mla_decode_workspace_specs`,
 `sparse_mla_workspace_specs`, see `splits.py` for why never of sequence lengths).
+
+Backends: `triton` (`prepare_*` bind the kernels to a call signature once), `aiter` on
+ROCm for the shapes it has kernels for (its `supports` predicates hand the rest to
+Triton), `reference`. Each record names its own worst-case workspace function.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from graphsafe.fake_impls import mla as fakes
-from graphsafe.ops.mla.splits import mla_decode_workspace_specs, sparse_mla_workspace_specs
+from graphsafe.ops.mla.splits import triton_mla_decode_workspace, triton_sparse_mla_workspace
 from graphsafe.registry import Backend, register_op
 
 __all__ = ["mla_decode", "sparse_mla", "mla_decode_workspace_specs", "sparse_mla_workspace_specs"]
@@ -29,8 +34,12 @@ __all__ = ["mla_decode", "sparse_mla", "mla_decode_workspace_specs", "sparse_mla
     family="mla",
     backends={
         "reference": "graphsafe.ops.mla.reference:mla_decode",
-        "triton": Backend("graphsafe.ops.mla.triton:mla_decode", workspace=mla_decode_workspace_specs),
-        "aiter": Backend("graphsafe.ops.mla.aiter:mla_decode", workspace=mla_decode_workspace_specs),
+        "triton": Backend(prepare="graphsafe.ops.mla.triton:prepare_mla_decode", workspace=triton_mla_decode_workspace),
+        "aiter": Backend(
+            prepare="graphsafe.ops.mla.aiter:prepare_mla_decode",
+            supports="graphsafe.ops.mla.aiter:mla_decode_supports",
+            workspace="graphsafe.ops.mla.aiter:mla_decode_workspace",
+        ),
     },
 )
 def mla_decode(
@@ -77,8 +86,12 @@ def mla_decode(
     family="mla",
     backends={
         "reference": "graphsafe.ops.mla.reference:sparse_mla",
-        "triton": Backend("graphsafe.ops.mla.triton:sparse_mla", workspace=sparse_mla_workspace_specs),
-        "aiter": Backend("graphsafe.ops.mla.aiter:sparse_mla", workspace=sparse_mla_workspace_specs),
+        "triton": Backend(prepare="graphsafe.ops.mla.triton:prepare_sparse_mla", workspace=triton_sparse_mla_workspace),
+        "aiter": Backend(
+            prepare="graphsafe.ops.mla.aiter:prepare_sparse_mla",
+            supports="graphsafe.ops.mla.aiter:sparse_mla_supports",
+            workspace="graphsafe.ops.mla.aiter:sparse_mla_workspace",
+        ),
     },
 )
 def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
@@ -109,3 +122,59 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, kv
     The K entries are split across programs by a plan from shapes alone (T, H, K, the SM
     count). Workspace: `sparse_mla_workspace_specs(T, H, R, K)`.
     """
+
+
+def _workspace(op, backend: str | None, device, args: tuple, kwargs: dict) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    return op.spec.workspace_specs(*args, device=device, backend=backend, **kwargs)
+
+
+def mla_decode_workspace_specs(
+    batch: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    max_kv_len: int,
+    device: torch.device | str | None = None,
+    backend: str | None = None,
+    head_dim: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Worst-case workspace of one `mla_decode` call, from shapes (no dry run).
+
+    Args:
+        batch: B (rows of `q` and `block_table`).
+        num_heads: H.
+        kv_lora_rank: R.
+        max_kv_len: `block_table.shape[1] * kv_cache.shape[1]` (max_blocks * block_size);
+            the value is the same for every replay of a captured graph.
+        device: the op's device (default: the current CUDA device, else the CPU).
+        backend: size for this backend only (default: the largest need among the
+            backends that may serve `device`, as the registry's `workspace_specs`).
+        head_dim, dtype: R + P and q's dtype; only the aiter backend reads them.
+
+    Reserve with `current_workspace_manager(device).reserve(*specs)` before capture.
+    """
+    return _workspace(mla_decode, backend, device, (batch, num_heads, kv_lora_rank, max_kv_len),
+                      {"head_dim": head_dim, "dtype": dtype})
+
+
+def sparse_mla_workspace_specs(
+    num_tokens: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    topk: int,
+    device: torch.device | str | None = None,
+    backend: str | None = None,
+    head_dim: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Worst-case workspace of one `sparse_mla` call, from shapes (no dry run).
+
+    Args:
+        num_tokens: T (rows of `q` and `indices`).
+        num_heads: H.
+        kv_lora_rank: R.
+        topk: K (`indices.shape[1]`).
+        device, backend, head_dim, dtype: as for `mla_decode_workspace_specs`.
+    """
+    return _workspace(sparse_mla, backend, device, (num_tokens, num_heads, kv_lora_rank, topk),
+                      {"head_dim": head_dim, "dtype": dtype})

@@ -17,7 +17,11 @@ which we cannot route through the workspace. Rows without a valid key are forced
 out 0 / lse -inf afterwards (aiter's reduce divides 0 by 0 there).
 
 Inputs aiter has no kernel for (fp16, head dims other than 512 + 64, H not 16 or 128,
-a cache whose blocks are not contiguous) go to the Triton backend, which runs on ROCm.
+a cache whose blocks are not contiguous) go to the Triton backend, which runs on ROCm:
+`mla_decode_supports` / `sparse_mla_supports` refuse them, and the registry picks the
+next backend once per signature (this module never imports the Triton backend). The
+`prepare_*` functions fix the workspace specs (aiter's metadata sizes are a host call)
+and the block table's token positions once per signature.
 
 Not verified here (no ROCm device): that the `lse` aiter returns is in natural log (its
 Triton stage-2 reduce uses `exp`/`log`), the keyword names across aiter versions (we pass
@@ -80,10 +84,16 @@ def _usable(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
     return _supported(q.shape[1], d, kv_lora_rank, q.dtype) and flat_cache and "return_lse" in (_params(_mla_decode_fwd()) or {"return_lse"})
 
 
-def _triton() -> Any:
-    from graphsafe.ops.mla import triton as backend
+def mla_decode_supports(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank) -> bool:
+    """Whether aiter has a kernel for this signature (bf16, 512 + 64, H 16 or 128, a cache of
+    contiguous blocks, an aiter that returns the LSE); the registry hands the other
+    signatures to the next backend (Triton, which runs on ROCm)."""
+    return _usable(q, kv_cache, kv_lora_rank)
 
-    return backend
+
+def sparse_mla_supports(q, kv_cache, indices, sm_scale, kv_lora_rank) -> bool:
+    """As `mla_decode_supports`."""
+    return _usable(q, kv_cache, kv_lora_rank)
 
 
 def _shape(shape: Any) -> tuple[int, ...]:
@@ -101,21 +111,21 @@ def _csr_specs(rows: int, entries: int) -> list[tuple[tuple[int, ...], torch.dty
     return [((rows + 1,), i32), ((rows + 1,), i32), ((entries + 1,), i32), ((max(rows, 1),), i32)]
 
 
-def mla_decode_aiter_specs(batch, num_heads, kv_lora_rank, max_kv_len, device, head_dim=None, dtype=torch.bfloat16):
+def mla_decode_workspace(batch, num_heads, kv_lora_rank, max_kv_len, device=None, head_dim=None, dtype=torch.bfloat16):
+    """Worst-case workspace of one aiter `mla_decode` call, from shapes: the CSR of every
+    token slot and aiter's split metadata. Nothing for shapes aiter has no kernel for: the
+    backend that serves them (Triton) sizes them, and the registry takes the largest."""
     head_dim = head_dim or kv_lora_rank + 64
     if not _supported(num_heads, head_dim, kv_lora_rank, dtype):
-        from graphsafe.ops.mla.splits import mla_decode_workspace_specs
-
-        return mla_decode_workspace_specs(batch, num_heads, kv_lora_rank, max_kv_len, device, backend="triton")
+        return []
     return _csr_specs(batch, batch * max_kv_len) + _metadata_specs(batch, num_heads, dtype)
 
 
-def sparse_mla_aiter_specs(num_tokens, num_heads, kv_lora_rank, topk, device, head_dim=None, dtype=torch.bfloat16):
+def sparse_mla_workspace(num_tokens, num_heads, kv_lora_rank, topk, device=None, head_dim=None, dtype=torch.bfloat16):
+    """Worst-case workspace of one aiter `sparse_mla` call (see `mla_decode_workspace`)."""
     head_dim = head_dim or kv_lora_rank + 64
     if not _supported(num_heads, head_dim, kv_lora_rank, dtype):
-        from graphsafe.ops.mla.splits import sparse_mla_workspace_specs
-
-        return sparse_mla_workspace_specs(num_tokens, num_heads, kv_lora_rank, topk, device, backend="triton")
+        return []
     return _csr_specs(num_tokens, num_tokens * topk)
 
 
@@ -141,60 +151,96 @@ def _finish(out: torch.Tensor, lse: torch.Tensor | None, empty: torch.Tensor) ->
     return out, lse.masked_fill(empty[:, None], float("-inf"))
 
 
-def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
-    if not _usable(q, kv_cache, kv_lora_rank):
-        return _triton().mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank)
+def _empty_outputs(rows: int, num_heads: int, kv_lora_rank: int, dtype: torch.dtype, device: torch.device):
+    def run(*_):
+        out = torch.empty((rows, num_heads, kv_lora_rank), dtype=dtype, device=device)
+        return out, torch.empty((rows, num_heads), dtype=torch.float32, device=device)
+
+    return run
+
+
+def prepare_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
+    """The aiter runner of `mla_decode` for calls with this signature (one `supports`
+    accepts): the workspace specs (aiter's metadata sizes included) and the token
+    positions of the block table are fixed here."""
     batch, num_heads, head_dim = q.shape
-    out = torch.empty((batch, num_heads, kv_lora_rank), dtype=q.dtype, device=q.device)
+    device, dtype = q.device, q.dtype
     if batch == 0:
-        return out, torch.empty((0, num_heads), dtype=torch.float32, device=q.device)
+        return _empty_outputs(batch, num_heads, kv_lora_rank, dtype, device)
     block_size = kv_cache.shape[1]
     capacity = block_table.shape[1] * block_size
-    specs = mla_decode_aiter_specs(batch, num_heads, kv_lora_rank, capacity, q.device, head_dim, q.dtype)
-    qo_indptr, kv_indptr, kv_indices, last_page, wm, wi, wis, ri, rfm, rpm = current_workspace_manager(
-        q.device
-    ).get_simultaneous(*specs, owner="mla_decode")
-    pos = torch.arange(capacity, device=q.device)
-    valid = pos[None, :] < seq_lens[:, None]
-    slots = torch.where(valid, block_table[:, pos // block_size], 0).long() * block_size + pos % block_size
-    _fill_csr(valid, slots, qo_indptr, kv_indptr, kv_indices, last_page)
-    wis.fill_(-1)  # aiter's own tests start the work list from -1 (unused entries)
-    aiter = _aiter()
-    # Argument order of get_mla_metadata_v1: ..., work_metadata_ptrs, work_info_set, work_indptr, reduce_*.
-    _call(
-        aiter.get_mla_metadata_v1,
-        qo_indptr, kv_indptr, last_page, num_heads, 1, True, wm, wis, wi, ri, rfm, rpm,
-        page_size=1, kv_granularity=16, max_seqlen_qo=1, uni_seqlen_qo=1, fast_mode=True,
-        dtype_q=q.dtype, dtype_kv=kv_cache.dtype,
-    )
-    _, lse = _call(
-        _mla_decode_fwd(),
-        q.contiguous(), kv_cache.view(-1, 1, 1, head_dim), out, qo_indptr, kv_indptr, kv_indices[:-1], last_page, 1,
-        page_size=1, nhead_kv=1, sm_scale=float(sm_scale),
-        work_meta_data=wm, work_indptr=wi, work_info_set=wis,
-        reduce_indptr=ri, reduce_final_map=rfm, reduce_partial_map=rpm, return_lse=True,
-    )
-    return _finish(out, lse, seq_lens <= 0)
+    specs = tuple(mla_decode_workspace(batch, num_heads, kv_lora_rank, capacity, device, head_dim, dtype))
+    pos = torch.arange(capacity, device=device)
+    pos_block, pos_offset = pos // block_size, pos % block_size
+    scale = float(sm_scale)
+    aiter, decode_fwd = _aiter(), _mla_decode_fwd()
+    kv_dtype = kv_cache.dtype
+
+    def run(q, kv_cache, block_table, seq_lens, *_):
+        out = torch.empty((batch, num_heads, kv_lora_rank), dtype=dtype, device=device)
+        qo_indptr, kv_indptr, kv_indices, last_page, wm, wi, wis, ri, rfm, rpm = current_workspace_manager(
+            device
+        ).get_simultaneous(*specs, owner="mla_decode")
+        valid = pos[None, :] < seq_lens[:, None]
+        slots = torch.where(valid, block_table[:, pos_block], 0).long() * block_size + pos_offset
+        _fill_csr(valid, slots, qo_indptr, kv_indptr, kv_indices, last_page)
+        wis.fill_(-1)  # aiter's own tests start the work list from -1 (unused entries)
+        # Argument order of get_mla_metadata_v1: ..., work_metadata_ptrs, work_info_set, work_indptr, reduce_*.
+        _call(
+            aiter.get_mla_metadata_v1,
+            qo_indptr, kv_indptr, last_page, num_heads, 1, True, wm, wis, wi, ri, rfm, rpm,
+            page_size=1, kv_granularity=16, max_seqlen_qo=1, uni_seqlen_qo=1, fast_mode=True,
+            dtype_q=dtype, dtype_kv=kv_dtype,
+        )
+        _, lse = _call(
+            decode_fwd,
+            q.contiguous(), kv_cache.view(-1, 1, 1, head_dim), out, qo_indptr, kv_indptr, kv_indices[:-1], last_page, 1,
+            page_size=1, nhead_kv=1, sm_scale=scale,
+            work_meta_data=wm, work_indptr=wi, work_info_set=wis,
+            reduce_indptr=ri, reduce_final_map=rfm, reduce_partial_map=rpm, return_lse=True,
+        )
+        return _finish(out, lse, seq_lens <= 0)
+
+    return run
+
+
+def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
+    """The aiter runner of `sparse_mla` for calls with this signature (one `supports`
+    accepts)."""
+    tokens, num_heads, head_dim = q.shape
+    device, dtype = q.device, q.dtype
+    if tokens == 0:
+        return _empty_outputs(tokens, num_heads, kv_lora_rank, dtype, device)
+    topk = indices.shape[1]
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    specs = tuple(sparse_mla_workspace(tokens, num_heads, kv_lora_rank, topk, device, head_dim, dtype))
+    scale = float(sm_scale)
+    decode_fwd = _mla_decode_fwd()
+
+    def run(q, kv_cache, indices, *_):
+        out = torch.empty((tokens, num_heads, kv_lora_rank), dtype=dtype, device=device)
+        qo_indptr, kv_indptr, kv_indices, last_page = current_workspace_manager(device).get_simultaneous(
+            *specs, owner="sparse_mla"
+        )
+        valid = (indices >= 0) & (indices < num_slots)
+        _fill_csr(valid, indices, qo_indptr, kv_indptr, kv_indices, last_page)
+        _, lse = _call(
+            decode_fwd,
+            q.contiguous(), kv_cache.view(-1, 1, 1, head_dim), out, qo_indptr, kv_indptr, kv_indices[:-1], last_page, 1,
+            page_size=1, nhead_kv=1, sm_scale=scale, return_lse=True,
+        )
+        return _finish(out, lse, ~valid.any(1))
+
+    return run
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
+    """aiter's `mla_decode` (a signature `mla_decode_supports` accepts), prepared afresh."""
+    args = (q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank)
+    return prepare_mla_decode(*args)(*args)
 
 
 def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
-    if not _usable(q, kv_cache, kv_lora_rank):
-        return _triton().sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank)
-    tokens, num_heads, head_dim = q.shape
-    topk = indices.shape[1]
-    out = torch.empty((tokens, num_heads, kv_lora_rank), dtype=q.dtype, device=q.device)
-    if tokens == 0:
-        return out, torch.empty((0, num_heads), dtype=torch.float32, device=q.device)
-    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    specs = sparse_mla_aiter_specs(tokens, num_heads, kv_lora_rank, topk, q.device, head_dim, q.dtype)
-    qo_indptr, kv_indptr, kv_indices, last_page = current_workspace_manager(q.device).get_simultaneous(
-        *specs, owner="sparse_mla"
-    )
-    valid = (indices >= 0) & (indices < num_slots)
-    _fill_csr(valid, indices, qo_indptr, kv_indptr, kv_indices, last_page)
-    _, lse = _call(
-        _mla_decode_fwd(),
-        q.contiguous(), kv_cache.view(-1, 1, 1, head_dim), out, qo_indptr, kv_indptr, kv_indices[:-1], last_page, 1,
-        page_size=1, nhead_kv=1, sm_scale=float(sm_scale), return_lse=True,
-    )
-    return _finish(out, lse, ~valid.any(1))
+    """aiter's `sparse_mla` (a signature `sparse_mla_supports` accepts), prepared afresh."""
+    args = (q, kv_cache, indices, sm_scale, kv_lora_rank)
+    return prepare_sparse_mla(*args)(*args)

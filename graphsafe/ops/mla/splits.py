@@ -16,8 +16,8 @@ pure function of (queries, heads, key capacity, SM count), where the key capacit
 `sparse_mla`. Splits that hold no valid key at run time (short sequences, `-1` indices)
 still run: they loop zero times and write a neutral partial (out 0, lse -inf) that the
 combine weighs by `exp(-inf) = 0`. The same function sizes the workspace
-(`mla_decode_workspace_specs`, `sparse_mla_workspace_specs`), so what is reserved before
-capture is exactly what a call requests.
+(`triton_mla_decode_workspace`, `triton_sparse_mla_workspace`, the Triton backend's
+records), so what is reserved before capture is exactly what a call requests.
 
 The split count minimises a small cost model of equal-length programs on the GPU's
 resident slots (`plan_kv_splits`): whole waves, plus a per-split overhead for the
@@ -28,7 +28,9 @@ The kernel tiles (`kernel_config`) depend on the head count and, for 64-head til
 device's shared memory per block; like the SM count, a fixed property of the device.
 
 Everything here is pure Python (triton is imported lazily, only for the shared-memory
-query), so the registry can hold the workspace helpers without importing a kernel.
+query), so the registry can hold the workspace helpers without importing a kernel. It
+imports neither the registry nor another backend: each backend record names its own
+workspace function, and `graphsafe.ops.mla.mla_decode_workspace_specs` asks the registry.
 """
 
 from __future__ import annotations
@@ -250,76 +252,35 @@ def partial_specs(rows: int, num_heads: int, kv_lora_rank: int, plan: SplitPlan)
     return [((rows, s, num_heads, kv_lora_rank), torch.float32), ((rows, s, num_heads), torch.float32)]
 
 
-def _backend(op: str, device: torch.device, backend: str | None) -> str:
-    if backend is not None:
-        return backend
-    from graphsafe.registry import get_op
-
-    return get_op(op).serving_backend(device.type)
-
-
-def mla_decode_workspace_specs(
+def triton_mla_decode_workspace(
     batch: int,
     num_heads: int,
     kv_lora_rank: int,
     max_kv_len: int,
     device: torch.device | str | None = None,
-    backend: str | None = None,
     head_dim: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Worst-case workspace of one `mla_decode` call, from shapes (no dry run).
-
-    Args:
-        batch: B (rows of `q` and `block_table`).
-        num_heads: H.
-        kv_lora_rank: R.
-        max_kv_len: `block_table.shape[1] * kv_cache.shape[1]` (max_blocks * block_size);
-            the value is the same for every replay of a captured graph.
-        device: the op's device (default: the current CUDA device, else the CPU).
-        backend: the backend to size for (default: the one that serves `device`).
-        head_dim, dtype: R + P and q's dtype; only the aiter backend needs them.
-
-    Reserve with `current_workspace_manager(device).reserve(*specs)` before capture.
-    """
-    dev = _device(device)
-    name = _backend("mla_decode", dev, backend)
-    if name == "triton":
-        _, plan = plan_launch(batch, num_heads, max_kv_len, dev)
-        return partial_specs(batch, num_heads, kv_lora_rank, plan)
-    if name == "aiter":
-        from graphsafe.ops.mla.aiter import mla_decode_aiter_specs
-
-        return mla_decode_aiter_specs(batch, num_heads, kv_lora_rank, max_kv_len, dev, head_dim, dtype)
-    return []
+    """Worst-case workspace of one `mla_decode` call on the Triton backend, from shapes:
+    the partials of `plan_launch(batch, num_heads, max_kv_len, device)` (none with one
+    split). `head_dim` and `dtype` do not change it (the aiter backend's function, which
+    the registry also asks, reads them). The public helper is
+    `graphsafe.ops.mla.mla_decode_workspace_specs`: the largest over the backends that
+    may serve the device."""
+    _, plan = plan_launch(batch, num_heads, max_kv_len, _device(device))
+    return partial_specs(batch, num_heads, kv_lora_rank, plan)
 
 
-def sparse_mla_workspace_specs(
+def triton_sparse_mla_workspace(
     num_tokens: int,
     num_heads: int,
     kv_lora_rank: int,
     topk: int,
     device: torch.device | str | None = None,
-    backend: str | None = None,
     head_dim: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Worst-case workspace of one `sparse_mla` call, from shapes (no dry run).
-
-    Args:
-        num_tokens: T (rows of `q` and `indices`).
-        num_heads: H.
-        kv_lora_rank: R.
-        topk: K (`indices.shape[1]`).
-        device, backend, head_dim, dtype: as for `mla_decode_workspace_specs`.
-    """
-    dev = _device(device)
-    name = _backend("sparse_mla", dev, backend)
-    if name == "triton":
-        _, plan = plan_launch(num_tokens, num_heads, topk, dev)
-        return partial_specs(num_tokens, num_heads, kv_lora_rank, plan)
-    if name == "aiter":
-        from graphsafe.ops.mla.aiter import sparse_mla_aiter_specs
-
-        return sparse_mla_aiter_specs(num_tokens, num_heads, kv_lora_rank, topk, dev, head_dim, dtype)
-    return []
+    """Worst-case workspace of one `sparse_mla` call on the Triton backend, from shapes
+    (see `triton_mla_decode_workspace`; the key capacity is `topk`)."""
+    _, plan = plan_launch(num_tokens, num_heads, topk, _device(device))
+    return partial_specs(num_tokens, num_heads, kv_lora_rank, plan)

@@ -17,6 +17,16 @@ outputs; with several it writes f32 partials into the workspace (a split without
 key writes out 0, lse -inf) and `_combine_kernel` merges them, giving out 0, lse -inf
 to a row whose splits are all empty.
 
+`prepare_mla_decode` / `prepare_sparse_mla` (the registry's `prepare`, once per call
+signature) fix the plan, config, grid, workspace specs and constexprs and bind both
+kernels (`graphsafe.launch.bind`); the runner they return allocates the outputs, takes
+the partials from the workspace and launches. A kernel compiles at the first call of its
+binding, so that is where the runner meets what a compile can raise: `OutOfResources`
+(one pipeline stage fewer, `_triton_launch`) and a failed Gluon compile (the Triton
+kernel, `_attention_launch`); neither launched anything, so the runner relaunches.
+`mla_decode` / `sparse_mla` take `config` / `num_splits` overrides (tests, tuning) and
+keep a runner per signature and overrides.
+
 The split plan comes from shapes only (see splits.py), so the launch captured into a
 CUDA graph is right for every replay. The cache's block size is a compile-time constant
 (a shift, not an integer division, per key row); 64-head tiles on NVIDIA also prefetch
@@ -25,6 +35,9 @@ the next key tile into L2 while the current one is scored (`KernelConfig.l2_pref
 On sm_90 the 64-head tiles run `_gluon_hopper.mla_attn_wgmma_kernel` instead (same grid,
 plan and partials; `warpgroup_split_applies` says where): Triton's layouts make both
 warpgroups compute the whole q.k score tile of this kernel, the Gluon kernel splits it.
+The shapes, strides and device decide it once per signature (`warpgroup_split_fits`);
+each call then tests that q and the cache are 16-byte aligned (the Triton kernel runs a
+call whose pointers are not).
 
 Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly; there (and only
 there) bf16 dots run on f32 copies of the operands (DOT_F32), after rounding the
@@ -35,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 import triton
@@ -42,10 +56,12 @@ import triton.language as tl
 from triton.runtime import OutOfResources
 
 from graphsafe.backends import triton_interpreter_enabled
+from graphsafe.launch import bind
 from graphsafe.ops.mla.splits import KernelConfig, forced_plan, max_shared_memory, partial_specs, plan_launch
 from graphsafe.workspace import current_workspace_manager
 
 LOG2E = 1.4426950408889634
+Launch = Callable[..., None]
 
 
 @triton.jit
@@ -245,19 +261,40 @@ def _pow2(n: int, least: int = 16) -> int:
 _STAGES: dict[tuple, int] = {}
 
 
-def _launch(grid, args, constexprs, cfg: KernelConfig, where: tuple) -> None:
+def _triton_launch(grid, args, constexprs, cfg: KernelConfig, where: tuple) -> Launch:
+    """The Triton attention kernel bound to one signature (`graphsafe.launch.bind`), called
+    with its 8 tensors. The kernel compiles at the first call of a binding (and at a call
+    whose pointers Triton specialises differently): where the compiled kernel needs more
+    shared memory than the device has (`OutOfResources`, raised before anything is
+    launched), it is bound again with one pipeline stage fewer and launched, down to one
+    stage; the depth that compiled is remembered in `_STAGES` for later bindings."""
     key = (cfg, *where, constexprs["SPARSE"], constexprs["SPLIT"])
     stages = _STAGES.get(key, cfg.num_stages)
-    while True:
-        try:
-            _mla_attn_kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=stages)
-        except OutOfResources:
-            if stages <= 1:
-                raise
-            stages -= 1
-            continue
-        _STAGES[key] = stages
-        return
+
+    def make(stages: int) -> Launch:
+        return bind(_mla_attn_kernel, grid, *args, **constexprs, num_warps=cfg.num_warps, num_stages=stages)
+
+    launch = make(stages)
+    recorded = False
+
+    def run(*tensors):
+        nonlocal launch, stages, recorded
+        while True:
+            try:
+                launch(*tensors)
+            except OutOfResources:
+                if stages <= 1:
+                    raise
+                stages -= 1
+                launch = make(stages)
+                recorded = False
+                continue
+            break
+        if not recorded:
+            _STAGES[key] = stages
+            recorded = True
+
+    return run
 
 
 @functools.cache
@@ -272,8 +309,31 @@ def _gluon_module():
 
 
 # (device, dtype, head dim, variant) keys whose Gluon kernel failed to compile: those
-# calls run the Triton kernel (a warning says why).
+# calls run the Triton kernel (a warning says why, once per key).
 _GLUON_FAILED: set[tuple] = set()
+# What a failed Gluon compile raises (RuntimeError: a failed MLIR pass).
+_GLUON_COMPILE_ERRORS = (OutOfResources, triton.CompilationError, RuntimeError)
+
+
+def warpgroup_split_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
+    """The part of `warpgroup_split_applies` fixed by a call signature (shapes, strides,
+    dtype, device), decided once in `prepare`: all of it but the data pointers'
+    alignment, which the runner tests per call."""
+    if not cfg.warpgroup_split:
+        return False
+    if q.device.type != "cuda" or torch.version.hip is not None or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if r not in (256, 512) or p != 64:  # the shapes its copy layout and GPU tests cover
+        return False
+    if any(st % 16 for st in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1))):
+        return False
+    module = _gluon_module()
+    if module is None or (cfg.block_h, cfg.block_n) != (module.BLOCK_H, module.BLOCK_N):
+        return False
+    smem = max_shared_memory(q.device)
+    return smem is not None and module.shared_memory_bytes(r, p) <= smem
 
 
 def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
@@ -283,114 +343,196 @@ def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: Kernel
     16-byte copies can address (q and the cache 16-byte aligned, their row strides
     multiples of 16 elements: what Triton's specialisation proves; without it the cp.async
     copies do not compile), and the shared memory the kernel needs."""
-    if not cfg.warpgroup_split:
-        return False
-    if q.device.type != "cuda" or torch.version.hip is not None or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False
-    if r not in (256, 512) or p != 64:  # the shapes its copy layout and GPU tests cover
-        return False
-    if any(t.data_ptr() % 16 for t in (q, kv_cache)) or any(
-        st % 16 for st in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1))
-    ):
-        return False
-    module = _gluon_module()
-    if module is None or (cfg.block_h, cfg.block_n) != (module.BLOCK_H, module.BLOCK_N):
-        return False
-    smem = max_shared_memory(q.device)
-    return smem is not None and module.shared_memory_bytes(r, p) <= smem
+    return not (q.data_ptr() | kv_cache.data_ptr()) & 15 and warpgroup_split_fits(q, kv_cache, cfg, r, p)
 
 
-def _launch_gluon(grid, args, constexprs, where: tuple) -> bool:
-    """Launch the Gluon kernel; False (and a warning) where it does not compile here."""
-    key = (*where, constexprs["SPARSE"], constexprs["SPLIT"])
-    if key in _GLUON_FAILED:
-        return False
-    module = _gluon_module()
-    try:
-        module.mla_attn_wgmma_kernel[grid](*args, **constexprs, num_warps=module.NUM_WARPS)
-    except (OutOfResources, triton.CompilationError, RuntimeError) as exc:  # RuntimeError: a failed MLIR pass
+def _gluon_failed(key: tuple, exc: BaseException) -> None:
+    if key not in _GLUON_FAILED:
         _GLUON_FAILED.add(key)
         warnings.warn(f"graphsafe mla: the sm_90 Gluon kernel did not compile for {key} ({exc}); "
-                      "running the Triton kernel", RuntimeWarning, stacklevel=3)
-        return False
-    return True
+                      "running the Triton kernel", RuntimeWarning, stacklevel=4)
 
 
-def _attention(
+def _attention_launch(grid, args, gluon_constexprs, triton_constexprs, cfg: KernelConfig, where: tuple,
+                      gluon: bool) -> Launch:
+    """The attention kernel's launch, called with its 8 tensors: the Triton kernel, or
+    where `gluon` (the signature part of `warpgroup_split_applies`) the Gluon kernel for
+    calls whose q and cache are 16-byte aligned, the Triton kernel (bound on first need)
+    for the others and for good once the Gluon kernel fails to compile (a failed compile
+    launched nothing: the Triton kernel then runs the call)."""
+    key = (*where, gluon_constexprs["SPARSE"], gluon_constexprs["SPLIT"])
+    if not gluon or key in _GLUON_FAILED:
+        return _triton_launch(grid, args, triton_constexprs, cfg, where)
+    module = _gluon_module()
+    wgmma = bind(module.mla_attn_wgmma_kernel, grid, *args, **gluon_constexprs, num_warps=module.NUM_WARPS)
+    fallback = None
+
+    def run(q, kv, *rest):
+        nonlocal wgmma, fallback
+        if wgmma is not None and not (q.data_ptr() | kv.data_ptr()) & 15:
+            try:
+                return wgmma(q, kv, *rest)
+            except _GLUON_COMPILE_ERRORS as exc:
+                wgmma = None
+                _gluon_failed(key, exc)
+        if fallback is None:
+            fallback = _triton_launch(grid, args, triton_constexprs, cfg, where)
+        fallback(q, kv, *rest)
+
+    return run
+
+
+def _combine_launch(rows: int, num_heads: int, r: int, num_splits: int, args: tuple) -> Launch:
+    """`_combine_kernel` bound to one signature; called with (pout, plse, out, lse)."""
+    block_s = _pow2(num_splits, 2)
+    block_r = min(_pow2(r), max(32, 4096 // block_s))
+    r_chunks = triton.cdiv(r, block_r)
+    return bind(
+        _combine_kernel, (rows * num_heads * r_chunks,),
+        *args, num_heads, num_splits, r_chunks, num_heads * r, r, num_heads,
+        R=r, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4,
+    )
+
+
+@functools.cache
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """A tensor on `device` that holds no memory: what `bind` takes at tensor positions."""
+    return torch.empty(0, device=device)
+
+
+def _prepare(
     op: str,
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     key_map: torch.Tensor,
-    seq_lens: torch.Tensor | None,
+    sparse: bool,
     kv_capacity: int,
     sm_scale: float,
     kv_lora_rank: int,
     config: KernelConfig | None,
     num_splits: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+):
+    """`attend(q, kv_cache, key_map, lens) -> (out, lse)` for calls with the signature of
+    these args: plan, config, grid, workspace specs, constexprs and the bound launches
+    are fixed here; a call allocates the outputs, takes the partials from the workspace
+    and launches. Holds no tensor of the call."""
     rows, num_heads, head_dim = q.shape
     r, p = kv_lora_rank, head_dim - kv_lora_rank
-    out = torch.empty((rows, num_heads, r), dtype=q.dtype, device=q.device)
-    lse = torch.empty((rows, num_heads), dtype=torch.float32, device=q.device)
+    device, dtype = q.device, q.dtype
+    out_shape, lse_shape = (rows, num_heads, r), (rows, num_heads)
+    f32, empty = torch.float32, torch.empty
     if rows == 0 or num_heads == 0:
-        return out, lse
-    cfg, plan = plan_launch(rows, num_heads, kv_capacity, q.device, config)
+        def nothing(q, kv_cache, key_map, lens):
+            return empty(out_shape, dtype=dtype, device=device), empty(lse_shape, dtype=f32, device=device)
+
+        return nothing
+    cfg, plan = plan_launch(rows, num_heads, kv_capacity, device, config)
     if num_splits is not None:  # tests and tuning only
         plan = forced_plan(kv_capacity, cfg.block_n, num_splits)
     split = plan.num_splits > 1
-    if split:
-        pout, plse = current_workspace_manager(q.device).get_simultaneous(
-            *partial_specs(rows, num_heads, r, plan), owner=op
-        )
-    else:
-        pout, plse = out, lse  # not touched (SPLIT is off)
+    specs = tuple(partial_specs(rows, num_heads, r, plan))
     nb, bs = kv_cache.shape[:2]
     head_tiles = triton.cdiv(num_heads, cfg.block_h)
-    dot_f32 = q.dtype == torch.bfloat16 and q.device.type == "cpu" and triton_interpreter_enabled()
+    dot_f32 = dtype == torch.bfloat16 and device.type == "cpu" and triton_interpreter_enabled()
     grid = (head_tiles * plan.num_splits * rows,)
+    # The tensors (q, the cache, the key map, the lengths, out, lse, the partials) are
+    # placeholders at `bind`, which reads only their device: the runner keeps none of the
+    # call's tensors alive.
+    ph = _placeholder(device)
     args = (
-        q, kv_cache, key_map, seq_lens if seq_lens is not None else key_map,
-        out, lse, pout, plse,
+        ph, ph, ph, ph, ph, ph, ph, ph,
         float(sm_scale) * LOG2E,
         num_heads, head_tiles, plan.num_splits, plan.tokens_per_split, kv_capacity, nb * bs,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0),
+        num_heads * r, r, num_heads,  # out and lse are contiguous
     )
-    where = (q.device, q.dtype, head_dim)
-    gluon = warpgroup_split_applies(q, kv_cache, cfg, r, p) and _launch_gluon(
+    where = (device, dtype, head_dim)
+    attention = _attention_launch(
         grid, args,
-        dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=seq_lens is None, SPLIT=split),
-        where,
-    )
-    if not gluon:
-        _launch(grid, args, dict(
-            R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks, BLOCK_P=_pow2(p),
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=seq_lens is None, SPLIT=split, DOT_F32=dot_f32,
+        dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split),
+        dict(
+            R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks,
+            BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split, DOT_F32=dot_f32,
             # PTX prefetch: NVIDIA only (not the interpreter, not ROCm)
-            PREFETCH=cfg.l2_prefetch and q.device.type == "cuda" and torch.version.hip is None,
+            PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None,
             LINES=_pow2(triton.cdiv(head_dim, 64), 1),
-        ), cfg, where)
-    if split:
-        block_s = _pow2(plan.num_splits, 2)
-        block_r = min(_pow2(r), max(32, 4096 // block_s))
-        r_chunks = triton.cdiv(r, block_r)
-        _combine_kernel[(rows * num_heads * r_chunks,)](
-            pout, plse, out, lse,
-            num_heads, plan.num_splits, r_chunks, out.stride(0), out.stride(1), lse.stride(0),
-            R=r, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4,
-        )
-    return out, lse
+        ),
+        cfg, where, warpgroup_split_fits(q, kv_cache, cfg, r, p),
+    )
+    if not split:
+        def attend(q, kv_cache, key_map, lens):
+            out = empty(out_shape, dtype=dtype, device=device)
+            lse = empty(lse_shape, dtype=f32, device=device)
+            attention(q, kv_cache, key_map, lens, out, lse, out, lse)  # partials untouched (SPLIT off)
+            return out, lse
+
+        return attend
+    combine = _combine_launch(rows, num_heads, r, plan.num_splits, (ph, ph, ph, ph))
+
+    def attend_split(q, kv_cache, key_map, lens):
+        out = empty(out_shape, dtype=dtype, device=device)
+        lse = empty(lse_shape, dtype=f32, device=device)
+        pout, plse = current_workspace_manager(device).get_simultaneous(*specs, owner=op)
+        attention(q, kv_cache, key_map, lens, out, lse, pout, plse)
+        combine(pout, plse, out, lse)
+        return out, lse
+
+    return attend_split
+
+
+def prepare_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, config=None, num_splits=None):
+    """The Triton runner of `mla_decode` for calls with the signature of these args;
+    `config` / `num_splits` override the plan (tests, tuning)."""
+    capacity = block_table.shape[1] * kv_cache.shape[1]
+    attend = _prepare("mla_decode", q, kv_cache, block_table, False, capacity, sm_scale, kv_lora_rank, config,
+                      num_splits)
+
+    def run(q, kv_cache, block_table, seq_lens, *_):
+        return attend(q, kv_cache, block_table, seq_lens)
+
+    return run
+
+
+def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, *, config=None, num_splits=None):
+    """The Triton runner of `sparse_mla` for calls with the signature of these args;
+    `config` / `num_splits` as for `prepare_mla_decode`."""
+    attend = _prepare("sparse_mla", q, kv_cache, indices, True, indices.shape[1], sm_scale, kv_lora_rank, config,
+                      num_splits)
+
+    def run(q, kv_cache, indices, *_):
+        return attend(q, kv_cache, indices, indices)  # the lengths slot is never read (SPARSE)
+
+    return run
+
+
+# Runners of direct calls (tests, the tune bench), per signature and overrides.
+_RUNNERS: dict[tuple, Launch] = {}
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _runner(prepare, tensors: tuple, scalars: tuple, args: tuple, config, num_splits) -> Launch:
+    key = (prepare, *map(_meta, tensors), *scalars, config, num_splits)
+    run = _RUNNERS.get(key)
+    if run is None:
+        if len(_RUNNERS) >= 256:
+            _RUNNERS.clear()
+        run = _RUNNERS[key] = prepare(*args, config=config, num_splits=num_splits)
+    return run
 
 
 def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, config=None, num_splits=None):
-    """Dense absorbed-MLA decode; `config` / `num_splits` override the plan (tests, tuning)."""
-    capacity = block_table.shape[1] * kv_cache.shape[1]
-    return _attention("mla_decode", q, kv_cache, block_table, seq_lens, capacity, sm_scale, kv_lora_rank, config, num_splits)
+    """Dense absorbed-MLA decode (inputs unchecked); `config` / `num_splits` override the
+    plan (tests, tuning). Prepared once per signature and overrides."""
+    args = (q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank)
+    run = _runner(prepare_mla_decode, args[:4], args[4:], args, config, num_splits)
+    return run(*args)
 
 
 def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, *, config=None, num_splits=None):
-    """Sparse absorbed-MLA attention over each token's own cache slots."""
-    return _attention("sparse_mla", q, kv_cache, indices, None, indices.shape[1], sm_scale, kv_lora_rank, config, num_splits)
-
+    """Sparse absorbed-MLA attention over each token's own cache slots (inputs unchecked)."""
+    args = (q, kv_cache, indices, sm_scale, kv_lora_rank)
+    run = _runner(prepare_sparse_mla, args[:3], args[3:], args, config, num_splits)
+    return run(*args)
