@@ -401,6 +401,84 @@ def test_block_table_too_short_is_an_error_from_fake_and_real():
         compiled(q, cache, w, lens, table, table.shape[1] * cache.shape[1] + 1)
 
 
+# -- aiter adapters, against a fake aiter -------------------------------------------------
+def _fake_aiter(calls: list) -> dict:
+    """The modules the adapters import, with aiter's documented conventions, computing with
+    the reference: int64 slots and a string format, scales as bytes, a padded (non-contiguous)
+    prefill output, a 4-D cache and a caller's -inf-filled decode output."""
+    import types
+
+    def quant(k, kv_cache, slot_mapping, quant_block_size, scale_fmt):
+        assert slot_mapping.dtype == torch.int64 and isinstance(scale_fmt, str)
+        calls.append("quant")
+        ref.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt or None)
+
+    def gather(kv_cache, dst_k, scale_bytes, block_table, cu_seq_lens):
+        assert scale_bytes.dtype == torch.uint8 and scale_bytes.shape[0] == dst_k.shape[0] and scale_bytes.shape[1] % 4 == 0
+        calls.append("gather")
+        ref.cp_gather_indexer_k_quant_cache(kv_cache, dst_k, scale_bytes.view(torch.float32), block_table, cu_seq_lens)
+
+    def mqa(q, k, k_scale, weights, ks, ke):
+        calls.append("mqa")
+        out = ref.fp8_mqa_logits(q, k, k_scale, weights, ks, ke)
+        padded = torch.full((out.shape[0], out.shape[1] + 5), NEG_INF)
+        padded[:, : out.shape[1]] = out
+        return padded[:, : out.shape[1]]
+
+    def paged(q, kv_cache, weights, out, context_lens, block_table, max_model_len, Preshuffle, KVBlockSize):
+        assert kv_cache.dim() == 4 and not Preshuffle and KVBlockSize == 1 and (out == NEG_INF).all()
+        calls.append("paged")
+        out.copy_(ref.fp8_paged_mqa_logits(q, kv_cache.squeeze(2), weights, context_lens, block_table, max_model_len))
+
+    cache = types.SimpleNamespace(indexer_k_quant_and_cache=quant, cp_gather_indexer_k_quant_cache=gather)
+    root = types.SimpleNamespace(dtypes=types.SimpleNamespace(fp8=FP8), ops=types.SimpleNamespace(cache=cache))
+    return {
+        "aiter": root,
+        "aiter.ops.cache": cache,
+        "aiter.ops.triton.attention.fp8_mqa_logits": types.SimpleNamespace(fp8_mqa_logits=mqa),
+        "aiter.ops.triton.attention.pa_mqa_logits": types.SimpleNamespace(deepgemm_fp8_paged_mqa_logits=paged),
+    }
+
+
+def test_aiter_adapters_serve_the_signatures_they_support(monkeypatch):
+    import sys
+
+    from graphsafe.ops.indexer import aiter as adapter
+    from graphsafe.testing import contract as C
+
+    calls: list = []
+    for name, module in _fake_aiter(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    adapter._module.cache_clear()
+    adapter._aiter_fp8_is_e4m3fn.cache_clear()
+    served = {  # params aiter takes, and params it hands to the next backend
+        "indexer_k_quant_and_cache": ({**cases.EXAMPLE_QUANT, "D": 128}, {**cases.EXAMPLE_QUANT, "D": 128, "groups": 2}),
+        "cp_gather_indexer_k_quant_cache": ({**cases.EXAMPLE_GATHER, "groups": 2}, None),  # see below
+        "fp8_mqa_logits": (cases.EXAMPLE_MQA, {**cases.EXAMPLE_MQA, "H": 24}),
+        "fp8_paged_mqa_logits": ({**cases.EXAMPLE_PAGED, "block_size": 1}, cases.EXAMPLE_PAGED),
+    }
+    try:
+        for name, (yes, no) in served.items():
+            spec = _spec(name)
+            supports = getattr(adapter, f"supports_{name}")
+            args = spec.case.inputs(yes, "cpu", 2)
+            assert supports(*args), name
+            before = len(calls)
+            C.check_backend_matches_reference(spec, spec.case, "aiter", args, yes)
+            assert len(calls) == before + 1, name
+            assert no is None or not supports(*spec.case.inputs(no, "cpu", 2)), name
+        k, cache, slots, qbs, fmt = _inputs("indexer_k_quant_and_cache", {**cases.EXAMPLE_QUANT, "D": 128})
+        strided = torch.cat([k, k], 1)[:, :128]
+        assert not adapter.supports_indexer_k_quant_and_cache(strided, cache, slots, qbs, fmt), "k not contiguous"
+        cache, dst_k, dst_scale, table, cu = _inputs("cp_gather_indexer_k_quant_cache", cases.EXAMPLE_GATHER)
+        wide = torch.cat([table, table], 1)[:, : table.shape[1]]
+        assert adapter.supports_cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, cu)
+        assert not adapter.supports_cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, wide, cu), "strided table"
+    finally:
+        adapter._module.cache_clear()
+        adapter._aiter_fp8_is_e4m3fn.cache_clear()
+
+
 # -- sm_90 compilation (no GPU needed) -----------------------------------------------------
 _COMPILE_SCRIPT = r"""
 import os, re, subprocess, sys, tempfile

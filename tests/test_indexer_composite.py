@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import graphsafe
 from graphsafe.errors import InputError, WorkspaceError
-from graphsafe.ops.indexer import composite, plan
+from graphsafe.ops.indexer import plan
 from graphsafe.ops.indexer import reference as ref
 from graphsafe.testing.cases import indexer as cases
 from graphsafe.testing.contract import clone_args, run_backend
@@ -280,7 +280,8 @@ def test_chunk_rows_at_the_boundaries(m, n, topk):
         assert plan.prefill_chunk_rows(m, n, topk, exact) >= r
         if r > 1 and plan.prefill_chunk_bytes(r - 1, n, topk) < exact:
             assert plan.prefill_chunk_rows(m, n, topk, exact - 1) < r
-    assert plan.prefill_chunk_rows(m, n, topk, 1) == 1, "a bound below one row still makes progress"
+    if plan.prefill_chunk_bytes(1, n, topk) > 1:  # without keys or top-k scratch every row fits (0 bytes)
+        assert plan.prefill_chunk_rows(m, n, topk, 1) == 1, "a bound below one row still makes progress"
     assert plan.prefill_chunk_rows(m, n, topk, 1 << 62) == m, "one chunk when everything fits"
     assert plan.prefill_chunk_rows(0, n, topk, 1 << 20) == 0
 
@@ -288,9 +289,12 @@ def test_chunk_rows_at_the_boundaries(m, n, topk):
 def test_chunk_rows_include_the_nested_top_k_scratch():
     n, topk = 8192, 2048
     logits_row = 4 * n
-    rows = plan.prefill_chunk_rows(100000, n, topk, plan.DEFAULT_MAX_CHUNK_BYTES)
-    assert rows * logits_row < plan.DEFAULT_MAX_CHUNK_BYTES
-    topk_bytes = graphsafe.get_op("top_k_per_row_prefill").workspace_bytes(num_rows=rows, width=n, topk=topk)
+    # The Triton top-k (which takes scratch) serves: on a CPU-only machine the default
+    # is its reference, which takes none.
+    with graphsafe.use_backend("triton", ops=["top_k_per_row_prefill"]):
+        rows = plan.prefill_chunk_rows(100000, n, topk, plan.DEFAULT_MAX_CHUNK_BYTES)
+        topk_bytes = graphsafe.get_op("top_k_per_row_prefill").workspace_bytes(num_rows=rows, width=n, topk=topk)
+    assert topk_bytes > 0 and rows * logits_row < plan.DEFAULT_MAX_CHUNK_BYTES
     assert rows * logits_row + topk_bytes <= plan.DEFAULT_MAX_CHUNK_BYTES
 
 
@@ -304,38 +308,51 @@ def test_chunks_cover_the_rows_in_order():
         assert all(e - s <= rows for s, e in chunks) and len(chunks) == -(-m // rows)
 
 
+@pytest.mark.parametrize("tokens", [12, 11])  # 11: a shorter last chunk
 @pytest.mark.parametrize("chunk", ["1", "2", "3-1", "3", "3+1", "default"])
-def test_prefill_result_does_not_depend_on_the_chunking(chunk, monkeypatch):
+def test_prefill_result_does_not_depend_on_the_chunking(chunk, tokens, monkeypatch):
     """Bound just below / at / above a 3-row chunk, one row per chunk (many chunks), one
     chunk: equal to the unchunked oracle, with the planned number of nested top-k calls,
     each on at most the planned rows."""
-    args = _prefill_args(seed=11, T=12, chunk=chunk)
-    m, n, topk, bound = 12, args[12], args[11], args[13]
+    args = _prefill_args(seed=11, T=tokens, chunk=chunk)
+    m, n, topk, bound = tokens, args[12], args[11], args[13]
     calls = []
-    real = composite._topk_prefill
+    # The composite binds the nested top-k once per chunk size (OpSpec.bound, at prepare):
+    # wrap the runners it gets, and check every call's views have the bound signature.
+    select = graphsafe.get_op("top_k_per_row_prefill")
+    real_bound = select.bound
 
-    def spy(logits, ks, ke, idx, k):
-        calls.append(logits.shape[0])
-        return real(logits, ks, ke, idx, k)
+    def spy_bound(device_type, *bound_args):
+        real = real_bound(device_type, *bound_args)
+        signature = select.signature_key(*bound_args)
 
-    monkeypatch.setattr(composite, "_topk_prefill", spy)
+        def spy(logits, ks, ke, idx, k):
+            assert select.signature_key(logits, ks, ke, idx, k) == signature
+            calls.append(logits.shape[0])
+            return real(logits, ks, ke, idx, k)
+
+        return spy
+
+    monkeypatch.setattr(select, "bound", spy_bound)
     out = _run(PREFILL, "triton", args)
     check_prefill(args, out, CPU_TOL)
     rows = plan.prefill_chunk_rows(m, n, topk, bound)
     assert calls == [e - s for s, e in plan.prefill_chunks(m, n, topk, bound)]
     assert max(calls) == rows
-    expect = {"1": 12, "2": 6, "3-1": 6, "3": 4, "3+1": 4, "default": 1}[chunk]
+    expect = -(-m // {"1": 1, "2": 2, "3-1": 2, "3": 3, "3+1": 3, "default": m}[chunk])
     assert len(calls) == expect, (chunk, calls)
     check_prefill(args, _run(PREFILL, "reference", args), 0.0)
 
 
 # -- workspace -----------------------------------------------------------------------------
 def test_decode_workspace_is_the_logits_then_the_top_k_scratch():
-    specs = plan.sparse_attn_indexer_decode_workspace(64, 4096, 64, 128, topk=2048)
-    assert specs[0] == ((64, 4096), torch.float32)
-    topk_specs = graphsafe.get_op("top_k_per_row_decode").workspace(num_rows=64, width=4096, topk=2048)
+    with graphsafe.use_backend("triton"):  # the Triton composite and top-k (CPU: the reference by default)
+        specs = plan.sparse_attn_indexer_decode_workspace(64, 4096, 64, 128, topk=2048)
+        topk_specs = graphsafe.get_op("top_k_per_row_decode").workspace_specs(num_rows=64, width=4096, topk=2048)
+        op_bytes = _spec(DECODE).workspace_bytes(64, 4096, 64, 128, topk=2048)
+    assert specs[0] == ((64, 4096), torch.float32) and topk_specs
     assert workspace_bytes(*specs) == workspace_bytes(specs[0]) + (-workspace_bytes(specs[0]) % 256) + workspace_bytes(*topk_specs)
-    assert _spec(DECODE).workspace_bytes(64, 4096, 64, 128, topk=2048) == workspace_bytes(*specs)
+    assert op_bytes == workspace_bytes(*specs)
 
 
 def test_decode_reserves_the_worst_case_then_never_grows():
@@ -368,8 +385,9 @@ def test_decode_reservation_equals_its_need_without_a_maximum():
         args = _decode_args(seed=2)
         graphsafe.sparse_attn_indexer_decode(*clone_args(args))
         stats = current_workspace_manager("cpu").stats()
-    t, length, topk = args[1].shape[0], args[10], args[9]
-    assert stats.peak_request_bytes == plan.decode_bytes(t, length, topk)
+        t, length, topk = args[1].shape[0], args[10], args[9]
+        need = plan.decode_bytes(t, length, topk)  # with the Triton top-k's scratch
+    assert stats.peak_request_bytes == need
     assert stats.requests.get(DECODE) == 1 and stats.requests.get("top_k_per_row_decode") == 1
 
 
@@ -461,3 +479,25 @@ def test_step_compiles_fullgraph_with_the_slot_mapping():
     eager_args, compiled_args = clone_args(args), clone_args(args)
     assert torch.equal(step(*eager_args), compiled(*compiled_args))
     assert torch.equal(eager_args[0], compiled_args[0]) and torch.equal(eager_args[7], compiled_args[7])
+
+
+@pytest.mark.parametrize("name", [DECODE, PREFILL])
+def test_nested_ops_are_bound_once_per_signature(name, monkeypatch):
+    """The first call of a signature binds the nested ops (OpSpec.bound); later calls run
+    their runners directly, and give the same results."""
+    with graphsafe.use_backend("triton"):
+        args = _spec(name).case.inputs(_spec(name).case.example, "cpu", 3)
+        first = clone_args(args)
+        _spec(name).public(*first)
+
+        def refuse(*a, **kw):
+            raise AssertionError("a nested op was bound again for a known signature")
+
+        for nested in ("indexer_k_quant_and_cache", "cp_gather_indexer_k_quant_cache", "top_k_per_row_decode",
+                       "top_k_per_row_prefill"):
+            monkeypatch.setattr(graphsafe.get_op(nested), "bound", refuse)
+        again = clone_args(args)
+        _spec(name).public(*again)
+    for a, b in zip(first, again):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)

@@ -48,13 +48,17 @@ __all__ = [
 ]
 
 
-def _backends(name: str, aiter: bool = True) -> dict[str, str]:
-    b = {
+def _backends(name: str, aiter: bool = True) -> dict[str, str | Backend]:
+    """The records of a single op: the reference, Triton's prepare and, where aiter has the
+    kernel, aiter's prepare with the predicate of the signatures it takes (the others go
+    to Triton)."""
+    b: dict[str, str | Backend] = {
         "reference": f"graphsafe.ops.indexer.reference:{name}",
-        "triton": f"graphsafe.ops.indexer.triton:{name}",
+        "triton": Backend(prepare=f"graphsafe.ops.indexer.triton:prepare_{name}"),
     }
     if aiter:
-        b["aiter"] = f"graphsafe.ops.indexer.aiter:{name}"
+        b["aiter"] = Backend(prepare=f"graphsafe.ops.indexer.aiter:prepare_{name}",
+                             supports=f"graphsafe.ops.indexer.aiter:supports_{name}")
     return b
 
 
@@ -219,7 +223,7 @@ def req_local_to_global_slots(req_id_per_token: Tensor, block_table: Tensor, top
     family="indexer",
     backends={
         "reference": "graphsafe.ops.indexer.reference:sparse_attn_indexer_decode",
-        "triton": Backend("graphsafe.ops.indexer.composite:sparse_attn_indexer_decode",
+        "triton": Backend(prepare="graphsafe.ops.indexer.composite:prepare_sparse_attn_indexer_decode",
                           workspace=sparse_attn_indexer_decode_workspace),
     },
 )
@@ -295,7 +299,7 @@ def sparse_attn_indexer_decode(
     family="indexer",
     backends={
         "reference": "graphsafe.ops.indexer.reference:sparse_attn_indexer_prefill",
-        "triton": Backend("graphsafe.ops.indexer.composite:sparse_attn_indexer_prefill",
+        "triton": Backend(prepare="graphsafe.ops.indexer.composite:prepare_sparse_attn_indexer_prefill",
                           workspace=sparse_attn_indexer_prefill_workspace),
     },
 )

@@ -1,7 +1,9 @@
 """aiter backend of the sparse-indexer ops (ROCm), written against aiter's documented API.
 
-Used only where aiter's kernel has exactly graphsafe's semantics and layout; every other
-case falls back to the Triton kernel (the check has already run). Guards:
+Used only where aiter's kernel has exactly graphsafe's semantics and layout: each op's
+`supports_*` predicate (its registry record's `supports`) accepts those signatures, and
+the registry hands every other one to the next backend (Triton), once per signature.
+`prepare_*` resolves aiter's function once and returns the runner. Guards:
 
 * aiter's fp8 type: on gfx942 (MI300) `aiter.dtypes.fp8` is float8_e4m3fnuz and its
   kernels quantise with 240 and read the cache bytes as fnuz, which is not graphsafe's
@@ -32,8 +34,6 @@ import importlib
 
 import torch
 
-from graphsafe.ops.indexer import triton as tri
-
 
 @functools.cache
 def _aiter_fp8_is_e4m3fn() -> bool:
@@ -63,48 +63,92 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
-    ops = _cache_ops()
-    fn = getattr(ops, "indexer_k_quant_and_cache", None) if ops is not None else None
-    if fn is None or not _aiter_fp8_is_e4m3fn() or quant_block_size != 128 or not k.is_contiguous():
-        return tri.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt)
-    if k.shape[0] == 0:
-        return None
-    # aiter's kernel takes int64 slots and a plain string format ("" = float32 scales).
-    fn(k, kv_cache, slot_mapping.long(), quant_block_size, scale_fmt or "")
+def _nothing(*args, **kwargs) -> None:
     return None
 
 
-def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+def _cache_fn(name: str):
     ops = _cache_ops()
-    fn = getattr(ops, "cp_gather_indexer_k_quant_cache", None) if ops is not None else None
-    if fn is None or not dst_k.is_contiguous() or not dst_scale.is_contiguous() or not block_table.is_contiguous():
-        return tri.cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
+    return getattr(ops, name, None) if ops is not None else None
+
+
+def _mqa_module():
+    return _module("aiter.ops.triton.attention.fp8_mqa_logits", "aiter.ops.triton.fp8_mqa_logits")
+
+
+def _paged_module():
+    return _module("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits")
+
+
+# -- indexer_k_quant_and_cache ---------------------------------------------------------------
+def supports_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> bool:
+    return (_cache_fn("indexer_k_quant_and_cache") is not None and _aiter_fp8_is_e4m3fn()
+            and quant_block_size == 128 and k.is_contiguous())
+
+
+def prepare_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None):
+    if k.shape[0] == 0:
+        return _nothing
+    fn = _cache_fn("indexer_k_quant_and_cache")
+
+    def run(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
+        # aiter's kernel takes int64 slots and a plain string format ("" = float32 scales).
+        fn(k, kv_cache, slot_mapping.long(), quant_block_size, scale_fmt or "")
+
+    return run
+
+
+# -- cp_gather_indexer_k_quant_cache -----------------------------------------------------------
+def supports_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> bool:
+    return (_cache_fn("cp_gather_indexer_k_quant_cache") is not None and dst_k.is_contiguous()
+            and dst_scale.is_contiguous() and block_table.is_contiguous())
+
+
+def prepare_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
     n = dst_k.shape[0]
     if n == 0 or block_table.shape[0] == 0:
-        return None
-    fn(kv_cache, dst_k, dst_scale.view(torch.uint8).view(n, -1), block_table, cu_seq_lens)
-    return None
+        return _nothing
+    fn = _cache_fn("cp_gather_indexer_k_quant_cache")
+
+    def run(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+        fn(kv_cache, dst_k, dst_scale.view(torch.uint8).view(n, -1), block_table, cu_seq_lens)
+
+    return run
 
 
-def fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
-    mod = _module("aiter.ops.triton.attention.fp8_mqa_logits", "aiter.ops.triton.fp8_mqa_logits")
+# -- fp8_mqa_logits ----------------------------------------------------------------------------
+def supports_fp8_mqa_logits(q, k, k_scale, weights, ks, ke) -> bool:
     m, h, d = q.shape
-    if mod is None or not _aiter_fp8_is_e4m3fn() or not (_pow2(h) and _pow2(d)) or m == 0 or k.shape[0] == 0:
-        return tri.fp8_mqa_logits(q, k, k_scale, weights, ks, ke)
-    out = mod.fp8_mqa_logits(q, k, k_scale, weights, ks, ke)
-    return out if out.is_contiguous() else out.contiguous()
+    return (_mqa_module() is not None and _aiter_fp8_is_e4m3fn() and _pow2(h) and _pow2(d)
+            and m > 0 and k.shape[0] > 0)
 
 
-def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len):
-    mod = _module("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits")
-    b, next_n, _, _ = q.shape
+def prepare_fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
+    fn = _mqa_module().fp8_mqa_logits
+
+    def run(q, k, k_scale, weights, ks, ke):
+        out = fn(q, k, k_scale, weights, ks, ke)
+        return out if out.is_contiguous() else out.contiguous()
+
+    return run
+
+
+# -- fp8_paged_mqa_logits ----------------------------------------------------------------------
+def supports_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len) -> bool:
+    return (_paged_module() is not None and _aiter_fp8_is_e4m3fn() and kv_cache.shape[1] == 1
+            and q.shape[0] > 0)
+
+
+def prepare_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len):
+    b, next_n = q.shape[:2]
     block_size = kv_cache.shape[1]
-    if mod is None or not _aiter_fp8_is_e4m3fn() or block_size != 1 or b == 0:
-        return tri.fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len)
-    out = torch.full((b * next_n, max_model_len), float("-inf"), dtype=torch.float32, device=q.device)
-    mod.deepgemm_fp8_paged_mqa_logits(
-        q, kv_cache.unsqueeze(2), weights, out, context_lens, block_table, max_model_len,
-        Preshuffle=False, KVBlockSize=block_size,
-    )
-    return out
+    device = q.device
+    fn = _paged_module().deepgemm_fp8_paged_mqa_logits
+
+    def run(q, kv_cache, weights, context_lens, block_table, max_model_len):
+        out = torch.full((b * next_n, max_model_len), float("-inf"), dtype=torch.float32, device=device)
+        fn(q, kv_cache.unsqueeze(2), weights, out, context_lens, block_table, max_model_len,
+           Preshuffle=False, KVBlockSize=block_size)
+        return out
+
+    return run

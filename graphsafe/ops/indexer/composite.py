@@ -1,91 +1,177 @@
 """Triton backend of the composite indexer ops: the public ops, composed, over workspace
 scratch (the pattern of vLLM PR #41002: intermediates from `get_simultaneous`).
 
-The K-cache write, the gather and the top-k go through their public ops (so each
-dispatches to its own best backend, aiter's on ROCm included). The logits kernels are
-called through this family's `*_into` launchers: the public logits ops return fresh
-tensors, and a composite must not allocate (its only outputs are the mutated buffers).
-They run with `clean=False`: the top-k reads each row's valid range only, so the -inf
-fill of the rest (up to `max_model_len`, or whole tiles outside every prefill window)
-is skipped.
+The K-cache write, the gather and the top-k are the public ops (so each runs on its own
+best backend, aiter's on ROCm included), bound once per signature of the composite
+through `OpSpec.bound`: a call runs their runners directly, without the dispatcher. The
+logits kernels are this family's `prepare_*_into` runners: the public logits ops return
+fresh tensors, and a composite must not allocate (its only outputs are the mutated
+buffers). They run with `clean=False`: the top-k reads each row's valid range only, so
+the -inf fill of the rest (up to `max_model_len`, or whole tiles outside every prefill
+window) is skipped.
 
-Workspace discipline: each call first reserves the worst case its host ints allow
-(`plan.py`), nested top-k scratch included, then carves its regions and holds them
-(`WorkspaceManager.hold`) while the nested ops take their own scratch after them. Growth
-can only happen in that reservation, never while views are held or a graph is captured
-(a warm-up call at the largest sizes grows the arena once).
+Workspace discipline: each call first makes sure the arena holds the worst case its host
+ints allow (`plan.py`), nested top-k scratch included, then carves its regions and holds
+them (`WorkspaceManager.hold`) while the nested ops take their own scratch after them.
+Growth can only happen in that reservation, never while views are held or a graph is
+captured (a warm-up call at the largest sizes grows the arena once).
+
+`prepare_*` does everything that depends on the signature only: the reservation size,
+the chunk plan, the bound launches, and the nested ops' runners, bound on workspace views
+carved exactly as every call carves them (same specs, same slices: same shapes and
+strides, so the nested runners' signature holds for every call).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from graphsafe.ops.indexer import plan
-from graphsafe.ops.indexer.triton import mqa_logits_into, paged_mqa_logits_into
+from graphsafe.ops.indexer.triton import prepare_mqa_logits_into, prepare_paged_mqa_logits_into
+from graphsafe.registry import get_op
 from graphsafe.workspace import current_workspace_manager, workspace_bytes
-
-_ops = torch.ops.graphsafe
-# Overloads resolved once: an attribute walk per call costs microseconds.
-_quant = _ops.indexer_k_quant_and_cache.default
-_gather = _ops.cp_gather_indexer_k_quant_cache.default
-_topk_decode = _ops.top_k_per_row_decode.default
-_topk_prefill = _ops.top_k_per_row_prefill.default
 
 DECODE = "sparse_attn_indexer_decode"
 PREFILL = "sparse_attn_indexer_prefill"
+# The owner of the views a prepare carves to bind the nested ops (`stats().requests`
+# then counts the calls of each composite alone).
+PREPARE = " (prepare)"
 
 
-def sparse_attn_indexer_decode(
+def prepare_sparse_attn_indexer_decode(
     kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
     scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0,
-) -> None:
+):
     t, h, d = q.shape
-    ws = current_workspace_manager(q.device)
-    worst = plan.decode_bytes(max(t, max_num_batched_tokens), max_model_len, topk)
-    ws.reserve(nbytes=max(worst, plan.decode_bytes(t, max_model_len, topk)), owner=DECODE)
-    _quant(k, kv_cache, slot_mapping, d, scale_fmt)
+    device = q.device
+    kind = device.type
+    worst = max(plan.decode_bytes(max(t, max_num_batched_tokens), max_model_len, topk),
+                plan.decode_bytes(t, max_model_len, topk))
+    quant = get_op("indexer_k_quant_and_cache").bound(kind, k, kv_cache, slot_mapping, d, scale_fmt)
+    ws = current_workspace_manager(device)
+    ws.reserve(nbytes=worst, owner=DECODE)
     if t == 0:
-        return
-    (logits,) = ws.get_simultaneous(((t, max_model_len), torch.float32), owner=DECODE)
+        def run(kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
+                scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0) -> None:
+            ws = current_workspace_manager(device)
+            if ws.size_bytes < worst:
+                ws.reserve(nbytes=worst, owner=DECODE)
+            quant(k, kv_cache, slot_mapping, d, scale_fmt)
+
+        return run
+
+    specs = plan.decode_specs(t, max_model_len, topk)[:1]
+    (logits,) = ws.get_simultaneous(*specs, owner=DECODE + PREPARE)
     b = seq_lens.shape[0]
-    q4 = q.view(b, next_n, h, d)
-    paged_mqa_logits_into(logits, q4, kv_cache, weights, seq_lens, block_table, max_model_len, clean=False)
-    with ws.hold(logits):
-        _topk_decode(logits, next_n, seq_lens, topk_indices[:t], topk)
+    fill = prepare_paged_mqa_logits_into(logits, q.view(b, next_n, h, d), kv_cache, weights, seq_lens, block_table,
+                                         max_model_len, clean=False)
+    whole = topk_indices.shape[0] == t  # no slice needed per call
+    select = get_op("top_k_per_row_decode").bound(kind, logits, next_n, seq_lens,
+                                                  topk_indices if whole else topk_indices[:t], topk)
+
+    def run(kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
+            scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0) -> None:
+        ws = current_workspace_manager(device)
+        if ws.size_bytes < worst:  # reserve() only once the arena is too small: it is no-op otherwise
+            ws.reserve(nbytes=worst, owner=DECODE)
+        quant(k, kv_cache, slot_mapping, d, scale_fmt)
+        (logits,) = ws.get_simultaneous(*specs, owner=DECODE)
+        # q as [T, H, D]: the runner reads its address only (strides bound for [B, next_n, H, D]).
+        fill(logits, q, kv_cache, weights, seq_lens, block_table, max_model_len)
+        with ws.hold(logits):
+            select(logits, next_n, seq_lens, topk_indices if whole else topk_indices[:t], topk)
+
+    return run
 
 
-@functools.lru_cache(maxsize=256)
-def _prefill_worst_bytes(tokens: int, keys: int, heads: int, head_dim: int, topk: int, max_chunk_bytes: int) -> int:
-    specs = plan.sparse_attn_indexer_prefill_workspace(
-        tokens, 0, heads, head_dim, topk, max_total_seq_lens=keys, max_chunk_bytes=max_chunk_bytes
-    )
-    return workspace_bytes(*specs)
-
-
-def sparse_attn_indexer_prefill(
+def prepare_sparse_attn_indexer_prefill(
     kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, topk_indices,
     scale_fmt, topk, total_seq_lens, max_chunk_bytes=plan.DEFAULT_MAX_CHUNK_BYTES,
     max_num_batched_tokens=0, max_total_seq_lens=0,
-) -> None:
+):
     t, h, d = q.shape
     n = total_seq_lens
-    ws = current_workspace_manager(q.device)
-    need = plan.prefill_bytes(t, n, d, topk, max_chunk_bytes)
+    device = q.device
+    kind = device.type
     max_t, max_n = max(t, max_num_batched_tokens), max(n, max_total_seq_lens)
-    worst = _prefill_worst_bytes(max_t, max_n, h, d, topk, max_chunk_bytes)
-    ws.reserve(nbytes=max(need, worst), owner=PREFILL)
-    _quant(k, kv_cache, slot_mapping, d, scale_fmt)
+    worst = max(
+        plan.prefill_bytes(t, n, d, topk, max_chunk_bytes),
+        workspace_bytes(*plan.sparse_attn_indexer_prefill_workspace(
+            max_t, 0, h, d, topk, max_total_seq_lens=max_n, max_chunk_bytes=max_chunk_bytes)),
+    )
+    quant = get_op("indexer_k_quant_and_cache").bound(kind, k, kv_cache, slot_mapping, d, scale_fmt)
+    ws = current_workspace_manager(device)
+    ws.reserve(nbytes=worst, owner=PREFILL)
     if t == 0:
-        return
-    keys, scales, logits = ws.get_simultaneous(*plan.prefill_specs(t, n, d, topk, max_chunk_bytes), owner=PREFILL)
+        def run(kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke,
+                topk_indices, scale_fmt, topk, total_seq_lens, max_chunk_bytes=plan.DEFAULT_MAX_CHUNK_BYTES,
+                max_num_batched_tokens=0, max_total_seq_lens=0) -> None:
+            ws = current_workspace_manager(device)
+            if ws.size_bytes < worst:
+                ws.reserve(nbytes=worst, owner=PREFILL)
+            quant(k, kv_cache, slot_mapping, d, scale_fmt)
+
+        return run
+
+    specs = plan.prefill_specs(t, n, d, topk, max_chunk_bytes)
+    keys, scales, logits = ws.get_simultaneous(*specs, owner=PREFILL + PREPARE)
+    gather = get_op("cp_gather_indexer_k_quant_cache").bound(kind, kv_cache, keys, scales, block_table, cu_seq_lens)
+    select_op = get_op("top_k_per_row_prefill")
     rows = logits.shape[0]
-    with ws.hold(keys, scales, logits):
-        _gather(kv_cache, keys, scales, block_table, cu_seq_lens)
-        for m0 in range(0, t, rows):
-            m1 = min(t, m0 + rows)
-            out = logits[: m1 - m0]
-            ks, ke = cu_seqlen_ks[m0:m1], cu_seqlen_ke[m0:m1]
-            mqa_logits_into(out, q[m0:m1], keys, scales, weights[m0:m1], ks, ke, clean=False)
-            _topk_prefill(out, ks, ke, topk_indices[m0:m1], topk)
+    sizes = [e - s for s, e in plan.prefill_chunks(t, n, topk, max_chunk_bytes)]
+    extra = topk_indices.shape[0] - t  # rows of the shared buffer past this call's tokens
+
+    def step(r: int):
+        """(logits runner, top-k runner) of a chunk of r rows: bound on the first r rows,
+        whose views have the shapes and strides of any chunk's of r rows."""
+        out = logits[:r]
+        ks, ke = cu_seqlen_ks[:r], cu_seqlen_ke[:r]
+        fill = prepare_mqa_logits_into(out, q[:r], keys, scales, weights[:r], ks, ke, clean=False)
+        return fill, select_op.bound(kind, out, ks, ke, topk_indices[:r], topk)
+
+    if len(sizes) == 1:  # one chunk: the whole call, no slices
+        fill, select = step(t)
+
+        def run(kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke,
+                topk_indices, scale_fmt, topk, total_seq_lens, max_chunk_bytes=plan.DEFAULT_MAX_CHUNK_BYTES,
+                max_num_batched_tokens=0, max_total_seq_lens=0) -> None:
+            ws = current_workspace_manager(device)
+            if ws.size_bytes < worst:  # reserve() only once the arena is too small: it is no-op otherwise
+                ws.reserve(nbytes=worst, owner=PREFILL)
+            quant(k, kv_cache, slot_mapping, d, scale_fmt)
+            keys, scales, logits = ws.get_simultaneous(*specs, owner=PREFILL)
+            # logits is the last region: holding it holds the keys and scales before it.
+            with ws.hold(logits):
+                gather(kv_cache, keys, scales, block_table, cu_seq_lens)
+                fill(logits, q, keys, scales, weights, cu_seqlen_ks, cu_seqlen_ke)
+                select(logits, cu_seqlen_ks, cu_seqlen_ke, topk_indices if not extra else topk_indices[:t], topk)
+
+        return run
+
+    # Chunks of `rows` rows, the last one maybe shorter: one pair of runners per size. A
+    # call cuts each per-token input into its chunks with one split_with_sizes (views).
+    by_size = {r: step(r) for r in set(sizes)}
+    steps = tuple(by_size[r] for r in sizes)
+    tail = sizes[-1] if sizes[-1] != rows else 0
+    full = len(sizes) - (1 if tail else 0)
+    idx_sizes = sizes + [extra] if extra else sizes
+
+    def run(kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke,
+            topk_indices, scale_fmt, topk, total_seq_lens, max_chunk_bytes=plan.DEFAULT_MAX_CHUNK_BYTES,
+            max_num_batched_tokens=0, max_total_seq_lens=0) -> None:
+        ws = current_workspace_manager(device)
+        if ws.size_bytes < worst:
+            ws.reserve(nbytes=worst, owner=PREFILL)
+        quant(k, kv_cache, slot_mapping, d, scale_fmt)
+        keys, scales, logits = ws.get_simultaneous(*specs, owner=PREFILL)
+        outs = (logits,) * full + ((logits[:tail],) if tail else ())
+        chunks = zip(steps, outs, q.split_with_sizes(sizes), weights.split_with_sizes(sizes),
+                     cu_seqlen_ks.split_with_sizes(sizes), cu_seqlen_ke.split_with_sizes(sizes),
+                     topk_indices.split_with_sizes(idx_sizes))
+        with ws.hold(logits):
+            gather(kv_cache, keys, scales, block_table, cu_seq_lens)
+            for (fill, select), out, q_c, w_c, ks, ke, idx in chunks:
+                fill(out, q_c, keys, scales, w_c, ks, ke)
+                select(out, ks, ke, idx, topk)
+
+    return run

@@ -44,22 +44,38 @@ def _align(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
+TOPK_OPS = ("top_k_per_row_prefill", "top_k_per_row_decode")
+
+
+def _selection() -> tuple:
+    """What the nested top-k's scratch depends on besides shapes: the default device and
+    the backends that may serve the top-k ops there (`use_backend` changes them). Every
+    cached plan below is keyed on it, so a forced backend never meets a stale size."""
+    from graphsafe.registry import get_op
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return (device, *(tuple(get_op(name).selection_order(device)) for name in TOPK_OPS))
+
+
 def _topk_specs(decode: bool, rows: int, width: int, topk: int) -> list[Spec]:
     """The nested top-k's scratch, from its registered worst case (the topk family owns it)."""
     from graphsafe.registry import get_op
 
-    spec = get_op("top_k_per_row_decode" if decode else "top_k_per_row_prefill")
+    spec = get_op(TOPK_OPS[decode])
     return spec.workspace_specs(num_rows=rows, width=width, topk=topk)
 
 
 # -- decode --------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=256)
-def decode_specs(rows: int, max_model_len: int, topk: int) -> tuple[Spec, ...]:
-    """Regions of one decode call, in arena order: the logits, then the top-k's scratch."""
+def _decode_specs(rows: int, max_model_len: int, topk: int, selection: tuple) -> tuple[Spec, ...]:
     return (((rows, max_model_len), F32), *_topk_specs(True, rows, max_model_len, topk))
 
 
-@functools.lru_cache(maxsize=256)
+def decode_specs(rows: int, max_model_len: int, topk: int) -> tuple[Spec, ...]:
+    """Regions of one decode call, in arena order: the logits, then the top-k's scratch."""
+    return _decode_specs(rows, max_model_len, topk, _selection())
+
+
 def decode_bytes(rows: int, max_model_len: int, topk: int) -> int:
     return workspace_bytes(*decode_specs(rows, max_model_len, topk))
 
@@ -77,30 +93,43 @@ def sparse_attn_indexer_decode_workspace(
 
 # -- prefill -------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1024)
-def prefill_chunk_bytes(rows: int, total_seq_lens: int, topk: int) -> int:
-    """Workspace bytes of one prefill chunk of `rows` query rows: the logits `[rows, N]` f32
-    and the nested top-k's scratch after them (N = total_seq_lens)."""
+def _prefill_chunk_bytes(rows: int, total_seq_lens: int, topk: int, selection: tuple) -> int:
     specs = (((rows, total_seq_lens), F32), *_topk_specs(False, rows, total_seq_lens, topk))
     return workspace_bytes(*specs)
 
 
+def prefill_chunk_bytes(rows: int, total_seq_lens: int, topk: int) -> int:
+    """Workspace bytes of one prefill chunk of `rows` query rows: the logits `[rows, N]` f32
+    and the nested top-k's scratch after them (N = total_seq_lens)."""
+    return _prefill_chunk_bytes(rows, total_seq_lens, topk, _selection())
+
+
 @functools.lru_cache(maxsize=1024)
-def prefill_chunk_rows(num_tokens: int, total_seq_lens: int, topk: int, max_chunk_bytes: int) -> int:
-    """Query rows per prefill chunk: the most rows (at most `num_tokens`) whose chunk
-    (`prefill_chunk_bytes`) fits `max_chunk_bytes`; at least 1 (a bound below one row's
-    need is exceeded by that one row, as vLLM does). 0 when there are no tokens."""
+def _prefill_chunk_rows(num_tokens: int, total_seq_lens: int, topk: int, max_chunk_bytes: int,
+                        selection: tuple) -> int:
     if num_tokens <= 0:
         return 0
+
+    def need(rows: int) -> int:
+        return _prefill_chunk_bytes(rows, total_seq_lens, topk, selection)
+
     lo, hi = 1, num_tokens  # chunk bytes grow with the rows: binary search the last fit
-    if prefill_chunk_bytes(hi, total_seq_lens, topk) <= max_chunk_bytes:
+    if need(hi) <= max_chunk_bytes:
         return hi
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if prefill_chunk_bytes(mid, total_seq_lens, topk) <= max_chunk_bytes:
+        if need(mid) <= max_chunk_bytes:
             lo = mid
         else:
             hi = mid - 1
     return lo
+
+
+def prefill_chunk_rows(num_tokens: int, total_seq_lens: int, topk: int, max_chunk_bytes: int) -> int:
+    """Query rows per prefill chunk: the most rows (at most `num_tokens`) whose chunk
+    (`prefill_chunk_bytes`) fits `max_chunk_bytes`; at least 1 (a bound below one row's
+    need is exceeded by that one row, as vLLM does). 0 when there are no tokens."""
+    return _prefill_chunk_rows(num_tokens, total_seq_lens, topk, max_chunk_bytes, _selection())
 
 
 def prefill_chunks(num_tokens: int, total_seq_lens: int, topk: int, max_chunk_bytes: int) -> list[tuple[int, int]]:
@@ -109,7 +138,6 @@ def prefill_chunks(num_tokens: int, total_seq_lens: int, topk: int, max_chunk_by
     return [(m0, min(m0 + rows, num_tokens)) for m0 in range(0, num_tokens, max(rows, 1))]
 
 
-@functools.lru_cache(maxsize=256)
 def prefill_specs(
     num_tokens: int, total_seq_lens: int, head_dim: int, topk: int, max_chunk_bytes: int
 ) -> tuple[Spec, ...]:
@@ -118,7 +146,6 @@ def prefill_specs(
     return (((total_seq_lens, head_dim), FP8), ((total_seq_lens,), F32), ((rows, total_seq_lens), F32))
 
 
-@functools.lru_cache(maxsize=256)
 def prefill_bytes(num_tokens: int, total_seq_lens: int, head_dim: int, topk: int, max_chunk_bytes: int) -> int:
     """Arena bytes of one prefill call, the nested top-k's scratch included."""
     own = prefill_specs(num_tokens, total_seq_lens, head_dim, topk, max_chunk_bytes)

@@ -1,5 +1,10 @@
 """Triton backend of the sparse-indexer ops.
 
+`prepare_<op>` runs once per call signature: it plans the launch and binds the kernel
+(`graphsafe.launch.bind`); the runner it returns launches with the tensors alone. The
+logits kernels also have `prepare_*_into` runners that write a caller's buffer (the
+composites bind them on workspace views); `*_into` run them once (tests, benchmarks).
+
 Design notes (H100/H200 targets in the issue):
 
 * `fp8_paged_mqa_logits` is memory-bound: every key byte of every context is read once.
@@ -38,6 +43,7 @@ import triton
 import triton.language as tl
 
 from graphsafe.device_info import compute_capability, num_sms
+from graphsafe.launch import bind
 
 NEG_INF = tl.constexpr(float("-inf"))  # jit code reads only constexpr globals
 
@@ -64,6 +70,10 @@ def _row_align(*strides: int) -> int:
     for s in strides:
         g = math.gcd(g, int(s))
     return g
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -153,20 +163,27 @@ def _quant_and_cache_kernel(
     tl.store(scale_ptr + blk * stride_blk_f32 + scale_base + off * G + g, s, mask=ok)
 
 
-def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
+def prepare_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None):
     t, d = k.shape
     nb, bs, _ = kv_cache.shape
     if t == 0 or nb == 0:
-        return
+        return _nothing
     g = d // quant_block_size
     block_q = _pow2(quant_block_size)
     block_t = max(1, min(4096 // block_q, 64, _pow2(t)))
-    _quant_and_cache_kernel[(triton.cdiv(t, block_t), g)](
-        k, kv_cache, kv_cache.view(torch.float32), slot_mapping,
+    # kv_cache stands for its float32 view here (bind reads only the device).
+    launch = bind(
+        _quant_and_cache_kernel, (triton.cdiv(t, block_t), g),
+        k, kv_cache, kv_cache, slot_mapping,
         t, nb * bs, bs, k.stride(0), kv_cache.stride(0), kv_cache.stride(0) // 4, bs * d // 4,
         D=d, G=g, QB=quant_block_size, BLOCK_T=block_t, BLOCK_Q=block_q, UE8M0=scale_fmt == "ue8m0",
         num_warps=4,
     )
+
+    def run(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
+        launch(k, kv_cache, kv_cache.view(torch.float32), slot_mapping)
+
+    return run
 
 
 # -- cp_gather_indexer_k_quant_cache -----------------------------------------------------
@@ -217,23 +234,30 @@ def _gather_kernel(
     tl.store(dst_s_ptr + rows64[:, None] * stride_ds + offs_g[None, :], sc, mask=mg)
 
 
-def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+def prepare_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
     n, d = dst_k.shape
     nb, bs, width = kv_cache.shape
     g = (width - d) // 4
     b, mb = block_table.shape
     if n == 0 or b == 0 or mb == 0 or nb == 0:
-        return
+        return _nothing
     block_d = _pow2(d)
     block_r = max(1, min(64, 8192 // block_d, _pow2(n)))
-    _gather_kernel[(triton.cdiv(n, block_r),)](
-        kv_cache, kv_cache.view(torch.float32), dst_k.view(torch.uint8), dst_scale, block_table, cu_seq_lens,
+    # kv_cache and dst_k stand for their float32 / uint8 views here (bind reads only the device).
+    launch = bind(
+        _gather_kernel, (triton.cdiv(n, block_r),),
+        kv_cache, kv_cache, dst_k, dst_scale, block_table, cu_seq_lens,
         n, b, nb, mb, bs,
         kv_cache.stride(0), kv_cache.stride(0) // 4, bs * d // 4, block_table.stride(0), dst_k.stride(0),
         dst_scale.stride(0), max(1, b.bit_length()),
         D=d, G=g, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_G=_pow2(g), ROW_ALIGN=_row_align(kv_cache.stride(0), d),
         num_warps=4,
     )
+
+    def run(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+        launch(kv_cache, kv_cache.view(torch.float32), dst_k.view(torch.uint8), dst_scale, block_table, cu_seq_lens)
+
+    return run
 
 
 # -- fp8_mqa_logits (prefill) --------------------------------------------------------------
@@ -285,6 +309,29 @@ def _mqa_logits_kernel(
         tl.store(out, tl.where(valid, logits, NEG_INF), mask=tl.where(live, m_in[:, None] & n_in[None, :], False))
 
 
+# Runners of the `*_into` helpers, per signature and options: `bind` costs far more than
+# a launch, and benchmarks call these helpers in a loop.
+_INTO_RUNNERS: dict = {}
+
+
+def _into_runner(key: tuple, make):
+    run = _INTO_RUNNERS.get(key)
+    if run is None:
+        if len(_INTO_RUNNERS) >= 256:
+            _INTO_RUNNERS.clear()
+        run = _INTO_RUNNERS[key] = make()
+    return run
+
+
+def _into_key(name: str, tensors: tuple, *options) -> tuple:
+    """Shapes, strides, dtypes and devices of `tensors` (never the tensors) and the options."""
+    return (name, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors), *options)
+
+
+def _frozen(config: dict | None):
+    return None if config is None else tuple(sorted(config.items()))
+
+
 # Launch configurations, per device type; the CUDA ones are tuned on an H100/H200 (bench case `fp8_paged_mqa_logits_tune`).
 MQA_CONFIG = {
     "cuda": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
@@ -312,36 +359,69 @@ def _config(table: dict, device: torch.device, overrides: dict | None) -> dict:
     return cfg
 
 
-def fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
-    out = torch.empty((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
-    mqa_logits_into(out, q, k, k_scale, weights, ks, ke)
-    return out
+def _mqa_logits_runner(q, k, k_scale, weights, out_stride: int, fp8_dot: bool | None, config: dict | None,
+                       clean: bool):
+    """`run(out, q, k, k_scale, weights, ks, ke)` for this signature, `out` of row stride `out_stride`."""
+    m, h, d = q.shape
+    n = k.shape[0]
+    if m == 0 or n == 0:
+        return _nothing
+    cfg = _config(MQA_CONFIG, q.device, config)
+    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    fp8_dot = fp8_dot_supported(q.device) if fp8_dot is None else fp8_dot
+    # q stands for ks, ke and out here (bind reads only the device); the uint8 views that
+    # the fp16 path passes have the strides of the fp8 tensors.
+    launch = bind(
+        _mqa_logits_kernel, grid,
+        q, k, k_scale, weights, q, q, q,
+        m, n, h,
+        q.stride(0), q.stride(1), k.stride(0), k_scale.stride(0), weights.stride(0), weights.stride(1), out_stride,
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d, 32), FP8_DOT=fp8_dot, CLEAN=clean,
+        **cfg,
+    )
+    if fp8_dot:
+        def run(out, q, k, k_scale, weights, ks, ke) -> None:
+            launch(q, k, k_scale, weights, ks, ke, out)
+    else:  # the kernel decodes the bytes itself (no fp8 type needed on the target)
+        def run(out, q, k, k_scale, weights, ks, ke) -> None:
+            launch(q.view(torch.uint8), k.view(torch.uint8), k_scale, weights, ks, ke, out)
+    return run
+
+
+def prepare_fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
+    m, n = q.shape[0], k.shape[0]
+    device = q.device
+    fill = _mqa_logits_runner(q, k, k_scale, weights, n, None, None, True)  # a fresh [M, N] output
+
+    def run(q, k, k_scale, weights, ks, ke):
+        out = torch.empty((m, n), dtype=torch.float32, device=device)
+        fill(out, q, k, k_scale, weights, ks, ke)
+        return out
+
+    return run
+
+
+def prepare_mqa_logits_into(
+    out, q, k, k_scale, weights, ks, ke, *, fp8_dot: bool | None = None, config: dict | None = None, clean: bool = True,
+):
+    """`run(out, q, k, k_scale, weights, ks, ke)`, which writes every element of `out`
+    `[M, N]`, for tensors of this signature; `fp8_dot`/`config` override the device choice
+    (tests).
+
+    `clean=False` (the composite: the top-k reads only the windows) skips the tiles
+    outside every row's window; the rest of those tiles' rows is still -inf."""
+    return _mqa_logits_runner(q, k, k_scale, weights, out.stride(0), fp8_dot, config, clean)
 
 
 def mqa_logits_into(
     out, q, k, k_scale, weights, ks, ke, *, fp8_dot: bool | None = None, config: dict | None = None, clean: bool = True,
 ) -> None:
-    """Write every element of `out` `[M, N]`; `fp8_dot`/`config` override the device choice (tests).
-
-    `clean=False` (the composite: the top-k reads only the windows) skips the tiles
-    outside every row's window; the rest of those tiles' rows is still -inf."""
-    m, h, d = q.shape
-    n = k.shape[0]
-    if m == 0 or n == 0:
-        return
-    cfg = _config(MQA_CONFIG, q.device, config)
-    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    fp8_dot = fp8_dot_supported(q.device) if fp8_dot is None else fp8_dot
-    if not fp8_dot:  # the kernel decodes the bytes itself (no fp8 type needed on the target)
-        q, k = q.view(torch.uint8), k.view(torch.uint8)
-    _mqa_logits_kernel[grid](
-        q, k, k_scale, weights, ks, ke, out,
-        m, n, h,
-        q.stride(0), q.stride(1), k.stride(0), k_scale.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-        D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(d, 32), FP8_DOT=fp8_dot, CLEAN=clean,
-        **cfg,
-    )
+    """`prepare_mqa_logits_into(...)` run once; the runner is kept per signature and options."""
+    key = _into_key("mqa", (out, q, k, k_scale, weights, ks, ke), fp8_dot, _frozen(config), clean)
+    run = _into_runner(key, lambda: prepare_mqa_logits_into(
+        out, q, k, k_scale, weights, ks, ke, fp8_dot=fp8_dot, config=config, clean=clean))
+    run(out, q, k, k_scale, weights, ks, ke)
 
 
 # -- fp8_paged_mqa_logits (decode) ---------------------------------------------------------
@@ -469,41 +549,80 @@ def paged_grid(
     return chunk, triton.cdiv(max_model_len, chunk)
 
 
-def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len):
+def _paged_mqa_logits_runner(q, kv_cache, weights, block_table, max_model_len: int, out_stride: int,
+                             fp8_dot: bool | None, config: dict | None, clean: bool):
+    """`run(out, q, kv_cache, weights, context_lens, block_table, max_model_len)` for this
+    signature (q `[B, next_n, H, D]`), `out` of row stride `out_stride`."""
+    b, next_n, h, d = q.shape
+    if b == 0:
+        return _nothing
+    bs = kv_cache.shape[1]
+    cfg = _config(PAGED_CONFIG, q.device, config)
+    block_n = cfg.pop("BLOCK_N")
+    chunk, chunks = paged_grid(b, max_model_len, block_n, q.device, cfg.pop("programs_per_sm"), cfg.pop("min_tiles"))
+    fp8_dot = fp8_dot_supported(q.device) if fp8_dot is None else fp8_dot
+    # Tensors stand for the views passed at run time (bind reads only the device).
+    launch = bind(
+        _paged_mqa_logits_kernel, (b, chunks),
+        q, kv_cache, kv_cache, weights, weights, block_table, weights,
+        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+        kv_cache.stride(0), kv_cache.stride(0) // 4, bs * d // 4, block_table.stride(0), out_stride,
+        max_model_len, chunk,
+        H=h, D=d, BS=bs, NEXT_N=next_n, BLOCK_H=_pow2(h, 16), BLOCK_D=_pow2(d, 32), BLOCK_N=block_n,
+        FP8_DOT=fp8_dot, ROW_ALIGN=_row_align(kv_cache.stride(0), d), CLEAN=clean,
+        **cfg,
+    )
+    # A launch reads only each tensor's address and dtype (the strides are bound above), so
+    # run takes q in any shape of the same memory: the decode composite passes its [T, H, D].
+    if fp8_dot:
+        def run(out, q, kv_cache, weights, context_lens, block_table, max_model_len) -> None:
+            launch(q, kv_cache.view(torch.float8_e4m3fn), kv_cache.view(torch.float32), weights, context_lens,
+                   block_table, out)
+    else:  # the kernel reads bytes and decodes them (no fp8 type on the target)
+        def run(out, q, kv_cache, weights, context_lens, block_table, max_model_len) -> None:
+            launch(q.view(torch.uint8), kv_cache, kv_cache.view(torch.float32), weights, context_lens, block_table, out)
+    return run
+
+
+def prepare_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len):
     b, next_n = q.shape[:2]
-    out = torch.empty((b * next_n, max_model_len), dtype=torch.float32, device=q.device)
-    paged_mqa_logits_into(out, q, kv_cache, weights, context_lens, block_table, max_model_len)
-    return out
+    device = q.device
+    fill = _paged_mqa_logits_runner(q, kv_cache, weights, block_table, max_model_len, max_model_len, None, None, True)
+
+    def run(q, kv_cache, weights, context_lens, block_table, max_model_len):
+        out = torch.empty((b * next_n, max_model_len), dtype=torch.float32, device=device)
+        fill(out, q, kv_cache, weights, context_lens, block_table, max_model_len)
+        return out
+
+    return run
+
+
+def prepare_paged_mqa_logits_into(
+    out, q, kv_cache, weights, context_lens, block_table, max_model_len,
+    *, fp8_dot: bool | None = None, config: dict | None = None, clean: bool = True,
+):
+    """`run(out, q, kv_cache, weights, context_lens, block_table, max_model_len)`, which writes
+    every element of `out` `[B*next_n, max_model_len]`, for tensors of this signature;
+    `fp8_dot`/`config` override the device choice (tests use them for the fp16 path and
+    many small chunks).
+
+    `clean=False` (the composite: the top-k reads only each row's valid range) writes the
+    key tiles below each context only, not the -inf tail up to `max_model_len`."""
+    return _paged_mqa_logits_runner(q, kv_cache, weights, block_table, max_model_len, out.stride(0),
+                                    fp8_dot, config, clean)
 
 
 def paged_mqa_logits_into(
     out, q, kv_cache, weights, context_lens, block_table, max_model_len,
     *, fp8_dot: bool | None = None, config: dict | None = None, clean: bool = True,
 ) -> None:
-    """Write every element of `out` `[B*next_n, max_model_len]`; `fp8_dot`/`config`
-    override the device choice (tests use them for the fp16 path and many small chunks).
-
-    `clean=False` (the composite: the top-k reads only each row's valid range) writes the
-    key tiles below each context only, not the -inf tail up to `max_model_len`."""
-    b, next_n, h, d = q.shape
-    if b == 0:
-        return
-    bs = kv_cache.shape[1]
-    cfg = _config(PAGED_CONFIG, q.device, config)
-    block_n = cfg.pop("BLOCK_N")
-    chunk, chunks = paged_grid(b, max_model_len, block_n, q.device, cfg.pop("programs_per_sm"), cfg.pop("min_tiles"))
-    fp8_dot = fp8_dot_supported(q.device) if fp8_dot is None else fp8_dot
-    # Without fp8 dots the kernel reads bytes and decodes them (no fp8 type on the target).
-    q_arg, vals = (q, kv_cache.view(torch.float8_e4m3fn)) if fp8_dot else (q.view(torch.uint8), kv_cache)
-    _paged_mqa_logits_kernel[(b, chunks)](
-        q_arg, vals, kv_cache.view(torch.float32), weights, context_lens, block_table, out,
-        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
-        kv_cache.stride(0), kv_cache.stride(0) // 4, bs * d // 4, block_table.stride(0), out.stride(0),
-        max_model_len, chunk,
-        H=h, D=d, BS=bs, NEXT_N=next_n, BLOCK_H=_pow2(h, 16), BLOCK_D=_pow2(d, 32), BLOCK_N=block_n,
-        FP8_DOT=fp8_dot, ROW_ALIGN=_row_align(kv_cache.stride(0), d), CLEAN=clean,
-        **cfg,
-    )
+    """`prepare_paged_mqa_logits_into(...)` run once; the runner is kept per signature and options."""
+    key = _into_key("paged", (out, q, kv_cache, weights, context_lens, block_table), max_model_len, fp8_dot,
+                    _frozen(config), clean)
+    run = _into_runner(key, lambda: prepare_paged_mqa_logits_into(
+        out, q, kv_cache, weights, context_lens, block_table, max_model_len,
+        fp8_dot=fp8_dot, config=config, clean=clean))
+    run(out, q, kv_cache, weights, context_lens, block_table, max_model_len)
 
 
 # -- req_local_to_global_slots -------------------------------------------------------------
@@ -525,18 +644,31 @@ def _req_local_to_global_kernel(
     tl.store(out_ptr + t * stride_out + offs, tl.where(valid, slot, -1).to(tl.int32), mask=kmask)
 
 
-def req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block_size):
+def prepare_req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block_size):
     t, k = topk_indices.shape
-    out = torch.empty((t, k), dtype=torch.int32, device=topk_indices.device)
-    if t == 0 or k == 0:
-        return out
     b, mb = block_table.shape
+    device = topk_indices.device
+    if t == 0 or k == 0:
+        def run(req_id_per_token, block_table, topk_indices, block_size):
+            return torch.empty((t, k), dtype=torch.int32, device=device)
+        return run
     if b == 0 or mb == 0:
-        return out.fill_(-1)
+        def run(req_id_per_token, block_table, topk_indices, block_size):
+            return torch.full((t, k), -1, dtype=torch.int32, device=device)
+        return run
     block_k = min(1024, _pow2(k, 16))
-    _req_local_to_global_kernel[(t, triton.cdiv(k, block_k))](
-        req_id_per_token, block_table, topk_indices, out,
-        b, mb, k, block_table.stride(0), topk_indices.stride(0), topk_indices.stride(1), out.stride(0),
+    # topk_indices stands for the output here (bind reads only the device); the output is
+    # a fresh contiguous [T, K].
+    launch = bind(
+        _req_local_to_global_kernel, (t, triton.cdiv(k, block_k)),
+        req_id_per_token, block_table, topk_indices, topk_indices,
+        b, mb, k, block_table.stride(0), topk_indices.stride(0), topk_indices.stride(1), k,
         BS=block_size, BLOCK_K=block_k, num_warps=4,
     )
-    return out
+
+    def run(req_id_per_token, block_table, topk_indices, block_size):
+        out = torch.empty((t, k), dtype=torch.int32, device=device)
+        launch(req_id_per_token, block_table, topk_indices, out)
+        return out
+
+    return run
