@@ -105,3 +105,29 @@ def test_triton_kernels_read_only_constexpr_globals():
                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in plain and n.id not in local:
                     offenders.append(f"{path.relative_to(PKG)}:{n.lineno}: {fn.name} reads global {n.id}")
     assert not offenders, "\n".join(offenders)
+
+
+# `kernel[grid](...)` pays Triton's binder on every call (graphsafe.launch says what that
+# costs); op code binds its kernels once per signature with graphsafe.launch.bind. A line
+# that must launch the plain way (a one-time probe, never per call) says so with the
+# pragma `# graphsafe: plain-launch (<why>)`.
+PLAIN_LAUNCH = re.compile(r"\b\w+\[\(?[^\[\]]*\)?\]\(")
+ALLOW_PLAIN = "graphsafe: plain-launch"
+
+
+def test_op_code_launches_kernels_through_bound_launches():
+    offenders = []
+    for path in sorted((PKG / "ops").rglob("*.py")):
+        raw = path.read_text().splitlines()
+        jit_names = {fn.name for fn in _jit_functions(ast.parse(path.read_text()))} | {
+            n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name) and n.id.endswith("_kernel")
+        }
+        for lineno, code in _code_lines(path).items():
+            compact = code.replace(" ", "")
+            if lineno > len(raw) or ALLOW_PLAIN in raw[lineno - 1]:
+                continue
+            for match in PLAIN_LAUNCH.finditer(compact):
+                name = match.group(0).split("[", 1)[0]
+                if name in jit_names or name.endswith("kernel"):
+                    offenders.append(f"{path.relative_to(PKG)}:{lineno}: {raw[lineno - 1].strip()}")
+    assert not offenders, "plain kernel launches in op code (bind them: graphsafe.launch):\n" + "\n".join(offenders)
