@@ -34,8 +34,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"graphsafe::{name}{spec.schema}")
         print(f"    family: {spec.family}   mutates: {', '.join(spec.mutates_args) or '-'}   fake: {spec.fake.__module__}.{spec.fake.__name__}")
         print(f"    backends: {', '.join(spec.backends)}   available here: {available}   serving: {serving}")
-        if spec.workspace is not None:
-            print("    workspace: worst case from shapes via OpSpec.workspace_bytes(...)")
+        sized = [b for b, record in spec.backends.items() if record.workspace is not None]
+        if sized:
+            print(f"    workspace ({', '.join(sized)}): worst case from shapes via OpSpec.workspace_specs(...)")
+        fallbacks = [b for b, record in spec.backends.items() if record.supports is not None]
+        if fallbacks:
+            print(f"    per-shape support: {', '.join(fallbacks)} (other shapes go to the next backend)")
     return 0
 
 

@@ -37,6 +37,9 @@ class Problem:
     # Also time replays of a CUDA graph of the calls: the device time without the host's
     # launch cost (what a captured decode step sees). Bandwidth % uses it when it exists.
     graph: bool = True
+    # Times (in `unit`) measured by the case itself (e.g. the demo's step timing), reported
+    # as rows after the timed impls.
+    measured: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -275,10 +278,14 @@ def run_problem(problem: Problem, device: torch.device, ceilings: Ceilings) -> l
     rows: list[Row] = []
     first_ms = None
     host_us = _interleaved_host_us(problem, device) if problem.unit == "us" else {}
-    for label, fn in problem.impls.items():
+    scale = 1e-3 if problem.unit == "us" else 1.0
+    entries = [*problem.impls.items(), *((label, value * scale) for label, value in problem.measured.items())]
+    for label, fn in entries:
         eager_ms = cold_ms = None
         try:
-            if problem.unit == "us":
+            if not callable(fn):
+                ms = fn
+            elif problem.unit == "us":
                 value = host_us[label]
                 if isinstance(value, Exception):
                     raise value

@@ -30,7 +30,7 @@ def _fake(x: Tensor) -> None:
 
 
 @functools.cache
-def _variants():
+def dispatch_variants():
     """The same no-op registered four ways (once per process)."""
     lib = torch.library.Library("gs_bench_lib", "DEF")
     lib.define("noop(Tensor(a!) x) -> ()")
@@ -61,7 +61,7 @@ def _variants():
 
 @bench_case("dispatch_overhead")
 def dispatch_overhead(device: torch.device):
-    _lib, lib_op, custom_op, gs_public = _variants()
+    _lib, lib_op, custom_op, gs_public = dispatch_variants()
     gs_op = gs_public.spec.overload
     x = torch.empty(16, device=device)
     yield Problem(
