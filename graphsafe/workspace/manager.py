@@ -106,6 +106,23 @@ class WorkspaceStats:
     captured: bool
 
 
+class _Hold:
+    """The context of `WorkspaceManager.hold`: a class, not a generator (a composite op
+    enters one per call, and @contextmanager costs a few microseconds more)."""
+
+    __slots__ = ("_manager", "_base", "_previous")
+
+    def __init__(self, manager: WorkspaceManager, base: int) -> None:
+        self._manager, self._base = manager, base
+
+    def __enter__(self) -> None:
+        self._previous = self._manager._base
+        self._manager._base = self._base
+
+    def __exit__(self, *exc: object) -> None:
+        self._manager._base = self._previous
+
+
 class WorkspaceManager:
     """Scratch memory for one (device, lane). Get one with `current_workspace_manager`."""
 
@@ -231,8 +248,7 @@ class WorkspaceManager:
         self._peak = max(self._peak, required)
         self._ensure(required, owner)
 
-    @contextmanager
-    def hold(self, *views: torch.Tensor) -> Iterator[None]:
+    def hold(self, *views: torch.Tensor) -> _Hold:
         """Keep `views` (from this manager) valid while nested requests are served.
 
         A composite op that carves its intermediates and then calls other graphsafe ops
@@ -246,8 +262,7 @@ class WorkspaceManager:
                 torch.ops.graphsafe.top_k_per_row_decode(logits, ...)
         """
         if self._arena is None:
-            yield
-            return
+            return _Hold(self, self._base)
         start = self._arena.data_ptr()
         end = self._base
         for v in views:
@@ -256,12 +271,7 @@ class WorkspaceManager:
             if nbytes and not (0 <= offset and offset + nbytes <= self._size):
                 raise WorkspaceError("hold() takes views returned by this manager's get_simultaneous")
             end = max(end, offset + nbytes)
-        previous = self._base
-        self._base = _align(end)
-        try:
-            yield
-        finally:
-            self._base = previous
+        return _Hold(self, _align(end))
 
     def lock(self) -> None:
         """Refuse growth from now on (requests that fit are still served)."""

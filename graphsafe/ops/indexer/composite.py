@@ -38,6 +38,15 @@ PREFILL = "sparse_attn_indexer_prefill"
 PREPARE = " (prepare)"
 
 
+def _arena(device: torch.device, worst: int, owner: str):
+    """The device's workspace manager, grown to `worst` bytes if it is smaller (reserve()
+    is a no-op otherwise, but costs a call: a composite asks on every call)."""
+    ws = current_workspace_manager(device)
+    if ws.size_bytes < worst:
+        ws.reserve(nbytes=worst, owner=owner)
+    return ws
+
+
 def prepare_sparse_attn_indexer_decode(
     kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
     scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0,
@@ -53,9 +62,7 @@ def prepare_sparse_attn_indexer_decode(
     if t == 0:
         def run(kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
                 scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0) -> None:
-            ws = current_workspace_manager(device)
-            if ws.size_bytes < worst:
-                ws.reserve(nbytes=worst, owner=DECODE)
+            _arena(device, worst, DECODE)  # the worst case is reserved on every path
             quant(k, kv_cache, slot_mapping, d, scale_fmt)
 
         return run
@@ -71,9 +78,7 @@ def prepare_sparse_attn_indexer_decode(
 
     def run(kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
             scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0) -> None:
-        ws = current_workspace_manager(device)
-        if ws.size_bytes < worst:  # reserve() only once the arena is too small: it is no-op otherwise
-            ws.reserve(nbytes=worst, owner=DECODE)
+        ws = _arena(device, worst, DECODE)
         quant(k, kv_cache, slot_mapping, d, scale_fmt)
         (logits,) = ws.get_simultaneous(*specs, owner=DECODE)
         # q as [T, H, D]: the runner reads its address only (strides bound for [B, next_n, H, D]).
@@ -106,9 +111,7 @@ def prepare_sparse_attn_indexer_prefill(
         def run(kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke,
                 topk_indices, scale_fmt, topk, total_seq_lens, max_chunk_bytes=plan.DEFAULT_MAX_CHUNK_BYTES,
                 max_num_batched_tokens=0, max_total_seq_lens=0) -> None:
-            ws = current_workspace_manager(device)
-            if ws.size_bytes < worst:
-                ws.reserve(nbytes=worst, owner=PREFILL)
+            _arena(device, worst, PREFILL)  # the worst case is reserved on every path
             quant(k, kv_cache, slot_mapping, d, scale_fmt)
 
         return run
@@ -135,9 +138,7 @@ def prepare_sparse_attn_indexer_prefill(
         def run(kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke,
                 topk_indices, scale_fmt, topk, total_seq_lens, max_chunk_bytes=plan.DEFAULT_MAX_CHUNK_BYTES,
                 max_num_batched_tokens=0, max_total_seq_lens=0) -> None:
-            ws = current_workspace_manager(device)
-            if ws.size_bytes < worst:  # reserve() only once the arena is too small: it is no-op otherwise
-                ws.reserve(nbytes=worst, owner=PREFILL)
+            _arena(device, worst, PREFILL)  # the worst case is reserved on every path
             quant(k, kv_cache, slot_mapping, d, scale_fmt)
             keys, scales, logits = ws.get_simultaneous(*specs, owner=PREFILL)
             # logits is the last region: holding it holds the keys and scales before it.
@@ -159,9 +160,7 @@ def prepare_sparse_attn_indexer_prefill(
     def run(kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke,
             topk_indices, scale_fmt, topk, total_seq_lens, max_chunk_bytes=plan.DEFAULT_MAX_CHUNK_BYTES,
             max_num_batched_tokens=0, max_total_seq_lens=0) -> None:
-        ws = current_workspace_manager(device)
-        if ws.size_bytes < worst:
-            ws.reserve(nbytes=worst, owner=PREFILL)
+        ws = _arena(device, worst, PREFILL)
         quant(k, kv_cache, slot_mapping, d, scale_fmt)
         keys, scales, logits = ws.get_simultaneous(*specs, owner=PREFILL)
         outs = (logits,) * full + ((logits[:tail],) if tail else ())
