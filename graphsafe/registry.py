@@ -311,6 +311,33 @@ def _signature_key(stub: Impl) -> Impl:
     return namespace["signature_key"]
 
 
+_PREPARED: dict[Any, Impl] = {}
+
+
+def _signature_part(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.shape, x.stride(), x.dtype, x.device
+    if isinstance(x, dict):
+        return tuple(sorted((k, _signature_part(v)) for k, v in x.items()))
+    return x
+
+
+def prepared(prepare: Impl, *args: Any, **options: Any) -> Impl:
+    """`prepare(*args, **options)`'s runner, kept per signature of `args` (tensor metadata,
+    other values) and options, as the dispatcher keeps the ops' runners. For backend entry
+    points that take options beside the op's arguments (tuning configs, forced plans):
+    tests and benchmarks call them in loops and must not pay a prepare per call. Inputs
+    are not validated here."""
+    key = (prepare, *map(_signature_part, args), *((k, _signature_part(v)) for k, v in sorted(options.items())))
+    run = _PREPARED.get(key)
+    if run is None:
+        with _lock:
+            if len(_PREPARED) >= MAX_SIGNATURES:
+                _PREPARED.clear()
+        run = _PREPARED[key] = prepare(*args, **options)
+    return run
+
+
 def _make_kernel(spec: OpSpec, device_type: str) -> Impl:
     # The hot path: the signature, one dict lookup, the runner. Any failure (a new
     # signature, an unhashable argument, an argument without tensor metadata) takes the

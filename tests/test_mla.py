@@ -474,12 +474,14 @@ def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch
 def test_direct_calls_reuse_one_runner_per_signature_and_overrides(monkeypatch):
     """Direct calls with the same signature and overrides reuse one prepared runner."""
     args = _decode_args(torch.float16, [3, 0, 50, 96])
-    monkeypatch.setattr(tri, "_RUNNERS", {})
+    prepares = []
+    original = tri.prepare_mla_decode
+    monkeypatch.setattr(tri, "prepare_mla_decode", lambda *a, **k: prepares.append(k) or original(*a, **k))
     first = tri.mla_decode(*args, num_splits=3)
     second = tri.mla_decode(*args, num_splits=3)
-    assert torch.equal(first[0], second[0]) and len(tri._RUNNERS) == 1
+    assert torch.equal(first[0], second[0]) and len(prepares) == 1
     tri.mla_decode(*args, num_splits=2)
-    assert len(tri._RUNNERS) == 2
+    assert len(prepares) == 2
 
 
 def test_kernel_config_tiles_are_legal_dot_shapes():

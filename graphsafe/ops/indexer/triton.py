@@ -44,6 +44,7 @@ import triton.language as tl
 
 from graphsafe.device_info import compute_capability, num_sms
 from graphsafe.launch import bind
+from graphsafe.registry import prepared
 
 NEG_INF = tl.constexpr(float("-inf"))  # jit code reads only constexpr globals
 
@@ -311,27 +312,6 @@ def _mqa_logits_kernel(
 
 # Runners of the `*_into` helpers, per signature and options: `bind` costs far more than
 # a launch, and benchmarks call these helpers in a loop.
-_INTO_RUNNERS: dict = {}
-
-
-def _into_runner(key: tuple, make):
-    run = _INTO_RUNNERS.get(key)
-    if run is None:
-        if len(_INTO_RUNNERS) >= 256:
-            _INTO_RUNNERS.clear()
-        run = _INTO_RUNNERS[key] = make()
-    return run
-
-
-def _into_key(name: str, tensors: tuple, *options) -> tuple:
-    """Shapes, strides, dtypes and devices of `tensors` (never the tensors) and the options."""
-    return (name, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors), *options)
-
-
-def _frozen(config: dict | None):
-    return None if config is None else tuple(sorted(config.items()))
-
-
 # Launch configurations, per device type; the CUDA ones are tuned on an H100/H200 (bench case `fp8_paged_mqa_logits_tune`).
 MQA_CONFIG = {
     "cuda": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
@@ -418,10 +398,8 @@ def mqa_logits_into(
     out, q, k, k_scale, weights, ks, ke, *, fp8_dot: bool | None = None, config: dict | None = None, clean: bool = True,
 ) -> None:
     """`prepare_mqa_logits_into(...)` run once; the runner is kept per signature and options."""
-    key = _into_key("mqa", (out, q, k, k_scale, weights, ks, ke), fp8_dot, _frozen(config), clean)
-    run = _into_runner(key, lambda: prepare_mqa_logits_into(
-        out, q, k, k_scale, weights, ks, ke, fp8_dot=fp8_dot, config=config, clean=clean))
-    run(out, q, k, k_scale, weights, ks, ke)
+    args = (out, q, k, k_scale, weights, ks, ke)
+    prepared(prepare_mqa_logits_into, *args, fp8_dot=fp8_dot, config=config, clean=clean)(*args)
 
 
 # -- fp8_paged_mqa_logits (decode) ---------------------------------------------------------
@@ -617,12 +595,8 @@ def paged_mqa_logits_into(
     *, fp8_dot: bool | None = None, config: dict | None = None, clean: bool = True,
 ) -> None:
     """`prepare_paged_mqa_logits_into(...)` run once; the runner is kept per signature and options."""
-    key = _into_key("paged", (out, q, kv_cache, weights, context_lens, block_table), max_model_len, fp8_dot,
-                    _frozen(config), clean)
-    run = _into_runner(key, lambda: prepare_paged_mqa_logits_into(
-        out, q, kv_cache, weights, context_lens, block_table, max_model_len,
-        fp8_dot=fp8_dot, config=config, clean=clean))
-    run(out, q, kv_cache, weights, context_lens, block_table, max_model_len)
+    args = (out, q, kv_cache, weights, context_lens, block_table, max_model_len)
+    prepared(prepare_paged_mqa_logits_into, *args, fp8_dot=fp8_dot, config=config, clean=clean)(*args)
 
 
 # -- req_local_to_global_slots -------------------------------------------------------------

@@ -124,10 +124,6 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, kv
     """
 
 
-def _workspace(op, backend: str | None, device, args: tuple, kwargs: dict) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    return op.spec.workspace_specs(*args, device=device, backend=backend, **kwargs)
-
-
 def mla_decode_workspace_specs(
     batch: int,
     num_heads: int,
@@ -153,8 +149,8 @@ def mla_decode_workspace_specs(
 
     Reserve with `current_workspace_manager(device).reserve(*specs)` before capture.
     """
-    return _workspace(mla_decode, backend, device, (batch, num_heads, kv_lora_rank, max_kv_len),
-                      {"head_dim": head_dim, "dtype": dtype})
+    return mla_decode.spec.workspace_specs(batch, num_heads, kv_lora_rank, max_kv_len, device=device,
+                                           backend=backend, head_dim=head_dim, dtype=dtype)
 
 
 def sparse_mla_workspace_specs(
@@ -176,5 +172,5 @@ def sparse_mla_workspace_specs(
         topk: K (`indices.shape[1]`).
         device, backend, head_dim, dtype: as for `mla_decode_workspace_specs`.
     """
-    return _workspace(sparse_mla, backend, device, (num_tokens, num_heads, kv_lora_rank, topk),
-                      {"head_dim": head_dim, "dtype": dtype})
+    return sparse_mla.spec.workspace_specs(num_tokens, num_heads, kv_lora_rank, topk, device=device,
+                                           backend=backend, head_dim=head_dim, dtype=dtype)

@@ -58,6 +58,7 @@ from triton.runtime import OutOfResources
 from graphsafe.backends import triton_interpreter_enabled
 from graphsafe.launch import bind
 from graphsafe.ops.mla.splits import KernelConfig, forced_plan, max_shared_memory, partial_specs, plan_launch
+from graphsafe.registry import prepared
 from graphsafe.workspace import current_workspace_manager
 
 LOG2E = 1.4426950408889634
@@ -506,33 +507,14 @@ def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, *, config=N
 
 
 # Runners of direct calls (tests, the tune bench), per signature and overrides.
-_RUNNERS: dict[tuple, Launch] = {}
-
-
-def _meta(t: torch.Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.device
-
-
-def _runner(prepare, tensors: tuple, scalars: tuple, args: tuple, config, num_splits) -> Launch:
-    key = (prepare, *map(_meta, tensors), *scalars, config, num_splits)
-    run = _RUNNERS.get(key)
-    if run is None:
-        if len(_RUNNERS) >= 256:
-            _RUNNERS.clear()
-        run = _RUNNERS[key] = prepare(*args, config=config, num_splits=num_splits)
-    return run
-
-
 def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, config=None, num_splits=None):
     """Dense absorbed-MLA decode (inputs unchecked); `config` / `num_splits` override the
     plan (tests, tuning). Prepared once per signature and overrides."""
     args = (q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank)
-    run = _runner(prepare_mla_decode, args[:4], args[4:], args, config, num_splits)
-    return run(*args)
+    return prepared(prepare_mla_decode, *args, config=config, num_splits=num_splits)(*args)
 
 
 def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, *, config=None, num_splits=None):
     """Sparse absorbed-MLA attention over each token's own cache slots (inputs unchecked)."""
     args = (q, kv_cache, indices, sm_scale, kv_lora_rank)
-    run = _runner(prepare_sparse_mla, args[:3], args[3:], args, config, num_splits)
-    return run(*args)
+    return prepared(prepare_sparse_mla, *args, config=config, num_splits=num_splits)(*args)

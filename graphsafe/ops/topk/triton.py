@@ -438,28 +438,30 @@ def _prepare(
     return specs, strides, steps
 
 
-def _same_strides(scratch, strides) -> bool:
-    return (scratch[0].stride(0), scratch[1].stride(0)) == strides
+def _scratch_source(specs, strides, device: torch.device, owner: str):
+    """`take(scratch) -> (meta, cand)` of a prepared call: the workspace's views (specs
+    from `_prepare`), or the caller's own `scratch` (tests), which must have the strides
+    the launches were bound with; (None, None) where the plan needs none."""
+    if strides is None:
+        return lambda scratch: (None, None)
+
+    def take(scratch):
+        if scratch is None:
+            return current_workspace_manager(device).get_simultaneous(*specs, owner=owner)
+        assert (scratch[0].stride(0), scratch[1].stride(0)) == strides, "run with the scratch it was prepared with"
+        return scratch
+
+    return take
 
 
 def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk, *, scratch=None, **overrides):
     """The runner of one call signature: its plan and launches are fixed here. `scratch`
     and the overrides: `_prepare` (tests and tuning)."""
     specs, strides, steps = _prepare(logits, indices, topk, 1, False, scratch, **overrides)
-    device, owner = logits.device, "top_k_per_row_prefill"
-    if strides is None:  # nothing to select: no scratch
-
-        def run(logits, row_starts, row_ends, indices, topk, scratch=None) -> None:
-            steps(logits, row_starts, row_ends, row_starts, indices, None, None)
-
-        return run
+    take = _scratch_source(specs, strides, logits.device, "top_k_per_row_prefill")
 
     def run(logits, row_starts, row_ends, indices, topk, scratch=None) -> None:
-        if scratch is None:
-            meta, cand = current_workspace_manager(device).get_simultaneous(*specs, owner=owner)
-        else:
-            assert _same_strides(scratch, strides), "run with the scratch it was prepared with"
-            meta, cand = scratch
+        meta, cand = take(scratch)
         steps(logits, row_starts, row_ends, row_starts, indices, meta, cand)
 
     return run
@@ -468,20 +470,10 @@ def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk, *
 def prepare_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk, *, scratch=None, **overrides):
     """The runner of one call signature (see `prepare_top_k_per_row_prefill`)."""
     specs, strides, steps = _prepare(logits, indices, topk, next_n, True, scratch, **overrides)
-    device, owner = logits.device, "top_k_per_row_decode"
-    if strides is None:  # nothing to select: no scratch
-
-        def run(logits, next_n, seq_lens, indices, topk, scratch=None) -> None:
-            steps(logits, seq_lens, seq_lens, seq_lens, indices, None, None)
-
-        return run
+    take = _scratch_source(specs, strides, logits.device, "top_k_per_row_decode")
 
     def run(logits, next_n, seq_lens, indices, topk, scratch=None) -> None:
-        if scratch is None:
-            meta, cand = current_workspace_manager(device).get_simultaneous(*specs, owner=owner)
-        else:
-            assert _same_strides(scratch, strides), "run with the scratch it was prepared with"
-            meta, cand = scratch
+        meta, cand = take(scratch)
         steps(logits, seq_lens, seq_lens, seq_lens, indices, meta, cand)
 
     return run
