@@ -6,6 +6,7 @@ memory from a shared per-device workspace manager.
 """
 
 from graphsafe import ops
+from graphsafe.debug import debug_checks
 from graphsafe.errors import GraphsafeError, InputError, RegistrationError, WorkspaceError
 from graphsafe.ops import *  # noqa: F403 - the public op functions (graphsafe.<op>)
 from graphsafe.registry import get_op, ops as op_table, register_op, use_backend
@@ -19,6 +20,7 @@ __all__ = [
     "RegistrationError",
     "WorkspaceError",
     "current_workspace_manager",
+    "debug_checks",
     "get_op",
     "op_table",
     "ops",

@@ -168,8 +168,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.exit_code(rows)
 
 
+def _version_line() -> str:
+    import graphsafe
+
+    return f"graphsafe {graphsafe.__version__} (torch {torch.__version__})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphsafe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="every op with its schema and the backend serving it here")
     check = sub.add_parser("check", help="run the op contract on every op and device here")

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from graphsafe.backends import AUTO_ORDER, BACKENDS, backend_available
-from graphsafe.errors import RegistrationError
+from graphsafe.debug import STATE as debug_state
+from graphsafe.errors import InputError, RegistrationError, as_traced_error
 
 Impl = Callable[..., Any]
 # An impl, prepare, supports or workspace function is either a function or a lazy
@@ -128,6 +129,8 @@ class OpSpec:
     overload: Any = None  # torch._ops.OpOverload, set after `define`
     public: Any = None  # the Python function users call (docstring of the stub)
     signature_key: Impl | None = field(default=None, repr=False)  # args -> hashable signature
+    # Value checks of the debug switch (graphsafe.debug): index ranges, host-int preconditions.
+    debug_check: BackendRef | None = field(default=None, repr=False)
     _tables: dict[str, dict[Any, Impl]] = field(default_factory=dict, repr=False)
     _resolved: dict[tuple[str, str], Impl | None] = field(default_factory=dict, repr=False)
 
@@ -155,6 +158,17 @@ class OpSpec:
             fn.__name__ = f"{self.name}_{backend}"
         self._resolved[key] = fn
         return fn
+
+    def run_debug_check(self, *args: Any, **kwargs: Any) -> None:
+        """The op's value checks (`graphsafe.debug_checks`): they read tensor values, so they
+        sync; skipped while a CUDA graph is being captured."""
+        fn = self._resolved.get(("", "debug_check"))
+        if fn is None:
+            fn = self._resolved[("", "debug_check")] = _resolve(self.debug_check)
+        from graphsafe.debug import checks_can_run
+
+        if fn is not None and checks_can_run(*args):
+            fn(*args, **kwargs)
 
     def backend_impl(self, backend: str) -> Impl:
         """The impl of `backend` (inputs unchecked; prepared afresh on every call)."""
@@ -351,10 +365,26 @@ def _make_kernel(spec: OpSpec, device_type: str) -> Impl:
             run = table[key_of(*args, **kwargs)]
         except Exception:  # noqa: BLE001 - see above
             run = spec._bind(device_type, table, args, kwargs)
+        if debug_state[0]:
+            spec.run_debug_check(*args, **kwargs)
         return run(*args, **kwargs)
 
     kernel.__name__ = f"graphsafe_{spec.name}_{device_type}"
     return kernel
+
+
+def _fake_raising_traced_errors(fake: Impl) -> Impl:
+    """The fake as registered: an InputError leaves it as `as_traced_error(err)`, so that
+    `except graphsafe.InputError` catches it under torch.compile too (see graphsafe.errors)."""
+
+    @functools.wraps(fake)
+    def traced_fake(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fake(*args, **kwargs)
+        except InputError as err:
+            raise as_traced_error(err) from None
+
+    return traced_fake
 
 
 class Registry:
@@ -374,6 +404,7 @@ class Registry:
         backends: dict[str, Backend | BackendRef],
         mutates_args: Iterable[str] = (),
         family: str = "",
+        debug_check: BackendRef | None = None,
     ) -> Callable[[Impl], Impl]:
         """Decorator over a typed signature stub; returns the public Python function.
 
@@ -385,6 +416,9 @@ class Registry:
                 just its impl (a function or "pkg.mod:fn"); reference required.
             mutates_args: exactly the tensor args the op writes; the op must return None.
             family: the op family folder (`cache`, `ragged`, ...).
+            debug_check: value checks run on every call while `graphsafe.debug_checks` is on
+                (index ranges, host-int preconditions; they may sync), a function or
+                "pkg.mod:fn" taking the op's args.
         """
         if isinstance(mutates_args, str):
             raise RegistrationError(
@@ -427,11 +461,12 @@ class Registry:
                 family=family,
                 doc=inspect.getdoc(stub) or "",
                 signature_key=_signature_key(stub),
+                debug_check=debug_check,
             )
             self.lib.define(name + schema)
             for device_type, key in DISPATCH_KEYS.items():
                 self.lib.impl(name, _make_kernel(spec, device_type), key)
-            torch.library.register_fake(spec.qualname, fake, lib=self.lib)
+            torch.library.register_fake(spec.qualname, _fake_raising_traced_errors(fake), lib=self.lib)
             spec.overload = getattr(getattr(torch.ops, self.namespace), name).default
             self.ops[name] = spec
 

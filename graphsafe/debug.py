@@ -1,0 +1,118 @@
+"""Debug checks: what an op cannot check without reading its tensors' values.
+
+Index values (block ids, cache slots, row ranges) and host-int preconditions (a
+`max_seqlen` at least every real length, `cu_seqlens` that never decrease) need the
+values of device tensors, so checking them costs a host sync per call: never on by
+default, never inside a captured CUDA graph. An id out of range is not an error for the
+ops (each op documents it as padding, the same on every backend); it usually is a bug in
+the caller, and this switch finds it: with it on, every op call runs its `debug_check`,
+which raises `graphsafe.InputError` naming the op, the argument, the allowed range and
+the first offending value.
+
+    GRAPHSAFE_DEBUG_CHECKS=1 python my_server.py       # or, from Python:
+    graphsafe.debug_checks(True)
+    with graphsafe.debug_checks():                      # on inside the block
+        ...
+
+The checks are skipped while the current stream captures a CUDA graph (a sync there
+would invalidate the capture) and while torch.compile traces (fake tensors have no values).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from graphsafe.errors import InputError
+
+# Read by the registry's dispatcher kernel on every call: one list index, no function call.
+STATE = [os.environ.get("GRAPHSAFE_DEBUG_CHECKS", "0").strip().lower() not in ("", "0", "false", "no", "off")]
+
+
+class debug_checks:
+    """Turn the debug checks on (default) or off; as a context manager, restore on exit."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self._saved = STATE[0]
+        STATE[0] = bool(enabled)
+
+    def __enter__(self) -> debug_checks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        STATE[0] = self._saved
+
+
+def debug_checks_enabled() -> bool:
+    return STATE[0]
+
+
+def checks_can_run(*tensors: Any) -> bool:
+    """False while a CUDA graph is being captured on the current stream."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            return not torch.cuda.is_current_stream_capturing()
+    return True
+
+
+def _fail(op: str, arg: str, expected: str, got: str) -> None:
+    raise InputError(f"graphsafe.{op}: argument '{arg}' must be {expected}, got {got} (GRAPHSAFE_DEBUG_CHECKS)")
+
+
+def _where(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def ids_in_range(op: str, arg: str, ids: torch.Tensor, high: int, *, used: torch.Tensor | None = None,
+                 padding: int | None = -1, what: str = "ids") -> None:
+    """Every id (where `used`, a bool mask of ids's shape, is True) is in `[0, high)` or
+    equals `padding`."""
+    ids = ids.detach()
+    bad = (ids < 0) | (ids >= high)
+    if padding is not None:
+        bad &= ids != padding
+    if used is not None:
+        bad &= used.to(ids.device)
+    if bool(bad.any()):
+        at = _where(bad.cpu())
+        pad = f" or {padding} (padding)" if padding is not None else ""
+        _fail(op, arg, f"{what} in [0, {high}){pad}", f"{int(ids.cpu()[at])} at index {list(at)}")
+
+
+def values_at_most(op: str, arg: str, values: torch.Tensor, limit: int, why: str) -> None:
+    """Every value of `values` is <= `limit` (`why` names the limit)."""
+    over = values.detach() > limit
+    if bool(over.any()):
+        at = _where(over.cpu())
+        _fail(op, arg, f"at most {limit} ({why})", f"{int(values.cpu()[at])} at index {list(at)}")
+
+
+def values_at_least(op: str, arg: str, values: torch.Tensor, limit: int, why: str) -> None:
+    under = values.detach() < limit
+    if bool(under.any()):
+        at = _where(under.cpu())
+        _fail(op, arg, f"at least {limit} ({why})", f"{int(values.cpu()[at])} at index {list(at)}")
+
+
+def non_decreasing(op: str, arg: str, values: torch.Tensor) -> None:
+    """`values` (1-D) never decreases."""
+    v = values.detach().reshape(-1)
+    if v.numel() > 1:
+        down = v[1:] < v[:-1]
+        if bool(down.any()):
+            i = int(down.nonzero()[0, 0])
+            _fail(op, arg, "non-decreasing", f"{int(v[i])} then {int(v[i + 1])} at index {i}")
+
+
+def max_of_differences_at_most(op: str, arg: str, cu: torch.Tensor, limit: int, limit_arg: str) -> None:
+    """Every length `cu[i + 1] - cu[i]` is at most `limit` (the value passed as `limit_arg`)."""
+    v = cu.detach().reshape(-1).to(torch.int64)
+    if v.numel() > 1:
+        lengths = v[1:] - v[:-1]
+        over = lengths > limit
+        if bool(over.any()):
+            i = int(over.nonzero()[0, 0])
+            _fail(op, arg, f"a length of at most {limit_arg} = {limit} per sequence",
+                  f"length {int(lengths[i])} for sequence {i}")
