@@ -373,18 +373,51 @@ def _make_kernel(spec: OpSpec, device_type: str) -> Impl:
     return kernel
 
 
-def _fake_raising_traced_errors(fake: Impl) -> Impl:
+def _fake_raising_traced_errors(fake: Impl, check: Impl) -> Impl:
     """The fake as registered: an InputError leaves it as `as_traced_error(err)`, so that
-    `except graphsafe.InputError` catches it under torch.compile too (see graphsafe.errors)."""
+    `except graphsafe.InputError` catches it under torch.compile too (see graphsafe.errors).
+    Under dynamic shapes the message would show symbols (`got shape [s17]`): the check is
+    then run again on fake tensors of the call's concrete sizes, so the message is the
+    eager one."""
 
     @functools.wraps(fake)
     def traced_fake(*args: Any, **kwargs: Any) -> Any:
         try:
             return fake(*args, **kwargs)
         except InputError as err:
-            raise as_traced_error(err) from None
+            raise as_traced_error(_concrete_error(err, check, args, kwargs)) from None
 
     return traced_fake
+
+
+def _concrete(x: Any) -> Any:
+    """A SymInt's value in this call (its hint), or `x` unchanged."""
+    if isinstance(x, torch.SymInt):
+        return int(x.node.shape_env.size_hint(x.node.expr))
+    return x
+
+
+def _concrete_error(err: InputError, check: Impl, args: tuple, kwargs: dict) -> InputError:
+    symbolic = [a for a in args if isinstance(a, torch.SymInt) or (
+        isinstance(a, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*a.shape, *a.stride())))]
+    if not symbolic:
+        return err
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    try:
+        with unset_fake_temporarily(), FakeTensorMode():
+            concrete = tuple(
+                torch.empty_strided([_concrete(s) for s in a.shape], [_concrete(s) for s in a.stride()],
+                                    dtype=a.dtype, device=a.device)
+                if isinstance(a, torch.Tensor) else _concrete(a)
+                for a in args
+            )
+            check(*concrete, **kwargs)
+    except InputError as concrete_err:
+        return concrete_err
+    except Exception:  # noqa: BLE001 - keep the symbolic message rather than lose the error
+        return err
+    return err
 
 
 class Registry:
@@ -466,7 +499,7 @@ class Registry:
             self.lib.define(name + schema)
             for device_type, key in DISPATCH_KEYS.items():
                 self.lib.impl(name, _make_kernel(spec, device_type), key)
-            torch.library.register_fake(spec.qualname, _fake_raising_traced_errors(fake), lib=self.lib)
+            torch.library.register_fake(spec.qualname, _fake_raising_traced_errors(fake, check), lib=self.lib)
             spec.overload = getattr(getattr(torch.ops, self.namespace), name).default
             self.ops[name] = spec
 
