@@ -17,9 +17,13 @@ if [ ! -x .venv/bin/python ]; then
     fi
 fi
 VPY=.venv/bin/python
-if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+PINS=()
+if ! "$VPY" -c "import torch" >/dev/null 2>&1 || "$VPY" -c "import sys, torch; sys.exit(torch.__version__ != '2.13.0+cpu')"; then
+    # The CPU build (CI's machine): every other package at the versions of
+    # scripts/constraints.txt, so a release elsewhere cannot change what CI runs.
     "$VPY" -m pip install -q "torch==2.13.0"
+    PINS=(-c scripts/constraints.txt)
 fi
 # oracle: transformers, the reference the model tests compare with (no torch dependency).
-"$VPY" -m pip install -q -e ".[test,oracle]"
+"$VPY" -m pip install -q "${PINS[@]}" -e ".[test,oracle]"
 "$VPY" -c "import torch, graphsafe; print(f'graphsafe {graphsafe.__version__} with torch {torch.__version__}, cuda available: {torch.cuda.is_available()}')"

@@ -31,7 +31,43 @@ def test_setup_pins_the_cpu_torch_build():
     assert '"torch==2.13.0"' in setup
 
 
-def test_readme_example_runs():
+def test_readme_example_runs_with_public_names_only(capsys):
     code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    private = re.findall(r"^\s*(?:from|import) (graphsafe\S*\._\w+)", code, re.M)
+    assert not private, f"the README example imports private modules: {private}"
     code = code.replace('new_registry("my_lib")', 'new_registry("my_lib_readme_test")')
     exec(compile(code, "README.md", "exec"), {})
+    # The example's bad call is refused under torch.compile with the eager message.
+    assert "my_lib.scaled_add: argument 'y' must be of the shape of x [4], got [5]" in capsys.readouterr().out
+
+
+def test_package_ships_py_typed_and_license():
+    assert (ROOT / "graphsafe" / "py.typed").is_file()
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'license-files = ["LICENSE"]' in pyproject and '"py.typed"' in pyproject
+
+
+def test_version_flag():
+    import subprocess
+    import sys
+
+    import graphsafe
+
+    out = subprocess.run([sys.executable, "-m", "graphsafe", "--version"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith(f"graphsafe {graphsafe.__version__} "), out
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'version = "{graphsafe.__version__}"' in pyproject
+
+
+def test_ci_installs_bounded_versions():
+    """A release elsewhere cannot turn CI red: every package the CPU set-up installs is pinned."""
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert "scripts/constraints.txt" in setup
+    pins = [line.split("#")[0].strip() for line in (ROOT / "scripts" / "constraints.txt").read_text().splitlines()]
+    pins = [p for p in pins if p]
+    names = {re.split(r"[=<>!~]", p)[0].lower() for p in pins}
+    for package in ("triton", "numpy", "hypothesis", "pytest", "transformers"):
+        assert package in names, f"{package} is not pinned in scripts/constraints.txt"
+    assert all("==" in p for p in pins), pins
