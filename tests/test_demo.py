@@ -137,7 +137,7 @@ def _check_table(text: str, batches=(1, 3), picks_equal=True, no_recompiles=True
         if picks_equal:
             assert rows[("compiled", b)].endswith("yes"), "compiled picks equal eager's"
         else:
-            assert re.search(r"(yes|no: \d+/\d+ picks)$", rows[("compiled", b)]), rows[("compiled", b)]
+            assert re.search(r"(yes|near-tie: \d+/\d+ picks \(\d+ flips?, all at near-ties\))$", rows[("compiled", b)]), rows[("compiled", b)]
         assert rows[("compiled+graphs", b)].strip() == "n/a (no CUDA)"
 
 
@@ -197,8 +197,19 @@ def test_agreement_text():
     other = ref.clone()
     other[1, 0] = 9
     other[2, 1] = 9
-    assert demo._agreement(other, ref) == "no: 4/6 picks"
+    assert demo._agreement(other, ref) == "NO: 4/6 picks (2 of 2 flips not at a near-tie)"
+    near = torch.zeros(3, 2, dtype=torch.bool)
+    near[1, 0] = True
+    assert demo._agreement(other, ref, near) == "NO: 4/6 picks (1 of 2 flips not at a near-tie)"
+    near[2, 1] = True
+    assert demo._agreement(other, ref, near) == "near-tie: 4/6 picks (2 flips, all at near-ties)"
     assert demo._agreement(ref, None).startswith("n/a")
+
+
+def test_near_ties_are_flagged_from_the_top_two_logits():
+    logits = torch.tensor([[10.0, 9.99, 0.0], [10.0, 5.0, 0.0], [-3.0, -3.01, -9.0]]).bfloat16()
+    picks, near = demo.greedy_with_near_ties(logits)
+    assert picks.tolist() == [0, 0, 0] and near.tolist() == [True, False, True]
 
 
 def test_bad_options_are_refused():
