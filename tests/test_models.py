@@ -518,3 +518,24 @@ def test_demo_model_builds_without_transformers(monkeypatch):
     assert hf is None and len(model.layers) == 1
     state = model.new_state()
     assert model.prefill(state, [[1, 2, 3]]).shape == (1, model.cfg.vocab_size)
+
+
+def test_precision_comparison_measures_the_fp8_prefill():
+    """`compare_decoding` (README "Prefill precision"): a model against itself differs by
+    nothing; the fp8 dense prefill ("on"; "auto" is "off" on a CPU) moves logits by about
+    fp8 rounding, against bf16 and against transformers' float32 forward."""
+    from graphsafe.models.precision import compare_decoding
+
+    off, hf = build_demo_model("cpu", torch.bfloat16, seed=1, prefill_fp8="off", index_topk=64)
+    same, _ = build_demo_model("cpu", torch.bfloat16, seed=1, prefill_fp8="off", index_topk=64, with_hf=False)
+    fp8, _ = build_demo_model("cpu", torch.bfloat16, seed=1, prefill_fp8="on", index_topk=64, with_hf=False)
+    assert build_demo_model("cpu", torch.bfloat16, seed=1, with_hf=False)[0].cfg.prefill_fp8 == "auto"
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, off.cfg.vocab_size, (n,), generator=g).tolist() for n in (40, 17, 9)]
+    exact = compare_decoding(off, same, prompts, 3)
+    assert exact["b_vs_a"]["peak_err_max"] == 0 and exact["b_vs_a"]["agree"] == 1
+    result = compare_decoding(off, fp8, prompts, 3, oracle=hf.float() if hf is not None else None)
+    assert 0 < result["b_vs_a"]["rel_l2_median"] <= 0.05, result
+    if hf is not None:
+        assert result["a_vs_oracle"]["rel_l2_max"] <= 0.02, result
+        assert result["b_vs_oracle"]["rel_l2_max"] <= 0.06, result

@@ -44,9 +44,12 @@ class ModelConfig:
     # Indexer fp8 scale format: "ue8m0" (power-of-two scales, DeepSeek-V3.2's checkpoint
     # setting) or None (plain float32 scales).
     index_scale_fmt: str | None = "ue8m0"
-    # `flash_attn_varlen`'s fp8 switch for the dense prefill ("off": bf16 like the oracle;
-    # "auto": fp8 where the device has fp8 matrix units).
-    prefill_fp8: str = "off"
+    # `flash_attn_varlen`'s fp8 switch for the dense prefill. The op itself keeps its
+    # inputs' precision (its default is "off"); the model owns this accuracy trade:
+    # "auto" runs fp8 Q/K/V where the device has fp8 matrix units (sm_89+; elsewhere bf16),
+    # "off" keeps bf16 (the transformers oracle's numerics), "on" forces fp8. The effect on
+    # the model's logits and greedy picks is measured in README.md ("Prefill precision").
+    prefill_fp8: str = "auto"
 
     @property
     def qk_head_dim(self) -> int:

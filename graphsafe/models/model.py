@@ -229,7 +229,7 @@ class DeepseekV32Model(nn.Module):
         chunk budget `max_num_batched_tokens` and `max_batch * max_model_len`): the sparse
         indexer composite (its bound covers every smaller chunk) and `sparse_mla` at every
         token count (its split plan is not monotonic). The dense path's
-        `flash_attn_varlen` runs with `prefill_fp8="off"` by default and needs none."""
+        `flash_attn_varlen` needs scratch only for its fp8 path (`prefill_fp8` not "off")."""
         if max_tokens is None:
             max_tokens = min(self.max_num_batched_tokens, self.max_batch * self.max_model_len)
         t = max_tokens
