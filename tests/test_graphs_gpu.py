@@ -253,3 +253,50 @@ def test_demo_on_the_gpu_reports_sync_and_allocation_free_graphs():
         assert graphs.graph_breaks == 0, text
         assert "= compiled: NO" not in graphs.agree, text
         assert by[("eager", b)].syncs_fwd is not None, text  # counted on CUDA
+
+
+@pytest.mark.slow
+def test_ten_thousand_replays_of_the_demo_step_grow_nothing():
+    """10,000 whole decode steps (metadata build, replay, bookkeeping) of the demo model's
+    compiled step captured as the demo does, contexts growing from 40 to 10,040 tokens: the
+    caching allocator's counters and the workspace stay where they were after the first
+    steps, and no step syncs."""
+    from graphsafe.models import build_demo_model
+
+    steps, prompt = 10_000, PROMPT
+    model, _ = build_demo_model(CUDA, torch.bfloat16, seed=0, with_hf=False, max_batch=4,
+                                max_model_len=prompt + steps + 64)
+
+    def greedy(inputs):
+        return model.decode_step(inputs).argmax(-1)
+
+    runner = _runner(model, torch.compile(greedy, fullgraph=True, dynamic=True), (1, 2, 4))
+    ws = current_workspace_manager(CUDA)
+    keys = ("allocation.all.allocated", "segment.all.allocated", "allocated_bytes.all.current",
+            "reserved_bytes.all.current", "num_alloc_retries")
+    with torch.no_grad():
+        state = model.new_state()
+        tokens = model.prefill(state, _prompts(model, 4, 7)).argmax(-1)
+        picks = torch.empty(2, 4, dtype=torch.int64, device=CUDA)
+
+        def step(i, tokens):
+            picks[i % 2].copy_(runner(model.decode_inputs(state, tokens)))
+            model.advance(state, picks[i % 2])
+            return picks[i % 2]
+
+        warm = 8  # the first steps create every lazy host/device buffer
+        for i in range(warm):
+            tokens = step(i, tokens)
+        torch.cuda.synchronize()
+        before = {k: torch.cuda.memory_stats(CUDA).get(k, 0) for k in keys}
+        ws_before = (ws.size_bytes, ws.stats().grow_count)
+        with no_sync():
+            for i in range(warm, steps):
+                tokens = step(i, tokens)
+        torch.cuda.synchronize()
+    after = {k: torch.cuda.memory_stats(CUDA).get(k, 0) for k in keys}
+    assert after == before, {k: (before[k], after[k]) for k in keys if before[k] != after[k]}
+    assert (ws.size_bytes, ws.stats().grow_count) == ws_before
+    assert runner.stats.total_replays == steps
+    assert state.seq_lens[:4].tolist() == [prompt + steps] * 4
+    runner.close()
