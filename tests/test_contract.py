@@ -101,6 +101,81 @@ def test_backend_matches_reference(name, device, backend, data):
     C.check_backend_matches_reference(spec, spec.case, backend, args, params)
 
 
+def _every_backend_params():
+    for name in OPS:
+        for device in DEVICES:
+            for backend in graphsafe.get_op(name).available_backends(device):
+                yield pytest.param(name, device, backend, id=f"{name}-{device}-{backend}")
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_case_declares_unread_out_of_range_and_nonfinite(name):
+    """Every op states what it never reads, which ids it takes, how it treats NaN/inf,
+    and has value checks for the debug switch: a new op cannot skip these checks."""
+    spec = graphsafe.get_op(name)
+    case = spec.case
+    for field in ("unread", "out_of_range", "nonfinite"):
+        assert getattr(case, field) is not None, (
+            f"{name}: OpCase.{field} is not declared (use reads_every_element / takes_no_ids / reads_no_floats "
+            "from graphsafe.testing.cases when it does not apply)")
+    assert spec.debug_check is not None, f"{name}: register_op(..., debug_check=...) is missing"
+
+
+@pytest.mark.parametrize("name,device,backend", list(_every_backend_params()))
+@given(data=st.data())
+def test_unread_inputs_never_reach_an_output(name, device, backend, data):
+    spec = graphsafe.get_op(name)
+    params, args = _draw(data, name, device)
+    C.check_unread_inputs_never_matter(spec, spec.case, backend, params, args)
+
+
+@pytest.mark.parametrize("name,device,backend", list(_every_backend_params()))
+def test_unread_inputs_never_reach_an_output_on_edge_cases(name, device, backend):
+    spec = graphsafe.get_op(name)
+    for params, args in C.example_inputs(spec.case, torch.device(device)):
+        C.check_unread_inputs_never_matter(spec, spec.case, backend, params, args)
+
+
+@pytest.mark.parametrize("name,device,backend", list(_every_backend_params()))
+@given(data=st.data())
+def test_out_of_range_ids_act_as_padding(name, device, backend, data):
+    spec = graphsafe.get_op(name)
+    params, args = _draw(data, name, device)
+    C.check_out_of_range_ids_are_padding(spec, spec.case, backend, params, args, seed=data.draw(st.integers(0, 99)))
+
+
+@pytest.mark.parametrize("name,device,backend", list(_backend_params()))
+@given(data=st.data())
+def test_nonfinite_inputs_give_the_reference_result(name, device, backend, data):
+    spec = graphsafe.get_op(name)
+    params, args = _draw(data, name, device)
+    C.check_nonfinite_inputs_agree(spec, spec.case, backend, params, args, seed=data.draw(st.integers(0, 99)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+def test_debug_switch_refuses_out_of_range_ids(name, device):
+    spec = graphsafe.get_op(name)
+    for params, args in C.example_inputs(spec.case, torch.device(device)):
+        C.check_debug_switch_refuses_out_of_range_ids(spec, spec.case, params, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", OPS)
+def test_bad_inputs_raise_input_error_under_compile(name, device):
+    """The same InputError, first line and class, from `torch.compile(fullgraph=True)`."""
+    spec = graphsafe.get_op(name)
+    for bad in spec.case.bad_inputs(torch.device(device), torch.Generator().manual_seed(0)):
+        with pytest.raises(graphsafe.InputError) as eager:
+            spec.public(*C.clone_args(bad.args))
+        for dynamic in (False, True):  # symbolic sizes in the message read as their values
+            torch._dynamo.reset()
+            compiled = torch.compile(spec.public, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+            with pytest.raises(graphsafe.InputError) as traced:
+                compiled(*C.clone_args(bad.args))
+            assert str(traced.value).splitlines()[0] == str(eager.value).splitlines()[0], (bad.what, dynamic)
+
+
 @pytest.mark.parametrize("name,device,backend", list(_backend_params()))
 def test_backend_matches_reference_on_edge_cases(name, device, backend):
     spec = graphsafe.get_op(name)

@@ -56,6 +56,8 @@ def _code_lines(path: pathlib.Path) -> dict[int, str]:
 def test_op_implementations_have_no_obvious_host_syncs():
     offenders = []
     for path in sorted((PKG / "ops").rglob("*.py")):
+        if path.name == "debug.py":  # the debug switch's value checks: they read values by design
+            continue
         raw = path.read_text().splitlines()
         for lineno, code in _code_lines(path).items():
             if lineno > len(raw) or ALLOW_SYNC in raw[lineno - 1]:
@@ -131,3 +133,18 @@ def test_op_code_launches_kernels_through_bound_launches():
                 if name in jit_names or name.endswith("kernel"):
                     offenders.append(f"{path.relative_to(PKG)}:{lineno}: {raw[lineno - 1].strip()}")
     assert not offenders, "plain kernel launches in op code (bind them: graphsafe.launch):\n" + "\n".join(offenders)
+
+
+def test_debug_checks_are_reached_only_through_the_switch():
+    """ops/<family>/debug.py may sync (they read values): no op code imports them; the
+    registry calls them, by their "module:function" reference, only while
+    `graphsafe.debug_checks` is on."""
+    offenders = []
+    for path in sorted((PKG / "ops").rglob("*.py")):
+        if path.name == "debug.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and (
+                node.module.endswith(".debug") or any(a.name == "debug" for a in node.names)):
+                offenders.append(f"{path.relative_to(PKG)}:{node.lineno}")
+    assert not offenders, "op code imports a debug module:\n" + "\n".join(offenders)

@@ -140,6 +140,176 @@ def check_runner_keeps_no_inputs(spec: OpSpec, case: OpCase, backend: str, param
         assert not alive, f"{spec.name}[{backend}]: tensor inputs {alive} stay alive after the call"
 
 
+# -- unread elements, ids out of range, non-finite inputs ---------------------------------
+def poison_value(dtype: torch.dtype) -> Any:
+    """What an unread element is filled with: NaN for floats (fp8 included), 0xFF bytes
+    for uint8 (an fp8 NaN, a NaN float32 scale), the most negative value for other ints."""
+    if dtype.is_floating_point:
+        return float("nan")
+    if dtype == torch.uint8:
+        return 0xFF
+    return torch.iinfo(dtype).min
+
+
+def poisoned(args: tuple, marks) -> tuple:
+    """Copies of `args` with every element in `marks` ([(arg_index, mask), ...]) poisoned."""
+    out = list(clone_args(args))
+    for index, mask in marks:
+        t = out[index]
+        assert isinstance(t, torch.Tensor) and mask.shape == t.shape, f"unread mask of argument {index}: shape"
+        if t.dtype in _FP8:
+            t.view(torch.uint8).masked_fill_(mask.to(t.device), 0x7F)
+        else:
+            t.masked_fill_(mask.to(t.device), poison_value(t.dtype))
+    return tuple(out)
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(bits) if t.dim() else t.reshape(1).view(bits)
+
+
+def assert_bits_equal(expected: Any, actual: Any, what: str) -> None:
+    """Recursively: same tensors bit for bit (a NaN equals a NaN of the same bits)."""
+    e_list, a_list = _tensors(expected), _tensors(actual)
+    assert len(e_list) == len(a_list), f"{what}: {len(a_list)} tensors, expected {len(e_list)}"
+    for i, (e, a) in enumerate(zip(e_list, a_list)):
+        assert e.shape == a.shape and e.dtype == a.dtype, f"{what}[{i}]: shape/dtype differ"
+        diff = (_as_bits(e) != _as_bits(a)).cpu()
+        if diff.any():
+            first = tuple(int(x) for x in diff.nonzero()[0])
+            raise AssertionError(
+                f"{what}[{i}]: {int(diff.sum())} of {diff.numel()} elements differ; first at {first}: "
+                f"{a.contiguous().reshape(diff.shape)[first]} instead of {e.contiguous().reshape(diff.shape)[first]}"
+            )
+
+
+def _mutated_indices(spec: OpSpec) -> list[int]:
+    return [i for i, a in enumerate(spec.overload._schema.arguments) if a.name in spec.mutates_args]
+
+
+def check_unread_inputs_never_matter(spec: OpSpec, case: OpCase, backend: str, params: Params, args: tuple) -> int:
+    """Poison every element the case marks unread: outputs stay bit-equal to the clean
+    call's, and a mutated argument holds, element by element, what the clean call left
+    there or (where the op wrote nothing) the poison. Returns the number of poisoned elements."""
+    assert case.unread is not None, f"{spec.name}: its test case does not declare `unread`"
+    marks = list(case.unread(params, args))
+    if not marks:
+        return 0
+    clean, dirty = clone_args(args), poisoned(args, marks)
+    dirty_before = clone_args(dirty)
+    expected = run_backend(spec, backend, clean)
+    actual = run_backend(spec, backend, dirty)
+    assert_bits_equal(expected, actual, f"{spec.name}[{backend}] output with unread elements poisoned")
+    for i in _mutated_indices(spec):
+        if i >= len(args) or not isinstance(args[i], torch.Tensor):
+            continue
+        got, want, untouched = _as_bits(dirty[i]), _as_bits(clean[i]), _as_bits(dirty_before[i])
+        bad = ((got != want) & (got != untouched)).cpu()
+        assert not bad.any(), (
+            f"{spec.name}[{backend}]: argument {i} differs from the clean call at {int(bad.sum())} elements "
+            f"with unread elements poisoned (first at {tuple(int(x) for x in bad.nonzero()[0])})"
+        )
+    return sum(int(m.sum()) for _, m in marks)
+
+
+def check_out_of_range_ids_are_padding(spec: OpSpec, case: OpCase, backend: str, params: Params, args: tuple,
+                                       seed: int = 0) -> bool:
+    """Ids outside their range act as the documented padding value, bit for bit, and the
+    backend agrees with the reference on them. Returns False when the op takes no ids."""
+    assert case.out_of_range is not None, f"{spec.name}: its test case does not declare `out_of_range`"
+    pair = case.out_of_range(params, args, torch.Generator().manual_seed(seed))
+    if pair is None:
+        return False
+    bad, padded = pair
+    bad_args, padded_args = clone_args(bad), clone_args(padded)
+    out_bad = run_backend(spec, backend, bad_args)
+    out_padded = run_backend(spec, backend, padded_args)
+    assert_bits_equal(out_padded, out_bad, f"{spec.name}[{backend}] output with out-of-range ids vs padding")
+    for i in _mutated_indices(spec):
+        if i < len(args) and isinstance(args[i], torch.Tensor):
+            assert_bits_equal(padded_args[i], bad_args[i], f"{spec.name}[{backend}] argument {i} with out-of-range ids")
+    if backend != "reference":
+        ref_args = clone_args(bad)
+        expected = run_backend(spec, "reference", ref_args)
+        _compare_case(spec, expected, out_bad, ref_args, bad_args, params)
+    return True
+
+
+def _nonfinite_masks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    f = x.float() if x.dtype.is_floating_point else x
+    if not f.dtype.is_floating_point:
+        zero = torch.zeros(x.shape, dtype=torch.bool)
+        return zero, zero, zero
+    f = f.cpu()
+    return torch.isnan(f), torch.isposinf(f), torch.isneginf(f)
+
+
+def _finite(x: Any) -> Any:
+    """Tensors with NaN and +-inf replaced by 0 (same dtype), recursively."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_finite(i) for i in x)
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        return x
+    if x.dtype in _FP8:
+        bad = ~torch.isfinite(x.float())
+        y = clone_tensor(x)
+        y.view(torch.uint8).masked_fill_(bad, 0)
+        return y
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def check_nonfinite_inputs_agree(spec: OpSpec, case: OpCase, backend: str, params: Params, args: tuple,
+                                 seed: int = 0) -> bool:
+    """NaN and +-inf in elements the op reads: the backend puts NaN, +inf and -inf at the
+    same output places as the reference and agrees with it elsewhere. Returns False when
+    the op reads no floating-point input."""
+    assert case.nonfinite is not None, f"{spec.name}: its test case does not declare `nonfinite`"
+    bad = case.nonfinite(params, args, torch.Generator().manual_seed(seed))
+    if bad is None:
+        return False
+    ref_args, test_args = clone_args(bad), clone_args(bad)
+    expected = run_backend(spec, "reference", ref_args)
+    actual = run_backend(spec, backend, test_args)
+    if case.compare_nonfinite is not None:
+        case.compare_nonfinite(expected, actual, ref_args, test_args, params)
+        return True
+    pairs = list(zip(_tensors(expected), _tensors(actual)))
+    pairs += [(ref_args[i], test_args[i]) for i in _mutated_indices(spec) if i < len(bad)
+              and isinstance(bad[i], torch.Tensor)]
+    for k, (e, a) in enumerate(pairs):
+        for kind, em, am in zip(("NaN", "+inf", "-inf"), _nonfinite_masks(e), _nonfinite_masks(a)):
+            if not torch.equal(em, am):
+                where = tuple(int(x) for x in (em != am).nonzero()[0])
+                raise AssertionError(f"{spec.name}[{backend}] result {k}: {kind} places differ from the reference "
+                                     f"(first at {where}: reference {em[where]}, {backend} {am[where]})")
+    _compare_case(spec, _finite(expected), _finite(actual), _finite(ref_args), _finite(test_args), params)
+    return True
+
+
+def check_debug_switch_refuses_out_of_range_ids(spec: OpSpec, case: OpCase, params: Params, args: tuple,
+                                                seed: int = 0) -> bool:
+    """With `graphsafe.debug_checks` on, the call with the documented padding passes and
+    the call with ids out of range raises an InputError naming the op (eager, through the
+    dispatcher). Returns False when the op takes no ids."""
+    from graphsafe.debug import debug_checks
+
+    assert spec.debug_check is not None, f"{spec.name}: registered without a debug_check"
+    pair = case.out_of_range(params, args, torch.Generator().manual_seed(seed))
+    if pair is None:
+        return False
+    bad, padded = pair
+    with debug_checks(True):
+        spec.overload(*clone_args(padded))
+        try:
+            spec.overload(*clone_args(bad))
+        except InputError as err:
+            assert f"graphsafe.{spec.name}" in str(err).splitlines()[0], f"{spec.name}: debug error names the op: {err}"
+        else:
+            raise AssertionError(f"{spec.name}: the debug switch accepted ids out of range")
+    return True
+
+
 def check_mutation_and_aliasing(spec: OpSpec, args: tuple) -> None:
     """Only the declared args change; outputs never alias an input."""
     call_args = clone_args(args)

@@ -53,11 +53,46 @@ class OpCase:
     # Realistic shapes (DeepSeek, Llama) for the GPU tests; host ints must come from the
     # params alone, so two seeds of one params set can share a captured CUDA graph.
     gpu_examples: Sequence[Params] = field(default_factory=tuple)
+    # -- what the op never reads, ids out of range, non-finite inputs --------------------
+    # Each must be declared (the registry-wide contract test fails on None); the constants
+    # below state "does not apply" explicitly.
+    #
+    # unread(params, args) -> [(arg_index, bool mask of that arg's shape), ...]: elements
+    # of the inputs no backend may read (cache rows no request reaches, tokens past a
+    # length, ...). The contract fills them with poison (NaN; 0xFF bytes for uint8; the
+    # int minimum for ints) and requires every output bit-equal to the clean call.
+    unread: Callable[[Params, Args], Sequence[tuple[int, torch.Tensor]]] | None = None
+    # out_of_range(params, args, generator) -> (args_with_bad_ids, args_with_padding):
+    # some ids replaced by values outside their range (huge, negative, one past the end),
+    # and the same args with the documented padding value at those places. Every backend
+    # must give bit-equal results on both, and agree with the reference on the first.
+    out_of_range: Callable[[Params, Args, torch.Generator], tuple[Args, Args]] | None = None
+    # nonfinite(params, args, generator) -> args with NaN and +-inf in elements the op reads.
+    # Every backend must put NaN and +-inf at the same output places as the reference (the
+    # docstring defines where) and agree elsewhere (`compare_nonfinite`, default: `compare`
+    # on the finite elements).
+    nonfinite: Callable[[Params, Args, torch.Generator], Args] | None = None
+    compare_nonfinite: Callable[..., None] | None = None
 
     def inputs(self, params: Params, device: torch.device | str = "cpu", seed: int = 0) -> Args:
         device = torch.device(device)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         return self.make(params, device, gen)
+
+
+def reads_every_element(params: Params, args: Args) -> Sequence[tuple[int, torch.Tensor]]:
+    """`OpCase.unread` of an op that reads all of every input."""
+    return ()
+
+
+def takes_no_ids(params: Params, args: Args, gen: torch.Generator) -> None:
+    """`OpCase.out_of_range` of an op without index arguments."""
+    return None
+
+
+def reads_no_floats(params: Params, args: Args, gen: torch.Generator) -> None:
+    """`OpCase.nonfinite` of an op whose inputs hold no floating-point values."""
+    return None
 
 
 _CASES: dict[str, OpCase] = {}
