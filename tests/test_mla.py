@@ -2,7 +2,9 @@
 
 The reference is checked against a plain per-request loop; the Triton kernels (through
 the interpreter) against the reference with forced split counts, empty splits, empty
-rows; and the split planner and workspace sizing against their contract (shapes only).
+rows; unread cache rows holding NaN, padding and out-of-range ids (never wrapping around)
+and non-finite inputs on both backends; and the split planner and workspace sizing
+against their contract (shapes only).
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ def _attend_rows(q: torch.Tensor, rows: torch.Tensor, scale: float, r: int):
 
 
 def naive_decode(q, kv_cache, block_table, seq_lens, scale, r):
-    bs = kv_cache.shape[1]
+    nb, bs = kv_cache.shape[:2]
     capacity = block_table.shape[1] * bs
     outs, lses = [], []
     for b in range(q.shape[0]):
         n = max(0, min(int(seq_lens[b]), capacity))
-        rows = [kv_cache[int(block_table[b, j // bs]), j % bs] for j in range(n)]
+        blocks = [int(block_table[b, j // bs]) for j in range(n)]
+        rows = [kv_cache[blk, j % bs] for j, blk in enumerate(blocks) if 0 <= blk < nb]  # padding: no key
         rows = torch.stack(rows) if rows else kv_cache.new_zeros((0, q.shape[2]))
         o, l = _attend_rows(q[b], rows, scale, r)
         outs.append(o)
@@ -241,6 +244,168 @@ def test_sparse_over_the_block_table_slots_equals_decode(backend):
     dense = C.run_backend(graphsafe.get_op("mla_decode"), backend, (q, kv, bt, lens, scale, r))
     sparse = C.run_backend(graphsafe.get_op("sparse_mla"), backend, (q, kv, idx, scale, r))
     _check(dense, sparse)
+
+
+# -- unread elements, padding ids, non-finite inputs ---------------------------------------
+# The reference, and the Triton kernel with one split and with several (the combine).
+RUNS = [("reference", None), ("triton", 1), ("triton", 3)]
+NAN, INF = float("nan"), float("inf")
+
+
+def _run(backend, num_splits, op, args):
+    if backend == "reference":
+        return getattr(ref, op)(*args)
+    return getattr(tri, op)(*args, num_splits=num_splits)
+
+
+def _bits_equal(a, b):
+    C.assert_bits_equal(a, b, "outputs")
+
+
+def _with_unread_block_0(kv):
+    """The cache behind one extra block 0 that no request reads (random, finite)."""
+    return torch.cat([torch.randn(kv[:1].shape, generator=torch.Generator().manual_seed(7)).to(kv.dtype), kv])
+
+
+@pytest.mark.parametrize("backend,num_splits", RUNS)
+def test_nan_in_block_0_and_in_unread_rows_never_reaches_decode_outputs(backend, num_splits):
+    """NaN in block 0 (a `torch.empty` cache, a stale block), in the tail of a request's
+    last block and in every other row no request reads changes no output bit."""
+    q, kv, bt, lens, scale, r = _decode_args(torch.float16, [0, 1, 9, 96])
+    kv = _with_unread_block_0(kv)
+    used = torch.arange(bt.shape[1])[None, :] * kv.shape[1] < lens[:, None]
+    bt = torch.where(used, bt + 1, bt)
+    _, _, rows = cases.decode_reads(kv, bt, lens)
+    assert not rows[0].any() and (~rows[1:]).any()
+    clean = _run(backend, num_splits, "mla_decode", (q, kv, bt, lens, scale, r))
+    dirty = kv.clone()
+    dirty[~rows] = NAN
+    out, lse = _run(backend, num_splits, "mla_decode", (q, dirty, bt, lens, scale, r))
+    _bits_equal(clean, (out, lse))
+    assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.parametrize("backend,num_splits", RUNS)
+def test_nan_in_slot_0_and_in_unread_rows_never_reaches_sparse_outputs(backend, num_splits):
+    params = {**cases.EXAMPLE_SPARSE, "T": 3, "K": 40, "num_blocks": 8, "invalid": 0.25}
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 6)
+    kv = _with_unread_block_0(kv)
+    idx = torch.where(idx >= 0, idx + kv.shape[1], idx)
+    idx[1] = -1  # a token without a key: 0 and -inf whatever q and the cache hold
+    _, rows = cases.sparse_reads(kv, idx)
+    assert not rows[0].any() and (~rows[1:]).any()
+    clean = _run(backend, num_splits, "sparse_mla", (q, kv, idx, scale, r))
+    dirty = kv.clone()
+    dirty[~rows] = NAN
+    dirty_q = q.clone()
+    dirty_q[1] = NAN
+    out, lse = _run(backend, num_splits, "sparse_mla", (dirty_q, dirty, idx, scale, r))
+    _bits_equal(clean, (out, lse))
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+def _without_padding_blocks(bt, lens, block_size):
+    """The same requests with their padding blocks (-1) left out: the remaining blocks in
+    order, the length shortened by the positions those blocks covered."""
+    table, new_lens = torch.full_like(bt, 12345), lens.clone()
+    for b in range(bt.shape[0]):
+        n = int(lens[b])
+        used = [(int(bt[b, i]), min(block_size, n - i * block_size)) for i in range(-(-n // block_size))]
+        kept = [blk for blk, _ in used if blk >= 0]
+        table[b, : len(kept)] = torch.tensor(kept, dtype=bt.dtype)
+        new_lens[b] = sum(count for blk, count in used if blk >= 0)
+    return table, new_lens
+
+
+@pytest.mark.parametrize("backend,num_splits", RUNS)
+def test_a_padding_block_inside_a_request_holds_no_key(backend, num_splits):
+    """A -1 block below a request's length equals the request without those positions
+    (a dense call over the remaining blocks), and a request of padding blocks only gets
+    0 and -inf."""
+    q, kv, bt, lens, scale, r = _decode_args(torch.float16, [40, 96, 20, 5])
+    bs = kv.shape[1]
+    bt = bt.clone()
+    bt[0, 1] = bt[1, 0] = bt[1, 5] = bt[2, 1] = bt[3, 0] = -1  # middle, first, last, partial last, all
+    out, lse = _run(backend, num_splits, "mla_decode", (q, kv, bt, lens, scale, r))
+    table, short = _without_padding_blocks(bt, lens, bs)
+    assert short.tolist() == [24, 64, 16, 0]
+    expected = _run(backend, num_splits, "mla_decode", (q, kv, table, short, scale, r))
+    _check(expected, (out, lse))
+    _check(naive_decode(q, kv, bt, lens, scale, r), (out, lse))
+    assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.isneginf(lse[3]).all()
+
+
+@pytest.mark.parametrize("backend,num_splits", RUNS)
+def test_negative_and_huge_ids_never_wrap_around(backend, num_splits):
+    """-2 (Python indexing: the second-last block or slot), int32 min, 10**6 and
+    num_blocks act exactly as -1, even with NaN in the blocks a wrap would reach."""
+    q, kv, bt, lens, scale, r = _decode_args(torch.float16, [40, 96, 20, 5])
+    nb, bs = kv.shape[:2]
+    kv = torch.cat([kv, torch.full_like(kv[:2], NAN)])  # blocks nb, nb + 1: never read
+    padded = bt.clone()
+    padded[0, 1] = padded[1, 0] = padded[2, 1] = padded[3, 0] = -1
+    bad = padded.clone()
+    bad[0, 1], bad[1, 0], bad[2, 1], bad[3, 0] = -2, -(2**31), 10**6, nb + 2
+    expected = _run(backend, num_splits, "mla_decode", (q, kv, padded, lens, scale, r))
+    _bits_equal(expected, _run(backend, num_splits, "mla_decode", (q, kv, bad, lens, scale, r)))
+    assert not expected[0].isnan().any()
+
+    idx = torch.where(torch.arange(40)[None, :] < 30, torch.randint(0, nb * bs, (3, 40)), -1).int()
+    bad_idx = idx.clone()
+    bad_idx[:, 30:] = torch.tensor([-2, -(2**31), 10**6, (nb + 2) * bs, -bs - 1] * 2, dtype=torch.int32)
+    expected = _run(backend, num_splits, "sparse_mla", (q[:3], kv, idx, scale, r))
+    _bits_equal(expected, _run(backend, num_splits, "sparse_mla", (q[:3], kv, bad_idx, scale, r)))
+    assert not expected[0].isnan().any()
+
+
+def _same_nonfinite_places(expected, actual):
+    for e, a in zip(expected, actual):
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(test(e.float()), test(a.float())), f"{test.__name__} places differ"
+    # Elsewhere within tolerance: NaN out entries and NaN lse zeroed (lse keeps its -inf).
+    finite = [(torch.nan_to_num(out, nan=0.0), torch.where(lse.isnan(), 0.0, lse)) for out, lse in (expected, actual)]
+    cases.compare_attention(finite[0], finite[1], None, None, None)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_nonfinite_keys_and_queries_give_the_reference_places_across_splits(num_splits):
+    """NaN in q or a read row, or a +inf score: NaN out and lse for that head; a -inf score
+    adds 0 * value (NaN where the value is infinite); requests without keys stay 0, -inf."""
+    q, kv, bt, lens, scale, r = _decode_args(torch.float16, [0, 30, 70, 96])
+    q, kv = q.clone(), kv.clone()
+    q[1, 0, 3] = NAN  # head 0 of request 1
+    q[0, :, :] = NAN  # a request without keys
+    kv[int(bt[2, 0]), 5, 1] = INF  # value column 1 of a key of request 2: +inf or -inf scores
+    kv[int(bt[3, 5]), 2, r + 1] = -INF  # rope column of a key of request 3 (last split)
+    expected = ref.mla_decode(q, kv, bt, lens, scale, r)
+    actual = tri.mla_decode(q, kv, bt, lens, scale, r, num_splits=num_splits)
+    out, lse = expected
+    assert out[1, 0].isnan().all() and lse[1, 0].isnan() and not lse[1, 1:].isnan().any()
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    positive = (q[2, :, 1] > 0)  # score +inf: NaN; score -inf: weight 0, 0 * inf = NaN in column 1
+    assert lse[2][positive].isnan().all() and not lse[2][~positive].isnan().any()
+    assert out[2][~positive][:, 1].isnan().all() and not out[2][~positive][:, 2:].isnan().any()
+    assert lse[3][q[3, :, r + 1] < 0].isnan().all() and not out[3][q[3, :, r + 1] > 0].isnan().any()
+    _same_nonfinite_places(expected, actual)
+
+
+def test_debug_switch_names_the_bad_id():
+    q, kv, bt, lens, scale, r = _decode_args(torch.float16, [40, 96, 20, 5])
+    with graphsafe.debug_checks(True):
+        good = bt.clone()
+        good[0, 1] = -1
+        graphsafe.mla_decode(q, kv, good, lens, scale, r)  # padding, garbage past the lengths: fine
+        bad = good.clone()
+        bad[2, 1] = -2
+        with pytest.raises(graphsafe.InputError, match=r"mla_decode.*'block_table'.*-2 at index \[2, 1\]"):
+            graphsafe.mla_decode(q, kv, bad, lens, scale, r)
+        with pytest.raises(graphsafe.InputError, match=r"mla_decode.*'seq_lens'.*at most 96"):
+            graphsafe.mla_decode(q, kv, good, torch.tensor([40, 97, 20, 5], dtype=torch.int32), scale, r)
+        idx = torch.tensor([[3, -1, kv.shape[0] * kv.shape[1]]], dtype=torch.int32)
+        with pytest.raises(graphsafe.InputError, match=r"sparse_mla.*'indices'.*at index \[0, 2\]"):
+            graphsafe.sparse_mla(q[:1], kv, idx, scale, r)
+    graphsafe.mla_decode(q, kv, bad, lens, scale, r)  # switch off: -2 is padding, no error
 
 
 def test_decode_over_concat_and_cache_mla_matches_attention_on_the_tokens():
@@ -692,9 +857,13 @@ try:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from graphsafe.ops.mla import _gluon_hopper as G
+    # The Gluon API the kernel's module uses: a Triton without it has no backend for it.
+    from triton.experimental import gluon
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy, warpgroup_mma
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
+# Outside the guard: an ImportError of the kernel's own module fails the test.
+from graphsafe.ops.mla import _gluon_hopper as G
 import torch
 from graphsafe.ops.mla import splits, triton as tri
 

@@ -31,6 +31,7 @@ __all__ = ["mla_decode", "sparse_mla", "mla_decode_workspace_specs", "sparse_mla
     "mla_decode",
     fake=fakes.fake_mla_decode,
     check=fakes.check_mla_decode,
+    debug_check="graphsafe.ops.mla.debug:debug_check_mla_decode",
     family="mla",
     backends={
         "reference": "graphsafe.ops.mla.reference:mla_decode",
@@ -47,11 +48,22 @@ def mla_decode(
 ) -> tuple[Tensor, Tensor]:
     """Dense absorbed-MLA decode: each request's query heads attend to all its cached tokens.
 
-    For request b and head h, with rows `k_j = kv_cache[block_table[b, j // bs], j % bs]`
-    for `0 <= j < seq_lens[b]` (bs = block_size):
-    `s_j = sm_scale * q[b, h] . k_j` (all R + P entries), `out[b, h] = sum_j softmax(s)_j *
-    k_j[:R]`, `lse[b, h] = log(sum_j exp(s_j))`. A request with `seq_lens[b] <= 0` gets
-    `out = 0`, `lse = -inf`.
+    For request b and head h, over the positions `0 <= j < seq_lens[b]` (bs = block_size)
+    whose block `blk = block_table[b, j // bs]` is in `[0, num_blocks)`, with rows
+    `k_j = kv_cache[blk, j % bs]`: `s_j = sm_scale * q[b, h] . k_j` (all R + P entries),
+    `out[b, h] = sum_j softmax(s)_j * k_j[:R]`, `lse[b, h] = log(sum_j exp(s_j))`. A
+    block id outside `[0, num_blocks)` (-1 is the padding value) is a padding block: its
+    positions hold no key, exactly like positions past `seq_lens[b]`, and nothing of it
+    is read (a negative id never wraps around). A request without any key gets
+    `out = 0`, `lse = -inf`, whatever its q holds. Cache rows, block-table entries and q
+    rows the formula does not name never influence any output (NaN there included).
+
+    Non-finite inputs follow the kernels' arithmetic, the same on every backend:
+    `m = max_j s_j`, `out = sum_j exp(s_j - m) k_j[:R] / l`, `lse = m + log l` with
+    `l = sum_j exp(s_j - m)`. So a NaN or +inf score (a NaN in q[b, h] or in a row the
+    request reads; an inf there whose product with q is +inf) makes `out[b, h]` (all R)
+    and `lse[b, h]` NaN; a key whose score is -inf has weight 0, yet its value entries
+    still enter as `0 * k_j[c]`: an infinite `k_j[c]` (c < R) makes `out[b, h, c]` NaN.
 
     Args:
         q: `[B, H, R + P]` bf16/fp16, one decode token per request (R = kv_lora_rank; for
@@ -59,11 +71,15 @@ def mla_decode(
         kv_cache: `[num_blocks, block_size, R + P]`, dtype of `q`; the latent cache of
             `concat_and_cache_mla`. Last dim contiguous; block and token strides are free.
         block_table: `[B, max_blocks]` int32, last dim contiguous; entry `[b, i]` is the
-            cache block of request b's tokens `i * block_size ... (i + 1) * block_size - 1`.
-            Entries past a request's length are never read (they may hold anything).
+            cache block of request b's tokens `i * block_size ... (i + 1) * block_size - 1`,
+            or -1 (padding: those tokens hold no key; any other id outside
+            `[0, num_blocks)` acts as -1). Entries past a request's length are never read
+            (they may hold anything). The debug switch (`graphsafe.debug_checks`) checks
+            that every entry below a request's length is in `[0, num_blocks)` or -1.
         seq_lens: `[B]` int32, cached tokens per request, the new token's key included
             (write it with `concat_and_cache_mla` first). Values above
-            `max_blocks * block_size` are clamped to it; values <= 0 mean no key.
+            `max_blocks * block_size` are clamped to it; values <= 0 mean no key. The
+            debug switch checks `0 <= seq_lens[b] <= max_blocks * block_size`.
         sm_scale: multiplies `q . k` before the softmax (e.g. `1 / sqrt(192)` times the
             YaRN mscale correction for DeepSeek).
         kv_lora_rank: R, the value width: `0 < R <= R + P`.
@@ -83,6 +99,7 @@ def mla_decode(
     "sparse_mla",
     fake=fakes.fake_sparse_mla,
     check=fakes.check_sparse_mla,
+    debug_check="graphsafe.ops.mla.debug:debug_check_sparse_mla",
     family="mla",
     backends={
         "reference": "graphsafe.ops.mla.reference:sparse_mla",
@@ -100,18 +117,27 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, kv
     For token t and head h, over the entries `j` with a valid slot `s = indices[t, j]`
     (`0 <= s < num_blocks * block_size`), row `k_j = kv_cache[s // bs, s % bs]`:
     `out[t, h] = sum_j softmax(sm_scale * q[t, h] . k_j)_j * k_j[:R]` and
-    `lse[t, h] = log(sum_j exp(sm_scale * q[t, h] . k_j))`. Entries `-1` (and any slot
-    outside the cache) are ignored; a repeated slot counts once per occurrence. A token
-    with no valid entry gets `out = 0`, `lse = -inf`. Serves decode (T = B) and prefill
-    (T = all new tokens) alike: the top-k of the DSA indexer after
-    `req_local_to_global_slots`.
+    `lse[t, h] = log(sum_j exp(sm_scale * q[t, h] . k_j))`. Entries `-1` (the padding
+    value) and any other slot outside the cache are ignored: nothing is read for them (a
+    negative slot never wraps around). A repeated slot counts once per occurrence. A
+    token with no valid entry gets `out = 0`, `lse = -inf`, whatever its q holds. Cache
+    rows no valid entry names and q rows of tokens without a valid entry never influence
+    any output (NaN there included). Serves decode (T = B) and prefill (T = all new
+    tokens) alike: the top-k of the DSA indexer after `req_local_to_global_slots`.
+
+    Non-finite inputs follow the arithmetic of `mla_decode` (see there), the same on
+    every backend: a NaN or +inf score of a valid entry makes `out[t, h]` and `lse[t, h]`
+    NaN; an entry whose score is -inf has weight 0, yet an infinite value entry
+    `k_j[c]` (c < R) of it makes `out[t, h, c]` NaN.
 
     Args:
         q: `[T, H, R + P]` bf16/fp16 (DeepSeek-V3.2: R = 512, P = 64). Last dim contiguous.
         kv_cache: `[num_blocks, block_size, R + P]`, dtype of `q`. Last dim contiguous;
             block and token strides are free.
         indices: `[T, K]` int32 cache slots (`block * block_size + offset`), `-1` = none,
-            in any order. Last dim contiguous.
+            in any order; a slot outside `[0, num_blocks * block_size)` acts as -1. Last
+            dim contiguous. The debug switch (`graphsafe.debug_checks`) checks that every
+            entry is in `[0, num_blocks * block_size)` or -1.
         sm_scale: multiplies `q . k` before the softmax.
         kv_lora_rank: R, the value width: `0 < R <= R + P`.
 

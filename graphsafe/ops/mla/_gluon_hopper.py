@@ -14,7 +14,8 @@ Program = (64-head tile, split, query), the grid and split plan of the Triton ke
 
 Data flow per key tile (BLOCK_N = 64 keys, 8 warps):
 - cp.async copies a tile's rows (`[BLOCK_N, R]` and `[BLOCK_N, P]`, gathered through the
-  block table or the sparse slots; rows without a key are zero-filled) into one of two
+  block table or the sparse slots; rows without a key, padding ids included, are
+  zero-filled and their scores masked to -inf) into one of two
   shared-memory stages while the previous tile is scored. Dense tiles are issued while
   this tile's q.k wgmmas run; sparse (gathered, longer-latency) tiles before this tile
   is awaited. The rows of the tile after are read one iteration ahead, so no
@@ -62,6 +63,32 @@ def shared_memory_bytes(r: int, p: int) -> int:
 
 
 @gluon.jit
+def _in_range(ids, n):
+    """0 <= ids < n in one unsigned compare (a negative id wraps to a huge one); n >= 0."""
+    return ids.to(gl.uint32, bitcast=True) < n
+
+
+@gluon.jit
+def _key_ids(map_row, offs, valid, num_slots, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr):
+    """(block, offset in block, holds a key) of key positions `offs` (`valid`: below the
+    end): an id outside the cache (-1, the padding, or any other) holds no key and maps
+    to block 0, offset 0, so no id is ever dereferenced."""
+    if SPARSE:
+        slot = gl.load(map_row + offs, mask=valid, other=-1)
+        valid = valid & _in_range(slot, num_slots)
+        slot = gl.where(valid, slot, 0)
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+    else:
+        # Masked: block-table entries past the sequence may be garbage.
+        blk = gl.load(map_row + offs // BLOCK_SIZE, mask=valid, other=0)
+        valid = valid & _in_range(blk, num_slots // BLOCK_SIZE)
+        blk = gl.where(valid, blk, 0)
+        off = offs % BLOCK_SIZE
+    return blk, off, valid
+
+
+@gluon.jit
 def _key_rows(map_row, n0, end, num_slots, stride_kb, stride_kt,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr):
     """Element offsets of the cache rows of key positions n0 ... n0 + BLOCK_N - 1, and which exist.
@@ -69,17 +96,7 @@ def _key_rows(map_row, n0, end, num_slots, stride_kb, stride_kt,
     The mapping of triton.py's kernel, written again: a Gluon kernel cannot call a
     `triton.jit` helper, and its aranges carry layouts."""
     offs = n0 + gl.arange(0, BLOCK_N, layout=ROWS)
-    valid = offs < end
-    if SPARSE:
-        slot = gl.load(map_row + offs, mask=valid, other=-1)
-        valid = valid & (slot >= 0) & (slot < num_slots)
-        slot = gl.where(valid, slot, 0)
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
-    else:
-        # Masked: block-table entries past the sequence may be garbage.
-        blk = gl.load(map_row + offs // BLOCK_SIZE, mask=valid, other=0)
-        off = offs % BLOCK_SIZE
+    blk, off, valid = _key_ids(map_row, offs, offs < end, num_slots, BLOCK_SIZE, SPARSE)
     return blk.to(gl.int64) * stride_kb + off.to(gl.int64) * stride_kt, valid
 
 
@@ -185,11 +202,10 @@ def mla_attn_wgmma_kernel(
             async_copy.commit_group()
             rows, valid = _key_rows(map_row, n0 + 2 * BLOCK_N, end, num_slots, stride_kb, stride_kt,
                                     ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
+        # Which keys of this tile exist, in the scores' layout: the ids again (from L1),
+        # as the copy's validity was computed an iteration ahead in another layout.
         offs = n0 + gl.arange(0, BLOCK_N, layout=S_COL)
-        key_ok = offs < end
-        if SPARSE:
-            slot = gl.load(map_row + offs, mask=key_ok, other=-1)
-            key_ok = key_ok & (slot >= 0) & (slot < num_slots)
+        _, _, key_ok = _key_ids(map_row, offs, offs < end, num_slots, BLOCK_SIZE, SPARSE)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
         s = gl.where(key_ok[None, :], s * qk_scale, float("-inf"))
@@ -210,9 +226,11 @@ def mla_attn_wgmma_kernel(
     async_copy.wait_group(0)  # the last copies (masked: they read nothing) before exit
 
     l_i = gl.sum(l_acc, axis=1)
-    has_key = l_i > 0.0
-    l_safe = gl.where(has_key, l_i, 1.0)
-    lse = gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    # l = 0 exactly when no valid key scored above -inf; a NaN l (a NaN or +inf score) keeps out
+    # and lse NaN (triton.py's kernel does the same).
+    no_key = l_i == 0.0
+    l_safe = gl.where(no_key, 1.0, l_i)
+    lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     o = acc / gl.convert_layout(l_safe, O_ROW)[:, None]
     heads_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROW)
     cols = gl.arange(0, R, layout=O_COL)

@@ -1,8 +1,11 @@
 """Reference backend of the MLA attention ops: the executable spec, vectorised PyTorch.
 
-Float32 math throughout. No host sync: invalid keys are masked (score -inf), never
-filtered out, and their cache reads are redirected to slot 0 so garbage block-table
-entries or indices are never dereferenced.
+Float32 math throughout. No host sync: invalid keys (positions past a request's length,
+padding blocks, padding or out-of-range slots) are masked (score -inf), never filtered
+out. Their cache reads are redirected to slot 0 so that no id is ever dereferenced out
+of range (a negative id never wraps around), and the rows read there are replaced by 0
+with `torch.where` before any arithmetic, so whatever slot 0 holds (NaN, inf) cannot
+reach an output.
 """
 
 from __future__ import annotations
@@ -14,34 +17,68 @@ def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale: f
     """Absorbed MLA attention of each query row over its own gathered keys.
 
     q `[N, H, D]`, keys `[N, L, D]` (the cached rows; a row's value is its first
-    `kv_lora_rank` entries), valid bool `[N, L]`. Returns out `[N, H, R]` in q's dtype
-    and the natural-log LSE f32 `[N, H]`; a row without valid keys gets 0 and -inf.
+    `kv_lora_rank` entries), valid bool `[N, L]`; rows where `valid` is False never
+    influence the result, whatever they hold. Returns out `[N, H, R]` in q's dtype and
+    the natural-log LSE f32 `[N, H]`; a row without valid keys gets 0 and -inf.
+
+    The arithmetic of the kernels, so that non-finite inputs give the same places:
+    `m = max_j s_j`, `p_j = exp(s_j - m)`, `l = sum_j p_j`, `out = sum_j (p_j / l) v_j`,
+    `lse = m + log(l)`. A NaN score makes m NaN, a +inf score makes its p NaN (inf - inf):
+    either way out and lse are NaN. A -inf score is a weight of 0, and `0 * v_j` still
+    enters the sum (NaN where v_j is infinite).
     """
-    qf, kf = q.float(), keys.float()
+    qf = q.float()
+    kf = torch.where(valid[..., None], keys.float(), 0.0)
     scores = torch.einsum("nhd,nld->nhl", qf, kf) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
+    if scores.shape[-1] == 0:  # no key position at all (max_blocks = 0, K = 0)
+        m = scores.new_full(scores.shape[:-1], float("-inf"))
+    else:
+        m = scores.amax(dim=-1)
     # exp(-inf - (-inf)) would be NaN for rows without a valid key: shift those by 0.
-    shift = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    probs = torch.exp(scores - shift[..., None])
+    m = torch.where(m == float("-inf"), 0.0, m)
+    probs = torch.exp(scores - m[..., None])
+    total = probs.sum(dim=-1)
+    empty = total == 0  # no valid key (a NaN total is not empty: it stays NaN)
+    probs = probs / torch.where(empty, 1.0, total)[..., None]
     out = torch.einsum("nhl,nlr->nhr", probs, kf[..., :kv_lora_rank])
-    return out.to(q.dtype), lse
+    lse = torch.where(empty, float("-inf"), m + torch.log(total))
+    return _dense(out, q.dtype), _dense(lse, torch.float32)
 
 
-def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
-    block_size = kv_cache.shape[1]
+def _dense(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a fresh contiguous tensor (the strides of the fake, empty shapes included)."""
+    return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
+
+
+def decode_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor):
+    """The key rows `[B, L, D]` (L = max_blocks * block_size) of each request and which of
+    them hold a key: the position is below the request's length and its block id is in
+    `[0, num_blocks)` (anything else, -1 the documented padding, holds no key)."""
+    num_blocks, block_size = kv_cache.shape[:2]
     capacity = block_table.shape[1] * block_size
-    pos = torch.arange(capacity, device=q.device)
-    valid = pos[None, :] < seq_lens[:, None].long()  # [B, L]; negative lengths: no key
-    blocks = torch.where(valid, block_table[:, pos // block_size], 0).long()
-    keys = kv_cache[blocks, (pos % block_size)[None, :]]  # [B, L, D]
-    return attend(q, keys, valid, sm_scale, kv_lora_rank)
+    pos = torch.arange(capacity, device=kv_cache.device)
+    blocks = block_table[:, pos // block_size].long()  # [B, L]
+    valid = (pos[None, :] < seq_lens[:, None].long()) & (blocks >= 0) & (blocks < num_blocks)
+    blocks = torch.where(valid, blocks, 0)
+    return kv_cache[blocks, (pos % block_size)[None, :]], valid
 
 
-def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
+def sparse_keys(kv_cache: torch.Tensor, indices: torch.Tensor):
+    """The key rows `[T, K, D]` of each token's slots and which of them hold a key (slot in
+    `[0, num_blocks * block_size)`; -1, the documented padding, and any other slot do not)."""
     num_blocks, block_size = kv_cache.shape[:2]
     slots = indices.long()
     valid = (slots >= 0) & (slots < num_blocks * block_size)
     slots = torch.where(valid, slots, 0)
-    keys = kv_cache[slots // block_size, slots % block_size]  # [T, K, D]
+    return kv_cache[slots // block_size, slots % block_size], valid
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
+    keys, valid = decode_keys(kv_cache, block_table, seq_lens)
+    return attend(q, keys, valid, sm_scale, kv_lora_rank)
+
+
+def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
+    keys, valid = sparse_keys(kv_cache, indices)
     return attend(q, keys, valid, sm_scale, kv_lora_rank)

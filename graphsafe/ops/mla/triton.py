@@ -2,7 +2,12 @@
 
 One kernel serves both ops; they differ only in how a key position maps to a cache row:
 `mla_decode` walks its request's block table up to `seq_lens[b]`, `sparse_mla` reads the
-token's own list of cache slots (`-1` = none).
+token's own list of cache slots (`-1` = none). A block id or slot outside the cache (-1,
+the padding, or any other) holds no key: one unsigned compare per key folds it into the
+key mask, and masked keys address row 0 and load as 0, so no id is ever dereferenced
+and no unread row reaches the math. Non-finite scores follow the softmax arithmetic
+(the ops' docstrings): a NaN or +inf score leaves l NaN, which the epilogue and the
+combine keep NaN (only l == 0 means "no key").
 
 Program = (head tile, split, query). It holds the query tile `[BLOCK_H, R + P]` (all
 heads of a request for H = 16, or a 64-head tile for H = 128), so every cache row is read
@@ -80,6 +85,12 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _in_range(ids, n):
+    """0 <= ids < n in one unsigned compare (a negative id wraps to a huge one); n >= 0."""
+    return ids.to(tl.uint32, bitcast=True) < n
+
+
+@triton.jit
 def _load_cols(rows, cols, row_mask, col_mask):
     """rows [N] pointers x cols [C] -> [N, C]; 0 where a row or a column is masked."""
     return tl.load(rows[:, None] + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
@@ -130,6 +141,7 @@ def _mla_attn_kernel(
         # Positions past the request's length hold no key: the loop stops there, so a
         # split past the end runs zero iterations (a neutral partial).
         end = tl.minimum(end, tl.maximum(tl.load(lens_ptr + row), 0))
+    num_blocks = num_slots // BLOCK_SIZE
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -140,15 +152,19 @@ def _mla_attn_kernel(
     for n0 in tl.range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         nmask = offs < end
+        # An id outside the cache (-1, the padding, or any other) holds no key: it joins
+        # the mask, and masked lanes address row 0, so no id is ever dereferenced.
         if SPARSE:
             slot = tl.load(map_row + offs, mask=nmask, other=-1)
-            nmask = nmask & (slot >= 0) & (slot < num_slots)
+            nmask = nmask & _in_range(slot, num_slots)
             slot = tl.where(nmask, slot, 0)
             blk = slot // BLOCK_SIZE
             off = slot % BLOCK_SIZE
         else:
             # Masked: block-table entries past the sequence may be garbage.
             blk = tl.load(map_row + offs // BLOCK_SIZE, mask=nmask, other=0)
+            nmask = nmask & _in_range(blk, num_blocks)
+            blk = tl.where(nmask, blk, 0)
             off = offs % BLOCK_SIZE
         kv_rows = kv_ptr + blk.to(tl.int64) * stride_kb + off.to(tl.int64) * stride_kt
         if PREFETCH:
@@ -160,16 +176,17 @@ def _mla_attn_kernel(
             nxt_mask = nxt < end
             if SPARSE:
                 nxt_slot = tl.load(map_row + nxt, mask=nxt_mask, other=0)
-                nxt_mask = nxt_mask & (nxt_slot >= 0) & (nxt_slot < num_slots)
+                nxt_mask = nxt_mask & _in_range(nxt_slot, num_slots)
                 nxt_blk = nxt_slot // BLOCK_SIZE
                 nxt_off = nxt_slot % BLOCK_SIZE
             else:
                 nxt_blk = tl.load(map_row + nxt // BLOCK_SIZE, mask=nxt_mask, other=0)
+                nxt_mask = nxt_mask & _in_range(nxt_blk, num_blocks)
                 nxt_off = nxt % BLOCK_SIZE
             nxt_rows = kv_ptr + nxt_blk.to(tl.int64) * stride_kb + nxt_off.to(tl.int64) * stride_kt
             lines = tl.arange(0, LINES) * 64  # 128-byte lines of 16-bit elements
             line_ok = nxt_mask[:, None] & (lines < R + P)[None, :]
-            # Rows past the end (garbage block ids) prefetch the cache's first line instead.
+            # Rows without a key (past the end, padding ids) prefetch the cache's first line instead.
             nxt_lines = tl.where(line_ok, nxt_rows[:, None] + lines[None, :], kv_ptr)
         # Masked rows load as 0 (never garbage, which could be NaN): p = 0 times 0.
         k0 = _load_cols(kv_rows, c0, nmask, c0_mask)
@@ -196,9 +213,11 @@ def _mla_attn_kernel(
             acc1 = _dot(p, k1, acc1 * alpha[:, None], DOT_F32)
         m_i = m_new
 
-    has_key = l_i > 0.0
-    l_safe = tl.where(has_key, l_i, 1.0)
-    lse = tl.where(has_key, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    # l = 0 exactly when no valid key scored above -inf (the largest contributes exp2(0) = 1).
+    # A NaN l (a NaN or +inf score) is not "no key": out and lse stay NaN.
+    no_key = l_i == 0.0
+    l_safe = tl.where(no_key, 1.0, l_i)
+    lse = tl.where(no_key, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     if SPLIT:
         part = (row * num_splits + split) * num_heads + heads.to(tl.int64)
         o_rows = pout_ptr + part * R
@@ -237,17 +256,17 @@ def _combine_kernel(
     lse_s = tl.load(plse_ptr + part, mask=smask, other=float("-inf"))
     m = tl.max(lse_s, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights exp(-inf) = 0
-    w = tl.exp(lse_s - m_use)
+    w = tl.exp(lse_s - m_use)  # NaN for a NaN partial, whatever max did with it
     total = tl.sum(w, 0)
-    has_key = total > 0.0
-    total_safe = tl.where(has_key, total, 1.0)
+    no_key = total == 0.0  # a NaN total (a NaN partial) keeps out and lse NaN
+    total_safe = tl.where(no_key, 1.0, total)
     scale = w / total_safe
     rr = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rr < R
     vals = tl.load(pout_ptr + part[:, None] * R + rr[None, :], mask=smask[:, None] & rmask[None, :], other=0.0)
     o = tl.sum(vals * scale[:, None], 0)
     tl.store(out_ptr + row * stride_or + h * stride_oh + rr, o.to(out_ptr.dtype.element_ty), mask=rmask)
-    lse = tl.where(has_key, m_use + tl.log(total_safe), float("-inf"))
+    lse = tl.where(no_key, float("-inf"), m_use + tl.log(total_safe))
     tl.store(lse_ptr + row * stride_lr + h, lse, mask=chunk == 0)
 
 

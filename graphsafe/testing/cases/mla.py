@@ -1,8 +1,10 @@
 """Test cases of `mla_decode` and `sparse_mla`.
 
 Inputs are random everywhere a kernel must not look: block-table entries past a
-request's length hold garbage block ids (huge, negative), caches are random, sparse
-index rows mix valid slots, duplicates, `-1` and out-of-range slots.
+request's length hold garbage block ids (huge, negative), caches are random. The ids an
+op reads are valid or the padding value -1 (padding blocks inside a request's length,
+`-1` among the sparse slots, which also repeat); ids out of range in every other way
+(huge, negative, one past the end) come from `out_of_range`, paired with -1 at their places.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ import torch
 
 from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
 from graphsafe.testing.tensors import randn
+
+# Ids out of range that `out_of_range` mixes in: huge, negative (never wrapping around),
+# and exactly one past the end (`END`, replaced by num_blocks or num_slots).
+END = "end"
+BAD_IDS = (10**6, -5, -2, END)
 
 DTYPES = (torch.bfloat16, torch.float16)
 # (rtol, atol) of `out`: the kernels round the softmax probabilities to the input dtype
@@ -51,6 +58,58 @@ def sm_scale_of(p: Params) -> float:
     return (p["R"] + p["P"]) ** -0.5
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy with the same strides (gaps of strided views included)."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
+def _bad_ids(pick: torch.Tensor, end: int, gen) -> torch.Tensor:
+    """A tensor of pick's shape holding a mix of BAD_IDS (END = `end`)."""
+    values = torch.tensor([end if v == END else v for v in BAD_IDS], dtype=torch.int64)
+    return values[torch.randint(0, len(BAD_IDS), pick.shape, generator=gen)]
+
+
+def _pick(read: torch.Tensor, gen, fraction: float = 0.3) -> torch.Tensor:
+    """About `fraction` of the True places of `read` (at least one), on the CPU."""
+    read = read.cpu()
+    pick = read & (torch.rand(read.shape, generator=gen) < fraction)
+    if not pick.any():
+        pick.view(-1)[int(read.reshape(-1).nonzero()[0, 0])] = True
+    return pick
+
+
+def _out_of_range_ids(ids: torch.Tensor, read: torch.Tensor, end: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids with bad ids at some read places, ids with -1 at exactly those places)."""
+    pick = _pick(read, gen)
+    host = ids.cpu().long()
+    bad = torch.where(pick, _bad_ids(pick, end, gen), host)
+    padded = torch.where(pick, -1, host)
+    return bad.to(ids.dtype).to(ids.device), padded.to(ids.dtype).to(ids.device)
+
+
+def _nonfinite(q, kv, q_read, kv_rows_read, gen):
+    """Copies of q and kv with NaN in one element of a read q row and, in read cache rows,
+    +inf, -inf and (in about half of the draws) NaN at random columns. q_read: bool [rows, H];
+    kv_rows_read: bool [num_blocks, block_size]."""
+    q, kv = _copy(q), _copy(kv)
+    heads = q_read.reshape(-1).nonzero()[:, 0].cpu()
+    if heads.numel():
+        i = int(heads[torch.randint(0, heads.numel(), (1,), generator=gen)])
+        col = int(torch.randint(0, q.shape[2], (1,), generator=gen))
+        q[i // q.shape[1], i % q.shape[1], col] = float("nan")
+    rows = kv_rows_read.reshape(-1).nonzero()[:, 0].cpu()
+    values = [float("inf"), float("-inf")] + ([float("nan")] if bool(torch.rand(1, generator=gen) < 0.5) else [])
+    bs = kv.shape[1]
+    for v in values:
+        if rows.numel() == 0:
+            break
+        row = int(rows[torch.randint(0, rows.numel(), (1,), generator=gen)])
+        col = int(torch.randint(0, kv.shape[2], (1,), generator=gen))
+        kv[row // bs, row % bs, col] = v
+    return q, kv
+
+
 # -- mla_decode ---------------------------------------------------------------------------
 def _params_decode():
     from hypothesis import strategies as st
@@ -65,6 +124,7 @@ def _params_decode():
             "max_blocks": st.integers(0, 6),
             "dtype": st.sampled_from(DTYPES),
             "lens": st.sampled_from(["random", "random", "full", "empty"]),
+            "padding": st.sampled_from([0.0, 0.0, 0.25]),
             "strided": st.booleans(),
         }
     )
@@ -79,13 +139,30 @@ def make_seq_lens(p: Params, gen) -> torch.Tensor:
     return torch.randint(0, capacity + 1, (p["B"],), generator=gen, dtype=torch.int32)
 
 
-def make_block_table(p: Params, seq_lens: torch.Tensor, num_blocks: int, gen) -> torch.Tensor:
-    """Distinct random blocks per request; entries past a request's length are garbage."""
+def make_block_table(p: Params, seq_lens: torch.Tensor, num_blocks: int, gen, padding: float = 0.0) -> torch.Tensor:
+    """Distinct random blocks per request, about `padding` of the entries below a request's
+    length -1 (padding blocks); entries past a request's length are garbage."""
     b, mb, bs = p["B"], p["max_blocks"], p["block_size"]
     table = torch.randperm(num_blocks, generator=gen)[: b * mb].view(b, mb).to(torch.int32)
+    table = torch.where(torch.rand((b, mb), generator=gen) < padding, -1, table)
     used = torch.arange(mb)[None, :] * bs < seq_lens[:, None]
     garbage = torch.randint(-(2**31), 2**31 - 1, (b, mb), generator=gen, dtype=torch.int64).to(torch.int32)
     return torch.where(used, table, garbage)
+
+
+def decode_reads(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor):
+    """What `mla_decode` reads: (block-table entries below each request's length [B,
+    max_blocks], positions holding a key [B, L], cache rows holding a key of some
+    request [num_blocks, block_size]); all on the CPU."""
+    nb, bs = kv_cache.shape[:2]
+    table, lens = block_table.cpu().long(), seq_lens.cpu().long()
+    entries = torch.arange(table.shape[1])[None, :] * bs < lens[:, None]
+    pos = torch.arange(table.shape[1] * bs)
+    blocks = table[:, pos // bs]
+    keys = (pos[None, :] < lens[:, None]) & (blocks >= 0) & (blocks < nb)
+    rows = torch.zeros((nb, bs), dtype=torch.bool)
+    rows[blocks[keys], (pos % bs).expand_as(keys)[keys]] = True
+    return entries, keys, rows
 
 
 def _make_decode(p: Params, device, gen):
@@ -95,13 +172,45 @@ def _make_decode(p: Params, device, gen):
     q = _q((b, h, d), p["dtype"], device, gen, p["strided"])
     kv_cache = _cache(num_blocks, bs, d, p["dtype"], device, gen, p["strided"])
     seq_lens = make_seq_lens(p, gen)
-    block_table = make_block_table(p, seq_lens, num_blocks, gen)
+    block_table = make_block_table(p, seq_lens, num_blocks, gen, padding=p.get("padding", 0.0))
     return q, kv_cache, block_table.to(device), seq_lens.to(device), sm_scale_of(p), r
+
+
+def _unread_decode(p: Params, args):
+    """Cache rows no request's key names, block-table entries past each length, and the
+    q rows of requests without any key (their output is 0, -inf whatever q holds)."""
+    q, kv_cache, block_table, seq_lens = args[:4]
+    entries, keys, rows = decode_reads(kv_cache, block_table, seq_lens)
+    q_unread = ~keys.any(dim=1)[:, None, None].expand(q.shape)
+    return [(0, q_unread), (1, ~rows[..., None].expand(kv_cache.shape)), (2, ~entries)]
+
+
+def _out_of_range_decode(p: Params, args, gen):
+    """Bad block ids at some entries below a request's length (a request gets length 1
+    where none has a read entry), and -1 there."""
+    q, kv_cache, block_table, seq_lens, scale, r = args
+    if block_table.numel() == 0:
+        return None
+    entries, _, _ = decode_reads(kv_cache, block_table, seq_lens)
+    if not entries.any():
+        seq_lens = seq_lens.clone()
+        seq_lens[0] = 1
+        entries[0, 0] = True
+    bad, padded = _out_of_range_ids(block_table, entries, kv_cache.shape[0], gen)
+    return (q, kv_cache, bad, seq_lens, scale, r), (q, kv_cache, padded, seq_lens, scale, r)
+
+
+def _nonfinite_decode(p: Params, args, gen):
+    q, kv_cache, block_table, seq_lens, scale, r = args
+    _, keys, rows = decode_reads(kv_cache, block_table, seq_lens)
+    q_read = keys.any(dim=1)[:, None].expand(q.shape[:2])
+    q, kv_cache = _nonfinite(q, kv_cache, q_read, rows, gen)
+    return q, kv_cache, block_table, seq_lens, scale, r
 
 
 EXAMPLE_DECODE: Params = {
     "B": 3, "H": 4, "R": 32, "P": 16, "block_size": 4, "max_blocks": 5,
-    "dtype": torch.float16, "lens": "random", "strided": False,
+    "dtype": torch.float16, "lens": "random", "padding": 0.25, "strided": False,
 }
 DEEPSEEK = {"R": 512, "P": 64}
 
@@ -131,10 +240,14 @@ register_case(
         make=_make_decode,
         compare=compare_attention,
         bad_inputs=_bad_decode,
+        unread=_unread_decode,
+        out_of_range=_out_of_range_decode,
+        nonfinite=_nonfinite_decode,
         edge_cases=(
             {**EXAMPLE_DECODE, "B": 0},
             {**EXAMPLE_DECODE, "max_blocks": 0},
             {**EXAMPLE_DECODE, "lens": "empty"},
+            {**EXAMPLE_DECODE, "lens": "full", "padding": 1.0},
             {**EXAMPLE_DECODE, "lens": "full", "dtype": torch.bfloat16, "strided": True},
             {**EXAMPLE_DECODE, "P": 0, "H": 1, "block_size": 1, "max_blocks": 40},
             {**EXAMPLE_DECODE, "B": 2, "H": 16, "block_size": 16, "max_blocks": 6, "lens": "full"},
@@ -142,7 +255,8 @@ register_case(
         ),
         gpu_examples=(
             {**DEEPSEEK, "B": 64, "H": 16, "block_size": 64, "max_blocks": 64, "dtype": torch.bfloat16, "lens": "random", "strided": False},
-            {**DEEPSEEK, "B": 8, "H": 128, "block_size": 64, "max_blocks": 128, "dtype": torch.bfloat16, "lens": "random", "strided": False},
+            {**DEEPSEEK, "B": 8, "H": 128, "block_size": 64, "max_blocks": 128, "dtype": torch.bfloat16, "lens": "random",
+             "padding": 0.25, "strided": False},
             {**DEEPSEEK, "B": 5, "H": 16, "block_size": 16, "max_blocks": 300, "dtype": torch.float16, "lens": "random", "strided": True},
             {**DEEPSEEK, "B": 3, "H": 128, "block_size": 64, "max_blocks": 16, "dtype": torch.bfloat16, "lens": "empty", "strided": False},
         ),
@@ -172,12 +286,21 @@ def _params_sparse():
 
 def make_indices(t: int, k: int, num_slots: int, invalid: float, gen) -> torch.Tensor:
     """Slots drawn with replacement (duplicates happen); a fraction `invalid` of them is
-    -1, and a few valid-looking ones point past the cache."""
+    -1 (padding)."""
     slots = torch.randint(0, num_slots, (t, k), generator=gen)
     draw = torch.rand((t, k), generator=gen)
-    slots = torch.where(draw < invalid * 0.8, torch.full_like(slots, -1), slots)
-    slots = torch.where((draw >= invalid * 0.8) & (draw < invalid), slots + num_slots, slots)
-    return slots.to(torch.int32)
+    return torch.where(draw < invalid, -1, slots).to(torch.int32)
+
+
+def sparse_reads(kv_cache: torch.Tensor, indices: torch.Tensor):
+    """What `sparse_mla` reads: (entries naming a cache slot [T, K], cache rows some entry
+    names [num_blocks, block_size]); on the CPU."""
+    nb, bs = kv_cache.shape[:2]
+    slots = indices.cpu().long()
+    keys = (slots >= 0) & (slots < nb * bs)
+    rows = torch.zeros(nb * bs, dtype=torch.bool)
+    rows[slots[keys]] = True
+    return keys, rows.view(nb, bs)
 
 
 def _make_sparse(p: Params, device, gen):
@@ -187,6 +310,32 @@ def _make_sparse(p: Params, device, gen):
     kv_cache = _cache(nb, bs, d, p["dtype"], device, gen, p["strided"])
     indices = make_indices(t, k, nb * bs, p["invalid"], gen)
     return q, kv_cache, indices.to(device), sm_scale_of(p), r
+
+
+def _unread_sparse(p: Params, args):
+    """Cache rows no entry names, and the q rows of tokens without a valid entry."""
+    q, kv_cache, indices = args[:3]
+    keys, rows = sparse_reads(kv_cache, indices)
+    q_unread = ~keys.any(dim=1)[:, None, None].expand(q.shape)
+    return [(0, q_unread), (1, ~rows[..., None].expand(kv_cache.shape))]
+
+
+def _out_of_range_sparse(p: Params, args, gen):
+    """Bad slots at some entries (every entry is read), and -1 there."""
+    q, kv_cache, indices, scale, r = args
+    if indices.numel() == 0:
+        return None
+    read = torch.ones(indices.shape, dtype=torch.bool)
+    bad, padded = _out_of_range_ids(indices, read, kv_cache.shape[0] * kv_cache.shape[1], gen)
+    return (q, kv_cache, bad, scale, r), (q, kv_cache, padded, scale, r)
+
+
+def _nonfinite_sparse(p: Params, args, gen):
+    q, kv_cache, indices, scale, r = args
+    keys, rows = sparse_reads(kv_cache, indices)
+    q_read = keys.any(dim=1)[:, None].expand(q.shape[:2])
+    q, kv_cache = _nonfinite(q, kv_cache, q_read, rows, gen)
+    return q, kv_cache, indices, scale, r
 
 
 EXAMPLE_SPARSE: Params = {
@@ -217,6 +366,9 @@ register_case(
         make=_make_sparse,
         compare=compare_attention,
         bad_inputs=_bad_sparse,
+        unread=_unread_sparse,
+        out_of_range=_out_of_range_sparse,
+        nonfinite=_nonfinite_sparse,
         edge_cases=(
             {**EXAMPLE_SPARSE, "T": 0},
             {**EXAMPLE_SPARSE, "K": 0},
@@ -234,4 +386,5 @@ register_case(
     )
 )
 
-__all__ = ["compare_attention", "make_block_table", "make_indices", "make_seq_lens", "sm_scale_of"]
+__all__ = ["compare_attention", "decode_reads", "make_block_table", "make_indices", "make_seq_lens", "sm_scale_of",
+           "sparse_reads"]

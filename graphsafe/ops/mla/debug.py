@@ -1,0 +1,32 @@
+"""Debug checks of the MLA attention ops (`graphsafe.debug_checks`): the values of their ids.
+
+An id outside the cache acts as padding on every backend (the ops' docstrings); with the
+switch on, any id the op reads that is neither in range nor the padding value -1 raises
+`InputError`, and so do lengths the op would silently clamp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe.debug import ids_in_range, values_at_most
+
+
+def debug_check_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank) -> None:
+    """`seq_lens` at most `max_blocks * block_size` (longer requests would be cut; a length
+    <= 0 is documented as "no key" and passes); every block-table entry of a position below
+    its request's length in `[0, num_blocks)` or -1 (entries past it are never read)."""
+    op = "mla_decode"
+    num_blocks, block_size = kv_cache.shape[:2]
+    max_blocks = block_table.shape[1]
+    capacity = max_blocks * block_size
+    values_at_most(op, "seq_lens", seq_lens, capacity, "max_blocks * block_size: longer requests would be cut")
+    first_pos = torch.arange(max_blocks, device=block_table.device) * block_size
+    used = first_pos[None, :] < seq_lens[:, None].long()
+    ids_in_range(op, "block_table", block_table, num_blocks, used=used, what="block ids")
+
+
+def debug_check_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank) -> None:
+    """Every entry of `indices` in `[0, num_blocks * block_size)` or -1."""
+    num_blocks, block_size = kv_cache.shape[:2]
+    ids_in_range("sparse_mla", "indices", indices, num_blocks * block_size, what="cache slots")
