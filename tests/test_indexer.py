@@ -17,6 +17,7 @@ from graphsafe.errors import InputError
 from graphsafe.ops.indexer import layout
 from graphsafe.ops.indexer import reference as ref
 from graphsafe.ops.indexer import triton as tri
+from graphsafe.ops.fp8_bits import e4m3_bits, e4m3_bytes_to_f16, round_to_e4m3
 from graphsafe.testing.cases import indexer as cases
 from graphsafe.testing.contract import clone_args, run_backend
 
@@ -208,11 +209,11 @@ def test_e4m3_rounding_and_bytes_match_torch():
     def kernel(x_ptr, o_ptr, b_ptr, d_ptr, n, BLOCK: tl.constexpr):
         offs = tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n)
-        r = tri._round_to_e4m3(x)
-        b = tri._e4m3_bits(r)
+        r = round_to_e4m3(x)
+        b = e4m3_bits(r)
         tl.store(o_ptr + offs, r, mask=offs < n)
         tl.store(b_ptr + offs, b, mask=offs < n)
-        tl.store(d_ptr + offs, tri._e4m3_bytes_to_f16(b), mask=offs < n)
+        tl.store(d_ptr + offs, e4m3_bytes_to_f16(b), mask=offs < n)
 
     kernel[(1,)](ys, out, out_bytes, decoded, ys.numel(), BLOCK=triton.next_power_of_2(ys.numel()))
     want = ys.to(FP8)
@@ -576,3 +577,109 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     """The interpreter never compiles: catch GPU-only errors and check the fp8 logits
     kernels use wgmma without spilling, by compiling the launch variants for sm_90."""
     compile_for_sm90(_COMPILE_SCRIPT)
+
+
+# -- ids out of range, decreasing cu_seq_lens, non-finite keys (the "nothing silently wrong" issue)
+BACKENDS = ("reference", "triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_logits_padding_and_bad_block_ids_score_minus_inf(backend):
+    """A block id of -1, 10**6, -2 or num_blocks holds no keys: its positions are -inf in
+    every row, the other positions unchanged; -2 never reads block num_blocks - 2."""
+    q, cache, w, lens, table, length = _inputs("fp8_paged_mqa_logits", cases.EXAMPLE_PAGED)
+    lens = torch.full_like(lens, length)
+    nb, bs = cache.shape[:2]
+    base = run_backend(_spec("fp8_paged_mqa_logits"), backend, (q, cache, w, lens, table, length))
+    for bad in (-1, 10**6, -2, nb):
+        t2 = table.clone()
+        t2[0, 1] = bad
+        out = run_backend(_spec("fp8_paged_mqa_logits"), backend, (q, cache, w, lens, t2, length))
+        hole = torch.zeros(length, dtype=torch.bool)
+        hole[bs:2 * bs] = True
+        rows = q.shape[1]
+        assert (out[:rows, hole] == NEG_INF).all(), bad
+        assert torch.equal(out[:rows, ~hole], base[:rows, ~hole]) and torch.equal(out[rows:], base[rows:]), bad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_padding_block_gives_zero_rows_and_negative_ids_never_wrap(backend):
+    cache, dst_k, dst_scale, table, cu = _inputs("cp_gather_indexer_k_quant_cache", cases.EXAMPLE_GATHER)
+    bs = cache.shape[1]
+    cu = torch.tensor([0, 2 * bs, 2 * bs, 2 * bs + 1], dtype=torch.int32)
+    for bad in (-1, -2, cache.shape[0], 10**6):
+        t2 = table.clone()
+        t2[0, 1] = bad
+        k2, s2 = dst_k.clone(), dst_scale.clone()
+        run_backend(_spec("cp_gather_indexer_k_quant_cache"), backend, (cache, k2, s2, t2, cu))
+        assert (k2.view(torch.uint8)[bs:2 * bs] == 0).all() and (s2[bs:2 * bs] == 0).all(), bad
+        # Rows of the valid block 0 are copied; rows past cu[B] untouched.
+        values, scales = layout.cache_views(cache, dst_k.shape[1])
+        assert torch.equal(k2.view(torch.uint8)[:bs], values[int(table[0, 0])]), bad
+        assert torch.equal(k2.view(torch.uint8)[2 * bs + 1:], dst_k.view(torch.uint8)[2 * bs + 1:]), bad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_decreasing_cu_seq_lens_is_defined_and_refused_by_the_debug_switch(backend):
+    """cu = [0, 6, 2, 9]: request 1 (negative length) owns no row; rows go to the request
+    the binary search finds and only inside its range; both backends agree bit for bit."""
+    cache, dst_k, dst_scale, table, _ = _inputs("cp_gather_indexer_k_quant_cache", cases.EXAMPLE_GATHER)
+    cu = torch.tensor([0, 6, 2, 9], dtype=torch.int32)
+    outs = []
+    for b in BACKENDS:
+        k2, s2 = dst_k.clone(), dst_scale.clone()
+        run_backend(_spec("cp_gather_indexer_k_quant_cache"), b, (cache, k2, s2, table, cu))
+        outs.append((k2.view(torch.uint8), s2))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1].view(torch.int32), outs[1][1].view(torch.int32))
+    req = ref.request_of_rows(torch.arange(dst_k.shape[0]), cu)
+    assert req[:2].tolist() == [0, 0] and req[2:9].tolist() == [2] * 7  # rows 2..5: request 2 (search), 6..8 too
+    values, _ = layout.cache_views(cache, dst_k.shape[1])
+    bs = cache.shape[1]
+    assert torch.equal(outs[0][0][4], values[int(table[2, 2 // bs]), 2 % bs])  # row 4 = token 2 of request 2
+    assert torch.equal(outs[0][0][9:], dst_k.view(torch.uint8)[9:])
+    with graphsafe.debug_checks(True), pytest.raises(InputError, match="cu_seq_lens.*non-decreasing"):
+        graphsafe.cp_gather_indexer_k_quant_cache(cache, dst_k.clone(), dst_scale.clone(), table, cu)
+
+
+def test_quant_nan_and_inf_scales_agree_bit_for_bit():
+    """NaN in a group: scale 0x7FC00000 and all values 0x7F; +-inf: scale +inf, finite
+    values +-0, the infs NaN (0x7F). Reference and Triton write the same bytes."""
+    k = torch.randn(4, 64) * 3
+    k[0, 5] = float("nan")
+    k[1, 7], k[1, 9] = float("inf"), float("-inf")
+    k[2, 40] = -float("nan")
+    slots = torch.tensor([0, 1, 2, -1])
+    for fmt in (None, "ue8m0"):
+        caches = []
+        for backend in BACKENDS:
+            cache = torch.zeros((2, 4, 64 + 8), dtype=torch.uint8)
+            run_backend(_spec("indexer_k_quant_and_cache"), backend, (k.bfloat16(), cache, slots, 32, fmt))
+            caches.append(cache)
+        assert torch.equal(caches[0], caches[1]), fmt
+        values, scales = layout.cache_views(caches[0], 64)
+        bits = scales.view(torch.int32)
+        assert bits[0, 0, 0] == 0x7FC00000 and (values[0, 0, :32] == 0x7F).all()
+        assert bits[0, 1, 0] == 0x7F800000 and values[0, 1, 7] == 0x7F and values[0, 1, 9] == 0x7F
+        assert ((values[0, 1, :32] & 0x7F) == 0).sum() == 30  # the finite values: +-0
+        assert bits[0, 2, 1] == 0x7FC00000 and (values[0, 2, 32:] == 0x7F).all()
+        assert torch.isfinite(scales[0, 2, 0]) and torch.isfinite(scales[0, 1, 1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_slots_negative_block_ids_and_bad_requests_give_minus_one(backend):
+    req = torch.tensor([0, 1, -2, 5], dtype=torch.int32)
+    table = torch.tensor([[3, -1], [-2, 7]], dtype=torch.int32)
+    idx = torch.tensor([[0, 5], [1, 6], [0, 1], [0, 1]], dtype=torch.int32)
+    out = run_backend(_spec("req_local_to_global_slots"), backend, (req, table, idx, 4))
+    assert out.tolist() == [[12, -1], [-1, 30], [-1, -1], [-1, -1]]
+
+
+def test_debug_switch_refuses_bad_slots_and_block_ids():
+    q, cache, w, lens, table, length = _inputs("fp8_paged_mqa_logits", cases.EXAMPLE_PAGED)
+    lens = torch.full_like(lens, length)
+    t2 = table.clone()
+    t2[1, 0] = -2
+    with graphsafe.debug_checks(True):
+        graphsafe.fp8_paged_mqa_logits(q, cache, w, lens, table, length)
+        with pytest.raises(InputError, match=r"fp8_paged_mqa_logits.*block_table.*-2"):
+            graphsafe.fp8_paged_mqa_logits(q, cache, w, lens, t2, length)

@@ -66,6 +66,7 @@ def _backends(name: str, aiter: bool = True) -> dict[str, str | Backend]:
     "indexer_k_quant_and_cache",
     fake=fakes.fake_indexer_k_quant_and_cache,
     check=fakes.check_indexer_k_quant_and_cache,
+    debug_check="graphsafe.ops.indexer.debug:debug_check_indexer_k_quant_and_cache",
     mutates_args=("kv_cache",),
     family="indexer",
     backends=_backends("indexer_k_quant_and_cache"),
@@ -80,14 +81,21 @@ def indexer_k_quant_and_cache(
     the cache stores `k / s` (IEEE division, saturated to +-448, round-to-nearest-even
     e4m3fn) and `s` (float32).
 
+    Non-finite keys, per group, bit for bit on every backend: a NaN anywhere in the group
+    gives the scale NaN (bits 0x7FC00000) and every value of the group NaN; otherwise a
+    +-inf gives the scale +inf, the group's finite values +-0 (sign kept) and its +-inf
+    values NaN. A NaN value is stored as the byte 0x7F.
+
     Args:
         k: `[T, D]` bf16/fp16/fp32, the new keys; last dim contiguous. D a multiple of 16.
         kv_cache: `uint8 [num_blocks, block_size, D + 4*G]`, mutated, G = D // quant_block_size
             (`D + 4` for one scale per token). Contiguous inside each block; the block
             stride and storage offset are multiples of 4 bytes. Only the slots written
             change (their D value bytes and G scales).
-        slot_mapping: `[T]` int64 (int32 accepted), the cache slot of each token. Slots
-            below 0 (padding) or past `num_blocks * block_size` are skipped.
+        slot_mapping: `[T]` int64 (int32 accepted), the cache slot of each token, `-1` for
+            padding. Any slot outside `[0, num_blocks * block_size)` is skipped like -1:
+            nothing is written, its token's `k` row is not read. The debug switch refuses
+            slots outside that range other than -1.
         quant_block_size: values per scale group; divides D (D for DeepSeek-V3.2).
         scale_fmt: None (plain float32 scales) or "ue8m0" (power-of-two scales).
 
@@ -99,6 +107,7 @@ def indexer_k_quant_and_cache(
     "cp_gather_indexer_k_quant_cache",
     fake=fakes.fake_cp_gather_indexer_k_quant_cache,
     check=fakes.check_cp_gather_indexer_k_quant_cache,
+    debug_check="graphsafe.ops.indexer.debug:debug_check_cp_gather_indexer_k_quant_cache",
     mutates_args=("dst_k", "dst_scale"),
     family="indexer",
     backends=_backends("cp_gather_indexer_k_quant_cache"),
@@ -109,19 +118,29 @@ def cp_gather_indexer_k_quant_cache(
     """Gather the quantised keys of B requests from the paged K cache into contiguous rows.
 
     Row `cu_seq_lens[b] + t` of `dst_k`/`dst_scale` receives token t of request b (its
-    fp8 values and scales, bit for bit), for `0 <= t < cu_seq_lens[b+1] - cu_seq_lens[b]`.
-    Rows outside `[cu_seq_lens[0], cu_seq_lens[B])` are left untouched, so N may be an
-    upper bound (no host sync to size it). Rows whose block-table entry is out of range
-    (`t // block_size >= max_blocks`, or a block id outside `[0, num_blocks)`) are left
-    untouched too.
+    fp8 values and scales, bit for bit, NaN bytes included), for
+    `0 <= t < cu_seq_lens[b+1] - cu_seq_lens[b]`. Rows outside
+    `[cu_seq_lens[0], cu_seq_lens[B])` are left untouched, so N may be an upper bound
+    (no host sync to size it); rows past N are not written. A token whose block is
+    out of range (`t // block_size >= max_blocks`, or a block id outside
+    `[0, num_blocks)`, padding -1 included) gives a zero row: value bytes 0x00 and
+    scale +0.0.
+
+    A decreasing `cu_seq_lens` (refused by the debug switch) is still safe and the same
+    on every backend: a request of negative length owns no row, and each row r goes to
+    at most one request, the b found by the binary search `lo, hi = 0, B; while lo < hi:
+    mid = (lo + hi) // 2; lo, hi = (mid + 1, hi) if cu_seq_lens[mid + 1] <= r else
+    (lo, mid)`, and only if `cu_seq_lens[b] <= r < cu_seq_lens[b + 1]` (else untouched).
 
     Args:
         kv_cache: `uint8 [num_blocks, block_size, D + 4*G]`, the K cache (layout above).
         dst_k: `[N, D]` float8_e4m3fn, mutated; last dim contiguous.
         dst_scale: float32, mutated: `[N]` when G = 1 (one scale per token), else `[N, G]`.
         block_table: `[B, max_blocks]` int32, last dim contiguous; the blocks of request b
-            in order.
-        cu_seq_lens: `[B + 1]` int32, non-decreasing; request b owns rows
+            in order, `-1` for padding. Entries below a request's length should be valid
+            block ids or -1 (the debug switch checks it).
+        cu_seq_lens: `[B + 1]` int32, non-decreasing, `0 <= cu_seq_lens[0]`,
+            `cu_seq_lens[B] <= N` (the debug switch checks all three); request b owns rows
             `[cu_seq_lens[b], cu_seq_lens[b+1])`.
 
     Returns None; mutates `dst_k` and `dst_scale` only.
@@ -132,6 +151,7 @@ def cp_gather_indexer_k_quant_cache(
     "fp8_mqa_logits",
     fake=fakes.fake_fp8_mqa_logits,
     check=fakes.check_fp8_mqa_logits,
+    debug_check="graphsafe.ops.indexer.debug:debug_check_fp8_mqa_logits",
     family="indexer",
     backends=_backends("fp8_mqa_logits"),
 )
@@ -141,6 +161,13 @@ def fp8_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, ks: T
     `out[m, n] = k_scale[n] * sum_h weights[m, h] * relu(q[m, h] . k[n])` for
     `ks[m] <= n < ke[m]`, `-inf` elsewhere. Products are exact in float32 and
     accumulated in float32 (fp8 tensor cores accumulate with slightly less precision).
+    A window reaching outside `[0, N)` acts as its intersection with `[0, N)`; keys
+    outside every window and queries of empty windows are not read.
+
+    Non-finite inputs follow IEEE arithmetic with `relu(NaN) = NaN`: a NaN in `q[m]`,
+    `weights[m]` or `k[n]` (byte 0x7F/0xFF) makes `out[m, n]` NaN inside the window; an
+    inf weight or scale gives +-inf, or NaN where it meets a zero (`inf * 0`) or an
+    opposite inf. The NaN's sign bit is not specified.
 
     Args:
         q: `[M, H, D]` float8_e4m3fn, the indexer queries; last dim contiguous.
@@ -150,6 +177,7 @@ def fp8_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, ks: T
         weights: `[M, H]` float32, the per-head weights (softmax scale folded in).
         ks: `[M]` int32, first key of row m's window (inclusive).
         ke: `[M]` int32, end of row m's window (exclusive); an empty window gives a -inf row.
+            Non-empty windows should lie in `[0, N]` (the debug switch checks it).
 
     Returns:
         logits: `[M, N]` float32, contiguous.
@@ -160,6 +188,7 @@ def fp8_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, ks: T
     "fp8_paged_mqa_logits",
     fake=fakes.fake_fp8_paged_mqa_logits,
     check=fakes.check_fp8_paged_mqa_logits,
+    debug_check="graphsafe.ops.indexer.debug:debug_check_fp8_paged_mqa_logits",
     family="indexer",
     backends=_backends("fp8_paged_mqa_logits"),
 )
@@ -173,16 +202,26 @@ def fp8_paged_mqa_logits(
     `n < context_lens[b] - next_n + i + 1` (keys up to the query's own position), `-inf`
     for every other column up to `max_model_len`: the whole output is written. Key n of
     request b is slot `block_table[b, n // block_size] * block_size + n % block_size`.
+    A block id outside `[0, num_blocks)` (padding -1 included) holds no keys: its
+    positions are `-inf` in every row, exactly like positions past the context, and
+    nothing is read from the cache for them.
+
+    Non-finite inputs follow IEEE arithmetic with `relu(NaN) = NaN`: a NaN in `q[b, i]`,
+    in row r's weights, or in key n's bytes (0x7F/0xFF) or scale makes `out[r, n]` NaN
+    where the key is visible; an inf weight or scale gives +-inf, or NaN where it meets a
+    zero or an opposite inf. The NaN's sign bit is not specified.
 
     Args:
         q: `[B, next_n, H, D]` float8_e4m3fn, 1 <= next_n <= 4 (MTP); last dim contiguous.
         kv_cache: `uint8 [num_blocks, block_size, D + 4]`, one scale per token (layout above).
         weights: `[B * next_n, H]` float32, per-head weights of each row.
         context_lens: `[B]` int32, tokens in each request's cache (the new ones included).
-            Values are clamped to `[0, max_model_len]` for reading keys.
+            Values are clamped to `[0, max_model_len]` for reading keys; the debug switch
+            refuses values outside that range.
         block_table: `[B, max_blocks]` int32, last dim contiguous. Needs
             `max_blocks * block_size >= max_model_len` (checked); entries for positions
-            below the context must be valid block ids.
+            below the context should be valid block ids or -1 (padding, see above; the
+            debug switch checks it).
         max_model_len: the output width (a host int, so the output shape never depends on data).
 
     Returns:
@@ -194,6 +233,7 @@ def fp8_paged_mqa_logits(
     "req_local_to_global_slots",
     fake=fakes.fake_req_local_to_global_slots,
     check=fakes.check_req_local_to_global_slots,
+    debug_check="graphsafe.ops.indexer.debug:debug_check_req_local_to_global_slots",
     family="indexer",
     backends=_backends("req_local_to_global_slots", aiter=False),
 )
@@ -202,12 +242,17 @@ def req_local_to_global_slots(req_id_per_token: Tensor, block_table: Tensor, top
 
     `out[t, j] = block_table[r, p // block_size] * block_size + p % block_size` with
     `r = req_id_per_token[t]`, `p = topk_indices[t, j]`; `-1` where `p < 0` (padding), where
-    `p // block_size >= max_blocks`, or where `r` is outside `[0, B)`.
+    `p // block_size >= max_blocks`, where `r` is outside `[0, B)`, or where the block id
+    is outside `[0, 2^31 // block_size)` (padding -1, or a slot that int32 cannot hold).
+    Only the table entries of valid (r, p) pairs are read.
 
     Args:
-        req_id_per_token: `[T]` int32, the request of each token.
-        block_table: `[B, max_blocks]` int32, last dim contiguous.
-        topk_indices: `[T, K]` int32, request-local positions, `-1` for none.
+        req_id_per_token: `[T]` int32, the request of each token, `-1` for padding (the
+            debug switch refuses other values outside `[0, B)`).
+        block_table: `[B, max_blocks]` int32, last dim contiguous (the debug switch
+            checks the entries read are in `[0, 2^31 // block_size)` or -1).
+        topk_indices: `[T, K]` int32, request-local positions, `-1` for none (the debug
+            switch refuses other values outside `[0, max_blocks * block_size)`).
         block_size: tokens per cache block (the cache that the slots index).
 
     Returns:
@@ -219,6 +264,7 @@ def req_local_to_global_slots(req_id_per_token: Tensor, block_table: Tensor, top
     "sparse_attn_indexer_decode",
     fake=fakes.fake_sparse_attn_indexer_decode,
     check=fakes.check_sparse_attn_indexer_decode,
+    debug_check="graphsafe.ops.indexer.debug:debug_check_sparse_attn_indexer_decode",
     mutates_args=("kv_cache", "topk_indices"),
     family="indexer",
     backends={
@@ -255,6 +301,11 @@ def sparse_attn_indexer_decode(
        for the rest of the row (short contexts, padding requests with `seq_lens[b] = 0`)
        and for columns `>= topk`. Map them to cache slots with `req_local_to_global_slots`.
 
+    Out-of-range ids act as padding, as in the ops above: a slot outside the cache is
+    skipped, a block id outside `[0, num_blocks)` holds no keys (its positions score
+    -inf). Non-finite keys, queries and weights give the NaN/inf cache entries and logits
+    the ops above define; the top-k then orders them as `top_k_per_row_decode` does.
+
     Every size comes from shapes and host ints, so the op captures into a CUDA graph and
     replays with other `seq_lens`, block tables and slots. The logits and the top-k
     scratch come from the workspace manager; before carving, the call reserves the worst
@@ -271,12 +322,14 @@ def sparse_attn_indexer_decode(
         k: `[T, D]` bf16/fp16/fp32, the new tokens' indexer keys; last dim contiguous.
         weights: `[T, H]` float32, per-head weights of each token (softmax scale folded in).
         slot_mapping: `[T]` int64 (int32 accepted), contiguous: the cache slot of each new
-            token, `-1` for padding tokens.
+            token, `-1` for padding tokens (other slots outside the cache: skipped too;
+            the debug switch refuses them).
         seq_lens: `[B]` int32, contiguous: tokens in each request's cache, the new ones
-            included (`0` for a padding request). Keys are read up to `max_model_len`.
+            included (`0` for a padding request). Keys are read up to `max_model_len`;
+            the debug switch refuses lengths outside `[0, max_model_len]`.
         block_table: `[B, max_blocks]` int32, last dim contiguous;
             `max_blocks * block_size >= max_model_len` (checked). Entries below a
-            request's context must be valid block ids.
+            request's context should be valid block ids or -1 (the debug switch checks it).
         topk_indices: `[>= T, K]` int32, mutated: the shared top-k buffer (e.g. vLLM's
             `topk_indices_buffer` of `max_num_batched_tokens` rows); rows `[0, T)` are
             written entirely, the rest is left untouched. Last dim contiguous.
@@ -295,6 +348,7 @@ def sparse_attn_indexer_decode(
     "sparse_attn_indexer_prefill",
     fake=fakes.fake_sparse_attn_indexer_prefill,
     check=fakes.check_sparse_attn_indexer_prefill,
+    debug_check="graphsafe.ops.indexer.debug:debug_check_sparse_attn_indexer_prefill",
     mutates_args=("kv_cache", "topk_indices"),
     family="indexer",
     backends={
@@ -335,6 +389,14 @@ def sparse_attn_indexer_prefill(
        positions, into `topk_indices[t]` (`-1` tail as in decode). A padding token gets
        an empty window (`cu_seqlen_ke <= cu_seqlen_ks`) and slot -1: its row is all -1.
 
+    Out-of-range ids act as padding: a slot outside the cache is skipped; a block id
+    outside `[0, num_blocks)` gathers a zero key (bytes 0x00, scale 0.0, so its logits
+    are 0 for finite queries and weights). Non-finite inputs give the NaN/inf cache
+    entries and logits the ops above define; the top-k orders them as
+    `top_k_per_row_prefill` does. Windows reaching into gathered rows past
+    `cu_seq_lens[B]` score unspecified (finite or not) workspace contents: keep them
+    inside (the debug switch checks it).
+
     A chunk holds the most rows whose logits `[rows, N]` f32 and nested top-k scratch fit
     `max_chunk_bytes` (`prefill_chunk_rows`; at least one row). The plan depends on
     (T, total_seq_lens, topk, max_chunk_bytes) only, never on data. Before carving, the
@@ -348,15 +410,18 @@ def sparse_attn_indexer_prefill(
         weights: `[T, H]` float32, per-head weights (softmax and q scales folded in).
         slot_mapping: `[T]` int64 (int32 accepted), contiguous; `-1` for padding tokens.
         block_table: `[B, max_blocks]` int32, last dim contiguous: the requests' blocks.
-            Entries below each request's context must be valid block ids.
-        cu_seq_lens: `[B + 1]` int32, contiguous, non-decreasing, `cu_seq_lens[B] <=
-            total_seq_lens`: request b's context (the new tokens included) is gathered
-            into rows `[cu_seq_lens[b], cu_seq_lens[b + 1])`.
+            Entries below each request's context should be valid block ids or -1 (the
+            debug switch checks it).
+        cu_seq_lens: `[B + 1]` int32, contiguous, non-decreasing, `0 <= cu_seq_lens[0]`,
+            `cu_seq_lens[B] <= total_seq_lens` (the debug switch checks these): request
+            b's context (the new tokens included) is gathered into rows
+            `[cu_seq_lens[b], cu_seq_lens[b + 1])`.
         cu_seqlen_ks: `[T]` int32, contiguous: first gathered key of token t's window
             (`cu_seq_lens[b]` for a token of request b).
         cu_seqlen_ke: `[T]` int32, contiguous: end of token t's window (exclusive),
             `cu_seq_lens[b] + (its position in the request) + 1` for causal prefill.
-            Windows must lie inside the gathered rows `[0, cu_seq_lens[B])`.
+            Non-empty windows must lie inside the gathered rows `[0, cu_seq_lens[B])`
+            (the debug switch checks it).
         topk_indices: `[>= T, K]` int32, mutated; rows `[0, T)` written entirely (pass a
             row slice of the shared buffer, e.g. after the decode tokens).
         scale_fmt: None or "ue8m0".

@@ -25,6 +25,10 @@ FP8_MAX = 448.0
 # vLLM's and DeepGEMM's floor on a group's absolute maximum: an all-zero (or tiny) group
 # still gets a finite, positive scale.
 AMAX_FLOOR = 1e-4
+# The NaNs the quantiser stores (bit-exact on every backend): float32 0x7FC00000 for a
+# scale, e4m3fn byte 0x7F (positive NaN) for a value.
+CANONICAL_NAN = float("nan")
+FP8_NAN_BYTE = 0x7F
 
 
 def scale_groups(cache_last_dim: int, head_dim: int) -> int:
@@ -81,6 +85,11 @@ def quantize(k: torch.Tensor, quant_block_size: int, scale_fmt: str | None) -> t
     Per group of `quant_block_size` values: `s = max(amax, 1e-4) / 448`, rounded up to a
     power of two when `scale_fmt == "ue8m0"`; the stored value is `k / s` (IEEE division)
     saturated to +-448 and rounded to nearest-even e4m3.
+
+    Non-finite values: a NaN in a group makes its scale the canonical NaN (bits
+    0x7FC00000) and every value of the group NaN; else a +-inf makes the scale +inf, the
+    group's finite values +-0 (sign kept) and its +-inf values NaN. Every NaN value is
+    stored as the byte 0x7F.
     """
     t, d = k.shape
     g = d // quant_block_size
@@ -91,7 +100,13 @@ def quantize(k: torch.Tensor, quant_block_size: int, scale_fmt: str | None) -> t
     s = amax / amax.new_full((), FP8_MAX)
     if scale_fmt == "ue8m0":
         s = round_scale_ue8m0(s)
-    q = (x / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    # NaN in a group: a canonical NaN scale (the UE8M0 bit trick would turn NaN into 0),
+    # so every value of the group divides to NaN below.
+    s = torch.where(torch.isnan(amax), amax.new_full((), CANONICAL_NAN), s)
+    y = x / s.unsqueeze(-1)
+    q = y.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    # One NaN byte for every NaN value, whatever the sign of the NaN the division made.
+    q = torch.where(torch.isnan(y), q.new_full((), FP8_NAN_BYTE), q).view(FP8)
     return q.reshape(t, d), s
 
 

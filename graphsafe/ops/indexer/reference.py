@@ -40,29 +40,60 @@ def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale
     scatter_tokens(scales, slot_mapping, s)
 
 
+def request_of_rows(rows: torch.Tensor, cu_seq_lens: torch.Tensor) -> torch.Tensor:
+    """The request each row falls to: the binary search over `cu_seq_lens` that the
+    Triton kernel runs (`lo, hi = 0, B; while lo < hi: mid = (lo + hi) // 2; lo, hi =
+    (mid + 1, hi) if cu[mid + 1] <= r else (lo, mid)`), vectorised over rows. For a
+    non-decreasing `cu` it is `searchsorted(cu[1:], r, right=True)`; for a decreasing one
+    it is still one defined request per row (the loop runs bit_length(B) steps, not
+    one per row)."""
+    b = cu_seq_lens.shape[0] - 1
+    lo = torch.zeros_like(rows)
+    hi = torch.full_like(rows, b)
+    ends = cu_seq_lens[1:].long()
+    for _ in range(max(1, b.bit_length())):
+        active = lo < hi
+        mid = torch.div(lo + hi, 2, rounding_mode="floor")
+        right = ends[mid.clamp(0, max(b - 1, 0))] <= rows
+        lo = torch.where(active & right, mid + 1, lo)
+        hi = torch.where(active & ~right, mid, hi)
+    return lo
+
+
 def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
     n, d = dst_k.shape
     values, scales = layout.cache_views(kv_cache, d)
     num_blocks, block_size = values.shape[:2]
     b, max_blocks = block_table.shape
-    if n == 0 or b == 0 or max_blocks == 0 or num_blocks == 0:
+    if n == 0 or b == 0:
         return
     rows = torch.arange(n, device=dst_k.device)
-    # Request of row r: the b with cu[b] <= r < cu[b + 1].
-    req = torch.searchsorted(cu_seq_lens[1:], rows.to(cu_seq_lens.dtype), right=True)
+    req = request_of_rows(rows, cu_seq_lens)
     req_c = req.clamp_max(b - 1)
-    t = rows - cu_seq_lens[req_c]
+    t = rows - cu_seq_lens[req_c].long()
+    # Row r belongs to request req if it lies in [cu[req], cu[req + 1]); the binary
+    # search guarantees the upper end, `t >= 0` the lower one.
+    owned = (req < b) & (t >= 0)
     logical = torch.div(t, block_size, rounding_mode="floor")
-    valid = (req < b) & (t >= 0) & (logical < max_blocks)
-    blk = block_table[req_c, logical.clamp(0, max_blocks - 1)].long()
-    valid = valid & (blk >= 0) & (blk < num_blocks)
-    blk = torch.where(valid, blk, 0)
-    off = torch.where(valid, t % block_size, 0)
-    k_rows = values[blk, off]  # [N, D] uint8
-    s_rows = scales[blk, off].reshape(dst_scale.shape)
+    in_table = owned & (logical < max_blocks)
+    if max_blocks > 0:
+        blk = block_table[req_c, logical.clamp(0, max_blocks - 1)].long()
+    else:
+        blk = torch.full_like(t, -1)
+    # A padding block (or a position past the table) gives a zero row: value bytes 0x00,
+    # scale +0.0. Indexing goes to token 0 of block 0 instead, discarded by the where.
+    valid = in_table & (blk >= 0) & (blk < num_blocks)
+    if num_blocks > 0:
+        blk = torch.where(valid, blk, 0)
+        off = torch.where(valid, t % block_size, 0)
+        k_rows = torch.where(valid[:, None], values[blk, off], 0)  # [N, D] uint8
+        s_rows = torch.where(valid[:, None], scales[blk, off], 0.0).reshape(dst_scale.shape)
+    else:
+        k_rows = torch.zeros((n, d), dtype=torch.uint8, device=dst_k.device)
+        s_rows = torch.zeros(dst_scale.shape, dtype=torch.float32, device=dst_k.device)
     dst_u8 = dst_k.view(torch.uint8)
-    dst_u8.copy_(torch.where(valid[:, None], k_rows, dst_u8))
-    keep = valid.view(-1, *([1] * (dst_scale.dim() - 1)))
+    dst_u8.copy_(torch.where(owned[:, None], k_rows, dst_u8))
+    keep = owned.view(-1, *([1] * (dst_scale.dim() - 1)))
     dst_scale.copy_(torch.where(keep, s_rows, dst_scale))
 
 
@@ -85,11 +116,16 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_mo
     values, scales = layout.cache_views(kv_cache, d)
     num_blocks, block_size = values.shape[:2]
     length = max_model_len
-    # Key n of request r lives in block block_table[r, n // block_size]. Columns past a
-    # request's context may hold anything (padding): clamp, they are masked below.
+    # Key n of request r lives in block block_table[r, n // block_size]. A block id
+    # outside [0, num_blocks) (padding -1 or garbage) holds no keys: its positions are
+    # -inf, like positions past the context. Invalid ids index block 0, discarded below.
     pos = torch.arange(length, device=q.device)
-    blk = block_table[:, pos // block_size].long().clamp(0, max(num_blocks - 1, 0))
-    off = (pos % block_size).expand(b, length)
+    raw = block_table[:, pos // block_size].long()
+    has_key = (raw >= 0) & (raw < num_blocks)  # [B, L]
+    blk = torch.where(has_key, raw, 0)
+    off = torch.where(has_key, pos % block_size, 0)
+    if num_blocks == 0:  # nothing to index: every position is a padding block's
+        values, scales = values.new_zeros((1, 1, d)), scales.new_zeros((1, 1, 1))
     keys = values[blk, off].view(layout.FP8).to(torch.float32)  # [B, L, D]
     key_scale = scales[blk, off, 0]  # [B, L]
     acc = torch.zeros((b, next_n, length), dtype=torch.float32, device=q.device)
@@ -100,7 +136,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_mo
     logits = acc * key_scale[:, None, :]
     # Row (r, i) sees keys n < context_lens[r] - next_n + i + 1 (its own position).
     limit = context_lens.long()[:, None] - next_n + 1 + torch.arange(next_n, device=q.device)[None, :]
-    valid = pos[None, None, :] < limit[:, :, None]
+    valid = (pos[None, None, :] < limit[:, :, None]) & has_key[:, None, :]
     return _dense(torch.where(valid, logits, NEG_INF).reshape(b * next_n, length))
 
 
@@ -114,8 +150,15 @@ def req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block
     logical = torch.div(pos, block_size, rounding_mode="floor")
     valid = req_ok[:, None] & (pos >= 0) & (logical < max_blocks)
     blk = block_table[req.clamp(0, b - 1)[:, None], logical.clamp(0, max_blocks - 1)].long()
+    # A block id outside [0, 2^31 // block_size) (padding -1) has no int32 slots: -1.
+    valid = valid & (blk >= 0) & (blk < max_block_id(block_size))
     slots = blk * block_size + pos % block_size
     return _dense(torch.where(valid, slots, -1).to(torch.int32))
+
+
+def max_block_id(block_size: int) -> int:
+    """The block ids whose slots fit int32: `[0, 2^31 // block_size)`."""
+    return 2**31 // block_size
 
 
 def _reference(op: str):

@@ -26,10 +26,10 @@ Design notes (H100/H200 targets in the issue):
   only write `-inf`.
 * Quantisation matches the reference bit for bit: IEEE division (`div_rn`), the UE8M0
   round-up done on the exponent bits, fp32 -> e4m3 rounding done exactly in fp32
-  (`_round_to_e4m3`; Triton's CPU interpreter rounds some values wrongly otherwise) and
-  the byte assembled with integer ops (`_e4m3_bits`), so no fp8 type is needed.
+  (`round_to_e4m3`; Triton's CPU interpreter rounds some values wrongly otherwise) and
+  the byte assembled with integer ops (`e4m3_bits`), so no fp8 type is needed.
 * Devices without fp8 e4m3fn matrix units (pre-sm89, MI300's fnuz-only units) read the
-  fp8 tiles as bytes, decode them to fp16 in registers (exact, `_e4m3_bytes_to_f16`) and
+  fp8 tiles as bytes, decode them to fp16 in registers (exact, `e4m3_bytes_to_f16`) and
   use fp16 dots. The gather moves bytes. So every kernel runs on every Triton target.
 """
 
@@ -44,6 +44,7 @@ import triton.language as tl
 
 from graphsafe.device_info import compute_capability, num_sms
 from graphsafe.launch import bind
+from graphsafe.ops.fp8_bits import e4m3_bits, e4m3_bytes_to_f16, round_to_e4m3
 from graphsafe.registry import prepared
 
 NEG_INF = tl.constexpr(float("-inf"))  # jit code reads only constexpr globals
@@ -51,9 +52,11 @@ NEG_INF = tl.constexpr(float("-inf"))  # jit code reads only constexpr globals
 
 @functools.cache
 def fp8_dot_supported(device: torch.device) -> bool:
-    """Whether tl.dot takes float8e4nv operands on `device` (the CPU interpreter: yes)."""
+    """Whether tl.dot takes float8e4nv operands on `device`. The CPU interpreter does, but
+    its fp8 conversion turns NaN bytes (0x7F/0xFF) into finite values, so it runs the
+    byte-decoding fp16 path, which keeps them NaN (tests still force the fp8 path)."""
     if device.type != "cuda":
-        return True
+        return False
     if getattr(torch.version, "hip", None):
         arch = torch.cuda.get_device_properties(device).gcnArchName
         return arch.startswith(("gfx950", "gfx12"))  # OCP e4m3fn units; gfx942 is fnuz-only
@@ -78,55 +81,6 @@ def _nothing(*args, **kwargs) -> None:
 
 
 # -- helpers -----------------------------------------------------------------------------
-@triton.jit
-def _round_to_e4m3(y):
-    """Round float32 `y` (|y| <= 448) to the nearest-even e4m3 value, exactly, in fp32.
-
-    Adding then subtracting 1.5 * 2^(e+20) rounds |y| to a multiple of its e4m3 ulp
-    2^(e-3) with fp32's round-to-nearest-even (e = the binade of |y|, at least -6, the
-    subnormal spacing). The sign is reapplied from the bits so -0.0 stays -0.0.
-    """
-    bits = y.to(tl.int32, bitcast=True)
-    a = tl.abs(y)
-    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, -6)
-    magic = ((e + 147) << 23).to(tl.float32, bitcast=True) * 1.5
-    r = (a + magic) - magic
-    # OR the sign bit back in: `-r` compiles to `0 - r` on the GPU, which turns -0.0
-    # into +0.0 (seen on an H200: 163 of 2.1M bytes were 0x00 instead of 0x80).
-    sign = (bits >> 31) << 31
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_bits(r):
-    """The e4m3fn byte of float32 `r`, which must already be an e4m3 value (`_round_to_e4m3`).
-
-    Integer ops only: no fp8 conversion instruction is needed, so the kernel writes the
-    same bytes on every target (MI300's Triton has only fnuz fp8 types).
-    """
-    bits = r.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = tl.abs(r)
-    abits = a.to(tl.int32, bitcast=True)
-    exp = (abits >> 23) - 127
-    normal = ((exp + 7) << 3) | ((abits >> 20) & 7)
-    subnormal = (a * 512.0).to(tl.int32)  # multiples of 2^-9 below 2^-6 (and zero)
-    return (sign | tl.where(exp >= -6, normal, subnormal)).to(tl.uint8)
-
-
-@triton.jit
-def _e4m3_bytes_to_f16(b):
-    """float16 values of e4m3fn bytes, exactly (NaN bytes aside), with integer ops only.
-
-    Shifting the 7 magnitude bits left by 7 gives an fp16 with the same mantissa and an
-    exponent 8 too small (bias 15 vs 7); subnormals land on fp16 subnormals. Times 2^8.
-    """
-    b16 = b.to(tl.int16)
-    bits = ((b16 & 0x80) << 8) | ((b16 & 0x7F) << 7)
-    return (bits.to(tl.float16, bitcast=True) * 256.0).to(tl.float16)
-
-
 @triton.jit
 def _round_up_pow2(s):
     """2^ceil(log2 s) for positive normal float32 s (UE8M0 scales), from the bits."""
@@ -158,8 +112,16 @@ def _quant_and_cache_kernel(
     s = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
     if UE8M0:
         s = _round_up_pow2(s)
+    # tl.max drops NaNs (on the GPU too): a group with a NaN gets the canonical NaN scale
+    # explicitly, as the reference's amax does (layout.quantize defines the NaN bits).
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    s = tl.where(has_nan, tl.full(s.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True), s)
     y = tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape))
-    y = _e4m3_bits(_round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0)))
+    # NaN / x, x / NaN and inf / inf are NaN: byte 0x7F whatever the NaN's sign (the
+    # rounding helpers below are exact for finite values only).
+    y_nan = y != y
+    y = e4m3_bits(round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0)))
+    y = tl.where(y_nan, 0x7F, y).to(tl.uint8)
     tl.store(val_ptr + (blk * stride_blk + off * D)[:, None] + col[None, :], y, mask=mask)
     tl.store(scale_ptr + blk * stride_blk_f32 + scale_base + off * G + g, s, mask=ok)
 
@@ -212,27 +174,32 @@ def _gather_kernel(
         right = end <= rows
         lo = tl.where(active & right, mid + 1, lo)
         hi = tl.where(active & ~right, mid, hi)
-    valid = r_in & (lo < num_reqs)
-    start = tl.load(cu_ptr + lo, mask=valid, other=0)
+    owned = r_in & (lo < num_reqs)
+    start = tl.load(cu_ptr + lo, mask=owned, other=0)
     t = rows - start
-    valid = valid & (t >= 0)
-    t = tl.where(valid, t, 0)
+    # The search guarantees rows < cu[lo + 1]; rows below cu[lo] (a decreasing
+    # cu_seq_lens) belong to no request and stay untouched.
+    owned = owned & (t >= 0)
+    t = tl.where(owned, t, 0)
     logical = t // block_size
-    valid = valid & (logical < max_blocks)
+    valid = owned & (logical < max_blocks)
     blk = tl.load(bt_ptr + lo.to(tl.int64) * stride_bt + logical, mask=valid, other=0)
+    # A block id outside [0, num_blocks) (padding -1) gives a zero row: the masked loads
+    # below return 0 bytes and a +0.0 scale, stored for every owned row.
     valid = valid & (blk >= 0) & (blk < num_blocks)
     blk = tl.where(valid, blk, 0).to(tl.int64)
     off = tl.where(valid, t % block_size, 0).to(tl.int64)
     src = tl.multiple_of(blk * stride_blk + off * D, ROW_ALIGN)
     rows64 = rows.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    md = valid[:, None] & (offs_d < D)[None, :]
-    x = tl.load(val_ptr + src[:, None] + offs_d[None, :], mask=md)
-    tl.store(dst_k_ptr + rows64[:, None] * stride_dk + offs_d[None, :], x, mask=md)
+    d_in = (offs_d < D)[None, :]
+    x = tl.load(val_ptr + src[:, None] + offs_d[None, :], mask=valid[:, None] & d_in, other=0)
+    tl.store(dst_k_ptr + rows64[:, None] * stride_dk + offs_d[None, :], x, mask=owned[:, None] & d_in)
     offs_g = tl.arange(0, BLOCK_G)
-    mg = valid[:, None] & (offs_g < G)[None, :]
-    sc = tl.load(scale_ptr + (blk * stride_blk_f32 + scale_base + off * G)[:, None] + offs_g[None, :], mask=mg)
-    tl.store(dst_s_ptr + rows64[:, None] * stride_ds + offs_g[None, :], sc, mask=mg)
+    g_in = (offs_g < G)[None, :]
+    sc = tl.load(scale_ptr + (blk * stride_blk_f32 + scale_base + off * G)[:, None] + offs_g[None, :],
+                 mask=valid[:, None] & g_in, other=0.0)
+    tl.store(dst_s_ptr + rows64[:, None] * stride_ds + offs_g[None, :], sc, mask=owned[:, None] & g_in)
 
 
 def prepare_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
@@ -240,7 +207,7 @@ def prepare_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_ta
     nb, bs, width = kv_cache.shape
     g = (width - d) // 4
     b, mb = block_table.shape
-    if n == 0 or b == 0 or mb == 0 or nb == 0:
+    if n == 0 or b == 0:  # (no blocks or an empty table: the owned rows get zero rows)
         return _nothing
     block_d = _pow2(d)
     block_r = max(1, min(64, 8192 // block_d, _pow2(n)))
@@ -288,7 +255,7 @@ def _mqa_logits_kernel(
     k = tl.load(k_ptr + offs_n.to(tl.int64)[:, None] * stride_kn + offs_d[None, :],
                 mask=n_live[:, None] & d_in[None, :], other=0.0)
     if not FP8_DOT:  # k holds bytes
-        k = _e4m3_bytes_to_f16(k)
+        k = e4m3_bytes_to_f16(k)
     k_t = tl.trans(k)
     q_rows = q_ptr + offs_m.to(tl.int64)[:, None] * stride_qm + offs_d[None, :]
     q_mask = m_in[:, None] & d_in[None, :]
@@ -296,10 +263,11 @@ def _mqa_logits_kernel(
     for h in range(0, num_h):
         q = tl.load(q_rows + h * stride_qh, mask=q_mask, other=0.0)
         if not FP8_DOT:
-            q = _e4m3_bytes_to_f16(q)
+            q = e4m3_bytes_to_f16(q)
         w = tl.load(w_ptr + offs_m * stride_wm + h * stride_wh, mask=m_in, other=0.0)
         s = tl.dot(q, k_t)
-        acc += tl.maximum(s, 0.0) * w[:, None]
+        # relu(NaN) = NaN, as the reference's clamp_min (tl.maximum drops NaN by default).
+        acc += tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None]
     scale = tl.load(k_scale_ptr + offs_n * stride_ks, mask=n_live, other=0.0)
     logits = acc * scale[None, :]
     valid = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_hi[:, None])
@@ -410,7 +378,7 @@ def _load_query(q_ptr, w_ptr, b, i, stride_qb, stride_qn, stride_qh, stride_wr, 
     ptrs = q_ptr + b * stride_qb + i * stride_qn + offs_h[None, :] * stride_qh + offs_d[:, None]
     q_t = tl.load(ptrs, mask=(offs_d < D)[:, None] & (offs_h < H)[None, :], other=0.0)
     if not FP8_DOT:  # bytes
-        q_t = _e4m3_bytes_to_f16(q_t)
+        q_t = e4m3_bytes_to_f16(q_t)
     w = tl.load(w_ptr + (b * NEXT_N + i) * stride_wr + offs_h * stride_wh, mask=offs_h < H, other=0.0)
     return q_t, w
 
@@ -419,30 +387,35 @@ def _load_query(q_ptr, w_ptr, b, i, stride_qb, stride_qn, stride_qh, stride_wr, 
 def _row_logits(k, q_t, w, scale):
     """scale[n] * sum_h w[h] * relu(k[n] . q[h]) for a key tile: [BLOCK_N]."""
     s = tl.dot(k, q_t)
-    return tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+    # relu(NaN) = NaN, as the reference's clamp_min (tl.maximum drops NaN by default).
+    return tl.sum(tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :], axis=1) * scale
 
 
 @triton.jit
-def _store_row(out_row, n, logits, limit, stop):
-    tl.store(out_row + n, tl.where(n < limit, logits, NEG_INF), mask=n < stop)
+def _store_row(out_row, n, logits, visible, stop):
+    tl.store(out_row + n, tl.where(visible, logits, NEG_INF), mask=n < stop)
 
 
 @triton.jit
-def _tile_blocks(bt_ptr, b, stride_bt, n, compute_stop, BS: tl.constexpr):
-    """Cache block of each key position `n` of request b (0 past the computed range)."""
-    return tl.load(bt_ptr + b * stride_bt + n // BS, mask=n < compute_stop, other=0).to(tl.int64)
+def _tile_blocks(bt_ptr, b, stride_bt, n, compute_stop, num_blocks, BS: tl.constexpr):
+    """Cache block of each key position `n` of request b: -1 past the computed range
+    and where the table's id is outside [0, num_blocks) (a padding block: no keys)."""
+    blk = tl.load(bt_ptr + b * stride_bt + n // BS, mask=n < compute_stop, other=-1)
+    return tl.where((blk >= 0) & (blk < num_blocks), blk, -1).to(tl.int64)
 
 
 @triton.jit
-def _tile_scales(scale_ptr, blk, n, compute_stop, stride_blk_f32, scale_base, BS: tl.constexpr):
-    return tl.load(scale_ptr + blk * stride_blk_f32 + scale_base + (n % BS), mask=n < compute_stop, other=0.0)
+def _tile_scales(scale_ptr, blk, n, stride_blk_f32, scale_base, BS: tl.constexpr):
+    """Scales of a tile's keys (0.0 where `blk` is -1: nothing read)."""
+    has = blk >= 0
+    return tl.load(scale_ptr + tl.where(has, blk, 0) * stride_blk_f32 + scale_base + (n % BS), mask=has, other=0.0)
 
 
 @triton.jit
 def _paged_mqa_logits_kernel(
     q_ptr, val_ptr, scale_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
     stride_qb, stride_qn, stride_qh, stride_wr, stride_wh,
-    stride_blk, stride_blk_f32, scale_base, stride_bt, stride_out, max_model_len, chunk,
+    stride_blk, stride_blk_f32, scale_base, stride_bt, stride_out, max_model_len, chunk, num_blocks,
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NEXT_N: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8_DOT: tl.constexpr, ROW_ALIGN: tl.constexpr, CLEAN: tl.constexpr,
@@ -479,27 +452,29 @@ def _paged_mqa_logits_kernel(
     # once). So they are prefetched by hand in registers: block ids two tiles ahead,
     # scales one tile ahead, each load's address ready when it issues.
     n = start + offs_n
-    sblk_nxt = _tile_blocks(bt_ptr, b, stride_bt, n + BLOCK_N, compute_stop, BS)
-    scale = _tile_scales(scale_ptr, _tile_blocks(bt_ptr, b, stride_bt, n, compute_stop, BS), n, compute_stop,
+    sblk_nxt = _tile_blocks(bt_ptr, b, stride_bt, n + BLOCK_N, compute_stop, num_blocks, BS)
+    scale = _tile_scales(scale_ptr, _tile_blocks(bt_ptr, b, stride_bt, n, compute_stop, num_blocks, BS), n,
                          stride_blk_f32, scale_base, BS)
     for n0 in range(start, compute_stop, BLOCK_N):
         n = n0 + offs_n
-        live = n < compute_stop
-        sblk_far = _tile_blocks(bt_ptr, b, stride_bt, n + 2 * BLOCK_N, compute_stop, BS)
-        scale_nxt = _tile_scales(scale_ptr, sblk_nxt, n + BLOCK_N, compute_stop, stride_blk_f32, scale_base, BS)
-        blk = tl.load(bt_ptr + b * stride_bt + n // BS, mask=live, other=0).to(tl.int64)
+        sblk_far = _tile_blocks(bt_ptr, b, stride_bt, n + 2 * BLOCK_N, compute_stop, num_blocks, BS)
+        scale_nxt = _tile_scales(scale_ptr, sblk_nxt, n + BLOCK_N, stride_blk_f32, scale_base, BS)
+        blk = tl.load(bt_ptr + b * stride_bt + n // BS, mask=n < compute_stop, other=-1)
+        # A block id outside [0, num_blocks) holds no keys: nothing is loaded from it
+        # (the address uses block 0) and its positions are -inf for every row.
+        has_key = (blk >= 0) & (blk < num_blocks)
         off = (n % BS).to(tl.int64)
-        row = tl.multiple_of(blk * stride_blk + off * D, ROW_ALIGN)
-        k = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=live[:, None] & d_in[None, :], other=0.0)
+        row = tl.multiple_of(tl.where(has_key, blk, 0).to(tl.int64) * stride_blk + off * D, ROW_ALIGN)
+        k = tl.load(val_ptr + row[:, None] + offs_d[None, :], mask=has_key[:, None] & d_in[None, :], other=0.0)
         if not FP8_DOT:  # bytes
-            k = _e4m3_bytes_to_f16(k)
-        _store_row(out_row, n, _row_logits(k, q0, w0, scale), limit, stop)
+            k = e4m3_bytes_to_f16(k)
+        _store_row(out_row, n, _row_logits(k, q0, w0, scale), has_key & (n < limit), stop)
         if NEXT_N > 1:
-            _store_row(out_row + stride_out, n, _row_logits(k, q1, w1, scale), limit + 1, stop)
+            _store_row(out_row + stride_out, n, _row_logits(k, q1, w1, scale), has_key & (n < limit + 1), stop)
         if NEXT_N > 2:
-            _store_row(out_row + 2 * stride_out, n, _row_logits(k, q2, w2, scale), limit + 2, stop)
+            _store_row(out_row + 2 * stride_out, n, _row_logits(k, q2, w2, scale), has_key & (n < limit + 2), stop)
         if NEXT_N > 3:
-            _store_row(out_row + 3 * stride_out, n, _row_logits(k, q3, w3, scale), limit + 3, stop)
+            _store_row(out_row + 3 * stride_out, n, _row_logits(k, q3, w3, scale), has_key & (n < limit + 3), stop)
         sblk_nxt = sblk_far
         scale = scale_nxt
     if CLEAN:
@@ -545,7 +520,7 @@ def _paged_mqa_logits_runner(q, kv_cache, weights, block_table, max_model_len: i
         q, kv_cache, kv_cache, weights, weights, block_table, weights,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
         kv_cache.stride(0), kv_cache.stride(0) // 4, bs * d // 4, block_table.stride(0), out_stride,
-        max_model_len, chunk,
+        max_model_len, chunk, kv_cache.shape[0],
         H=h, D=d, BS=bs, NEXT_N=next_n, BLOCK_H=_pow2(h, 16), BLOCK_D=_pow2(d, 32), BLOCK_N=block_n,
         FP8_DOT=fp8_dot, ROW_ALIGN=_row_align(kv_cache.stride(0), d), CLEAN=clean,
         **cfg,
@@ -604,7 +579,7 @@ def paged_mqa_logits_into(
 def _req_local_to_global_kernel(
     req_ptr, bt_ptr, idx_ptr, out_ptr,
     num_reqs, max_blocks, K, stride_bt, stride_it, stride_ik, stride_out,
-    BS: tl.constexpr, BLOCK_K: tl.constexpr,
+    BS: tl.constexpr, BLOCK_K: tl.constexpr, LAST_BLOCK_ID: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -613,7 +588,10 @@ def _req_local_to_global_kernel(
     pos = tl.load(idx_ptr + t * stride_it + offs * stride_ik, mask=kmask, other=-1)
     logical = pos // BS
     valid = tl.where((req >= 0) & (req < num_reqs), (pos >= 0) & (logical < max_blocks), False)
-    blk = tl.load(bt_ptr + req.to(tl.int64) * stride_bt + logical, mask=kmask & valid, other=0)
+    req_c = tl.where((req >= 0) & (req < num_reqs), req, 0).to(tl.int64)
+    blk = tl.load(bt_ptr + req_c * stride_bt + tl.where(valid, logical, 0), mask=kmask & valid, other=-1)
+    # A block id outside [0, 2^31 // BS) (padding -1) has no int32 slot: -1.
+    valid = valid & (blk >= 0) & (blk <= LAST_BLOCK_ID)
     slot = blk.to(tl.int64) * BS + pos % BS
     tl.store(out_ptr + t * stride_out + offs, tl.where(valid, slot, -1).to(tl.int32), mask=kmask)
 
@@ -637,7 +615,7 @@ def prepare_req_local_to_global_slots(req_id_per_token, block_table, topk_indice
         _req_local_to_global_kernel, (t, triton.cdiv(k, block_k)),
         req_id_per_token, block_table, topk_indices, topk_indices,
         b, mb, k, block_table.stride(0), topk_indices.stride(0), topk_indices.stride(1), k,
-        BS=block_size, BLOCK_K=block_k, num_warps=4,
+        BS=block_size, BLOCK_K=block_k, LAST_BLOCK_ID=2**31 // block_size - 1, num_warps=4,
     )
 
     def run(req_id_per_token, block_table, topk_indices, block_size):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.ops.indexer import layout, plan, reference
-from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
+from graphsafe.testing.cases import BadInput, OpCase, Params, reads_no_floats, register_case
 from graphsafe.testing.compare import assert_same, exact_compare
 from graphsafe.testing.contract import clone_tensor
 from graphsafe.testing.tensors import distinct_slots, poison, randint, randn
@@ -103,8 +103,6 @@ def _make_quant(p: Params, device, gen):
     k = (torch.randn((t, d), generator=gen) * mag).to(p["dtype"]).to(device)
     cache = poisoned_cache(nb, bs, d + 4 * g, device, gen, p["strided_cache"])
     slots = distinct_slots(t, nb * bs, gen)
-    if p.get("oob_slot") and t > 0:
-        slots[0] = nb * bs + 3  # past the cache: skipped
     return k, cache, slots.to(device), d // g, p["scale_fmt"]
 
 
@@ -149,6 +147,10 @@ def _bad_quant(device, gen):
 register_case(
     OpCase(
         op="indexer_k_quant_and_cache",
+        unread=lambda p, a: _unread_quant(p, a),
+        out_of_range=lambda p, a, g: _oor_quant(p, a, g),
+        nonfinite=lambda p, a, g: _nonfinite_quant(p, a, g),
+        compare_nonfinite=lambda *x: compare_quant_nonfinite(*x),
         params=_params_quant,
         example=EXAMPLE_QUANT,
         make=_make_quant,
@@ -156,7 +158,7 @@ register_case(
         bad_inputs=_bad_quant,
         edge_cases=(
             {**EXAMPLE_QUANT, "T": 0},
-            {**EXAMPLE_QUANT, "D": 128, "block_size": 64, "scale_fmt": "ue8m0", "strided_cache": True, "oob_slot": True},
+            {**EXAMPLE_QUANT, "D": 128, "block_size": 64, "scale_fmt": "ue8m0", "strided_cache": True},
             {**EXAMPLE_QUANT, "D": 64, "groups": 4, "dtype": torch.float16, "scale_fmt": "ue8m0"},
             {**EXAMPLE_QUANT, "T": 9, "D": 128, "block_size": 1, "dtype": torch.float32},
         ),
@@ -223,6 +225,9 @@ def _bad_gather(device, gen):
 register_case(
     OpCase(
         op="cp_gather_indexer_k_quant_cache",
+        unread=lambda p, a: _unread_gather(p, a),
+        out_of_range=lambda p, a, g: _oor_gather(p, a, g),
+        nonfinite=lambda p, a, g: _nonfinite_gather(p, a, g),
         params=_params_gather,
         example=EXAMPLE_GATHER,
         make=_make_gather,
@@ -262,8 +267,10 @@ def mqa_windows(m: int, n: int, window: str, gen) -> tuple[torch.Tensor, torch.T
     if window == "causal":  # query m is key n - m_total + m: it sees keys up to itself
         ke = (torch.arange(m) + n - m + 1).clamp(0, n)
         return torch.zeros(m, dtype=torch.int32), ke.int()
-    ks = torch.randint(-2, n + 1, (m,), generator=gen)
+    # Non-empty windows inside [0, N] (wider ones: OpCase.out_of_range); empty ones any.
+    ks = torch.randint(0, n + 1, (m,), generator=gen)
     ke = ks + torch.randint(-2, n + 3, (m,), generator=gen)
+    ke = torch.where(ke > ks, ke.clamp(max=n), ke)
     return ks.int(), ke.int()
 
 
@@ -295,6 +302,9 @@ def _bad_mqa(device, gen):
 register_case(
     OpCase(
         op="fp8_mqa_logits",
+        unread=lambda p, a: _unread_mqa(p, a),
+        out_of_range=lambda p, a, g: _oor_mqa(p, a, g),
+        nonfinite=lambda p, a, g: _nonfinite_mqa(p, a, g),
         params=_params_mqa,
         example=EXAMPLE_MQA,
         make=_make_mqa,
@@ -374,6 +384,9 @@ def _bad_paged(device, gen):
 register_case(
     OpCase(
         op="fp8_paged_mqa_logits",
+        unread=lambda p, a: _unread_paged(p, a),
+        out_of_range=lambda p, a, g: _oor_paged(p, a, g),
+        nonfinite=lambda p, a, g: _nonfinite_paged(p, a, g),
         params=_params_paged,
         example=EXAMPLE_PAGED,
         make=_make_paged,
@@ -413,7 +426,7 @@ def _make_slots(p: Params, device, gen):
     t, b, k, bs, mb = p["T"], p["B"], p["K"], p["block_size"], p["max_blocks"]
     req = torch.randint(0, b, (t,), generator=gen)
     req = torch.where(torch.rand(t, generator=gen) < 0.1, -1, req).int()
-    idx = torch.randint(0, mb * bs + 3, (t, k), generator=gen)  # a few past the table
+    idx = torch.randint(0, mb * bs, (t, k), generator=gen)  # past the table: OpCase.out_of_range
     idx = torch.where(torch.rand(t, k, generator=gen) < 0.2, -1, idx).int()
     table = randint(0, 100_000, (b, mb), torch.int32, device, gen)
     return req.to(device), table, idx.to(device), bs
@@ -436,6 +449,9 @@ def _bad_slots(device, gen):
 register_case(
     OpCase(
         op="req_local_to_global_slots",
+        unread=lambda p, a: _unread_slots(p, a),
+        out_of_range=lambda p, a, g: _oor_slots(p, a, g),
+        nonfinite=reads_no_floats,
         params=_params_slots,
         example=EXAMPLE_SLOTS,
         make=_make_slots,
@@ -628,6 +644,10 @@ def _bad_composite_decode(device, gen):
 register_case(
     OpCase(
         op="sparse_attn_indexer_decode",
+        unread=lambda p, a: _unread_composite_decode(p, a),
+        out_of_range=lambda p, a, g: _oor_composite_decode(p, a, g),
+        nonfinite=lambda p, a, g: _nonfinite_composite_decode(p, a, g),
+        compare_nonfinite=lambda *x: compare_composite_decode_nonfinite(*x),
         params=_params_composite_decode,
         example=EXAMPLE_COMPOSITE_DECODE,
         make=_make_composite_decode,
@@ -783,6 +803,10 @@ def _bad_composite_prefill(device, gen):
 register_case(
     OpCase(
         op="sparse_attn_indexer_prefill",
+        unread=lambda p, a: _unread_composite_prefill(p, a),
+        out_of_range=lambda p, a, g: _oor_composite_prefill(p, a, g),
+        nonfinite=lambda p, a, g: _nonfinite_composite_prefill(p, a, g),
+        compare_nonfinite=lambda *x: compare_composite_prefill_nonfinite(*x),
         params=_params_composite_prefill,
         example=EXAMPLE_COMPOSITE_PREFILL,
         make=_make_composite_prefill,
@@ -805,3 +829,441 @@ register_case(
         ),
     )
 )
+
+
+# -- unread elements, ids out of range, non-finite inputs ---------------------------------
+# Bad ids the out-of-range checks cycle through (the table's or cache's own size is added).
+BAD_IDS = (10**6, -5, -2)
+
+
+def _bad_ids(count: int, high: int) -> torch.Tensor:
+    """`count` out-of-range ids: 10**6, -5, -2 and exactly `high`, in turn."""
+    pool = torch.tensor(BAD_IDS + (high,), dtype=torch.int64)
+    return pool[torch.arange(count) % len(pool)]
+
+
+def _pick(mask: torch.Tensor, gen, at_most: int = 4) -> torch.Tensor:
+    """Flat indices of up to `at_most` random True elements of `mask` (a host helper)."""
+    where = mask.reshape(-1).nonzero().flatten()
+    order = torch.randperm(where.numel(), generator=gen)[:at_most]
+    return where[order]
+
+
+def _with(args, index: int, tensor: torch.Tensor) -> tuple:
+    out = list(args)
+    out[index] = tensor
+    return tuple(out)
+
+
+def _replace_ids(pair, index: int, used: torch.Tensor, high: int, gen, padding: int = -1):
+    """((bad, padded), count): a few ids of argument `index` where `used` (a bool mask of
+    its shape) replaced by bad ids in `bad` and by `padding` in `padded`."""
+    picks = _pick(used.cpu(), gen)
+    if picks.numel() == 0:
+        return pair, 0
+    bad_args, padded_args = pair
+    bad, padded = clone_tensor(bad_args[index]), clone_tensor(padded_args[index])
+    at = picks.to(bad.device)
+    bad.view(-1)[at] = _bad_ids(picks.numel(), high).to(bad.dtype).to(bad.device)
+    padded.view(-1)[at] = padding
+    return (_with(bad_args, index, bad), _with(padded_args, index, padded)), picks.numel()
+
+
+def table_used(block_table: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Bool `[B, max_blocks]`: the entries that hold a position below each length."""
+    blocks = torch.div(lengths.long().cpu().clamp_min(0) + block_size - 1, block_size, rounding_mode="floor")
+    return torch.arange(block_table.shape[1])[None, :] < blocks[:, None]
+
+
+def tokens_read(block_table, lengths, block_size: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of every cache token below each request's length whose block id is valid."""
+    table, lengths = block_table.cpu().long(), lengths.cpu().long()
+    width = table.shape[1] * block_size
+    pos = torch.arange(width)
+    raw = table[:, pos // block_size] if width else table[:, :0]
+    ok = (pos[None, :] < lengths[:, None]) & (raw >= 0) & (raw < num_blocks)
+    return raw[ok], (pos % block_size).expand_as(raw)[ok]
+
+
+def cache_token_mask(cache: torch.Tensor, d: int, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """Bool of the cache's shape: the value bytes and scales of tokens (blk, off)."""
+    marker = torch.zeros(cache.shape, dtype=torch.uint8)
+    values, scales = layout.cache_views(marker, d)
+    values[blk, off] = 1
+    scales.view(torch.int32)[blk, off] = -1
+    return marker != 0
+
+
+def _slot_tokens(slots: torch.Tensor, nb: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s = slots.cpu().long()
+    s = s[(s >= 0) & (s < nb * bs)]
+    return s // bs, s % bs
+
+
+def _nan_fp8(x: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """A copy of fp8 (or uint8) `x` with NaN bytes (0x7F, 0xFF in turn) at flat `picks`."""
+    y = clone_tensor(x)
+    y.view(torch.uint8).view(-1)[picks.to(x.device)] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)[
+        torch.arange(picks.numel()) % 2].to(x.device)
+    return y
+
+
+def _nonfinite_floats(x: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """A copy of float `x` with NaN, +inf, -inf in turn at flat `picks`."""
+    y = clone_tensor(x)
+    vals = torch.tensor([float("nan"), float("inf"), float("-inf")])[torch.arange(picks.numel()) % 3]
+    y.view(-1)[picks.to(x.device)] = vals.to(x.dtype).to(x.device)
+    return y
+
+
+def _nonfinite_cache(cache: torch.Tensor, d: int, blk, off, gen) -> torch.Tensor:
+    """A copy of `cache` with NaN value bytes and NaN/+-inf scales at some of tokens (blk, off)."""
+    out = clone_tensor(cache)
+    if blk.numel() == 0:
+        return out
+    values, scales = layout.cache_views(out, d)
+    pick = torch.randperm(blk.numel(), generator=gen)[:3]
+    col = torch.randint(0, d, (pick.numel(),), generator=gen)
+    values[blk[pick], off[pick], col] = 0x7F
+    pick = torch.randperm(blk.numel(), generator=gen)[:3]
+    nonfinite = torch.tensor([float("nan"), float("inf"), float("-inf")])[: pick.numel()]
+    scales[blk[pick], off[pick], 0] = nonfinite.to(scales.device)
+    return out
+
+
+def without_nans(cache: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CPU copy of `cache` with NaN values (bytes 0x7F/0xFF) and NaN scales zeroed, and
+    the masks of both."""
+    c = clone_tensor(cache.cpu())
+    values, scales = layout.cache_views(c, d)
+    v_nan, s_nan = (values & 0x7F) == 0x7F, torch.isnan(scales)
+    values[v_nan] = 0
+    scales[s_nan] = 0.0
+    return c, v_nan, s_nan
+
+
+def _same_nan_places(ce, ca, d: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    e, ve, se = without_nans(ce, d)
+    a, va, sa = without_nans(ca, d)
+    assert torch.equal(ve, va), f"{what}: NaN values at other places than the reference's"
+    assert torch.equal(se, sa), f"{what}: NaN scales at other places than the reference's"
+    return e, a
+
+
+def compare_quant_nonfinite(e, a, ea, aa, p) -> None:
+    """NaN values and scales at the reference's places; the rest as `compare_quant`
+    (+-inf scales compare equal)."""
+    ce, ca = _same_nan_places(ea[1], aa[1], ea[0].shape[1], "indexer_k_quant_and_cache")
+    compare_quant(e, a, _with(ea, 1, ce), _with(aa, 1, ca), p)
+
+
+def _ids_pair(args, gen, *replacements):
+    """(bad, padded) from `(index, used, high)` replacements; None when no id is used."""
+    pair, total = (args, args), 0
+    for index, used, high in replacements:
+        pair, n = _replace_ids(pair, index, used, high, gen)
+        total += n
+    return pair if total else None
+
+
+def _flat_picks(mask: torch.Tensor, gen, at_most: int = 6) -> torch.Tensor:
+    return _pick(mask.cpu(), gen, at_most)
+
+
+# indexer_k_quant_and_cache
+def _unread_quant(p, args):
+    k, cache, slots = args[:3]
+    nb, bs = cache.shape[:2]
+    s = slots.cpu().long()
+    skipped = ~((s >= 0) & (s < nb * bs))
+    return [(0, skipped[:, None].expand(k.shape)), (1, torch.ones(cache.shape, dtype=torch.bool))]
+
+
+def _oor_quant(p, args, gen):
+    k, cache, slots = args[:3]
+    nb, bs = cache.shape[:2]
+    return _ids_pair(args, gen, (2, torch.ones(slots.shape, dtype=torch.bool), nb * bs))
+
+
+def _nonfinite_quant(p, args, gen):
+    k = args[0]
+    if k.numel() == 0:
+        return None
+    return _with(args, 0, _nonfinite_floats(k, _flat_picks(torch.ones(k.shape, dtype=torch.bool), gen)))
+
+
+# cp_gather_indexer_k_quant_cache
+def _gather_lengths(args) -> torch.Tensor:
+    """Rows of each request that lie in dst (cu non-decreasing, as the case draws it)."""
+    dst_k, cu = args[1], args[4].cpu().long()
+    n = dst_k.shape[0]
+    return (torch.minimum(cu[1:], torch.full_like(cu[1:], n)) - cu[:-1]).clamp_min(0)
+
+
+def _unread_gather(p, args):
+    cache, dst_k, dst_scale, table = args[:4]
+    lengths = _gather_lengths(args)
+    blk, off = tokens_read(table, lengths, cache.shape[1], cache.shape[0])
+    read = cache_token_mask(cache, dst_k.shape[1], blk, off)
+    return [(0, ~read), (1, torch.ones(dst_k.shape, dtype=torch.bool)),
+            (2, torch.ones(dst_scale.shape, dtype=torch.bool)),
+            (3, ~table_used(table, lengths, cache.shape[1]))]
+
+
+def _oor_gather(p, args, gen):
+    cache, table = args[0], args[3]
+    return _ids_pair(args, gen, (3, table_used(table, _gather_lengths(args), cache.shape[1]), cache.shape[0]))
+
+
+def _nonfinite_gather(p, args, gen):
+    cache, dst_k, table = args[0], args[1], args[3]
+    blk, off = tokens_read(table, _gather_lengths(args), cache.shape[1], cache.shape[0])
+    if blk.numel() == 0:
+        return None
+    return _with(args, 0, _nonfinite_cache(cache, dst_k.shape[1], blk, off, gen))
+
+
+# fp8_mqa_logits
+def _mqa_window_masks(args):
+    """(keys read [N], rows with a non-empty window [M]) of the windows clipped to [0, N)."""
+    k, ks, ke = args[1], args[4].cpu().long(), args[5].cpu().long()
+    n = k.shape[0]
+    lo, hi = ks.clamp(0, n), ke.clamp(0, n)
+    cols = torch.arange(n)
+    inside = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+    return inside.any(dim=0), hi > lo
+
+
+def _unread_mqa(p, args):
+    q, k, k_scale, w = args[:4]
+    keys, rows = _mqa_window_masks(args)
+    return [(0, ~rows[:, None, None].expand(q.shape)), (1, ~keys[:, None].expand(k.shape)),
+            (2, ~keys), (3, ~rows[:, None].expand(w.shape))]
+
+
+def _oor_mqa(p, args, gen):
+    """Windows stretched outside [0, N) where they touch its ends: they clip back to the
+    drawn windows (the `padded` args)."""
+    n = args[1].shape[0]
+    ks, ke = args[4].cpu().long(), args[5].cpu().long()
+    open_ = ke > ks
+    pair, total = (args, args), 0
+    for index, at_end, bad in ((4, open_ & (ks == 0), (-5, -(10**6), -2)), (5, open_ & (ke == n), (n + 1, 10**6))):
+        picks = _pick(at_end, gen)
+        if picks.numel():
+            t = clone_tensor(args[index])
+            t[picks.to(t.device)] = torch.tensor(bad)[torch.arange(picks.numel()) % len(bad)].to(t.dtype).to(t.device)
+            pair, total = (_with(pair[0], index, t), pair[1]), total + 1
+    return pair if total else None
+
+
+def _nonfinite_mqa(p, args, gen):
+    q, k, k_scale, w = args[:4]
+    keys, rows = _mqa_window_masks(args)
+    q_at = _flat_picks(rows[:, None, None].expand(q.shape), gen, 2)
+    k_at = _flat_picks(keys[:, None].expand(k.shape), gen, 2)
+    if q_at.numel() == 0 or k_at.numel() == 0:
+        return None
+    return (_nan_fp8(q, q_at), _nan_fp8(k, k_at), _nonfinite_floats(k_scale, _flat_picks(keys, gen, 3)),
+            _nonfinite_floats(w, _flat_picks(rows[:, None].expand(w.shape), gen, 3)), *args[4:])
+
+
+# fp8_paged_mqa_logits
+def _paged_lengths(args) -> torch.Tensor:
+    return args[3].cpu().long().clamp(0, args[5])
+
+
+def _paged_rows_see_keys(args) -> torch.Tensor:
+    """Bool [B, next_n]: rows whose visible range n < ctx - next_n + i + 1 is not empty."""
+    nn = args[0].shape[1]
+    limit = args[3].cpu().long()[:, None] - nn + 1 + torch.arange(nn)[None, :]
+    return limit.clamp(max=args[5]) > 0
+
+
+def _unread_paged(p, args):
+    q, cache, w, lens, table, length = args
+    d = q.shape[-1]
+    blk, off = tokens_read(table, _paged_lengths(args), cache.shape[1], cache.shape[0])
+    rows = _paged_rows_see_keys(args)
+    return [(0, ~rows[:, :, None, None].expand(q.shape)), (1, ~cache_token_mask(cache, d, blk, off)),
+            (2, ~rows.reshape(-1, 1).expand(w.shape)),
+            (4, ~table_used(table, _paged_lengths(args), cache.shape[1]))]
+
+
+def _oor_paged(p, args, gen):
+    cache, table = args[1], args[4]
+    return _ids_pair(args, gen, (4, table_used(table, _paged_lengths(args), cache.shape[1]), cache.shape[0]))
+
+
+def _nonfinite_paged(p, args, gen):
+    q, cache, w, lens, table, length = args
+    rows = _paged_rows_see_keys(args)
+    blk, off = tokens_read(table, _paged_lengths(args), cache.shape[1], cache.shape[0])
+    if not rows.any() or blk.numel() == 0:
+        return None
+    return (_nan_fp8(q, _flat_picks(rows[:, :, None, None].expand(q.shape), gen, 2)),
+            _nonfinite_cache(cache, q.shape[-1], blk, off, gen),
+            _nonfinite_floats(w, _flat_picks(rows.reshape(-1, 1).expand(w.shape), gen, 3)), lens, table, length)
+
+
+# req_local_to_global_slots
+def _slots_table_used(args) -> torch.Tensor:
+    req, table, idx, bs = args
+    b, mb = table.shape
+    r, pos = req.cpu().long(), idx.cpu().long()
+    ok = ((r >= 0) & (r < b))[:, None] & (pos >= 0) & (pos < mb * bs)
+    used = torch.zeros((b, mb), dtype=torch.bool)
+    used[r[:, None].expand_as(pos)[ok], (pos // bs)[ok]] = True
+    return used
+
+
+def _unread_slots(p, args):
+    return [(1, ~_slots_table_used(args))]
+
+
+def _oor_slots(p, args, gen):
+    req, table, idx, bs = args
+    b, mb = table.shape
+    pair, total = (args, args), 0
+    for index, used, high in ((0, torch.ones(req.shape, dtype=torch.bool), b),
+                              (2, torch.ones(idx.shape, dtype=torch.bool), mb * bs)):
+        pair, n = _replace_ids(pair, index, used, high, gen)
+        total += n
+    # Block ids: only negative ones are out of range (the op knows no num_blocks).
+    picks = _pick(_slots_table_used(args), gen)
+    if picks.numel():
+        bad, padded = clone_tensor(table), clone_tensor(table)
+        at = picks.to(table.device)
+        bad.view(-1)[at] = torch.tensor([-5, -2, -(2**31)], dtype=torch.int32)[torch.arange(picks.numel()) % 3].to(table.device)
+        padded.view(-1)[at] = -1
+        pair, total = (_with(pair[0], 1, bad), _with(pair[1], 1, padded)), total + 1
+    return pair if total else None
+
+
+# composites
+def _composite_cache_unread(cache, d, slots, blk, off) -> torch.Tensor:
+    """Cache bytes a composite never reads: all but the tokens it reads, and the new
+    tokens' slots (overwritten before anything reads them)."""
+    nb, bs = cache.shape[:2]
+    wb, wo = _slot_tokens(slots, nb, bs)
+    return ~cache_token_mask(cache, d, blk, off) | cache_token_mask(cache, d, wb, wo)
+
+
+def _k_rows_skipped(k, slots, cache) -> torch.Tensor:
+    nb, bs = cache.shape[:2]
+    s = slots.cpu().long()
+    return ~((s >= 0) & (s < nb * bs))[:, None].expand(k.shape)
+
+
+def _decode_rows_see_keys(args) -> torch.Tensor:
+    lens, length, nn = args[5].cpu().long(), args[10], args[11]
+    limit = lens[:, None] - nn + 1 + torch.arange(nn)[None, :]
+    return (limit.clamp(max=length) > 0).reshape(-1)
+
+
+def _unread_composite_decode(p, args):
+    cache, q, k, w, slots, lens, table, idx = args[:8]
+    lengths = lens.cpu().long().clamp(0, args[10])
+    blk, off = tokens_read(table, lengths, cache.shape[1], cache.shape[0])
+    rows = _decode_rows_see_keys(args)
+    return [(0, _composite_cache_unread(cache, q.shape[-1], slots, blk, off)),
+            (1, ~rows[:, None, None].expand(q.shape)), (2, _k_rows_skipped(k, slots, cache)),
+            (3, ~rows[:, None].expand(w.shape)), (6, ~table_used(table, lengths, cache.shape[1])),
+            (7, torch.ones(idx.shape, dtype=torch.bool))]
+
+
+def _oor_composite_decode(p, args, gen):
+    cache, slots, lens, table = args[0], args[4], args[5], args[6]
+    nb, bs = cache.shape[:2]
+    lengths = lens.cpu().long().clamp(0, args[10])
+    s = slots.cpu().long()
+    return _ids_pair(args, gen, (4, (s >= 0) & (s < nb * bs), nb * bs), (6, table_used(table, lengths, bs), nb))
+
+
+def _nonfinite_composite(args, gen, rows: torch.Tensor, slots: torch.Tensor):
+    """NaN/inf in new keys that are written, NaN in queries and NaN/inf in weights of rows
+    that score keys."""
+    cache, q, k, w = args[:4]
+    nb, bs = cache.shape[:2]
+    s = slots.cpu().long()
+    written = ((s >= 0) & (s < nb * bs))[:, None].expand(k.shape)
+    if not rows.any() or not written.any():
+        return None
+    return (cache, _nan_fp8(q, _flat_picks(rows[:, None, None].expand(q.shape), gen, 2)),
+            _nonfinite_floats(k, _flat_picks(written, gen, 3)),
+            _nonfinite_floats(w, _flat_picks(rows[:, None].expand(w.shape), gen, 3)), *args[4:])
+
+
+def _nonfinite_composite_decode(p, args, gen):
+    return _nonfinite_composite(args, gen, _decode_rows_see_keys(args), args[4])
+
+
+def _compare_composite_nonfinite(ea, aa, what: str, check_rows, cache_at: int, idx_at: int) -> None:
+    """Non-finite inputs: the cache as `compare_quant_nonfinite`, topk_indices rows >= T
+    untouched, and rows < T a valid selection (count, -1 tail, in-range distinct
+    positions: with NaN logits the choice itself is the top-k op's order, checked there)."""
+    d = ea[1].shape[-1]
+    ce, ca = _same_nan_places(ea[cache_at], aa[cache_at], d, what)
+    compare_new_keys(ea[2], ea[4], ce, ca, what)
+    t = ea[1].shape[0]
+    assert torch.equal(ea[idx_at][t:].cpu(), aa[idx_at][t:].cpu()), f"{what}: topk_indices rows >= T changed"
+    check_rows(aa, what)
+
+
+def _decode_structure(args, what: str) -> None:
+    cache, q, _, w, _, lens, table, idx, _, topk, length, next_n, _ = args
+    t = q.shape[0]
+    i = torch.arange(t) % next_n
+    hi = (lens.cpu().long().repeat_interleave(next_n) - next_n + i + 1).clamp(0, length)
+    zero = torch.zeros_like(hi)
+    assert_topk_near(torch.zeros((t, length)), zero, hi, zero, idx[:t].cpu(), topk, what)
+
+
+def compare_composite_decode_nonfinite(e, a, ea, aa, p) -> None:
+    _compare_composite_nonfinite(ea, aa, "sparse_attn_indexer_decode", _decode_structure, 0, 7)
+
+
+def _prefill_lengths(args) -> torch.Tensor:
+    cu, n = args[6].cpu().long(), args[12]
+    return (torch.minimum(cu[1:], torch.full_like(cu[1:], n)) - cu[:-1]).clamp_min(0)
+
+
+def _prefill_rows_see_keys(args) -> torch.Tensor:
+    ks, ke = args[7].cpu().long(), args[8].cpu().long()
+    return ke > ks
+
+
+def _unread_composite_prefill(p, args):
+    cache, q, k, w, slots, table = args[:6]
+    idx = args[9]
+    lengths = _prefill_lengths(args)
+    blk, off = tokens_read(table, lengths, cache.shape[1], cache.shape[0])
+    rows = _prefill_rows_see_keys(args)
+    return [(0, _composite_cache_unread(cache, q.shape[-1], slots, blk, off)),
+            (1, ~rows[:, None, None].expand(q.shape)), (2, _k_rows_skipped(k, slots, cache)),
+            (3, ~rows[:, None].expand(w.shape)), (5, ~table_used(table, lengths, cache.shape[1])),
+            (9, torch.ones(idx.shape, dtype=torch.bool))]
+
+
+def _oor_composite_prefill(p, args, gen):
+    cache, slots, table = args[0], args[4], args[5]
+    nb, bs = cache.shape[:2]
+    s = slots.cpu().long()
+    return _ids_pair(args, gen, (4, (s >= 0) & (s < nb * bs), nb * bs),
+                     (5, table_used(table, _prefill_lengths(args), bs), nb))
+
+
+def _nonfinite_composite_prefill(p, args, gen):
+    return _nonfinite_composite(args, gen, _prefill_rows_see_keys(args), args[4])
+
+
+def _prefill_structure(args, what: str) -> None:
+    q, ks, ke, idx, topk, n = args[1], args[7], args[8], args[9], args[11], args[12]
+    t = q.shape[0]
+    lo = ks.cpu().long().clamp(0, n)
+    hi = torch.maximum(ke.cpu().long().clamp(max=n), lo)
+    assert_topk_near(torch.zeros((t, n)), lo, hi, ks.cpu().long(), idx[:t].cpu(), topk, what)
+
+
+def compare_composite_prefill_nonfinite(e, a, ea, aa, p) -> None:
+    _compare_composite_nonfinite(ea, aa, "sparse_attn_indexer_prefill", _prefill_structure, 0, 9)
