@@ -297,10 +297,75 @@ def test_aiter_is_unavailable_without_rocm():
 
 
 def test_default_arguments_reach_the_kernel():
-    """Optional schema args omitted by the caller arrive at the backend with their defaults."""
+    """An argument the caller omits must reach the backend as the schema's default.
+
+    The dispatcher passes the args as given (trailing defaults may be missing, see
+    `registry._signature_key`), so a backend uses its own Python defaults for them. Hence:
+    a spy backend sees the schema's values; every backend entry point of every op (impl,
+    prepare, and the runner prepare returns) has exactly the schema's defaults; a real op
+    with its defaults omitted writes the same bytes as with them given."""
+    import importlib
+    import inspect
+
+    from graphsafe.testing.contract import assert_bits_equal, clone_args
+
+    def resolve(ref):
+        if isinstance(ref, str):
+            module, name = ref.split(":")
+            return getattr(importlib.import_module(module), name)
+        return ref
+
+    def defaults(fn, names):
+        params = inspect.signature(fn).parameters
+        return {n: params[n].default for n in names if n in params}
+
+    reg = new_registry(_ns())
+    received = []
+
+    def stub(x: Tensor, alpha: float = 2.5, scale: Tensor | None = None) -> Tensor:
+        """Scale.
+
+        Args:
+            x: any.
+            alpha: factor.
+            scale: unused.
+        """
+
+    def ref(x, alpha=2.5, scale=None):
+        received.append((alpha, scale))
+        return x * alpha
+
+    op = reg.register_op("scale", fake=lambda x, alpha=2.5, scale=None: torch.empty_like(x),
+                         check=lambda *a, **k: None, backends={"reference": ref})(stub)
+    x = torch.randn(3)
+    torch.testing.assert_close(op(x), 2.5 * x)
+    torch.testing.assert_close(op(x, 4.0), 4.0 * x)
+    assert received == [(2.5, None), (4.0, None)]
+
+    for name, spec in graphsafe.op_table().items():
+        want = {n: p.default for n, p in inspect.signature(spec.public).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+        args = spec.case.inputs(spec.case.interpreter_example or spec.case.example, "cpu", 0)
+        for backend in spec.available_backends("cpu"):
+            record = spec.backends[backend]
+            parts = {"impl": getattr(record, "impl", record), "prepare": getattr(record, "prepare", None)}
+            for part, fn in parts.items():
+                if fn is not None:
+                    got = defaults(resolve(fn), want)
+                    assert got == want, f"{name}[{backend}].{part}: defaults {got}, schema {want}"
+            if parts["prepare"] is not None:
+                runner = resolve(parts["prepare"])(*clone_args(args))
+                got = defaults(runner, want)
+                assert got in (want, {}), f"{name}[{backend}] runner: defaults {got}, schema {want}"
+
     spec = graphsafe.get_op("reshape_and_cache")
     args = spec.case.inputs(spec.case.example, "cpu", 0)
-    torch.ops.graphsafe.reshape_and_cache(*args[:5])  # k_scale / v_scale omitted
+    assert args[5] is None and args[6] is None, "the example has caches of the input dtype"
+    omitted, explicit = clone_args(args), clone_args(args)
+    torch.ops.graphsafe.reshape_and_cache(*omitted[:5])  # k_scale / v_scale omitted
+    torch.ops.graphsafe.reshape_and_cache(*explicit[:5], None, None)
+    assert_bits_equal(explicit[2:4], omitted[2:4], "caches with the scales omitted")
+    assert not torch.equal(omitted[2], args[2]), "the call wrote the cache"
 
 
 def test_op_table_introspection():

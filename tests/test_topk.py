@@ -62,12 +62,19 @@ def _oracle(logits: torch.Tensor, bounds: list[tuple[int, int, int]], k_cols: in
     return out
 
 
-def _prefill_bounds(starts: torch.Tensor, ends: torch.Tensor) -> list[tuple[int, int, int]]:
-    return [(int(s), int(e), int(s)) for s, e in zip(starts, ends)]
+def _clamp(x, width: int) -> int:
+    return min(max(int(x), 0), width)
 
 
-def _decode_bounds(seq_lens: torch.Tensor, next_n: int) -> list[tuple[int, int, int]]:
-    return [(0, int(seq_lens[r // next_n]) - next_n + r % next_n + 1, 0) for r in range(seq_lens.shape[0] * next_n)]
+def _prefill_bounds(starts: torch.Tensor, ends: torch.Tensor, width: int) -> list[tuple[int, int, int]]:
+    """Bounds clamped to [0, width]; positions relative to the clamped start."""
+    return [(_clamp(s, width), _clamp(e, width), _clamp(s, width)) for s, e in zip(starts, ends)]
+
+
+def _decode_bounds(seq_lens: torch.Tensor, next_n: int, width: int) -> list[tuple[int, int, int]]:
+    """Lengths clamped to [0, width] first."""
+    return [(0, _clamp(seq_lens[r // next_n], width) - next_n + r % next_n + 1, 0)
+            for r in range(seq_lens.shape[0] * next_n)]
 
 
 @given(data=st.data())
@@ -79,11 +86,11 @@ def test_reference_matches_python_oracle(data):
         graphsafe.get_op(name).runner("reference")(*args)
         if name == PREFILL:
             logits, starts, ends, idx, topk = args
-            bounds = _prefill_bounds(starts, ends)
+            bounds = _prefill_bounds(starts, ends, logits.shape[1])
             lo, hi, shift = prefill_ranges(starts, ends, logits.shape[1])
         else:
             logits, next_n, seq_lens, idx, topk = args
-            bounds = _decode_bounds(seq_lens, next_n)
+            bounds = _decode_bounds(seq_lens, next_n, logits.shape[1])
             lo, hi, shift = decode_ranges(seq_lens, next_n, logits.shape[1])
         oracle = _oracle(logits, bounds, idx.shape[1], topk)
         assert_topk_rows(logits, lo, hi, shift, oracle, idx, topk, f"{name} reference")
@@ -118,6 +125,53 @@ def test_prefill_positions_are_relative_to_the_row_start(backend):
     idx = torch.empty(2, 2, dtype=torch.int32)
     _run(backend, PREFILL, logits, starts, ends, idx, 1)
     assert idx[:, 0].tolist() == [20 - 16, 50 - 40] and idx[:, 1].tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bounds_outside_the_row_act_as_the_nearest_bound(backend):
+    """Starts, ends and lengths outside [0, width] are clamped first (positions count
+    from the clamped start); the oracle row by row, and bit-equal to the clamped call."""
+    width = 24
+    logits = torch.randn(6, width, generator=torch.Generator().manual_seed(5))
+    starts = torch.tensor([-5, -2**31, 3, 10**6, width + 1, 2], dtype=torch.int32)
+    ends = torch.tensor([10, width, 2**31 - 1, width, -3, -7], dtype=torch.int32)
+    got = torch.full((6, 8), 99, dtype=torch.int32)
+    _run(backend, PREFILL, logits, starts, ends, got, 8)
+    clamped = torch.full((6, 8), 99, dtype=torch.int32)
+    _run(backend, PREFILL, logits, starts.clamp(0, width), ends.clamp(0, width), clamped, 8)
+    assert torch.equal(got, clamped)
+    oracle = _oracle(logits, _prefill_bounds(starts, ends, width), 8, 8)
+    assert torch.equal(got.sort(dim=1).values, oracle.sort(dim=1).values)  # order within a row is free
+    assert (got[3:] == -1).all()
+
+    next_n = 2
+    seq_lens = torch.tensor([-2**31, -1, 10**6, width + 1, 2**31 - 1], dtype=torch.int32)
+    dec = torch.randn(5 * next_n, width, generator=torch.Generator().manual_seed(6))
+    got = torch.full((5 * next_n, 8), 99, dtype=torch.int32)
+    _run(backend, DECODE, dec, next_n, seq_lens, got, 8)
+    clamped = torch.full((5 * next_n, 8), 99, dtype=torch.int32)
+    _run(backend, DECODE, dec, next_n, seq_lens.clamp(0, width), clamped, 8)
+    assert torch.equal(got, clamped) and (got[:4] == -1).all()
+    oracle = _oracle(dec, _decode_bounds(seq_lens, next_n, width), 8, 8)
+    assert torch.equal(got.sort(dim=1).values, oracle.sort(dim=1).values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_and_inf_rank_by_their_bits(backend):
+    """+NaN above +inf, -NaN below -inf, -inf an ordinary score, +0.0 above -0.0."""
+    nan = torch.tensor(float("nan"))
+    row = torch.tensor([1.0, float("inf"), -nan.item(), float("-inf"), 0.0, -0.0, 5.0, nan.item(), -3.0, 2.0])
+    row[2] = -nan  # sign bit set
+    width = row.numel()
+    order = [7, 1, 6, 9, 0, 4, 5, 8, 3, 2]  # positions by rank
+    for k in range(1, width + 1):
+        got = torch.full((1, width), 99, dtype=torch.int32)
+        _run(backend, PREFILL, row[None].clone(), torch.tensor([0], dtype=torch.int32),
+             torch.tensor([width], dtype=torch.int32), got, k)
+        assert sorted(got[0, :k].tolist()) == sorted(order[:k]) and (got[0, k:] == -1).all(), k
+        got = torch.full((1, width), 99, dtype=torch.int32)
+        _run(backend, DECODE, row[None].clone(), 1, torch.tensor([width], dtype=torch.int32), got, k)
+        assert sorted(got[0, :k].tolist()) == sorted(order[:k]), k
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

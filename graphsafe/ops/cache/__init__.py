@@ -20,24 +20,37 @@ from graphsafe.registry import Backend, register_op
         "reference": "graphsafe.ops.cache.reference:concat_and_cache_mla",
         "triton": Backend(prepare="graphsafe.ops.cache.triton:prepare_concat_and_cache_mla"),
     },
+    debug_check="graphsafe.ops.cache.debug:debug_check_concat_and_cache_mla",
 )
 def concat_and_cache_mla(
     kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor, scale: Optional[Tensor] = None
 ) -> None:
     """Write each token's latent KV and rope key into the paged MLA cache.
 
+    Values are written as they are into a cache of their dtype (NaN and +-inf included).
+    Into an fp8 cache each entry `x` is stored as the bytes of torch's
+    `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)` on every backend:
+    IEEE division, saturation to +-448 (+-inf included), round to nearest even, NaN kept
+    (byte 0x7F, 0xFF for a negative NaN).
+
     Args:
         kv_c: `[T, R]` bf16/fp16/fp32, the compressed latent (R = kv_lora_rank, 512 for
-            DeepSeek); last dim contiguous.
-        k_pe: `[T, P]`, same dtype as `kv_c`, the rope part of the key (P = 64).
-        kv_cache: `[num_blocks, block_size, R + P]`, mutated. Dtype of `kv_c`, or
-            float8_e4m3fn (then `scale` is required). Token `s` of the cache is
+            DeepSeek); last dim contiguous. Rows of skipped tokens are not read.
+        k_pe: `[T, P]`, same dtype as `kv_c`, the rope part of the key (P = 64). Rows of
+            skipped tokens are not read.
+        kv_cache: `[num_blocks, block_size, R + P]`, mutated: only the slots written
+            change. Dtype of `kv_c`, or float8_e4m3fn (then `scale` is required). Token `s` of the cache is
             `kv_cache[s // block_size, s % block_size]`: its first R entries are `kv_c`,
             the last P are `k_pe`. Last dim contiguous; block and token strides are free.
-        slot_mapping: `[T]` int64 (int32 accepted), the cache slot of each token. Slots
-            below 0 (padding) or past `num_blocks * block_size` are skipped.
-        scale: `[1]` float32, only for an fp8 cache: stored value = `x / scale`,
-            saturated to +-448.
+        slot_mapping: `[T]` int64 (int32 accepted), the cache slot of each token. -1 is
+            padding: the token is skipped (nothing read, nothing written). Any other slot
+            outside `[0, num_blocks * block_size)` (negative or too large) is skipped
+            the same way on every backend, never wrapped around; the debug switch
+            (`graphsafe.debug_checks`) refuses it. The slots >= 0 must be distinct
+            (which token a shared slot ends up holding is unspecified; the debug switch
+            checks it).
+        scale: `[1]` float32, only for an fp8 cache (see above); not read when every
+            token is skipped.
 
     Returns None; mutates `kv_cache` only.
     """
@@ -53,6 +66,7 @@ def concat_and_cache_mla(
         "reference": "graphsafe.ops.cache.reference:reshape_and_cache",
         "triton": Backend(prepare="graphsafe.ops.cache.triton:prepare_reshape_and_cache"),
     },
+    debug_check="graphsafe.ops.cache.debug:debug_check_reshape_and_cache",
 )
 def reshape_and_cache(
     key: Tensor,
@@ -65,16 +79,31 @@ def reshape_and_cache(
 ) -> None:
     """Write new keys and values into the paged K/V caches (flash layout).
 
+    Values are written as they are into caches of their dtype (NaN and +-inf included).
+    Into fp8 caches each entry `x` is stored as the bytes of torch's
+    `(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)` on every backend
+    (`k_scale` for keys, `v_scale` for values): IEEE division, saturation to +-448 (+-inf
+    included), round to nearest even, NaN kept (byte 0x7F, 0xFF for a negative NaN).
+
     Args:
-        key: `[T, Hk, D]` bf16/fp16/fp32; last dim contiguous.
-        value: `[T, Hk, Dv]`, same dtype as `key`.
-        key_cache: `[num_blocks, block_size, Hk, D]`, mutated; dtype of `key` or
-            float8_e4m3fn (then `k_scale` is required). Last dim contiguous.
-        value_cache: `[num_blocks, block_size, Hk, Dv]`, mutated; same dtype as `key_cache`.
+        key: `[T, Hk, D]` bf16/fp16/fp32; last dim contiguous. Rows of skipped tokens
+            are not read.
+        value: `[T, Hk, Dv]`, same dtype as `key`. Rows of skipped tokens are not read.
+        key_cache: `[num_blocks, block_size, Hk, D]`, mutated: only the slots written
+            change. Dtype of `key` or float8_e4m3fn (then `k_scale` is required). Last
+            dim contiguous.
+        value_cache: `[num_blocks, block_size, Hk, Dv]`, mutated like `key_cache`; same
+            dtype as `key_cache`.
         slot_mapping: `[T]` int64 (int32 accepted); token `t` goes to block
-            `slot // block_size`, offset `slot % block_size`. Slots below 0 (padding) or
-            past the cache are skipped.
-        k_scale, v_scale: `[1]` float32, for an fp8 cache: stored value = `x / scale`.
+            `slot // block_size`, offset `slot % block_size`. -1 is padding: the token is
+            skipped (nothing read, nothing written). Any other slot outside
+            `[0, num_blocks * block_size)` (negative or too large) is skipped the same
+            way on every backend, never wrapped around; the debug switch
+            (`graphsafe.debug_checks`) refuses it. The slots >= 0 must be distinct
+            (which token a shared slot ends up holding is unspecified; the debug switch
+            checks it).
+        k_scale, v_scale: `[1]` float32, for fp8 caches (see above); not read when every
+            token is skipped.
 
     Returns None; mutates `key_cache` and `value_cache` only.
     """

@@ -1,5 +1,15 @@
 """Triton backend of the paged-cache writes: one program per token, masked on padding slots.
 
+A token whose slot lies outside `[0, num_blocks * block_size)` loads nothing and stores
+nothing (its slot is replaced by 0 before the address computation, so even its masked
+lanes compute addresses inside the cache).
+
+fp8 caches: the quotient `x / scale` (IEEE division, `div_rn`) is rounded to e4m3fn in
+the kernel, on the float32 bits (`round_to_e4m3`, `e4m3_byte`), and the byte is stored
+through a uint8 view of the cache. Triton's `.to(tl.float8e4nv)` is not used: the CPU
+interpreter rounds it wrongly near exponent boundaries, and the explicit rounding gives
+the same bytes as torch's `.to(torch.float8_e4m3fn)` on every target.
+
 `prepare_*` bind the kernel to a call signature once (`graphsafe.launch.bind`); the
 runners they return launch it with the tensors alone.
 """
@@ -11,10 +21,18 @@ import triton
 import triton.language as tl
 
 from graphsafe.launch import bind
+from graphsafe.ops.fp8_bits import e4m3_byte
 
-# Globals read inside @triton.jit code must be constexpr objects (the interpreter does
-# not enforce it; the compiler does).
-FP8_MAX = tl.constexpr(448.0)
+
+@triton.jit
+def _convert(x, scale_ptr, dst_ptr, QUANT: tl.constexpr):
+    """x as stored in the cache: the e4m3fn byte of x / scale when QUANT (dst_ptr is then
+    the uint8 view of the cache), else x in the cache's dtype."""
+    if QUANT:
+        # div_rn: IEEE division, bit-identical to the reference's x / scale.
+        return e4m3_byte(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)))
+    else:
+        return x.to(dst_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -27,11 +45,8 @@ def _store_row(
     for start in tl.range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_live
-        x = tl.load(src_ptr + cols, mask=mask)
-        if QUANT:
-            # div_rn: IEEE division, bit-identical to the reference's x / scale.
-            x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -FP8_MAX, FP8_MAX)
-        tl.store(dst_ptr + cols, x.to(dst_ptr.dtype.element_ty), mask=mask)
+        x = tl.load(src_ptr + cols, mask=mask, other=0.0)
+        tl.store(dst_ptr + cols, _convert(x, scale_ptr, dst_ptr, QUANT), mask=mask)
 
 
 @triton.jit
@@ -59,6 +74,11 @@ def _nothing(*args, **kwargs) -> None:
     return None
 
 
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """The uint8 view of an fp8 cache (same strides): the kernel stores the e4m3fn bytes."""
+    return cache.view(torch.uint8)
+
+
 def prepare_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None):
     t, r = kv_c.shape
     p = k_pe.shape[1]
@@ -75,7 +95,7 @@ def prepare_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None)
     )
 
     def run(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
-        launch(kv_c, k_pe, kv_cache, slot_mapping, scale if quant else kv_c)
+        launch(kv_c, k_pe, _bytes(kv_cache) if quant else kv_cache, slot_mapping, scale if quant else kv_c)
 
     return run
 
@@ -91,10 +111,9 @@ def _store_heads(
     for h0 in tl.range(0, num_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         mask = (heads[:, None] < heads_live) & (cols[None, :] < D)
-        x = tl.load(src_ptr + heads[:, None] * stride_src_head + cols[None, :], mask=mask)
-        if QUANT:
-            x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -FP8_MAX, FP8_MAX)
-        tl.store(dst_ptr + heads[:, None] * stride_dst_head + cols[None, :], x.to(dst_ptr.dtype.element_ty), mask=mask)
+        x = tl.load(src_ptr + heads[:, None] * stride_src_head + cols[None, :], mask=mask, other=0.0)
+        tl.store(dst_ptr + heads[:, None] * stride_dst_head + cols[None, :], _convert(x, scale_ptr, dst_ptr, QUANT),
+                 mask=mask)
 
 
 @triton.jit
@@ -149,7 +168,9 @@ def prepare_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, 
     )
 
     def run(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-        launch(key, value, key_cache, value_cache, slot_mapping,
-               k_scale if quant else key, v_scale if quant else value)
+        if quant:
+            launch(key, value, _bytes(key_cache), _bytes(value_cache), slot_mapping, k_scale, v_scale)
+        else:
+            launch(key, value, key_cache, value_cache, slot_mapping, key, value)
 
     return run

@@ -13,6 +13,7 @@ from graphsafe.registry import Backend, register_op
     fake=fakes.fake_build_ragged_indices_from_dense,
     check=fakes.check_build_ragged_indices_from_dense,
     family="ragged",
+    debug_check="graphsafe.ops.ragged.debug:debug_check_build_ragged_indices_from_dense",
     backends={
         "reference": "graphsafe.ops.ragged.reference:build_ragged_indices_from_dense",
         "triton": Backend(prepare="graphsafe.ops.ragged.triton:prepare_build_ragged_indices_from_dense"),
@@ -23,10 +24,16 @@ def build_ragged_indices_from_dense(indices: Tensor, lengths: Tensor, num_rows: 
 
     Args:
         indices: `[N, W]` int32, contiguous; row i holds candidate indices (e.g. top-k
-            cache slots of token i).
-        lengths: `[N]` int32; row i keeps its first `clamp(lengths[i], 0, W)` entries.
+            cache slots of token i). Only the kept entries are read (nothing past a
+            row's length influences the result).
+        lengths: `[N]` int32, expected in `[0, W]`; row i keeps its first
+            `clamp(lengths[i], 0, W)` entries: a negative length keeps none, one past W
+            the whole row. The debug switch (`graphsafe.debug_checks`) refuses lengths
+            outside `[0, W]`.
         num_rows: when >= 0, kept entries outside `[0, num_rows)` become -1 (the size of
-            the table the indices point into); when negative, values pass unchanged.
+            the table the indices point into; -1 is the padding, any other value
+            outside acts as -1, the debug switch refuses it); when negative, values pass
+            unchanged.
 
     Returns:
         flat: `[N * W]` int32. Row i's kept entries are `flat[indptr[i]:indptr[i+1]]`;

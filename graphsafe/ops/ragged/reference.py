@@ -19,6 +19,8 @@ def build_ragged_indices_from_dense(indices: torch.Tensor, lengths: torch.Tensor
     row = torch.searchsorted(indptr[1:], pos, right=True).clamp_max(n - 1)
     col = (pos - indptr[row]).clamp(0, w - 1)
     in_span = pos < indptr[n]
+    # Entries past a row's length are never selected: `col` stays below the row's length
+    # for positions in a span, and the tail is replaced by -1 through `torch.where`.
     values = indices[row.long(), col.long()]
     if num_rows >= 0:
         values = torch.where((values >= 0) & (values < num_rows), values, -1)

@@ -40,10 +40,11 @@ def _fill_kernel(
     length = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), w)
     start = tl.load(indptr_ptr + row).to(tl.int64)
     total = tl.load(indptr_ptr + n).to(tl.int64)
-    values = tl.load(indices_ptr + row * w + cols, mask=mask, other=-1)
+    valid = cols < length
+    # Only the kept entries are read: the rest of the row goes to the -1 tail.
+    values = tl.load(indices_ptr + row * w + cols, mask=mask & valid, other=-1)
     if num_rows >= 0:
         values = tl.where((values >= 0) & (values < num_rows), values, -1)
-    valid = cols < length
     dest = tl.where(valid, start + cols, total + row * w - start + (cols - length))
     tl.store(flat_ptr + dest, tl.where(valid, values, -1), mask=mask)
 

@@ -99,7 +99,7 @@ def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk):
         torch.maximum(hi, lo, out=hi)
         dst = indices if direct else views[2]
         fn(logits, lo, hi, dst, None, rows, stride0, stride1, **kwargs)
-        finish(dst, indices, row_starts)
+        finish(dst, indices, lo)
 
     return run
 

@@ -2,9 +2,10 @@
 
 Scores are ranked by `sortable_keys`, the order-preserving integer image of the float
 bits (the order a radix select uses). It agrees with float order on every non-NaN
-value, counts -inf as an ordinary (smallest) value, and puts +0.0 above -0.0 and
-positive NaNs above +inf. Positions outside a row's valid range get the key -1, below
-every real key, so one `torch.topk` over the masked keys picks the valid entries first
+value, counts -inf as an ordinary (smallest non-NaN) value, and puts +0.0 above -0.0,
+positive NaNs above +inf and negative NaNs below -inf. Positions outside a row's valid
+range get the key -1, below every real key (selected through `torch.where`, so the
+logits there are never looked at), so one `torch.topk` over the masked keys picks the valid entries first
 and the -1 tail falls out of the sort. No host sync: `k` is a host int from shapes.
 """
 
@@ -20,17 +21,18 @@ def sortable_keys(logits: torch.Tensor) -> torch.Tensor:
 
 
 def clamp_range(start: torch.Tensor, end: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[lo, hi) = [start, end) clipped to the logits columns [0, width)."""
+    """[lo, hi): start and end clamped to [0, width], an end below the start an empty row."""
     lo = start.clamp(0, width)
     hi = torch.maximum(end.clamp(max=width), lo)
     return lo, hi
 
 
 def decode_row_range(seq_lens: torch.Tensor, next_n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row r = b*next_n + i sees columns n < seq_lens[b] - next_n + i + 1 (fp8_paged_mqa_logits)."""
+    """Row r = b*next_n + i sees columns n < clamp(seq_lens[b], 0, width) - next_n + i + 1
+    (fp8_paged_mqa_logits's rows; a length outside [0, width] acts as the nearest bound)."""
     rows = seq_lens.shape[0] * next_n
     i = torch.arange(rows, device=seq_lens.device, dtype=torch.int64) % next_n
-    end = seq_lens.to(torch.int64).repeat_interleave(next_n) - next_n + i + 1
+    end = seq_lens.to(torch.int64).clamp(0, width).repeat_interleave(next_n) - next_n + i + 1
     return clamp_range(torch.zeros_like(end), end, width)
 
 
@@ -52,7 +54,7 @@ def select_rows(
 
 def top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk) -> None:
     lo, hi = clamp_range(row_starts.to(torch.int64), row_ends.to(torch.int64), logits.shape[1])
-    select_rows(logits, lo, hi, row_starts, indices, topk)
+    select_rows(logits, lo, hi, lo, indices, topk)
 
 
 def top_k_per_row_decode(logits, next_n, seq_lens, indices, topk) -> None:

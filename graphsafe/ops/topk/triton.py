@@ -189,17 +189,15 @@ def _bound_kernel(
         row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
         # 1. The whole tile in one go (every load in flight at once), kept in registers
         #    as keys (0 outside the row's range). A tile inside the range (full rows)
-        #    needs no masks. Masked loads cover whole granules (the range rounded out to
-        #    SEGW multiples, still inside the row); the exact range then masks the keys.
+        #    needs no masks; otherwise the loads are masked to the exact range (a logit
+        #    outside it is never read) and the same mask zeroes the keys there.
         #    (The loads are not vectorised: Triton gives them the layout of the scattered
         #    stores below, one element a thread, which spares a shuffle of the tile.)
         if (base >= lo) & (base + DP * G <= hi):
             key = sortable_key(tl.load(row_ptr + pos))
         else:
-            lo_al = (lo // SEGW) * SEGW
-            hi_al = tl.minimum(((hi + SEGW - 1) // SEGW) * SEGW, width)
-            x = tl.load(row_ptr + pos, mask=(pos >= lo_al) & (pos < hi_al), other=0.0)
-            key = tl.where(_in_range(pos, lo, hi, DECODE), sortable_key(x), 0)
+            inside = _in_range(pos, lo, hi, DECODE)
+            key = tl.where(inside, sortable_key(tl.load(row_ptr + pos, mask=inside, other=0.0)), 0)
         key2 = tl.reshape(key, [DP, BJ])
         # 2. The bound: about kc of the BJ column maxima lie at or above it. Empty
         #    columns hold 0 and every tested bound is >= 1: they never count.

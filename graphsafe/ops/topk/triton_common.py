@@ -25,19 +25,21 @@ def sortable_key(x):
 
 @triton.jit
 def row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE: tl.constexpr):
-    """[lo, hi): the row's valid columns clipped to [0, width); shift: position origin."""
+    """[lo, hi): the row's valid columns, inside [0, width); shift: position origin (lo).
+
+    Bounds are clamped to [0, width) first (the ops' documented rule for bounds outside
+    the row): a prefill row sees [clamp(start), max(clamp(end), clamp(start))), a decode
+    row sees n < clamp(seq_len) - next_n + i + 1. Clamping the length first also keeps
+    the int32 arithmetic from wrapping around for any seq_len."""
     if DECODE:
         b = row // next_n
-        end = tl.load(seq_lens_ptr + b) - next_n + (row - b * next_n) + 1
-        start = end * 0
-        shift = start
+        seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + b), 0), width)
+        hi = tl.maximum(seq_len - next_n + (row - b * next_n) + 1, 0)
+        lo = hi * 0
     else:
-        start = tl.load(starts_ptr + row)
-        end = tl.load(ends_ptr + row)
-        shift = start
-    lo = tl.minimum(tl.maximum(start, 0), width)
-    hi = tl.minimum(tl.maximum(end, lo), width)
-    return lo, hi, shift
+        lo = tl.minimum(tl.maximum(tl.load(starts_ptr + row), 0), width)
+        hi = tl.minimum(tl.maximum(tl.load(ends_ptr + row), lo), width)
+    return lo, hi, lo
 
 
 # -- looped exact selection (candidate lists too large for registers, and the row) -----

@@ -1,5 +1,5 @@
 """Two small Triton kernels around an external top-k kernel (the aiter adapter's pre- and
-post-processing): the decode rows' clipped ends, and the copy of a contiguous
+post-processing): the decode rows' ends (lengths clamped to the row), and the copy of a contiguous
 `[rows, topk]` result into `indices` (positions made relative, -1 past topk).
 
 Kept apart from the Triton backend (triton.py) so that the aiter adapter imports these
@@ -38,8 +38,9 @@ def _finish_external_kernel(
 def _decode_row_ends_kernel(seq_lens_ptr, ends_ptr, rows, next_n, width, BLOCK: tl.constexpr):
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     b = r // next_n
-    end = tl.load(seq_lens_ptr + b, mask=r < rows, other=0) - next_n + (r - b * next_n) + 1
-    tl.store(ends_ptr + r, tl.minimum(tl.maximum(end, 0), width), mask=r < rows)
+    # The length clamped to [0, width] first (the op's rule; no int32 wrap-around).
+    seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + b, mask=r < rows, other=0), 0), width)
+    tl.store(ends_ptr + r, tl.maximum(seq_len - next_n + (r - b * next_n) + 1, 0), mask=r < rows)
 
 
 def _nothing(*tensors) -> None:
@@ -63,8 +64,8 @@ def bind_finish_external(indices, src_stride: int, topk: int, localize: bool):
 
 
 def bind_decode_row_ends(seq_lens, rows: int, next_n: int, width: int):
-    """`launch(seq_lens, ends)`: ends[r] = clamp(seq_lens[r // next_n] - next_n + r % next_n
-    + 1, 0, width) for r < rows (`seq_lens` is a placeholder here)."""
+    """`launch(seq_lens, ends)`: ends[r] = max(clamp(seq_lens[r // next_n], 0, width) - next_n
+    + r % next_n + 1, 0) for r < rows (`seq_lens` is a placeholder here)."""
     if rows == 0:
         return _nothing
     return bind(_decode_row_ends_kernel, (triton.cdiv(rows, 1024),), seq_lens, seq_lens, rows, next_n, width,

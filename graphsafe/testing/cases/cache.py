@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
-from graphsafe.testing.compare import exact_compare
 from graphsafe.testing.tensors import distinct_slots, poison, randn
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -22,6 +21,86 @@ def _cache(shape, dtype, device, gen, strided: bool) -> torch.Tensor:
 
 def _slots(t: int, nb: int, bs: int, device, gen) -> torch.Tensor:
     return distinct_slots(t, nb * bs, gen).to(device)
+
+
+# -- comparison, unread elements, ids out of range, non-finite values ------------------
+def bitwise_compare(op: str):
+    """An `OpCase.compare` for the cache writes: every mutated cache bit for bit (fp8
+    bytes included: every backend rounds as torch's cast does)."""
+
+    def compare(expected, actual, expected_args, actual_args, params) -> None:
+        from graphsafe.registry import get_op
+        from graphsafe.testing.compare import mutated_args
+        from graphsafe.testing.contract import assert_bits_equal
+
+        assert expected is None and actual is None, f"{op} returns None"
+        spec = get_op(op)
+        want, got = mutated_args(spec, expected_args), mutated_args(spec, actual_args)
+        for name in want:
+            assert_bits_equal(want[name], got[name], f"{op} mutated '{name}'")
+
+    return compare
+
+
+def _valid_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    num_blocks, block_size = cache.shape[:2]
+    return (slots >= 0) & (slots < num_blocks * block_size)
+
+
+def _unread(values: tuple[int, ...], caches: tuple[int, ...], scales: tuple[int, ...], slots_at: int):
+    """`OpCase.unread` of a cache write: the rows of skipped tokens in the values, every
+    cache element (written, never read) and the scales when no token is written."""
+
+    def unread(params: Params, args):
+        valid = _valid_slots(args[caches[0]], args[slots_at]).cpu()
+        marks = [(i, (~valid).view(-1, *[1] * (args[i].dim() - 1)).expand(args[i].shape)) for i in values]
+        marks += [(i, torch.ones(args[i].shape, dtype=torch.bool)) for i in caches]
+        if not bool(valid.any()):
+            marks += [(i, torch.ones(1, dtype=torch.bool)) for i in scales if args[i] is not None]
+        return marks
+
+    return unread
+
+
+BAD_SLOTS = (10**6, -5, -2)
+
+
+def _out_of_range(caches_at: int, slots_at: int):
+    """`OpCase.out_of_range`: about a third of the slots (at least one) replaced by 10**6,
+    -5, -2 or num_blocks * block_size; -1 (padding) at those places in the padded args."""
+
+    def out_of_range(params: Params, args, gen: torch.Generator):
+        slots = args[slots_at]
+        t = slots.shape[0]
+        if t == 0:
+            return None
+        num_blocks, block_size = args[caches_at].shape[:2]
+        where = torch.randperm(t, generator=gen)[: max(1, t // 3)]
+        choices = torch.tensor([*BAD_SLOTS, num_blocks * block_size], dtype=slots.dtype)
+        bad_values = choices[torch.arange(where.numel()) % choices.numel()]
+        bad, padded = slots.clone(), slots.clone()
+        bad[where.to(slots.device)] = bad_values.to(slots.device)
+        padded[where.to(slots.device)] = -1
+        swap = lambda s: tuple(s if i == slots_at else a for i, a in enumerate(args))  # noqa: E731
+        return swap(bad), swap(padded)
+
+    return out_of_range
+
+
+def _nonfinite(values: tuple[int, ...]):
+    """`OpCase.nonfinite`: NaN, +inf and -inf (about 5% each) in the value tensors."""
+
+    def nonfinite(params: Params, args, gen: torch.Generator):
+        out = list(args)
+        for i in values:
+            x = args[i].clone()
+            u = torch.rand(x.shape, generator=gen).to(x.device)
+            x = torch.where(u < 0.05, float("nan"), x)
+            x = torch.where((u >= 0.05) & (u < 0.1), float("inf"), x)
+            out[i] = torch.where((u >= 0.1) & (u < 0.15), float("-inf"), x)
+        return tuple(out)
+
+    return nonfinite
 
 
 def _params_mla():
@@ -77,8 +156,11 @@ register_case(
         params=_params_mla,
         example=EXAMPLE_MLA,
         make=_make_mla,
-        compare=exact_compare("concat_and_cache_mla"),
+        compare=bitwise_compare("concat_and_cache_mla"),
         bad_inputs=_bad_mla,
+        unread=_unread(values=(0, 1), caches=(2,), scales=(4,), slots_at=3),
+        out_of_range=_out_of_range(caches_at=2, slots_at=3),
+        nonfinite=_nonfinite((0, 1)),
         edge_cases=(
             {**EXAMPLE_MLA, "T": 0},
             {**EXAMPLE_MLA, "fp8_cache": True, "dtype": torch.float16},
@@ -153,8 +235,11 @@ register_case(
         params=_params_kv,
         example=EXAMPLE_KV,
         make=_make_kv,
-        compare=exact_compare("reshape_and_cache"),
+        compare=bitwise_compare("reshape_and_cache"),
         bad_inputs=_bad_kv,
+        unread=_unread(values=(0, 1), caches=(2, 3), scales=(5, 6), slots_at=4),
+        out_of_range=_out_of_range(caches_at=2, slots_at=4),
+        nonfinite=_nonfinite((0, 1)),
         edge_cases=(
             {**EXAMPLE_KV, "T": 0},
             {**EXAMPLE_KV, "fp8_cache": True, "dtype": torch.bfloat16, "Dv": 8},

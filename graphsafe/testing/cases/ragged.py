@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
+from graphsafe.testing.cases import BadInput, OpCase, Params, reads_no_floats, register_case
 from graphsafe.testing.compare import exact_compare
 from graphsafe.testing.tensors import randint
 
@@ -18,11 +18,54 @@ def _params():
 
 
 def _make(p: Params, device, gen):
+    """Ids in `[0, num_rows)` or -1 (padding), lengths in `[0, W]`; with num_rows < 0 any
+    ids. Values outside those ranges are `_out_of_range`'s (the debug switch refuses them)."""
     n, w, num_rows = p["N"], p["W"], p["num_rows"]
-    hi = max(num_rows, 4) + 3
-    indices = randint(-3, hi, (n, w), torch.int32, device, gen)
-    lengths = randint(-2, w + 3, (n,), torch.int32, device, gen)
+    if num_rows >= 0:
+        indices = randint(-1, max(num_rows, 1), (n, w), torch.int32, device, gen)
+        indices = torch.where(indices < num_rows, indices, -1)
+    else:
+        indices = randint(-3, 20, (n, w), torch.int32, device, gen)
+    lengths = randint(0, w + 1, (n,), torch.int32, device, gen)
     return indices, lengths, num_rows
+
+
+def _kept(indices: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    cols = torch.arange(indices.shape[1])
+    return cols[None, :] < lengths.cpu().long().clamp(min=0)[:, None]
+
+
+def _unread(params: Params, args):
+    """The entries past each row's (clamped) length."""
+    indices, lengths, _ = args
+    return [(0, ~_kept(indices, lengths))]
+
+
+BAD = (10**6, -5, -2)
+
+
+def _out_of_range(params: Params, args, gen: torch.Generator):
+    """Some lengths replaced by 10**6, -5, -2 or W + 1 (paired with the bound they act as,
+    0 or W: lengths are clamped, they have no padding value); with num_rows >= 0, some
+    kept ids replaced by 10**6, -5, -2 or num_rows (paired with -1, the padding)."""
+    indices, lengths, num_rows = args
+    n, w = indices.shape
+    if n == 0:
+        return None
+    where = torch.randperm(n, generator=gen)[: max(1, n // 3)]
+    choices = torch.tensor([*BAD, w + 1], dtype=torch.int32)
+    values = choices[torch.randperm(4, generator=gen)][torch.arange(where.numel()) % 4]
+    bad_len, ok_len = lengths.clone(), lengths.clone()
+    bad_len[where.to(lengths.device)] = values.to(lengths.device)
+    ok_len[where.to(lengths.device)] = values.clamp(0, w).to(lengths.device)
+    bad_ids, ok_ids = indices.clone(), indices.clone()
+    kept = _kept(indices, ok_len).flatten().nonzero().flatten()
+    if num_rows >= 0 and kept.numel() > 0:
+        at = kept[torch.randperm(kept.numel(), generator=gen)[: max(1, kept.numel() // 4)]]
+        ids = torch.tensor([*BAD, num_rows], dtype=torch.int32)[torch.arange(at.numel()) % 4]
+        bad_ids.view(-1)[at.to(indices.device)] = ids.to(indices.device)
+        ok_ids.view(-1)[at.to(indices.device)] = -1
+    return (bad_ids, bad_len, num_rows), (ok_ids, ok_len, num_rows)
 
 
 EXAMPLE: Params = {"N": 6, "W": 8, "num_rows": 10}
@@ -47,6 +90,9 @@ register_case(
         make=_make,
         compare=exact_compare("build_ragged_indices_from_dense"),
         bad_inputs=_bad,
+        unread=_unread,
+        out_of_range=_out_of_range,
+        nonfinite=reads_no_floats,
         edge_cases=(
             {"N": 0, "W": 4, "num_rows": 3},
             {"N": 3, "W": 0, "num_rows": 3},

@@ -26,15 +26,17 @@ def sortable_keys(logits: torch.Tensor) -> torch.Tensor:
 
 
 def prefill_ranges(row_starts: torch.Tensor, row_ends: torch.Tensor, width: int):
+    """(lo, hi, origin) of each row: bounds clamped to [0, width], positions from lo."""
     lo = row_starts.long().clamp(0, width)
     hi = torch.maximum(row_ends.long().clamp(max=width), lo)
-    return lo, hi, row_starts.long()
+    return lo, hi, lo
 
 
 def decode_ranges(seq_lens: torch.Tensor, next_n: int, width: int):
+    """(lo, hi, origin) of each row: lengths clamped to [0, width] first."""
     rows = seq_lens.shape[0] * next_n
     i = torch.arange(rows) % next_n
-    end = seq_lens.long().cpu().repeat_interleave(next_n) - next_n + i + 1
+    end = seq_lens.long().cpu().clamp(0, width).repeat_interleave(next_n) - next_n + i + 1
     hi = end.clamp(0, width)
     lo = torch.zeros_like(hi)
     return lo, hi, lo
@@ -116,6 +118,76 @@ def compare_decode(expected, actual, exp_args, act_args, params) -> None:
     assert_topk_rows(logits, lo, hi, shift, idx_e, idx_a, topk, "top_k_per_row_decode indices")
 
 
+# -- unread elements, bounds out of range, non-finite logits ------------------------
+def _unread(ranges):
+    """`OpCase.unread`: every logit outside its row's valid columns, and all of `indices`
+    (written, never read)."""
+
+    def unread(params: Params, args):
+        logits, indices = args[0], args[3]
+        lo, hi, _ = ranges(args)
+        cols = torch.arange(logits.shape[1])
+        outside = (cols[None, :] < lo.cpu()[:, None]) | (cols[None, :] >= hi.cpu()[:, None])
+        return [(0, outside), (3, torch.ones(indices.shape, dtype=torch.bool))]
+
+    return unread
+
+
+def _prefill_ranges_of(args):
+    return prefill_ranges(args[1].cpu(), args[2].cpu(), args[0].shape[1])
+
+
+def _decode_ranges_of(args):
+    return decode_ranges(args[2].cpu(), args[1], args[0].shape[1])
+
+
+def _replace_bounds(bounds: torch.Tensor, width: int, gen: torch.Generator, count: int):
+    """(bad, clamped): `count` entries (at least one) replaced by 10**6, -5, -2 or width + 1,
+    and the same entries set to the value they act as (0 or width)."""
+    where = torch.randperm(bounds.shape[0], generator=gen)[: max(1, count)]
+    choices = torch.tensor([10**6, -5, -2, width + 1], dtype=bounds.dtype)
+    bad_values = choices[torch.randperm(4, generator=gen)][torch.arange(where.numel()) % 4]
+    bad, clamped = bounds.clone(), bounds.clone()
+    bad[where.to(bounds.device)] = bad_values.to(bounds.device)
+    clamped[where.to(bounds.device)] = bad_values.clamp(0, width).to(bounds.device)
+    return bad, clamped
+
+
+def _prefill_out_of_range(params: Params, args, gen: torch.Generator):
+    """`OpCase.out_of_range`: row starts and ends outside [0, N], paired with the bound
+    they act as (the op clamps; there is no padding value)."""
+    logits, starts, ends, indices, topk = args
+    m, width = logits.shape
+    if m == 0:
+        return None
+    bad_s, ok_s = _replace_bounds(starts, width, gen, m // 3)
+    bad_e, ok_e = _replace_bounds(ends, width, gen, m // 3)
+    return (logits, bad_s, bad_e, indices, topk), (logits, ok_s, ok_e, indices, topk)
+
+
+def _decode_out_of_range(params: Params, args, gen: torch.Generator):
+    """`OpCase.out_of_range`: sequence lengths outside [0, L], paired with 0 or L."""
+    logits, next_n, seq_lens, indices, topk = args
+    if seq_lens.shape[0] == 0:
+        return None
+    bad, ok = _replace_bounds(seq_lens, logits.shape[1], gen, seq_lens.shape[0] // 3)
+    return (logits, next_n, bad, indices, topk), (logits, next_n, ok, indices, topk)
+
+
+def _nonfinite(params: Params, args, gen: torch.Generator):
+    """`OpCase.nonfinite`: NaN of both signs, +inf and -inf (about 4% each) in the logits."""
+    logits = args[0]
+    u = torch.rand(logits.shape, generator=gen).to(logits.device)
+    nan = torch.tensor(float("nan"))
+    x = torch.where(u < 0.04, nan, logits)
+    x = torch.where((u >= 0.04) & (u < 0.08), -nan, x)  # sign bit set: ranks below -inf
+    x = torch.where((u >= 0.08) & (u < 0.12), float("inf"), x)
+    x = torch.where((u >= 0.12) & (u < 0.16), float("-inf"), x)
+    out = torch.empty_strided(logits.shape, logits.stride(), dtype=logits.dtype, device=logits.device)
+    out.copy_(x)
+    return (out, *args[1:])
+
+
 # -- inputs -------------------------------------------------------------------------
 def make_logits(rows: int, width: int, mode: str, device, gen, strided: bool = False) -> torch.Tensor:
     """Random logits; `mode` in VALUE_MODES (ties from a small value set, -inf sprinkled in)."""
@@ -157,9 +229,10 @@ def _prefill_bounds(m: int, n: int, mode: str, gen) -> tuple[torch.Tensor, torch
         starts = torch.randint(0, n + 1, (m,), generator=gen)
         ends = starts + (torch.rand(m, generator=gen) * (n - starts + 1)).long()
         return starts.to(torch.int32), ends.clamp(max=n).to(torch.int32)
-    # "wild": bounds outside [0, N] and end < start; the op clips them.
-    starts = torch.randint(-5, n + 6, (m,), generator=gen)
-    ends = torch.randint(-5, n + 6, (m,), generator=gen)
+    # "wild": any bounds in [0, N], end < start (an empty row) too. Bounds outside
+    # [0, N] are `_prefill_out_of_range`'s (the debug switch refuses them).
+    starts = torch.randint(0, n + 1, (m,), generator=gen)
+    ends = torch.randint(0, n + 1, (m,), generator=gen)
     return starts.to(torch.int32), ends.to(torch.int32)
 
 
@@ -213,6 +286,11 @@ register_case(
         make=_make_prefill,
         compare=compare_prefill,
         bad_inputs=_bad_prefill,
+        unread=_unread(_prefill_ranges_of),
+        out_of_range=_prefill_out_of_range,
+        nonfinite=_nonfinite,
+        # The comparison ranks by the float bits: NaN and +-inf compare exactly as they are.
+        compare_nonfinite=compare_prefill,
         edge_cases=(
             {**EXAMPLE_PREFILL, "M": 0},
             {**EXAMPLE_PREFILL, "N": 0},
@@ -257,8 +335,8 @@ def _seq_lens(b: int, next_n: int, width: int, mode: str, gen) -> torch.Tensor:
         lens = torch.randint(0, next_n + 3, (b,), generator=gen)
         lens[::2] = next_n
         return lens.to(torch.int32)
-    # Past L too: the valid range is clipped to the logits width.
-    return torch.randint(0, width + next_n + 3, (b,), generator=gen).to(torch.int32)
+    # Lengths past L are `_decode_out_of_range`'s (the debug switch refuses them).
+    return torch.randint(0, width + 1, (b,), generator=gen).to(torch.int32)
 
 
 def _make_decode(p: Params, device, gen):
@@ -299,6 +377,10 @@ register_case(
         make=_make_decode,
         compare=compare_decode,
         bad_inputs=_bad_decode,
+        unread=_unread(_decode_ranges_of),
+        out_of_range=_decode_out_of_range,
+        nonfinite=_nonfinite,
+        compare_nonfinite=compare_decode,
         edge_cases=(
             {**EXAMPLE_DECODE, "B": 0},
             {**EXAMPLE_DECODE, "L": 0},
