@@ -139,9 +139,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cases = harness.load_cases()
     if args.list:
-        print("\n".join(sorted(cases)))
+        for name, case in sorted(cases.items()):
+            cpu = "needs a GPU" if case.shapes.cpu is None else str(len(case.shapes.cpu))
+            print(f"{name:<34} shapes: default {len(case.shapes.default)}, full {len(case.shapes.full)}, cpu {cpu}")
         return 0
-    harness.run(args.op, device, json_path=args.json)
+    if args.time_limit is not None and args.time_limit < 0:
+        print("bench: --time-limit must be >= 0", file=sys.stderr)
+        return 2
+    harness.run(args.op, device, json_path=args.json, full=args.full, time_limit=args.time_limit)
     return 0
 
 
@@ -186,8 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks: medians, bytes, %% of bandwidth, peers")
     bench.add_argument("--op", action="append", help="only this benchmark case (repeatable)")
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
-    bench.add_argument("--json", help="also write the rows as JSON to this path")
-    bench.add_argument("--list", action="store_true", help="list the benchmark cases")
+    bench.add_argument("--json", help="also write the rows and the run's metadata as JSON to this path "
+                       "(rewritten after every row, so a cut-off run keeps what it measured)")
+    bench.add_argument("--full", action="store_true", help="the full sweep of shapes on a GPU (default: the "
+                       "representative shapes of each case; on a CPU: each case's CPU shapes)")
+    bench.add_argument("--time-limit", type=float, metavar="SECONDS", help="start no new row once SECONDS have "
+                       "passed since the run began; the rows measured are kept")
+    bench.add_argument("--list", action="store_true", help="list the benchmark cases and their shape counts")
     dm = sub.add_parser("demo", help="decode with the demo model: eager, compiled, compiled + CUDA graphs; one table")
     dm.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present, else cpu")
     dm.add_argument("--batch", type=int, nargs="+", help="batch sizes (default: 1 4 on the CPU, 1 8 64 on a GPU)")

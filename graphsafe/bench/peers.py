@@ -1,5 +1,5 @@
 """The standard peers of an op: graphsafe through the dispatcher, and its reference
-backend eager and under torch.compile, all on the same inputs."""
+backend eager and (on a GPU) under torch.compile, all on the same inputs."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from graphsafe.registry import OpSpec
 
 
 def op_peers(spec: OpSpec, args: tuple, device: torch.device, compile_reference: bool = True) -> dict[str, Callable[[], Any]]:
+    """graphsafe[serving backend], "reference eager" and, with `compile_reference` and a
+    GPU, "reference compiled" (on a CPU the compile would take longer than the whole CPU
+    run of the bench)."""
+    compile_reference = compile_reference and device.type != "cpu"
     backend = spec.serving_backend(device.type)
     public = spec.public
     reference = spec.backend_impl("reference")

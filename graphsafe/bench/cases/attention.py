@@ -10,16 +10,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphsafe.bench.harness import Problem, bench_case
+from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.bench.peers import nbytes, op_peers
 from graphsafe.registry import get_op
 
 # Reference peers materialise float32 copies (gathered K/V, padded scores): skip above this.
 REFERENCE_BYTES_LIMIT = 10e9
-# (B, ctx) of the decode problems at Llama-3-8B shapes (Hq=32, Hk=8, D=128, block 16).
-DECODE_SHAPES = [(b, ctx) for b in (1, 64, 128) for ctx in (4096, 32768)]
-# (sequences, tokens each, Hq, Hk, D, Dv) of the causal prefill problems: GQA, MHA, MLA prefill.
-VARLEN_SHAPES = [(8, 4096, 32, 8, 128, 128), (8, 4096, 32, 32, 128, 128), (8, 4096, 16, 16, 192, 128)]
+# (B, ctx) of the decode problems at Llama-3-8B shapes (Hq=32, Hk=8, D=128, block 16):
+# by default the NOTES anchor B=128 x 32k (its reference peers are skipped: no compile).
+DECODE_SHAPES = Shapes(
+    default=((128, 32768),),
+    full=tuple((b, ctx) for b in (1, 64, 128) for ctx in (4096, 32768)),
+    cpu=((2, 256),),
+)
+# (sequences, tokens each, Hq, Hk, D, Dv) of the causal prefill problems: GQA, MHA, MLA
+# prefill; by default the GQA one (the NOTES row).
+VARLEN_SHAPES = Shapes(
+    default=((8, 4096, 32, 8, 128, 128),),
+    full=((8, 4096, 32, 8, 128, 128), (8, 4096, 32, 32, 128, 128), (8, 4096, 16, 16, 192, 128)),
+    cpu=((2, 128, 4, 2, 64, 64),),
+)
+CPU_NO_COMPILE = "flex_attention left out on the CPU (its compile takes longer than the CPU run)"
 
 
 def _graphsafe_only(spec, args, device, note_bytes: float) -> tuple[dict, str]:
@@ -63,6 +74,8 @@ def _decode_peers(q, k_cache, v_cache, table, lens, scale, device) -> tuple[dict
         )
     }
     note = "SDPA/flex read K/V gathered into dense tensors outside the timing"
+    if device.type == "cpu":
+        return impls, f"{note}; {CPU_NO_COMPILE}"
     try:
         create_block_mask, flex = _flex()
         mask = create_block_mask(lambda bi, h, qi, ki: ki < lens[bi], b, None, 1, ctx, device=device)
@@ -74,10 +87,10 @@ def _decode_peers(q, k_cache, v_cache, table, lens, scale, device) -> tuple[dict
     return impls, note
 
 
-@bench_case("paged_attention_decode")
-def paged_attention_decode(device: torch.device):
+@bench_case("paged_attention_decode", DECODE_SHAPES)
+def paged_attention_decode(device: torch.device, shapes: tuple):
     spec = get_op("paged_attention_decode")
-    for b, ctx in DECODE_SHAPES:
+    for b, ctx in shapes:
         args = _decode_inputs(b, ctx, device)
         q, k_cache, v_cache, table, lens, _ = args
         hq, hk, d = q.shape[1], k_cache.shape[2], q.shape[2]
@@ -124,6 +137,8 @@ def _varlen_peers(q, k, v, seqs: int, n: int, scale: float, device) -> tuple[dic
         v_sdpa = F.pad(v_sdpa, (0, d - dv))
         notes.append(f"SDPA gets V padded to {d}")
     impls = {"SDPA flash": lambda: _sdpa_flash(q4, k_sdpa, v_sdpa, scale)}
+    if device.type == "cpu":
+        return impls, "; ".join([*notes, CPU_NO_COMPILE])
     try:
         create_block_mask, flex = _flex()
         mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n, device=device)
@@ -175,10 +190,12 @@ def _fp8_impls(public, q, k, v, cu, n: int, scale: float) -> dict:
     return impls
 
 
-@bench_case("flash_attn_varlen")
-def flash_attn_varlen(device: torch.device):
+@bench_case("flash_attn_varlen", VARLEN_SHAPES)
+def flash_attn_varlen(device: torch.device, shapes: tuple):
+    """bf16 against SDPA / flex_attention; and (GPU only: it times the Triton kernels
+    directly) the fp8 path."""
     spec = get_op("flash_attn_varlen")
-    for seqs, n, hq, hk, d, dv in VARLEN_SHAPES:
+    for seqs, n, hq, hk, d, dv in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
         t = seqs * n
         q = torch.randn((t, hq, d), device=device, dtype=torch.bfloat16, generator=gen)
@@ -194,9 +211,12 @@ def flash_attn_varlen(device: torch.device):
         impls, note = _graphsafe_only(spec, args, device, seqs * hq * n * n * 4 * 3)
         peers, peer_note = _varlen_peers(q, k, v, seqs, n, scale, device)
         impls.update(peers)
-        yield Problem(case=spec.name, shape=f"{label} bf16", impls=impls, bytes=io_bytes, flops=flops,
-                      bound="compute", peak_dtype=torch.bfloat16, note="; ".join(x for x in (note, peer_note) if x))
+        gpu_only = "" if device.type == "cuda" else "the fp8 problem needs a GPU: skipped"
+        yield Problem(case=spec.name, shape=f"{label} bf16", impls=impls, bytes=io_bytes, flops=flops, bound="compute",
+                      peak_dtype=torch.bfloat16, note="; ".join(x for x in (note, peer_note, gpu_only) if x))
         del impls, peers
+        if device.type != "cuda":
+            continue
         yield Problem(case=spec.name, shape=f"{label} fp8", impls=_fp8_impls(spec.public, q, k, v, cu, n, scale),
                       bytes=io_bytes, flops=flops, bound="compute", peak_dtype=torch.float8_e4m3fn,
                       note="fp8 (bf16 in) includes the per-tensor quantisation of q, k, v (amax of q/k/v in "

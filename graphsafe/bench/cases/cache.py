@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.bench.harness import Problem, bench_case
+from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.bench.peers import nbytes, op_peers
 from graphsafe.registry import get_op
 from graphsafe.testing.cases import case_for
 
 
-@bench_case("concat_and_cache_mla")
-def concat_and_cache_mla(device: torch.device):
+# (tokens, fp8 cache). T=128: a decode batch (launch-bound); T=65536: ~150 MB, well past
+# the 50 MB L2, so the % of bandwidth is not flattered by cache hits across repeated calls
+# (the default: the NOTES rows).
+@bench_case("concat_and_cache_mla", Shapes(
+    default=((65536, False), (65536, True)),
+    full=((128, False), (8192, False), (65536, False), (65536, True)),
+    cpu=((256, False), (256, True)),
+))
+def concat_and_cache_mla(device: torch.device, shapes: tuple):
     spec, case = get_op("concat_and_cache_mla"), case_for("concat_and_cache_mla")
-    # T=128: a decode batch (launch-bound); T=65536: ~150 MB, well past the 50 MB L2, so
-    # the % of bandwidth is not flattered by cache hits across repeated calls.
-    for t, dtype, fp8 in ((128, torch.bfloat16, False), (8192, torch.bfloat16, False), (65536, torch.bfloat16, False), (65536, torch.bfloat16, True)):
-        params = {"T": t, "R": 512, "P": 64, "block_size": 64, "dtype": dtype, "fp8_cache": fp8, "strided_cache": False}
+    for t, fp8 in shapes:
+        params = {"T": t, "R": 512, "P": 64, "block_size": 64, "dtype": torch.bfloat16, "fp8_cache": fp8,
+                  "strided_cache": False}
         args = case.inputs(params, device, seed=0)
         kv_c, k_pe, kv_cache, slots, _ = args
         live = int((slots >= 0).sum())  # host read at set-up only; padding tokens move nothing
@@ -31,10 +37,15 @@ def concat_and_cache_mla(device: torch.device):
         )
 
 
-@bench_case("reshape_and_cache")
-def reshape_and_cache(device: torch.device):
+# (tokens, fp8 cache), as for concat_and_cache_mla.
+@bench_case("reshape_and_cache", Shapes(
+    default=((65536, False), (65536, True)),
+    full=((64, False), (8192, False), (65536, False), (65536, True)),
+    cpu=((256, False), (256, True)),
+))
+def reshape_and_cache(device: torch.device, shapes: tuple):
     spec, case = get_op("reshape_and_cache"), case_for("reshape_and_cache")
-    for t, fp8 in ((64, False), (8192, False), (65536, False), (65536, True)):
+    for t, fp8 in shapes:
         params = {"T": t, "Hk": 8, "D": 128, "Dv": None, "block_size": 16, "dtype": torch.bfloat16, "fp8_cache": fp8, "strided_cache": False}
         args = case.inputs(params, device, seed=0)
         key, value, k_cache, v_cache, slots, _, _ = args
@@ -49,10 +60,15 @@ def reshape_and_cache(device: torch.device):
         )
 
 
-@bench_case("build_ragged_indices_from_dense")
-def build_ragged_indices_from_dense(device: torch.device):
+# (rows N, width W)
+@bench_case("build_ragged_indices_from_dense", Shapes(
+    default=((8192, 2048),),
+    full=((64, 2048), (8192, 2048)),
+    cpu=((64, 256),),
+))
+def build_ragged_indices_from_dense(device: torch.device, shapes: tuple):
     spec, case = get_op("build_ragged_indices_from_dense"), case_for("build_ragged_indices_from_dense")
-    for n, w in ((64, 2048), (8192, 2048)):
+    for n, w in shapes:
         args = case.inputs({"N": n, "W": w, "num_rows": 100_000}, device, seed=0)
         indices, lengths, _ = args
         yield Problem(

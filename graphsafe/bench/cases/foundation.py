@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor
 
-from graphsafe.bench.harness import Problem, bench_case
+from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.registry import new_registry
 from graphsafe.workspace import WorkspaceManager
 
@@ -59,8 +59,12 @@ def dispatch_variants():
     return lib, torch.ops.gs_bench_lib.noop.default, torch.ops.gs_bench_co.noop.default, graphsafe_noop
 
 
-@bench_case("dispatch_overhead")
-def dispatch_overhead(device: torch.device):
+# One problem each, the same on every device (host time is what they measure).
+ONE_PROBLEM = Shapes(default=("one",), full=("one",), cpu=("one",))
+
+
+@bench_case("dispatch_overhead", ONE_PROBLEM)
+def dispatch_overhead(device: torch.device, shapes: tuple):
     _lib, lib_op, custom_op, gs_public = dispatch_variants()
     gs_op = gs_public.spec.overload
     x = torch.empty(16, device=device)
@@ -90,8 +94,8 @@ def _arena_slices(arena: Tensor, specs) -> list[Tensor]:
     return views
 
 
-@bench_case("workspace")
-def workspace(device: torch.device):
+@bench_case("workspace", ONE_PROBLEM)
+def workspace(device: torch.device, shapes: tuple):
     # The decode indexer's three buffers at B=64, next_n=1, a 32k context (logits, top-k
     # scratch, per-row counters): a realistic request signature.
     specs = (((64, 32768), torch.float32), ((64, 2048), torch.int32), ((64, 4), torch.int32))

@@ -21,7 +21,7 @@ import io
 import torch
 
 from graphsafe.bench.cases.foundation import dispatch_variants
-from graphsafe.bench.harness import Problem, bench_case, time_loop_us
+from graphsafe.bench.harness import Problem, Shapes, bench_case, time_loop_us
 from graphsafe.registry import ops
 
 
@@ -83,8 +83,9 @@ def plain_launches_per_call(fn, calls: int = 20) -> float:
     return (plain_launch_count() - before) / calls
 
 
-@bench_case("host_cost")
-def host_cost(device: torch.device):
+# GPU only: on a CPU an op's call time is its compute, not host cost.
+@bench_case("host_cost", Shapes(default=("every op",), full=("every op",), cpu=None))
+def host_cost(device: torch.device, shapes: tuple):
     yield Problem(case="host_cost", shape="floors", impls=_floors(device), unit="us", graph=False,
                   note="host us per call, round-robin medians")
     for name, spec in sorted(ops().items()):
@@ -109,8 +110,10 @@ def host_cost(device: torch.device):
         )
 
 
-@bench_case("demo_step")
-def demo_step(device: torch.device):
+# Full sweep only (it compiles the demo model: minutes), and GPU only (`python -m
+# graphsafe demo` is the CPU's run of the demo).
+@bench_case("demo_step", Shapes(default=(), full=("B=1",), cpu=None))
+def demo_step(device: torch.device, shapes: tuple):
     """One row per mode: median step ms of the demo model at B = 1 (a short run)."""
     from graphsafe.demo import DemoOptions, run_demo
 

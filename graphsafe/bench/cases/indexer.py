@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.bench.harness import Problem, bench_case
+from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.bench.peers import nbytes, op_peers
 from graphsafe.registry import get_op
 from graphsafe.testing.cases import case_for
@@ -45,39 +45,50 @@ def paged_inputs(batch: int, ctx: int, next_n: int, device: torch.device, block_
     return q, cache, weights, lens, table, ctx
 
 
-@bench_case("fp8_paged_mqa_logits")
-def fp8_paged_mqa_logits(device: torch.device):
+# (next_n, batch, ctx); by default the NOTES targets (B=128, 32k contexts).
+@bench_case("fp8_paged_mqa_logits", Shapes(
+    default=((1, 128, 32768), (2, 128, 32768)),
+    full=tuple((next_n, b, ctx) for next_n in (1, 2) for b in (1, 32, 128) for ctx in (4096, 32768)),
+    cpu=((1, 2, 512), (2, 2, 512)),
+))
+def fp8_paged_mqa_logits(device: torch.device, shapes: tuple):
     spec = get_op("fp8_paged_mqa_logits")
-    for next_n in (1, 2):
-        for batch in (1, 32, 128):
-            for ctx in (4096, 32768):
-                args = paged_inputs(batch, ctx, next_n, device)
-                q, cache, weights, lens, table, _ = args
-                keys = batch * ctx * (D + 4)  # each context's fp8 keys and scales, read once
-                written = batch * next_n * ctx * 4
-                yield Problem(
-                    case=spec.name,
-                    shape=f"B={batch} ctx={ctx} H={H} D={D} next_n={next_n} bs=64",
-                    impls=op_peers(spec, args, device),
-                    bytes=keys + written + nbytes(q, weights, lens, table),
-                    flops=2 * batch * next_n * ctx * H * D,
-                )
-                del args, q, cache, weights, lens, table
+    for next_n, batch, ctx in shapes:
+        args = paged_inputs(batch, ctx, next_n, device)
+        q, cache, weights, lens, table, _ = args
+        keys = batch * ctx * (D + 4)  # each context's fp8 keys and scales, read once
+        written = batch * next_n * ctx * 4
+        yield Problem(
+            case=spec.name,
+            shape=f"B={batch} ctx={ctx} H={H} D={D} next_n={next_n} bs=64",
+            impls=op_peers(spec, args, device),
+            bytes=keys + written + nbytes(q, weights, lens, table),
+            flops=2 * batch * next_n * ctx * H * D,
+        )
+        del args, q, cache, weights, lens, table
 
 
-@bench_case("fp8_mqa_logits")
-def fp8_mqa_logits(device: torch.device):
-    spec = get_op("fp8_mqa_logits")
-    m = n = 8192
+def _mqa_inputs(m: int, n: int, device: torch.device):
     gen = _gen(device)
     q, k = _fp8((m, H, D), device, gen), _fp8((n, D), device, gen)
     k_scale = torch.rand(n, device=device, generator=gen) * 0.05 + 1e-3
     weights = torch.randn((m, H), device=device, generator=gen)
-    rows = torch.arange(m, device=device, dtype=torch.int32)
-    for window, ks, ke in (
-        ("full", torch.zeros_like(rows), torch.full_like(rows, n)),
-        ("causal", torch.zeros_like(rows), rows + 1),
-    ):
+    return q, k, k_scale, weights
+
+
+# (M queries, N keys, window)
+@bench_case("fp8_mqa_logits", Shapes(
+    default=((8192, 8192, "full"),),
+    full=((8192, 8192, "full"), (8192, 8192, "causal")),
+    cpu=((256, 256, "causal"),),
+))
+def fp8_mqa_logits(device: torch.device, shapes: tuple):
+    spec = get_op("fp8_mqa_logits")
+    for m, n, window in shapes:
+        q, k, k_scale, weights = _mqa_inputs(m, n, device)
+        rows = torch.arange(m, device=device, dtype=torch.int32)
+        ks = torch.zeros_like(rows)
+        ke = torch.full_like(rows, n) if window == "full" else (rows + 1).clamp(max=n)
         args = (q, k, k_scale, weights, ks, ke)
         pairs = int((ke - ks).clamp(0, n).sum())  # host read at set-up only
         yield Problem(
@@ -92,10 +103,15 @@ def fp8_mqa_logits(device: torch.device):
         )
 
 
-@bench_case("indexer_k_quant_and_cache")
-def indexer_k_quant_and_cache(device: torch.device):
+# (tokens, scale format)
+@bench_case("indexer_k_quant_and_cache", Shapes(
+    default=((8192, "ue8m0"),),
+    full=((128, "ue8m0"), (8192, "ue8m0"), (8192, None)),
+    cpu=((256, "ue8m0"), (256, None)),
+))
+def indexer_k_quant_and_cache(device: torch.device, shapes: tuple):
     spec, case = get_op("indexer_k_quant_and_cache"), case_for("indexer_k_quant_and_cache")
-    for t, fmt in ((128, "ue8m0"), (8192, "ue8m0"), (8192, None)):
+    for t, fmt in shapes:
         params = {"T": t, "D": D, "groups": 1, "block_size": 64, "dtype": torch.bfloat16, "scale_fmt": fmt, "strided_cache": False}
         args = case.inputs(params, device, seed=0)
         k, _, slots, _, _ = args
@@ -107,10 +123,15 @@ def indexer_k_quant_and_cache(device: torch.device):
         )
 
 
-@bench_case("cp_gather_indexer_k_quant_cache")
-def cp_gather_indexer_k_quant_cache(device: torch.device):
+# (requests, max sequence length)
+@bench_case("cp_gather_indexer_k_quant_cache", Shapes(
+    default=((8, 8192),),
+    full=((8, 8192), (64, 2048)),
+    cpu=((4, 256),),
+))
+def cp_gather_indexer_k_quant_cache(device: torch.device, shapes: tuple):
     spec, case = get_op("cp_gather_indexer_k_quant_cache"), case_for("cp_gather_indexer_k_quant_cache")
-    for b, max_seq in ((8, 8192), (64, 2048)):
+    for b, max_seq in shapes:
         params = {"B": b, "max_seq": max_seq, "block_size": 64, "D": D, "groups": 1, "extra_cols": 0, "row_offset": 0, "strided_cache": False}
         args = case.inputs(params, device, seed=0)
         _, _, _, table, cu = args
@@ -123,16 +144,21 @@ def cp_gather_indexer_k_quant_cache(device: torch.device):
         )
 
 
-@bench_case("req_local_to_global_slots")
-def req_local_to_global_slots(device: torch.device):
+# (tokens, requests, max blocks per request, K)
+@bench_case("req_local_to_global_slots", Shapes(
+    default=((512, 64, 512, 2048),),
+    full=((512, 64, 512, 2048), (8192, 4, 2048, 2048)),
+    cpu=((64, 4, 64, 256),),
+))
+def req_local_to_global_slots(device: torch.device, shapes: tuple):
     spec, case = get_op("req_local_to_global_slots"), case_for("req_local_to_global_slots")
-    for t, b, mb in ((512, 64, 512), (8192, 4, 2048)):
-        params = {"T": t, "B": b, "K": 2048, "block_size": 64, "max_blocks": mb}
+    for t, b, mb, k in shapes:
+        params = {"T": t, "B": b, "K": k, "block_size": 64, "max_blocks": mb}
         args = case.inputs(params, device, seed=0)
         req, _, idx, _ = args
         yield Problem(
             case=spec.name,
-            shape=f"T={t} K=2048 B={b} bs=64",
+            shape=f"T={t} K={k} B={b} bs=64",
             impls=op_peers(spec, args, device),
             bytes=nbytes(req, idx) + idx.numel() * 4,
         )
@@ -145,12 +171,13 @@ def req_local_to_global_slots(device: torch.device):
 PAGED_TUNE = [(128, 4, 3), (128, 4, 7), (128, 8, 5), (64, 4, 5)]
 
 
-@bench_case("fp8_paged_mqa_logits_tune")
-def fp8_paged_mqa_logits_tune(device: torch.device):
+# next_n; full sweep only (a tuning sweep) and GPU only (it times the Triton kernel directly).
+@bench_case("fp8_paged_mqa_logits_tune", Shapes(default=(), full=(1, 2), cpu=None))
+def fp8_paged_mqa_logits_tune(device: torch.device, shapes: tuple):
     """Launch configurations of the paged-logits kernel at the target shape (graphsafe only)."""
     from graphsafe.ops.indexer import triton as backend
 
-    for next_n in (1, 2):
+    for next_n in shapes:
         args = paged_inputs(128, 32768, next_n, device)
         q, cache, weights, lens, table, length = args
         out = torch.empty((128 * next_n, length), dtype=torch.float32, device=device)
@@ -183,21 +210,25 @@ def decode_step_inputs(batch: int, ctx: int, next_n: int, topk: int, device: tor
     return (cache, q.view(t, H, D), k, weights, slots, lens, table, idx, "ue8m0", topk, length, next_n, t)
 
 
-@bench_case("sparse_attn_indexer_decode")
-def sparse_attn_indexer_decode(device: torch.device):
+# (batch, ctx, topk)
+@bench_case("sparse_attn_indexer_decode", Shapes(
+    default=((128, 32768, 2048),),
+    full=((32, 32768, 2048), (128, 32768, 2048)),
+    cpu=((2, 512, 64),),
+))
+def sparse_attn_indexer_decode(device: torch.device, shapes: tuple):
     spec = get_op("sparse_attn_indexer_decode")
-    topk = 2048
-    for batch in (32, 128):
-        args = decode_step_inputs(batch, 32768, 1, topk, device)
+    for batch, ctx, topk in shapes:
+        args = decode_step_inputs(batch, ctx, 1, topk, device)
         cache, q, k, weights, slots, lens, table, idx = args[:8]
         yield Problem(
             case=spec.name,
-            shape=f"B={batch} ctx=32768 H={H} D={D} next_n=1 topk={topk} bs=64",
+            shape=f"B={batch} ctx={ctx} H={H} D={D} next_n=1 topk={topk} bs=64",
             impls=op_peers(spec, args, device),
             # The keys read once, the new keys written, the indices written: a fused kernel
             # needs no logits round trip (this composite writes and reads them once).
-            bytes=batch * 32768 * (D + 4) + nbytes(q, k, weights, slots, lens, table, idx) + k.shape[0] * (D + 4),
-            flops=2 * batch * 32768 * H * D,
+            bytes=batch * ctx * (D + 4) + nbytes(q, k, weights, slots, lens, table, idx) + k.shape[0] * (D + 4),
+            flops=2 * batch * ctx * H * D,
             note="bytes leave out the logits round trip ([B, ctx] f32 written and read by the top-k)",
         )
         del args, cache, q, k, weights, slots, lens, table, idx

@@ -1,8 +1,8 @@
 """Benchmarks of the MLA attention ops (DeepSeek dims: R = 512, P = 64, bf16).
 
-`mla_decode`: B in {1, 64, 128} x H in {16, 128} x ctx in {4096, 32768}, plus the
-DESIGN.md anchor B=64, H=16, ctx=8192; every request holds `ctx` cached tokens in
-randomly placed 64-token blocks. `sparse_mla`: T in {1, 64, 128} x H in {16, 128} with
+`mla_decode` (full sweep): B in {1, 64, 128} x H in {16, 128} x ctx in {4096, 32768},
+plus the DESIGN.md anchor B=64, H=16, ctx=8192; every request holds `ctx` cached tokens in
+randomly placed 64-token blocks. `sparse_mla` (full sweep): T in {1, 64, 128} x H in {16, 128} with
 K = 2048 distinct slots per token, each token's slots in its own region of the cache (as
 in decode, where every token attends to its own request).
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.bench.harness import Problem, bench_case
+from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.bench.peers import nbytes, op_peers
 from graphsafe.registry import get_op
 
@@ -92,24 +92,33 @@ def _problem(spec, args, device, rows: int, heads: int, keys: int, kind: str, ex
     )
 
 
-@bench_case("mla_decode")
-def mla_decode(device: torch.device):
+# (batch, heads, ctx); by default the DESIGN.md anchor (memory-bound) and the compute-bound
+# 128 heads at 32k.
+@bench_case("mla_decode", Shapes(
+    default=((64, 16, 8192), (64, 128, 32768)),
+    full=((64, 16, 8192), *((b, h, c) for b in (1, 64, 128) for h in (16, 128) for c in (4096, 32768))),
+    cpu=((2, 16, 512),),
+))
+def mla_decode(device: torch.device, shapes: tuple):
     spec = get_op("mla_decode")
-    shapes = [(64, 16, 8192)] + [(b, h, c) for b in (1, 64, 128) for h in (16, 128) for c in (4096, 32768)]
     for batch, heads, ctx in shapes:
         args = decode_inputs(batch, heads, ctx, device)
         yield _problem(spec, args, device, batch, heads, ctx, "B", nbytes(args[2], args[3]))
         del args
 
 
-@bench_case("sparse_mla")
-def sparse_mla(device: torch.device):
+# (tokens, heads, K slots per token, cache slots per token's region)
+@bench_case("sparse_mla", Shapes(
+    default=((128, 16, 2048, 8192), (128, 128, 2048, 8192)),
+    full=tuple((t, h, 2048, 8192) for t in (1, 64, 128) for h in (16, 128)),
+    cpu=((4, 16, 64, 256),),
+))
+def sparse_mla(device: torch.device, shapes: tuple):
     spec = get_op("sparse_mla")
-    for tokens in (1, 64, 128):
-        for heads in (16, 128):
-            args = sparse_inputs(tokens, heads, 2048, device)
-            yield _problem(spec, args, device, tokens, heads, 2048, "T", nbytes(args[2]))
-            del args
+    for tokens, heads, topk, region in shapes:
+        args = sparse_inputs(tokens, heads, topk, device, region=region)
+        yield _problem(spec, args, device, tokens, heads, topk, "T", nbytes(args[2]))
+        del args
 
 
 # mla_tune candidates: (block_h, block_n, num_warps, num_stages, ctas_per_sm, value_chunks
@@ -147,13 +156,20 @@ def _tune_impls(call, heads: int, cfg, splits_list) -> dict:
     return impls
 
 
-@bench_case("mla_tune")
-def mla_tune(device: torch.device):
+# ("decode", heads, ctx) and ("sparse", heads, K); full sweep only (a tuning sweep) and
+# GPU only (it times the Triton kernel directly).
+@bench_case("mla_tune", Shapes(
+    default=(),
+    full=(*(("decode", h, c) for h, c in ((16, 8192), (16, 32768), (128, 8192), (128, 32768))),
+          ("sparse", 16, 2048), ("sparse", 128, 2048)),
+    cpu=None,
+))
+def mla_tune(device: torch.device, shapes: tuple):
     """Tiles and split counts of the Triton kernel at the anchor shapes (graphsafe only)."""
     from graphsafe.ops.mla import triton as backend
     from graphsafe.ops.mla.splits import plan_launch
 
-    for heads, ctx in ((16, 8192), (16, 32768), (128, 8192), (128, 32768)):
+    for heads, ctx in ((h, c) for kind, h, c in shapes if kind == "decode"):
         args = decode_inputs(64, heads, ctx, device)
         cfg, plan = plan_launch(64, heads, ctx, device)
         impls = _tune_impls(lambda **kw: backend.mla_decode(*args, **kw), heads, cfg, (2, 4, 8, 16, 32))
@@ -162,7 +178,7 @@ def mla_tune(device: torch.device):
         yield Problem(case="mla_tune decode", shape=f"B=64 H={heads} ctx={ctx} (plan S={plan.num_splits})", impls=impls,
                       bytes=total, flops=flops, bound="compute" if flops / total > RIDGE_FLOPS_PER_BYTE else "memory")
         del args
-    for heads in (16, 128):
+    for heads in (h for kind, h, _ in shapes if kind == "sparse"):
         args = sparse_inputs(64, heads, 2048, device)
         cfg, plan = plan_launch(64, heads, 2048, device)
         impls = _tune_impls(lambda **kw: backend.sparse_mla(*args, **kw), heads, cfg, (2, 4, 8))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.bench.harness import Problem, bench_case
+from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.bench.peers import op_peers
 from graphsafe.registry import get_op
 from graphsafe.testing.cases import case_for
@@ -35,47 +35,55 @@ def _impls(spec, args, device, logits, topk):
     return impls
 
 
-@bench_case("top_k_per_row_decode")
-def top_k_per_row_decode(device: torch.device):
-    spec, case = get_op("top_k_per_row_decode"), case_for("top_k_per_row_decode")
-    for width in (32768, 131072):
-        for rows in (1, 32, 128):
-            params = {"B": rows, "next_n": 1, "L": width, "topk": TOPK, "extra_k": 0,
-                      "values": "normal", "lens": "full", "strided": False}
-            args = case.inputs(params, device, seed=0)
-            impls = _impls(spec, args, device, args[0], TOPK)
-            yield Problem(
-                case=spec.name,
-                shape=f"rows={rows} L={width} K={TOPK} full",
-                impls=impls,
-                bytes=rows * width * 4,
-            )
-    # MTP (next_n = 2) with ragged contexts: bytes are the valid columns only.
-    params = {"B": 64, "next_n": 2, "L": 65536, "topk": TOPK, "extra_k": 0,
+def _decode_full(spec, case, device, rows: int, width: int, topk: int) -> Problem:
+    params = {"B": rows, "next_n": 1, "L": width, "topk": topk, "extra_k": 0,
+              "values": "normal", "lens": "full", "strided": False}
+    args = case.inputs(params, device, seed=0)
+    return Problem(case=spec.name, shape=f"rows={rows} L={width} K={topk} full",
+                   impls=_impls(spec, args, device, args[0], topk), bytes=rows * width * 4)
+
+
+def _decode_ragged(spec, case, device, batch: int, next_n: int, width: int, topk: int) -> Problem:
+    """MTP (next_n > 1) with ragged contexts: bytes are the valid columns only."""
+    params = {"B": batch, "next_n": next_n, "L": width, "topk": topk, "extra_k": 0,
               "values": "normal", "lens": "random", "strided": False}
     args = case.inputs(params, device, seed=0)
-    logits, next_n, seq_lens = args[:3]
+    logits, _, seq_lens = args[:3]
     rows = logits.shape[0]
     i = torch.arange(rows, device=device) % next_n
     hi = (seq_lens.long().repeat_interleave(next_n) - next_n + i + 1).clamp(0, logits.shape[1])
-    impls = _impls(spec, args, device, logits, TOPK)
-    yield Problem(
-        case=spec.name, shape=f"B=64 next_n=2 L=65536 K={TOPK} ragged", impls=impls,
-        bytes=_valid_bytes(torch.zeros_like(hi), hi, TOPK),
-    )
+    return Problem(case=spec.name, shape=f"B={batch} next_n={next_n} L={width} K={topk} ragged",
+                   impls=_impls(spec, args, device, logits, topk), bytes=_valid_bytes(torch.zeros_like(hi), hi, topk))
 
 
-@bench_case("top_k_per_row_prefill")
-def top_k_per_row_prefill(device: torch.device):
+# ("full", rows, L, K) and ("ragged", B, next_n, L, K); by default the NOTES targets (128 rows).
+@bench_case("top_k_per_row_decode", Shapes(
+    default=(("full", 128, 32768, TOPK), ("full", 128, 131072, TOPK)),
+    full=(*(("full", r, w, TOPK) for w in (32768, 131072) for r in (1, 32, 128)), ("ragged", 64, 2, 65536, TOPK)),
+    cpu=(("full", 4, 4096, 64), ("ragged", 4, 2, 2048, 64)),
+))
+def top_k_per_row_decode(device: torch.device, shapes: tuple):
+    spec, case = get_op("top_k_per_row_decode"), case_for("top_k_per_row_decode")
+    for kind, *dims in shapes:
+        yield (_decode_full if kind == "full" else _decode_ragged)(spec, case, device, *dims)
+
+
+# (M, N, K, label)
+@bench_case("top_k_per_row_prefill", Shapes(
+    default=((8192, 8192, TOPK, "one 8k request, causal"),),
+    full=((8192, 8192, TOPK, "one 8k request, causal"), (2048, 32768, TOPK, "2k chunk after a 30k prefix")),
+    cpu=((256, 1024, 64, "causal"),),
+))
+def top_k_per_row_prefill(device: torch.device, shapes: tuple):
     spec, case = get_op("top_k_per_row_prefill"), case_for("top_k_per_row_prefill")
-    for m, n, label in ((8192, 8192, "one 8k request, causal"), (2048, 32768, "2k chunk after a 30k prefix")):
-        params = {"M": m, "N": n, "topk": TOPK, "extra_k": 0, "values": "normal", "ranges": "causal", "strided": False}
+    for m, n, topk, label in shapes:
+        params = {"M": m, "N": n, "topk": topk, "extra_k": 0, "values": "normal", "ranges": "causal", "strided": False}
         args = case.inputs(params, device, seed=0)
         logits, starts, ends = args[:3]
-        impls = _impls(spec, args, device, logits, TOPK)
+        impls = _impls(spec, args, device, logits, topk)
         yield Problem(
             case=spec.name,
-            shape=f"M={m} N={n} K={TOPK} {label}",
+            shape=f"M={m} N={n} K={topk} {label}",
             impls=impls,
-            bytes=_valid_bytes(starts.long().clamp(0, n), ends.long().clamp(0, n), TOPK),
+            bytes=_valid_bytes(starts.long().clamp(0, n), ends.long().clamp(0, n), topk),
         )

@@ -1,0 +1,190 @@
+"""The benchmark runner on the CPU (`python -m graphsafe bench`): rows stream as they are
+measured, the JSON file is a complete document after every row, a time limit or an
+interruption keeps the rows measured, and GB/s is never printed as 0 for bytes moved.
+GPU paths (graph replays, tuning cases) are not run here."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from graphsafe.__main__ import main
+from graphsafe.bench import harness
+from graphsafe.bench.harness import IMPL_WIDTH, Row, Shapes, format_row, header
+
+# Two cheap cases: one that moves bytes (3 impls x 2 shapes), one of host times (3 impls).
+CASES = ["--op", "top_k_per_row_decode", "--op", "workspace"]
+ROWS = 2 * 3 + 3
+
+
+def _strict_json(path) -> dict:
+    def reject(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(path.read_text(), parse_constant=reject)
+
+
+def _bench(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["bench", "--device", "cpu", *argv])
+    return rc, out.getvalue()
+
+
+def _rows(doc: dict) -> list[Row]:
+    return [Row(**r) for r in doc["rows"]]
+
+
+def _gbps_cell(line: str) -> str:
+    """The GB/s cell of a one-line row: cells after the impl are time, its unit, eager, MB, GB/s, ..."""
+    return line[2 + IMPL_WIDTH :].split()[4]
+
+
+def test_rows_stream_once_and_json_is_complete_after_every_row(tmp_path, monkeypatch):
+    path = tmp_path / "bench.json"
+    out = io.StringIO()
+    seen: list[tuple[str, list]] = []  # stdout and the JSON rows on disk as each row starts
+    measure = harness.measure_impl
+
+    def spy(*args, **kwargs):
+        seen.append((out.getvalue(), _strict_json(path)["rows"]))
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "measure_impl", spy)
+    with contextlib.redirect_stdout(out):
+        assert main(["bench", "--device", "cpu", *CASES, "--json", str(path)]) == 0
+    text = out.getvalue()
+    doc = _strict_json(path)
+    rows = _rows(doc)
+    assert len(rows) == ROWS and len(seen) == ROWS
+    assert text.splitlines().count(header()) == 1
+    assert text.index(header()) < text.index(format_row(rows[0]))
+    for row in rows:
+        assert row.error is None, row
+        assert text.count(format_row(row)) == 1, format_row(row)
+    # Streaming: when a row starts, every earlier row is already printed and on disk.
+    for k, (printed, on_disk) in enumerate(seen):
+        assert len(on_disk) == k
+        assert all(format_row(row) in printed for row in rows[:k])
+        assert all(format_row(row) not in printed for row in rows[k:])
+    meta = doc["meta"]
+    assert meta["complete"] is True and meta["stopped"] is None
+    assert meta["device"] == "cpu" and meta["sweep"] == "cpu" and meta["torch"] == torch.__version__
+    assert meta["cases"] == ["top_k_per_row_decode", "workspace"]
+    assert doc["ceilings"]["copy_bytes_per_s"] > 0
+
+
+def test_gbps_is_never_zero_for_rows_that_move_bytes(tmp_path):
+    path = tmp_path / "bench.json"
+    rc, text = _bench(["--op", "top_k_per_row_decode", "--json", str(path)])
+    assert rc == 0
+    rows = _rows(_strict_json(path))
+    assert rows and all(r.bytes > 0 for r in rows)
+    for row in rows:
+        assert row.gbps is not None and row.gbps > 0
+        assert row.gbps == pytest.approx(row.bytes / (row.median_ms / 1e3) / 1e9)
+        cell = _gbps_cell(format_row(row))
+        assert float(cell) > 0, format_row(row)
+    # The formatting itself keeps small rates non-zero.
+    small = (4.2e-4, 0.0123, 1.234, 56.78, 4321.0)
+    assert [harness.format_number(x) for x in small] == ["0.00042", "0.0123", "1.23", "56.8", "4321"]
+
+
+def test_time_limit_keeps_the_rows_measured(tmp_path, monkeypatch):
+    """The clock advances one second per measured row: a 1 s limit lets exactly one row start."""
+    path = tmp_path / "bench.json"
+    measured = [0]
+    measure = harness.measure_impl
+
+    def counting(*args, **kwargs):
+        result = measure(*args, **kwargs)
+        measured[0] += 1
+        return result
+
+    monkeypatch.setattr(harness, "measure_impl", counting)
+    monkeypatch.setattr(harness, "clock", lambda: float(measured[0]))
+    rc, text = _bench([*CASES, "--json", str(path), "--time-limit", "1"])
+    assert rc == 0
+    doc = _strict_json(path)
+    rows = _rows(doc)
+    assert len(rows) == 1 and measured[0] == 1
+    assert text.count(format_row(rows[0])) == 1
+    assert doc["meta"]["complete"] is False and "time limit of 1 s reached" in doc["meta"]["stopped"]
+    assert "[bench] time limit of 1 s reached" in text and "1 rows measured" in text
+
+
+def test_time_limit_zero_starts_no_row_and_leaves_valid_json(tmp_path):
+    path = tmp_path / "bench.json"
+    rc, text = _bench([*CASES, "--json", str(path), "--time-limit", "0"])
+    assert rc == 0
+    doc = _strict_json(path)
+    assert doc["rows"] == [] and doc["meta"]["complete"] is False
+    assert text.splitlines().count(header()) == 1
+
+
+def test_interrupted_run_keeps_the_rows_done(tmp_path, monkeypatch):
+    """A run cut off during its second row (here Ctrl-C) leaves the first row on disk."""
+    path = tmp_path / "bench.json"
+    calls = [0]
+    measure = harness.measure_impl
+
+    def interrupt_second(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "measure_impl", interrupt_second)
+    with pytest.raises(KeyboardInterrupt):
+        _bench([*CASES, "--json", str(path)])
+    doc = _strict_json(path)
+    assert len(doc["rows"]) == 1 and doc["rows"][0]["gbps"] > 0
+    assert doc["meta"]["complete"] is False and doc["meta"]["stopped"] == "interrupted: KeyboardInterrupt"
+
+
+def test_gpu_only_cases_are_skipped_on_the_cpu(tmp_path):
+    path = tmp_path / "bench.json"
+    rc, text = _bench(["--op", "mla_tune", "--op", "host_cost", "--json", str(path)])
+    assert rc == 0
+    assert "mla_tune: needs a GPU: skipped" in text and "host_cost: needs a GPU: skipped" in text
+    doc = _strict_json(path)
+    assert doc["rows"] == [] and doc["meta"]["skipped"] == {"mla_tune": "needs a GPU", "host_cost": "needs a GPU"}
+    assert doc["meta"]["complete"] is True
+
+
+def test_every_case_declares_its_shapes():
+    cases = harness.load_cases()
+    assert len(cases) >= 20
+    for name, case in cases.items():
+        shapes = case.shapes
+        assert shapes.full, name
+        assert all(s in shapes.full for s in shapes.default), name
+        assert shapes.cpu is None or len(shapes.cpu) >= 1, name
+        # The default set is a subset: fewer shapes than the full sweep wherever it has several.
+        assert len(shapes.default) < len(shapes.full) or len(shapes.full) == 1, name
+
+
+def test_shapes_pick():
+    shapes = Shapes(default=(1,), full=(1, 2), cpu=None)
+    assert shapes.pick("cuda", full=False, named=False) == (1,)
+    assert shapes.pick("cuda", full=True, named=False) == (1, 2)
+    assert shapes.pick("cpu", full=True, named=True) is None
+    tune = Shapes(default=(), full=(3,), cpu=(0,))
+    assert tune.pick("cuda", full=False, named=False) == ()
+    assert tune.pick("cuda", full=False, named=True) == (3,)
+    assert tune.pick("cpu", full=False, named=False) == (0,)
+    with pytest.raises(ValueError, match="not in the full sweep"):
+        Shapes(default=(5,), full=(1, 2), cpu=None)
+
+
+def test_long_impl_labels_wrap_instead_of_being_cut():
+    label = "graphsafe fp8 (fp8 in) tiles (128, 128, 8, 3) (no graph)"
+    row = Row(case="c", shape="s", impl=label, median_ms=0.5, eager_ms=0.7, bytes=10**6, flops=0, gbps=2.0,
+              pct_bandwidth=None, tflops=None, pct_peak=None, speedup_vs_first=1.0)
+    first, second = format_row(row).splitlines()
+    assert first == f"  {label}"
+    assert second.startswith("  " + " " * IMPL_WIDTH) and _gbps_cell(second) == "2"
