@@ -147,6 +147,19 @@ def test_fp8_auto_is_off_on_cpu():
     assert torch.equal(auto, off) and not torch.equal(on, off)
 
 
+def test_fp8_default_is_off():
+    """An op keeps the precision of its inputs unless the caller asks: the schema, the
+    fake/check and every backend default to fp8="off" ("auto" must be asked for)."""
+    import inspect
+
+    from graphsafe.fake_impls import attention as fakes
+
+    schema = {a.name: a for a in graphsafe.get_op("flash_attn_varlen").overload._schema.arguments}
+    assert schema["fp8"].default_value == "off"
+    kernels = (_triton().flash_attn_varlen, _triton().prepare_flash_attn_varlen) if HAS_INTERPRETER else ()
+    for fn in (fakes.check_flash_attn_varlen, fakes.fake_flash_attn_varlen, reference.flash_attn_varlen, *kernels):
+        assert inspect.signature(fn).parameters["fp8"].default == "off", fn
+
 def test_public_ops_on_cpu_and_empty_rows_give_zero():
     case = case_for("flash_attn_varlen")
     params = {**case.example, "lens_q": [0, 3, 0], "lens_k": [5, 0, 0], "pad_q": 4}
@@ -208,9 +221,10 @@ def test_decode_kernel_gqa_ratios_and_head_dims(group, d):
     attention_compare(expected, _triton().paged_attention_decode(*args, num_splits=2), args[2].abs().max().item(), torch.float16, False, 0, "gqa")
 
 
-@needs_triton
-def test_decode_over_reshape_and_cache():
-    """End to end: reshape_and_cache writes K/V (also fp8), decode reads them back."""
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_decode_over_reshape_and_cache(backend):
+    """End to end through one backend's kernels: reshape_and_cache writes K/V (also fp8),
+    decode reads them back."""
     torch.manual_seed(3)
     b, hk, group, d, bs, mb = 2, 2, 4, 32, 4, 5
     lens = [7, 18]
@@ -224,15 +238,156 @@ def test_decode_over_reshape_and_cache():
         keys = [torch.randn(n, hk, d).half() for n in lens]
         vals = [torch.randn(n, hk, d).half() for n in lens]
         slots = torch.cat([table[r, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs for r, n in enumerate(lens)])
-        graphsafe.reshape_and_cache(torch.cat(keys), torch.cat(vals), k_cache, v_cache, slots, *scales)
         q = torch.randn(b, hk * group, d).half()
         seq_lens = torch.tensor(lens, dtype=torch.int32)
-        with graphsafe.use_backend("triton"):
+        with graphsafe.use_backend(backend):
+            graphsafe.reshape_and_cache(torch.cat(keys), torch.cat(vals), k_cache, v_cache, slots, *scales)
             out = graphsafe.paged_attention_decode(q, k_cache, v_cache, table, seq_lens, d**-0.5, *scales)
         for r, n in enumerate(lens):
             want = naive_attention(q[r : r + 1], keys[r], vals[r], d**-0.5, torch.ones(1, n, dtype=torch.bool))[0]
             tol = 0.1 if fp8 else 2e-3  # fp8 cache: e4m3 rounding of every cached value
             torch.testing.assert_close(out[r].double(), want, rtol=tol, atol=tol)
+
+
+# -- padding, unread and non-finite inputs ------------------------------------------------------
+def _both_backends():
+    return ["reference", pytest.param("triton", marks=needs_triton)]
+
+
+def _decode_impl(backend):
+    return reference.paged_attention_decode if backend == "reference" else _triton().paged_attention_decode
+
+
+def _decode_inputs(seed=5):
+    """3 requests over blocks 1..(nb-1) (block 0 unused), block size 4, 4 blocks each."""
+    case = case_for("paged_attention_decode")
+    q, kc, vc, _, _, scale, _, _ = case.inputs({**case.example, "seq_lens": [6, 16, 9]}, "cpu", seed)
+    table = (torch.randperm(kc.shape[0] - 1, generator=torch.Generator().manual_seed(seed))[:12] + 1)
+    return q, kc, vc, table.reshape(3, 4).int(), torch.tensor([6, 16, 9], dtype=torch.int32), scale
+
+
+@pytest.mark.parametrize("backend", _both_backends())
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_nan_in_block_zero_or_past_seq_len_never_reaches_outputs(backend, splits):
+    """NaN in block 0 (which no request uses: masked lanes address it) and in the tokens
+    past seq_lens inside a used block: outputs bit-equal to the clean call, finite."""
+    q, kc, vc, table, lens, scale = _decode_inputs()
+    kwargs = {"num_splits": splits} if backend == "triton" else {}
+    clean = _decode_impl(backend)(q, kc, vc, table, lens, scale, **kwargs)
+    kd, vd = kc.clone(), vc.clone()
+    kd[0], vd[0] = float("nan"), float("nan")
+    for r, n in ((0, 6), (2, 9)):  # the rest of each request's last block
+        kd[table[r, n // 4], n % 4 :] = float("nan")
+        vd[table[r, n // 4], n % 4 :] = float("inf")
+    dirty = _decode_impl(backend)(q, kd, vd, table, lens, scale, **kwargs)
+    assert torch.isfinite(dirty).all()
+    assert torch.equal(dirty, clean)
+
+
+@pytest.mark.parametrize("backend", _both_backends())
+def test_decode_padding_block_holds_no_key(backend):
+    """A -1 entry inside a request's length is skipped like positions past seq_lens: the
+    same as the request without that block's tokens; other out-of-range ids (too large,
+    negative) give bit for bit the result of -1, and -2 does not wrap to block nb - 2."""
+    q, kc, vc, table, lens, scale = _decode_inputs(6)
+    impl = _decode_impl(backend)
+    padded = table.clone()
+    padded[1, 1] = -1  # request 1 (16 tokens): its second block is padding
+    out = impl(q, kc, vc, padded, lens, scale)
+    without = table.clone()
+    without[1, 1:3] = table[1, 2:4].clone()  # the same tokens, the padding block left out
+    short = torch.tensor([6, 12, 9], dtype=torch.int32)
+    expected = reference.paged_attention_decode(q, kc, vc, without, short, scale)
+    attention_compare(expected, out, vc.abs().max().item(), torch.float16, False, 0, "padding block")
+    for bad in (-2, -5, kc.shape[0], 10**6):
+        ids = table.clone()
+        ids[1, 1] = bad
+        assert torch.equal(impl(q, kc, vc, ids, lens, scale), out), bad
+    wrapped = table.clone()
+    wrapped[1, 1] = kc.shape[0] - 2
+    assert not torch.equal(impl(q, kc, vc, wrapped, lens, scale)[1], out[1])
+
+
+@pytest.mark.parametrize("backend", _both_backends())
+def test_decode_only_padding_blocks_give_zero(backend):
+    q, kc, vc, table, lens, scale = _decode_inputs(7)
+    table[0] = -1
+    table[2, :3] = torch.tensor([-3, 10**6, kc.shape[0]])
+    out = _decode_impl(backend)(q, kc, vc, table, lens, scale)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def _varlen_impl(backend):
+    return reference.flash_attn_varlen if backend == "reference" else _triton().flash_attn_varlen
+
+
+@pytest.mark.parametrize("backend", _both_backends())
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_varlen_cu_seqlens_past_the_end_are_cut(backend, mode):
+    """cu_seqlens past the tensors' ends: each sequence is cut at the end (the same as
+    cu_seqlens ending there, bit for bit), decreasing entries make empty sequences (the
+    running maximum), and the cut result matches independent loops."""
+    torch.manual_seed(21)
+    hq, hk, d = 2, 1, 32
+    tq, tk = 20, 24
+    q, k, v = (torch.randn(t, h, d).half() for t, h in ((tq, hq), (tk, hk), (tk, hk)))
+    impl = _varlen_impl(backend)
+
+    def call(cu_q, cu_k, max_q=20, max_k=24):
+        cu_q, cu_k = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+        return impl(q, k, v, cu_q, cu_k, max_q, max_k, d**-0.5, True, fp8=mode)
+
+    cut = call([0, 8, 20], [0, 10, 24])
+    assert torch.equal(call([0, 8, 20 + 10**6], [0, 10, 24 + 7]), cut)
+    assert torch.equal(call([-5, 8, 20], [0, 10, 10**6]), cut)
+    # Decreasing: [0, 8, 3, 15] acts as [0, 8, 8, 15]: sequence 1 empty, rows 15.. zero.
+    assert torch.equal(call([0, 8, 3, 15], [0, 10, 2, 24]), call([0, 8, 8, 15], [0, 10, 10, 24]))
+    if mode == "off":
+        cu_q, cu_k = torch.tensor([0, 8, 20], dtype=torch.int32), torch.tensor([0, 10, 24], dtype=torch.int32)
+        _close(cut, naive_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, d**-0.5, True), torch.float16, "cut")
+
+
+@pytest.mark.parametrize("backend", _both_backends())
+def test_varlen_nan_outside_sequences_never_reaches_outputs(backend):
+    """Rows past cu_seqlens[B] (and keys of a sequence without queries) hold NaN: the
+    outputs are bit-equal to the clean call (the bf16/fp16 path: fp8 quantisation reads
+    every element for its amax)."""
+    torch.manual_seed(22)
+    q, k, v = torch.randn(20, 2, 32).half(), torch.randn(30, 1, 32).half(), torch.randn(30, 1, 32).half()
+    cu_q, cu_k = torch.tensor([0, 7, 7, 15], dtype=torch.int32), torch.tensor([0, 9, 20, 26], dtype=torch.int32)
+    args = (cu_q, cu_k, 8, 11, 32**-0.5, True)
+    clean = _varlen_impl(backend)(q, k, v, *args)
+    qd, kd, vd = q.clone(), k.clone(), v.clone()
+    qd[15:], kd[26:], vd[26:] = float("nan"), float("nan"), float("nan")
+    kd[9:20], vd[9:20] = float("nan"), float("inf")  # sequence 1 has no query
+    dirty = _varlen_impl(backend)(qd, kd, vd, *args)
+    assert torch.isfinite(dirty).all() and torch.equal(dirty, clean)
+
+
+def test_debug_switch_names_the_broken_precondition():
+    """With graphsafe.debug_checks on: cu_seqlens past the end, decreasing, a length over
+    max_seqlen_q, and a block id out of range in a request's length raise InputError."""
+    case = case_for("flash_attn_varlen")
+    q, k, v, cu_q, cu_k, mq, mk, scale, causal = case.inputs(case.example, "cpu", 0)[:9]
+    tail = (scale, causal)
+    past_end = cu_q.clone()
+    past_end[3] = q.shape[0] + 1
+    broken = [
+        ("cu_seqlens_q", "rows of the packed tensor", (past_end, cu_k, mq, mk)),
+        ("cu_seqlens_k", "non-decreasing", (cu_q, torch.tensor([0, 9, 4, 17], dtype=torch.int32), mq, mk)),
+        ("cu_seqlens_q", "max_seqlen_q", (cu_q, cu_k, mq - 1, mk)),
+    ]
+    with graphsafe.debug_checks(True):
+        graphsafe.flash_attn_varlen(q, k, v, cu_q, cu_k, mq, mk, *tail)
+        for arg, match, (cq, ck, xq, xk) in broken:
+            with pytest.raises(InputError, match=f"'{arg}'.*{match}"):
+                graphsafe.flash_attn_varlen(q, k, v, cq, ck, xq, xk, *tail)
+        dq, kc, vc, table, lens, dscale = _decode_inputs()
+        table[1, 3] = -2
+        with pytest.raises(InputError, match="'block_table'.*-2"):
+            graphsafe.paged_attention_decode(dq, kc, vc, table, lens, dscale)
+        table[1, 3] = -1
+        graphsafe.paged_attention_decode(dq, kc, vc, table, lens, dscale)
 
 
 def test_split_plan_uses_shapes_only():
@@ -440,6 +595,42 @@ def test_fp8_kernel_accuracy_against_half_reference():
     off = reference.flash_attn_varlen(q, k, v, cu, cu, n, n, d**-0.5, True, fp8="off")
     fp8 = _triton().flash_attn_varlen(q, k, v, cu, cu, n, n, d**-0.5, True, fp8="on")
     assert _rel_l2(fp8, off) <= FP8_REL_L2_BOUND
+
+
+# Per-row bias of the fp8 path. Each output row is a softmax-weighted mean of values; the
+# e4m3 roundings move a row by zero-mean errors: those of v (relative size up to the unit
+# roundoff 2^-4) and, through the weights, those of q and k (up to 2^-4 each), so the
+# projection ratio (out . ref) / (ref . ref) of a row stays within 2 * 2^-4 of 1, and its
+# mean over the rows (the errors average out) within 2^-4 / 6 (measured: per row 0.93 to
+# 1.04, mean 0.997 to 0.998 at these shapes). A systematic 0.97x scale (a wrong descale,
+# a P_SCALE slip) moves every ratio by 0.03 and fails the mean bound.
+FP8_ROW_RATIO_BAND = 2 * 2.0**-4
+FP8_MEAN_RATIO_BAND = 2.0**-4 / 6
+
+
+def _assert_no_row_bias(out, exact, what):
+    out, exact = out.double().reshape(-1, out.shape[-1]), exact.double().reshape(-1, exact.shape[-1])
+    norm2 = (exact * exact).sum(-1)
+    ratio = (out * exact).sum(-1)[norm2 > 0] / norm2[norm2 > 0]
+    worst = (ratio - 1).abs().max().item()
+    assert worst <= FP8_ROW_RATIO_BAND, f"{what}: a row's ratio is off by {worst}"
+    mean = ratio.mean().item()
+    assert abs(mean - 1) <= FP8_MEAN_RATIO_BAND, f"{what}: mean ratio {mean}"
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp8_path_has_no_per_row_bias(backend, causal):
+    """The fp8 path ("on") against exact attention, row by row (the relative-L2 bound
+    alone lets a 0.97x scale of every output through)."""
+    torch.manual_seed(13)
+    seqs, n, hq, hk, d = 2, 48, 2, 1, 64
+    q, k, v = (torch.randn(seqs * n, h, d).half() for h in (hq, hk, hk))
+    cu = torch.arange(seqs + 1, dtype=torch.int32) * n
+    exact = naive_varlen(q.float(), k.float(), v.float(), cu, cu, d**-0.5, causal)
+    impl = reference if backend == "reference" else _triton()
+    out = impl.flash_attn_varlen(q, k, v, cu, cu, n, n, d**-0.5, causal, fp8="on")
+    _assert_no_row_bias(out, exact, f"fp8 {backend} causal={causal}")
 
 
 @needs_triton

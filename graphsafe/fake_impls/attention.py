@@ -82,7 +82,7 @@ def check_flash_attn_varlen(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
-    fp8: str = "auto",
+    fp8: str = "off",
 ) -> None:
     op = "flash_attn_varlen"
     c.tensor(op, "q", q, dtypes=(*c.HALF_DTYPES, FP8), ndim=3)
@@ -118,7 +118,7 @@ def check_flash_attn_varlen(
 
 def fake_flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="auto",
+    q_descale=None, k_descale=None, v_descale=None, fp8="off",
 ):
     check_flash_attn_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,

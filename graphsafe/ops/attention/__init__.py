@@ -61,6 +61,7 @@ def flash_attn_varlen_workspace(
     fake=fakes.fake_paged_attention_decode,
     check=fakes.check_paged_attention_decode,
     family="attention",
+    debug_check="graphsafe.ops.attention.debug:debug_check_paged_attention_decode",
     backends={
         "reference": "graphsafe.ops.attention.reference:paged_attention_decode",
         "triton": Backend(
@@ -88,9 +89,25 @@ def paged_attention_decode(
     """GQA decode: each request's query attends to its first `seq_lens[b]` cached tokens.
 
     `out[b, h] = softmax_j(scale * q[b, h] . K[b, j, h // G]) @ V[b, j, h // G]` over
-    `j < seq_lens[b]`, with `G = Hq / Hk` query heads per KV head and token j of request
-    b stored at block `block_table[b, j // block_size]`, offset `j % block_size` (the
-    layout `reshape_and_cache` writes). A request with `seq_lens[b] == 0` gets 0.
+    the tokens j of request b, with `G = Hq / Hk` query heads per KV head and token j
+    stored at block `block_table[b, j // block_size]`, offset `j % block_size` (the
+    layout `reshape_and_cache` writes). The tokens of request b are the `j < seq_lens[b]`
+    whose block id is in `[0, num_blocks)`: a block-table entry outside that range (-1
+    is the documented padding; any other out-of-range value, negative or too large,
+    acts exactly like -1 on every backend) is a padding block, which holds no key, its
+    positions skipped like positions past `seq_lens[b]`; nothing outside the caches is
+    ever read. A request without a token (`seq_lens[b] == 0`, or only padding blocks)
+    gets 0. For fp8 caches: `softmax_j(scale * k_scale * q . K_raw) @ V_raw * v_scale`.
+
+    Non-finite values (IEEE arithmetic of the formula, the same places on every backend):
+    elements the op does not read (tokens past `seq_lens[b]` or in padding blocks, cache
+    blocks no request reads, block-table entries past a request's last block) never
+    reach an output. A NaN or +-inf in `q[b, h]` or in a key of a token of request b
+    makes the scores `s_j` of the heads reading it NaN or +-inf; a NaN or +inf score
+    makes all of `out[b, h]` NaN; a -inf score gives token j weight 0. A NaN in
+    element c of a value of a token of request b makes `out[b, h, c]` NaN for the G
+    heads reading it; a +-inf there gives +-inf (NaN where its weight is 0, i.e. a -inf
+    score, or where +inf and -inf meet).
     Split-KV: the KV range of each request is cut into a number of splits chosen on the
     host from shapes only (B, Hk, max_blocks_per_seq * block_size, SM count), never from
     `seq_lens` values, so the op captures into a CUDA graph and replays with any lengths;
@@ -104,9 +121,13 @@ def paged_attention_decode(
         v_cache: `[num_blocks, block_size, Hk, Dv]`, same dtype as `k_cache`.
         block_table: `[B, max_blocks_per_seq]` int32, the cache blocks of each request in
             order. Only the first `ceil(seq_lens[b] / block_size)` entries of row b are
-            read; the rest may hold anything (-1, stale ids).
+            read; the rest may hold anything (-1, stale ids). A read entry is a block id
+            in `[0, num_blocks)` or -1 (a padding block, see above); other values act as
+            -1 (no host sync checks them; the debug switch `graphsafe.debug_checks`
+            raises for them).
         seq_lens: `[B]` int32, cached tokens per request (the new token included). Values
-            are clamped to `[0, max_blocks_per_seq * block_size]`.
+            are clamped to `[0, max_blocks_per_seq * block_size]`; a value outside that
+            range is almost surely a bug: the debug switch raises for it.
         scale: multiplies `q . k` before the softmax (usually `D ** -0.5`).
         k_scale, v_scale: `[1]` float32, for float8_e4m3fn caches: the cached value times
             the scale is the real key/value (`reshape_and_cache` stores `x / scale`).
@@ -122,6 +143,7 @@ def paged_attention_decode(
     fake=fakes.fake_flash_attn_varlen,
     check=fakes.check_flash_attn_varlen,
     family="attention",
+    debug_check="graphsafe.ops.attention.debug:debug_check_flash_attn_varlen",
     backends={
         "reference": "graphsafe.ops.attention.reference:flash_attn_varlen",
         "triton": Backend(
@@ -148,45 +170,74 @@ def flash_attn_varlen(
     q_descale: Optional[Tensor] = None,
     k_descale: Optional[Tensor] = None,
     v_descale: Optional[Tensor] = None,
-    fp8: str = "auto",
+    fp8: str = "off",
 ) -> Tensor:
     """Varlen (packed) prefill attention with GQA, causal or not, and an FP8 path.
 
-    Sequence b owns query rows `cu_seqlens_q[b] : cu_seqlens_q[b+1]` and key/value rows
-    `cu_seqlens_k[b] : cu_seqlens_k[b+1]`. Query head h uses KV head `h // (Hq / Hk)`.
-    Causal masking is aligned to the bottom-right corner (the FlashAttention-2
-    convention): query i of a sequence sees keys `j <= i + (len_k - len_q)`; with
-    `len_q == len_k` that is the usual `j <= i`. A query row with no visible key (e.g.
-    `len_k < len_q` under `causal`, or `len_k == 0`) gives 0; so do rows outside every
-    sequence (`t >= cu_seqlens_q[B]`: padding after the last sequence). Empty and
-    length-1 sequences are fine.
+    Sequence b owns query rows `[cq[b], cq[b+1])` and key/value rows `[ck[b], ck[b+1])`,
+    where `cq` / `ck` are `cu_seqlens_q` / `cu_seqlens_k` made well-formed on the device
+    (no host sync): the running maximum of the entries, clamped to `[0, Tq]` / `[0, Tk]`.
+    So rows at or past a tensor's end do not exist (a sequence reaching past it is cut
+    there), an entry smaller than an earlier one makes an empty sequence (a negative
+    length is an empty sequence, and the next one starts where the last non-empty one
+    ended), and nothing outside q, k, v or out is ever accessed, for any cu_seqlens
+    values, on every backend. Query head h uses KV head `h // (Hq / Hk)`. Causal masking
+    is aligned to the bottom-right corner (the FlashAttention-2 convention): query i of
+    a sequence sees keys `j <= i + (len_k - len_q)`; with `len_q == len_k` that is the
+    usual `j <= i`. A query row with no visible key (e.g. `len_k < len_q` under `causal`,
+    or `len_k == 0`) gives 0; so do rows outside every sequence (before `cq[0]`, or at or
+    past `cq[B]`: padding after the last sequence). Empty and length-1 sequences are fine.
 
-    FP8 path (`fp8`): "off" computes from the inputs as given. "on" quantises bf16/fp16
-    q, k, v per tensor to float8_e4m3fn inside the op (`descale = max(amax, 1e-12) / 448`,
+    Non-finite values (IEEE arithmetic of the formula, the same places on every backend):
+    rows outside every sequence never reach an output (without fp8 quantisation, see
+    below). A NaN or +-inf in a query row or in a key row makes the scores it enters NaN
+    or +-inf; a NaN or +inf score makes the whole output row (all Dv) NaN; a -inf score
+    gives that key weight 0. A NaN in element c of a value row makes element c of every
+    output row that sees that key NaN (+-inf: +-inf, or NaN where its weight is 0 or
+    where +inf and -inf meet); under `causal`, an output row that does not see the key
+    but lies in the same kernel tile as rows that do may get NaN there too (0 * NaN).
+    A row that sees no key is 0 whatever the values hold. A NaN descale makes every
+    output row that sees a key NaN (descales are meant finite). With fp8 quantisation ("on", or
+    "auto" where supported) each of q, k, v is scaled by its amax over the WHOLE tensor
+    (rows outside every sequence included): a NaN or inf anywhere in it makes its scale
+    NaN, so every output row that sees a key is NaN (rows that see none stay 0).
+
+    FP8 path (`fp8`): "off" (the default: an op keeps the precision of its inputs unless
+    the caller asks) computes from the inputs as given. "on" quantises bf16/fp16 q, k, v
+    per tensor to float8_e4m3fn inside the op (`descale = max(amax, 1e-12) / 448`,
     round to nearest even; K and V^T scratch from the workspace, q quantised tile by tile
     in the kernel) and runs fp8 matrix products (P is scaled by 256 before its fp8
     cast); its accuracy against the bf16 result is measured in tests/test_attention*.py
-    (relative L2 error <= 0.06 on unit-Gaussian inputs). "auto" is "on" where
-    `fp8_prefill_supported(q.device)` (fp8 matrix units AND a probe kernel that works)
-    and "off" elsewhere, the CPU included. Inputs that are already float8_e4m3fn always
-    take the fp8 path, dequantised by the optional descales.
+    (relative L2 error <= 0.06 on unit-Gaussian inputs, about 3-7% per row). "auto",
+    which the caller must ask for, is "on" where `fp8_prefill_supported(q.device)` (fp8
+    matrix units AND a probe kernel that works) and "off" elsewhere, the CPU included.
+    Inputs that are already float8_e4m3fn always take the fp8 path, dequantised by the
+    optional descales.
 
     Args:
         q: `[Tq, Hq, D]` bfloat16/float16/float8_e4m3fn, last dim contiguous.
         k: `[Tk, Hk, D]`, dtype of `q`; `Hk` divides `Hq`. Last dim contiguous.
         v: `[Tk, Hk, Dv]`, dtype of `q` (MLA prefill: D = 192, Dv = 128). Last dim contiguous.
-        cu_seqlens_q: `[B + 1]` int32, cumulative query lengths: `cu[0] = 0`,
-            non-decreasing, `cu[B] <= Tq`.
-        cu_seqlens_k: `[B + 1]` int32, cumulative key lengths, `cu[B] <= Tk`.
+        cu_seqlens_q: `[B + 1]` int32, cumulative query lengths: expected `cu[0] = 0`,
+            non-decreasing, `cu[B] <= Tq`. Other values are defined above (cut at Tq,
+            decreasing entries give empty sequences); no host sync checks them, the
+            debug switch `graphsafe.debug_checks` raises for them.
+        cu_seqlens_k: `[B + 1]` int32, cumulative key lengths, the same for `Tk`.
         max_seqlen_q: host int >= every query length (the kernel's grid; the reference
-            pads to it). Pass it from the CPU mirror of the lengths; never read on device.
-        max_seqlen_k: host int >= every key length.
+            pads to it). Pass it from the CPU mirror of the lengths; never read on
+            device. A precondition no host sync checks (the debug switch raises when a
+            length exceeds it): the rows of a longer sequence past `max_seqlen_q` are
+            not computed (their content is unspecified: 0 on one backend, stale memory
+            on another).
+        max_seqlen_k: host int >= every key length; the same kind of precondition (the
+            debug switch checks it): with a longer key sequence, which keys past
+            `max_seqlen_k` take part is unspecified.
         scale: multiplies `q . k` before the softmax.
         causal: bottom-right aligned causal mask (see above).
         q_descale, k_descale, v_descale: float32, only with float8_e4m3fn inputs: the real
             value is `x * descale`. Shape `[1]` (per tensor) or `[B, Hk]` (per sequence and
             KV head, FlashAttention-3's convention; q uses its KV head's entry). None means 1.
-        fp8: "auto" (default), "on" or "off", see above.
+        fp8: "off" (default), "on" or "auto", see above.
 
     Returns:
         out: `[Tq, Hq, Dv]`, contiguous; dtype of `q`, or bfloat16 for fp8 inputs.

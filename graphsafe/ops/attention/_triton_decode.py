@@ -30,7 +30,7 @@ def _paged_decode_kernel(
     stride_vb, stride_vt, stride_vh,
     stride_tb, stride_tm, stride_lens,
     stride_ob, stride_oh,
-    max_len, block_size, qk_scale,
+    max_len, block_size, num_blocks, qk_scale,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FP8: tl.constexpr,
@@ -65,8 +65,11 @@ def _paged_decode_kernel(
     v_head = v_ptr + kv_head * stride_vh
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        block = tl.load(table_row + (offs_n // block_size) * stride_tm, mask=n_mask, other=0).to(tl.int64)
+        block = tl.load(table_row + (offs_n // block_size) * stride_tm, mask=offs_n < end, other=-1)
+        # A block id outside [0, num_blocks) is a padding block, its tokens hold no key:
+        # one unsigned compare (negative ids wrap to huge), and masked lanes address block 0.
+        n_mask = (offs_n < end) & (block.to(tl.uint32, bitcast=True) < num_blocks)
+        block = tl.where(n_mask, block, 0).to(tl.int64)
         in_block = (offs_n % block_size).to(tl.int64)
         k = tl.load(
             k_head + (block * stride_kb + in_block * stride_kt)[:, None] + offs_d[None, :],
@@ -81,9 +84,10 @@ def _paged_decode_kernel(
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet (padding blocks)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
@@ -149,7 +153,7 @@ def bind_paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), block_table.stride(1), seq_lens.stride(0),
         hq * dv, dv,  # the output's strides
-        block_table.shape[1] * block_size, block_size, scale * LOG2E,
+        block_table.shape[1] * block_size, block_size, k_cache.shape[0], scale * LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_FP8=k_cache.dtype.itemsize == 1,

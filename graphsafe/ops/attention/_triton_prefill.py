@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from graphsafe.launch import Launch, bind
-from graphsafe.ops.attention._triton_quant import cast_fp8, descale_of, quantize_values
+from graphsafe.ops.attention._triton_quant import cast_fp8, descale_of, quantize_values, sequence_bounds
 from graphsafe.ops.attention.fp8_format import P_SCALE
 
 LOG2E = 1.4426950408889634
@@ -149,7 +149,7 @@ def _varlen_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh,
     stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h,
-    qk_scale, num_q_heads, num_m_blocks,
+    qk_scale, num_q_heads, num_m_blocks, total_q, total_k,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FP8: tl.constexpr, HAS_DESCALE: tl.constexpr, Q_QUANT: tl.constexpr,
@@ -164,13 +164,14 @@ def _varlen_fwd_kernel(
     b = seq_head // num_q_heads
     head = seq_head % num_q_heads
     kv_head = head // GROUP
-    q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    # Sequence bounds cut at the tensors' ends (a decreasing cu entry: empty sequence).
+    q_start, q_end = sequence_bounds(cu_q_ptr, b, total_q, 128)
+    q_len = q_end - q_start
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
-    k_start = tl.load(cu_k_ptr + b)
-    k_len = tl.load(cu_k_ptr + b + 1) - k_start
+    k_start, k_end = sequence_bounds(cu_k_ptr, b, total_k, 128)
+    k_len = k_end - k_start
     kv0 = (k_start // KV_ALIGN) * KV_ALIGN  # a multiple of KV_ALIGN: aligned V^T rows
     lead = k_start - kv0  # frame keys [0, lead) belong to the previous sequence: masked
 
@@ -203,7 +204,8 @@ def _varlen_fwd_kernel(
     q_a = _negate_if(q_a, qk_scale < 0, FP8)
     if BLOCK_DB > 0:
         q_b = _negate_if(q_b, qk_scale < 0, FP8)
-    qk_scale = tl.maximum(tl.abs(qk_scale), _FLT_MIN)
+    # (A NaN descale stays NaN: every score NaN, as in the reference.)
+    qk_scale = tl.maximum(tl.abs(qk_scale), _FLT_MIN, propagate_nan=tl.PropagateNan.ALL)
     k_base = k_ptr + kv0.to(tl.int64) * stride_kt + kv_head * stride_kh
     v_base = v_ptr + kv0.to(tl.int64) * stride_vt + kv_head * stride_vh
 
@@ -257,10 +259,17 @@ def _varlen_fwd_kernel(
         k_blk += BLOCK_N * stride_kt
         v_blk += BLOCK_N * stride_vt
 
-    norm = tl.where(l_i > 0.0, l_i, 1.0)  # rows that see no key: acc is 0, out is 0
+    norm = tl.where(l_i == 0.0, 1.0, l_i)  # a NaN sum (NaN scores) keeps the row NaN
     if HAS_DESCALE:
         acc = acc * tl.load(vd_ptr + b * stride_vd_b + kv_head * stride_vd_h)
     o = acc / norm[:, None]
+    # A row that sees no key is 0, decided from indices (a value it does not see may be
+    # NaN in a block it shares with rows that see it: p = 0 times NaN).
+    if CAUSAL:
+        row_sees = (k_len > 0) & (offs_m + (k_len - q_len) >= 0)
+    else:
+        row_sees = (k_len > 0) & (offs_m >= 0)
+    o = tl.where(row_sees[:, None], o, 0.0)
     offs_dv = tl.arange(0, BLOCK_DV)
     out = out_ptr + (q_start + m0).to(tl.int64) * stride_ot + head * stride_oh
     out = out + rel_m[:, None] * stride_ot + offs_dv[None, :]
@@ -279,7 +288,7 @@ def bind_varlen(
     q: torch.Tensor, num_seqs: int, num_kv_heads: int, head_dim_v: int,
     k_strides: tuple[int, int], v_strides: tuple[int, int, int], max_seqlen_q: int, scale: float, causal: bool,
     descale_strides: tuple[tuple[int, int], ...] | None, fp8: bool, config: tuple[int, int, int, int],
-    emulate: bool, q_quant: bool = False,
+    emulate: bool, num_k_rows: int, q_quant: bool = False,
 ) -> Launch | None:
     """The forward kernel bound to q's shape and strides and the rest of the call's
     shape: `launch(q, k, v, out, cu_q, cu_k, q_descale, k_descale, v_descale)` into a
@@ -287,7 +296,8 @@ def bind_varlen(
     `k_strides` (t, h) of k; `v_strides` (t, h, d) of v (of V^T for fp8).
     `descale_strides`: None (no descales: pass any tensor of the device for them) or
     three (stride_b, stride_h). `q_quant`: q is bf16/fp16 and `q_descale` points at its
-    amax. None when there is nothing to compute."""
+    amax. `num_k_rows`: Tk (sequences are cut at the tensors' ends). None when there is
+    nothing to compute."""
     hq, d = q.shape[1:]
     block_m, block_n, num_warps, num_stages = config
     num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
@@ -301,7 +311,7 @@ def bind_varlen(
         q, q, q, q, q, q, q, q, q,  # placeholders: only their device is read
         q.stride(0), q.stride(1), k_strides[0], k_strides[1], vt, vh, vdd, hq * head_dim_v, head_dim_v,
         sqb, sqh, skb, skh, svb, svh,
-        scale * LOG2E, hq, num_m_blocks,
+        scale * LOG2E, hq, num_m_blocks, q.shape[0], num_k_rows,
         GROUP=hq // num_kv_heads, D=d, BLOCK_DA=block_da, BLOCK_DB=block_db,
         DV=head_dim_v, BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, FP8=fp8, HAS_DESCALE=descale_strides is not None, Q_QUANT=q_quant, EMULATE=emulate,

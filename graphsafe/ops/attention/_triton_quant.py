@@ -99,7 +99,9 @@ def _tile_absmax(
         t = t_tile * BLOCK_T + offs_t
         src = x_ptr + h.to(tl.int64) * stride_h + t[:, None].to(tl.int64) * stride_t + offs_d[None, :]
         x = tl.load(src, mask=(t < n_tokens)[:, None] & (offs_d[None, :] < D), other=0.0)
-        run = tl.maximum(run, tl.abs(x.to(tl.float32)))
+        ax = tl.abs(x.to(tl.float32))
+        # NaN counts as inf (max ignores NaN on GPUs): a non-finite amax -> descale NaN.
+        run = tl.maximum(run, tl.where(ax == ax, ax, float("inf")))
     return tl.max(tl.max(run, axis=1), axis=0)
 
 
@@ -124,8 +126,10 @@ def _amax_kernel(
 
 @triton.jit
 def descale_of(amax):
-    """`max(amax, EPS) / 448` (IEEE division) and its correctly rounded reciprocal."""
+    """`max(amax, EPS) / 448` (IEEE division) and its correctly rounded reciprocal; NaN
+    for an amax of inf (the amax kernel counts NaN as inf), as `fp8.quantize_per_tensor`."""
     descale = tl.math.div_rn(tl.maximum(amax, _EPS), _MAX)
+    descale = tl.where(amax < float("inf"), descale, float("nan"))
     return descale, tl.math.div_rn(1.0, descale)
 
 
@@ -133,13 +137,14 @@ def descale_of(amax):
 def quantize_values(x, descale, inv_descale, EMULATE: tl.constexpr):
     """fp8(clamp(x / descale, +-448)), x / descale correctly rounded: q = x * (1/d) is
     within about an ulp, r = x - q * d is one FMA, q + r * (1/d) rounds to the quotient
-    (see the module docstring). Zeros keep their sign (the FMAs would give +0)."""
+    (see the module docstring). Zeros keep their sign (the FMAs would give +0); a NaN
+    descale or x gives NaN (torch's `x / descale` then clamp)."""
     x = x.to(tl.float32)
     q = x * inv_descale
     r = tl.fma(q, 0.0 - descale, x)
     q = tl.fma(r, inv_descale, q)
-    q = tl.where(x == 0.0, x, q)
-    return cast_fp8(tl.clamp(q, -_MAX, _MAX), EMULATE)
+    q = tl.where(x == 0.0, x * inv_descale, q)
+    return cast_fp8(tl.clamp(q, -_MAX, _MAX, propagate_nan=tl.PropagateNan.ALL), EMULATE)
 
 
 @triton.jit
@@ -193,11 +198,33 @@ def _quant_kv_kernel(
 
 
 @triton.jit
+def _running_max(cu_ptr, n, CHUNK: tl.constexpr):
+    """max(cu[0 .. n)) of int32 `cu` (n >= 1), CHUNK entries per step."""
+    top = tl.load(cu_ptr)
+    for c0 in range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        top = tl.maximum(top, tl.max(tl.load(cu_ptr + offs, mask=offs < n, other=-2147483648), axis=0))
+    return top
+
+
+@triton.jit
+def sequence_bounds(cu_ptr, b, total, CHUNK: tl.constexpr):
+    """Rows `[start, end)` of sequence b: `reference.sequence_bounds`, the running maximum
+    of cu_seqlens clamped to `[0, total]`. Never outside the tensor, whatever cu holds."""
+    start = _running_max(cu_ptr, b + 1, CHUNK)
+    end = tl.maximum(start, tl.load(cu_ptr + b + 1))
+    start = tl.minimum(tl.maximum(start, 0), total)
+    end = tl.minimum(tl.maximum(end, 0), total)
+    return start, end
+
+
+@triton.jit
 def _prepare_kernel(
     out_ptr, cu_q_ptr, scales_ptr, batch, n_rows, row_len,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
-    """Rows of contiguous `out` outside every sequence (t >= cu_seqlens_q[B]) get 0, and
+    """Rows of contiguous `out` outside every sequence (before the first sequence's start
+    or at or past the last one's end, `sequence_bounds`) get 0, and
     (HAS_SCALES) program 0 resets the scale slots: amax slots 0 (atomic max targets), the
     ONE slot 1.0. The attention kernel later writes every other row."""
     pid = tl.program_id(0)
@@ -206,8 +233,9 @@ def _prepare_kernel(
             slots = tl.arange(0, _SCALE_SLOTS)
             tl.store(scales_ptr + slots, tl.where(slots == _ONE, 1.0, 0.0))
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    first = tl.load(cu_q_ptr + batch)
-    rows_mask = (rows >= first) & (rows < n_rows)
+    first = tl.minimum(tl.maximum(tl.load(cu_q_ptr), 0), n_rows)
+    last = tl.minimum(tl.maximum(_running_max(cu_q_ptr, batch + 1, 128), 0), n_rows)
+    rows_mask = ((rows < first) | (rows >= last)) & (rows < n_rows)
     if tl.sum(rows_mask.to(tl.int32), axis=0) > 0:
         for c0 in range(0, row_len, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
@@ -218,9 +246,10 @@ def _prepare_kernel(
 
 def bind_prepare(like: torch.Tensor, num_seqs: int, n_rows: int, row_len: int, has_scales: bool) -> Launch | None:
     """`_prepare_kernel` bound for a contiguous output of `n_rows` rows of `row_len`
-    elements and `num_seqs` sequences: `launch(out, cu_q, scales)` zeroes the rows past
-    `cu_q[num_seqs]` (read on the device) and, with `has_scales`, resets `scales`
-    (float32 [SCALE_SLOTS]; without, pass any tensor there, e.g. `out`). At least one
+    elements and `num_seqs` sequences: `launch(out, cu_q, scales)` zeroes the rows outside
+    every sequence (before the first, at or past the last: bounds read on the device)
+    and, with `has_scales`, resets `scales` (float32 [SCALE_SLOTS]; without, pass any
+    tensor there, e.g. `out`). At least one
     program when `has_scales` (the reset always happens); None when there is nothing to
     do. `like`: any tensor of the device (placeholder for the tensor arguments)."""
     if not has_scales and (n_rows == 0 or row_len == 0):

@@ -115,7 +115,7 @@ def prepare_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, s
 
 def supports_flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="auto",
+    q_descale=None, k_descale=None, v_descale=None, fp8="off",
 ):
     """The bf16/fp16 path only: fp8 inputs and fp8 quantisation ("on", or "auto" where
     `fp8_prefill_supported`) go to the next backend."""
@@ -124,7 +124,7 @@ def supports_flash_attn_varlen(
 
 def prepare_flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="auto",
+    q_descale=None, k_descale=None, v_descale=None, fp8="off",
 ):
     """The runner of this (supported) call signature; the launch that zeroes the padding
     rows after the last sequence is bound here."""
@@ -137,7 +137,7 @@ def prepare_flash_attn_varlen(
     zero_tail = bind_prepare(q, cu_seqlens_q.shape[0] - 1, tq, hq * dv, False)
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-            q_descale=None, k_descale=None, v_descale=None, fp8="auto"):
+            q_descale=None, k_descale=None, v_descale=None, fp8="off"):
         res = varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             dropout_p=0.0, softmax_scale=scale, causal=causal,

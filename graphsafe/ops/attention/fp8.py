@@ -2,9 +2,10 @@
 and the per-tensor quantisation the reference uses (the seed PR vLLM #42509 pattern).
 
 Quantisation of one tensor x (bf16/fp16): `descale = max(amax(|x|), AMAX_EPS) / 448`
-(float32, IEEE division), `x8 = clamp(x / descale, -448, 448)` rounded to nearest-even
-float8_e4m3fn. The Triton kernels (`_triton_quant.py`) compute the very same bits; the
-constants both use live in the leaf module `fp8_format.py`.
+(float32, IEEE division; NaN when x holds a NaN or inf anywhere), `x8 = clamp(x /
+descale, -448, 448)` rounded to nearest-even float8_e4m3fn (NaN stays NaN). The Triton kernels
+(`_triton_quant.py`) compute the very same bits; the constants both use live in the leaf
+module `fp8_format.py`.
 """
 
 from __future__ import annotations
@@ -83,5 +84,8 @@ def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # by the rounded reciprocal (not IEEE division), so the descale would differ by an ulp
     # from the kernels' and the CPU's (seen on an H200: 17 to 140790 bytes of V^T off by one).
     descale = torch.clamp(amax, min=AMAX_EPS) / amax.new_full((), FP8_MAX)
+    # A NaN or inf anywhere in x: descale NaN, so every element quantises to NaN (an inf
+    # amax alone would turn the finite elements into 0 and keep going, silently).
+    descale = torch.where(torch.isfinite(amax), descale, amax.new_full((), float("nan")))
     x8 = (x.float() / descale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return x8, descale.reshape(1)

@@ -194,7 +194,7 @@ def _descale_strides(x: torch.Tensor | None) -> tuple[int, int]:
 
 def prepare_flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="auto", *, config=None,
+    q_descale=None, k_descale=None, v_descale=None, fp8="off", *, config=None,
 ):
     """The runner of this call signature. `fp8` is resolved here ("auto": the cached
     per-device probe), with the tile config, the workspace specs and every launch.
@@ -213,7 +213,7 @@ def prepare_flash_attn_varlen(
     shape, dtype = (tq, hq, dv), output_dtype(q.dtype)
     if tq * hq * dv == 0:
         def run_empty(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                      q_descale=None, k_descale=None, v_descale=None, fp8="auto"):
+                      q_descale=None, k_descale=None, v_descale=None, fp8="off"):
             return torch.empty(shape, dtype=dtype, device=device)
 
         return run_empty
@@ -226,11 +226,11 @@ def prepare_flash_attn_varlen(
         zero_tail = bind_prepare(q, num_seqs, tq, hq * dv, False)  # not None: out has elements
         attend = bind_varlen(
             q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1), v.stride(2)),
-            max_seqlen_q, scale, causal, None, False, config, emulate,
+            max_seqlen_q, scale, causal, None, False, config, emulate, tk,
         )
 
         def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                q_descale=None, k_descale=None, v_descale=None, fp8="auto"):
+                q_descale=None, k_descale=None, v_descale=None, fp8="off"):
             out = torch.empty(shape, dtype=dtype, device=device)
             zero_tail(out, cu_seqlens_q, out)
             if attend is not None:
@@ -249,11 +249,11 @@ def prepare_flash_attn_varlen(
         # k8 is contiguous; every descale is a [1] scale slot.
         attend = bind_varlen(
             q, num_seqs, hk, dv, (hk * d, d), vt_strides, max_seqlen_q, scale, causal, ((0, 0),) * 3, True,
-            config, emulate, q_quant=True,
+            config, emulate, tk, q_quant=True,
         )
 
         def run_quantised(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                          q_descale=None, k_descale=None, v_descale=None, fp8="auto"):
+                          q_descale=None, k_descale=None, v_descale=None, fp8="off"):
             out = torch.empty(shape, dtype=dtype, device=device)
             vt, k8, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
             quantise(q, k, v, cu_seqlens_q, out, k8, vt, scales)
@@ -267,12 +267,12 @@ def prepare_flash_attn_varlen(
 
     attend = bind_varlen(
         q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), vt_strides, max_seqlen_q, scale, causal,
-        tuple(_descale_strides(x) for x in (q_descale, k_descale, v_descale)), True, config, emulate,
+        tuple(_descale_strides(x) for x in (q_descale, k_descale, v_descale)), True, config, emulate, tk,
     )
     needs_one = q_descale is None or k_descale is None or v_descale is None
 
     def run_fp8_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                       q_descale=None, k_descale=None, v_descale=None, fp8="auto"):
+                       q_descale=None, k_descale=None, v_descale=None, fp8="off"):
         out = torch.empty(shape, dtype=dtype, device=device)
         vt, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
         quantise(q, k, v, cu_seqlens_q, out, None, vt, scales)
@@ -289,7 +289,7 @@ def prepare_flash_attn_varlen(
 
 def flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="auto", *, config=None,
+    q_descale=None, k_descale=None, v_descale=None, fp8="off", *, config=None,
 ):
     """One call, prepared afresh. `config` (tests and benchmarks only) overrides
     (BLOCK_M, BLOCK_N, num_warps, num_stages)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.backends import triton_interpreter_enabled
-from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
+from graphsafe.testing.cases import Args, BadInput, OpCase, Params, register_case
 from graphsafe.testing.tensors import randn
 
 FP8 = torch.float8_e4m3fn
@@ -109,6 +109,81 @@ def _compare_decode(expected, actual, exp_args, act_args, params):
     )
 
 
+def _decode_reads(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entries [B, MB] of the block table the op reads, cache tokens [nb, bs] it reads)."""
+    k_cache, table, lens = args[1], args[3].cpu().long(), args[4].cpu().long()
+    nb, bs = k_cache.shape[:2]
+    mb = table.shape[1]
+    lens = lens.clamp(0, mb * bs)
+    entry_read = torch.arange(mb)[None, :] < (lens[:, None] + bs - 1) // bs
+    pos = torch.arange(mb * bs)
+    token = (pos[None, :] < lens[:, None]) & ((table >= 0) & (table < nb)).repeat_interleave(bs, dim=1)
+    read = torch.zeros(nb * bs, dtype=torch.bool)
+    slots = table.clamp(0, nb - 1).repeat_interleave(bs, dim=1) * bs + pos[None, :] % bs
+    read[slots[token]] = True
+    return entry_read, read.reshape(nb, bs)
+
+
+def _unread_decode(p: Params, args: Args):
+    """Cache tokens no request reads (other blocks, past seq_lens inside a used block) and
+    block-table entries past each request's last block."""
+    entry_read, token_read = _decode_reads(args)
+    k_cache, v_cache, table = args[1], args[2], args[3]
+    return [
+        (1, (~token_read)[:, :, None, None].expand(k_cache.shape)),
+        (2, (~token_read)[:, :, None, None].expand(v_cache.shape)),
+        (3, ~entry_read),
+    ]
+
+
+def _out_of_range_decode(p: Params, args: Args, gen):
+    """Read block-table entries -> 10**6, -5, -2, num_blocks (padded: -1); a zero
+    `seq_lens` -> -5 (padded: 0, what the op clamps it to)."""
+    q, k_cache, table, lens = args[0], args[1], args[3], args[4]
+    if q.shape[0] == 0:
+        return None
+    entry_read, _ = _decode_reads(args)
+    bad_table, pad_table = table.clone(), table.clone()
+    spots = entry_read.nonzero()
+    if len(spots):
+        spots = spots[torch.randperm(len(spots), generator=gen)[:4]]
+        values = torch.tensor([10**6, -5, -2, k_cache.shape[0]], dtype=torch.int32)[: len(spots)]
+        bad_table[spots[:, 0], spots[:, 1]] = values.to(table.device)
+        pad_table[spots[:, 0], spots[:, 1]] = -1
+    bad_lens, pad_lens = lens.clone(), lens.clone()
+    empty = (lens.cpu() == 0).nonzero().flatten()
+    if len(empty):
+        bad_lens[int(empty[0])] = -5
+    rest = args[5:]
+    return (*args[:3], bad_table, bad_lens, *rest), (*args[:3], pad_table, pad_lens, *rest)
+
+
+def _nonfinite_decode(p: Params, args: Args, gen):
+    """NaN, +inf, -inf in q and in keys / values of tokens the requests read (NaN only in
+    fp8 caches: e4m3fn has no inf)."""
+    from graphsafe.testing.contract import clone_tensor  # (keeps strided caches strided)
+
+    q, k_cache, v_cache = (clone_tensor(x) for x in args[:3])
+    _, token_read = _decode_reads(args)
+    specials = (float("nan"), float("inf"), float("-inf"))
+    if q.numel():
+        flat = q.view(-1)
+        for value, i in zip(specials, torch.randperm(flat.numel(), generator=gen)[:2]):
+            flat[int(i)] = value
+    tokens = token_read.nonzero()
+    if len(tokens):
+        tokens = tokens[torch.randperm(len(tokens), generator=gen)[:3]]
+        for cache, values in ((k_cache, specials[:1]), (v_cache, specials)):
+            for (blk, t), value in zip(tokens.tolist(), values):
+                head = int(torch.randint(0, cache.shape[2], (1,), generator=gen))
+                col = int(torch.randint(0, cache.shape[3], (1,), generator=gen))
+                if cache.dtype != FP8:
+                    cache[blk, t, head, col] = value
+                elif not triton_interpreter_enabled():  # (its fp8 -> half cast turns NaN into 480)
+                    cache[blk, t, head, col] = float("nan")
+    return (q, k_cache, v_cache, *args[3:])
+
+
 EXAMPLE_DECODE: Params = {
     "B": 3, "Hk": 2, "group": 4, "D": 32, "Dv": None, "block_size": 4, "max_blocks": 4,
     "dtype": torch.float16, "fp8_cache": False, "strided_cache": False,
@@ -139,6 +214,9 @@ register_case(
         make=_make_decode,
         compare=_compare_decode,
         bad_inputs=_bad_decode,
+        unread=_unread_decode,
+        out_of_range=_out_of_range_decode,
+        nonfinite=_nonfinite_decode,
         edge_cases=(
             {**EXAMPLE_DECODE, "B": 0},
             {**EXAMPLE_DECODE, "seq_lens": [0, 0, 0]},
@@ -251,6 +329,118 @@ def _compare_varlen(expected, actual, exp_args, act_args, params):
     attention_compare(expected, actual, vmax, expected.dtype, fp8, v.shape[0], "flash_attn_varlen output")
 
 
+def _varlen_bounds(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences' (query, key) row boundaries as the op uses them (CPU int64)."""
+    from graphsafe.ops.attention.reference import sequence_bounds
+
+    return sequence_bounds(args[3].cpu(), args[0].shape[0]), sequence_bounds(args[4].cpu(), args[1].shape[0])
+
+
+def _rows_in(bounds: torch.Tensor, total: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """[total] bool: rows inside a sequence (of those sequences where `keep`)."""
+    rows = torch.arange(total)
+    inside = (rows[:, None] >= bounds[None, :-1]) & (rows[:, None] < bounds[None, 1:])
+    if keep is not None:
+        inside = inside & keep[None, :]
+    return inside.any(dim=1)
+
+
+def _unread_varlen(p: Params, args: Args):
+    """Query rows outside every sequence; key/value rows outside every sequence or of a
+    sequence without queries; per-sequence descales of a sequence without queries. With
+    fp8 quantisation every element of q, k, v is read (the per-tensor amax)."""
+    from graphsafe.ops.attention.fp8 import quantize_inputs
+
+    q, k, v = args[:3]
+    cq, ck = _varlen_bounds(args)
+    has_queries = cq[1:] > cq[:-1]
+    marks = []
+    if not quantize_inputs(args[12], q.dtype, q.device):
+        q_rows = ~_rows_in(cq, q.shape[0])
+        k_rows = ~_rows_in(ck, k.shape[0], has_queries)
+        marks += [(0, q_rows[:, None, None].expand(q.shape)), (1, k_rows[:, None, None].expand(k.shape)),
+                  (2, k_rows[:, None, None].expand(v.shape))]
+    for index in (9, 10, 11):
+        descale = args[index]
+        if descale is not None and descale.dim() == 2:
+            marks.append((index, (~has_queries)[:, None].expand(descale.shape)))
+    return marks
+
+
+def _out_of_range_varlen(p: Params, args: Args, gen):
+    """cu_seqlens past the tensors' ends (Tq + 10**6, Tk + 1), a negative first entry
+    (-5) and a decreasing one (-2); padded: the values the op cuts them to (Tq, Tk, 0,
+    the previous entry), with max_seqlen_* grown to the padded lengths."""
+    cu_q, cu_k = args[3], args[4]
+    batch = cu_q.shape[0] - 1
+    if batch == 0:
+        return None
+    tq, tk = args[0].shape[0], args[1].shape[0]
+    bad_q, pad_q, bad_k, pad_k = cu_q.clone(), cu_q.clone(), cu_k.clone(), cu_k.clone()
+    bad_q[batch], pad_q[batch] = tq + 10**6, tq
+    bad_q[0] = -5
+    bad_k[batch], pad_k[batch] = tk + 1, tk
+    if batch >= 2:
+        b = int(torch.randint(1, batch, (1,), generator=gen))
+        bad_k[b], pad_k[b] = -2, pad_k[b - 1]
+    max_q = max(args[5], int((pad_q[1:] - pad_q[:-1]).max()))
+    max_k = max(args[6], int((pad_k[1:] - pad_k[:-1]).max()))
+    rest = args[7:]
+    return (*args[:3], bad_q, bad_k, max_q, max_k, *rest), (*args[:3], pad_q, pad_k, max_q, max_k, *rest)
+
+
+def _nonfinite_varlen(p: Params, args: Args, gen):
+    """NaN, +inf, -inf (fp8 inputs: NaN, e4m3fn has no inf) in query rows and key rows of
+    sequences, and in value rows of keys every query row of their sequence sees (a value
+    only some rows of a kernel tile see may reach the others as 0 * NaN: see the op)."""
+    q, k, v = (x.clone() for x in args[:3])
+    cq, ck = _varlen_bounds(args)
+    lens_q, lens_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    has_queries = lens_q > 0
+    specials = (float("nan"),) if q.dtype == FP8 else (float("nan"), float("inf"), float("-inf"))
+    # Keys every query row of their sequence sees: all, or under causal j <= len_k - len_q.
+    rows = torch.arange(k.shape[0])[:, None]
+    inside = (rows >= ck[None, :-1]) & (rows < ck[None, 1:]) & has_queries[None, :]
+    if args[8]:
+        inside = inside & (rows - ck[None, :-1] <= (lens_k - lens_q)[None, :])
+    seen_by_all = inside.any(dim=1)
+    choices = ((q, _rows_in(cq, q.shape[0])), (k, _rows_in(ck, k.shape[0], has_queries)), (v, seen_by_all))
+    if q.dtype == FP8 and triton_interpreter_enabled():
+        # The interpreter casts an fp8 NaN to 480: a NaN descale instead (where given).
+        return (*args[:9], *_nan_descale(args[9:12], has_queries, gen), *args[12:])
+    for x, rows in choices:
+        if not rows.any() or x.numel() == 0:
+            continue
+        picks = rows.nonzero().flatten()
+        for value in specials:
+            t = int(picks[int(torch.randint(0, len(picks), (1,), generator=gen))])
+            x[t, int(torch.randint(0, x.shape[1], (1,), generator=gen)), int(torch.randint(0, x.shape[2], (1,),
+                                                                                                generator=gen))] = value
+    return (q, k, v, *args[3:])
+
+
+
+def _nan_descale(descales, has_queries: torch.Tensor, gen) -> tuple:
+    """The descales with NaN in one entry of the first one given (a sequence with queries
+    for a `[B, Hk]` one)."""
+    out = list(descales)
+    for i, d in enumerate(descales):
+        if d is None:
+            continue
+        d = d.clone()
+        if d.dim() == 2:
+            seqs = has_queries.nonzero().flatten()
+            if not len(seqs):
+                return tuple(out)
+            b = int(seqs[int(torch.randint(0, len(seqs), (1,), generator=gen))])
+            d[b, int(torch.randint(0, d.shape[1], (1,), generator=gen))] = float("nan")
+        else:
+            d[0] = float("nan")
+        out[i] = d
+        break
+    return tuple(out)
+
+
 EXAMPLE_VARLEN: Params = {
     "B": 3, "max_q": 20, "max_k": 33, "self_attn": False, "Hk": 2, "group": 2, "D": 32, "Dv": None,
     "causal": True, "dtype": torch.float16, "mode": "off", "descale": "tensor", "pad_q": 2, "pad_k": 1,
@@ -297,6 +487,9 @@ register_case(
         make=_make_varlen,
         compare=_compare_varlen,
         bad_inputs=_bad_varlen,
+        unread=_unread_varlen,
+        out_of_range=_out_of_range_varlen,
+        nonfinite=_nonfinite_varlen,
         edge_cases=(
             {**EXAMPLE_VARLEN, "B": 0, "lens_q": [], "lens_k": []},
             {**EXAMPLE_VARLEN, "lens_q": [0, 0, 0], "lens_k": [0, 4, 0]},

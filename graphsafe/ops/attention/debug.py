@@ -1,0 +1,46 @@
+"""Value checks of the attention ops for `graphsafe.debug_checks` (they read tensor
+values: a host sync per call, so only while the switch is on).
+
+Each raises `graphsafe.InputError` naming the op, the argument, the allowed range and
+the first offending value, for inputs the ops accept and define (ids out of range act
+as padding, cu_seqlens are cut at the tensors' ends) but that are almost surely a bug
+in the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe.debug import ids_in_range, max_of_differences_at_most, non_decreasing, values_at_least, values_at_most
+
+
+def debug_check_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None,
+                                       v_scale=None) -> None:
+    """`seq_lens` within `[0, max_blocks_per_seq * block_size]`; the block-table entries
+    a request reads (the first `ceil(seq_lens[b] / block_size)` of row b) are block ids
+    in `[0, num_blocks)` or -1 (padding)."""
+    op = "paged_attention_decode"
+    num_blocks, block_size = k_cache.shape[:2]
+    capacity = block_table.shape[1] * block_size
+    values_at_least(op, "seq_lens", seq_lens, 0, "a number of cached tokens")
+    values_at_most(op, "seq_lens", seq_lens, capacity, "max_blocks_per_seq * block_size")
+    lens = seq_lens.detach().long().clamp(0, capacity)
+    columns = torch.arange(block_table.shape[1], device=block_table.device)
+    used = columns[None, :] < (lens[:, None] + block_size - 1) // block_size
+    ids_in_range(op, "block_table", block_table, num_blocks, used=used, what="block ids (num_blocks)")
+
+
+def _check_cu_seqlens(op: str, arg: str, cu: torch.Tensor, total: int, max_len: int, max_arg: str) -> None:
+    values_at_least(op, arg, cu, 0, "a row offset")
+    non_decreasing(op, arg, cu)
+    values_at_most(op, arg, cu, total, "the rows of the packed tensor")
+    max_of_differences_at_most(op, arg, cu, max_len, max_arg)
+
+
+def debug_check_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                                  q_descale=None, k_descale=None, v_descale=None, fp8="off") -> None:
+    """cu_seqlens_q / cu_seqlens_k: entries in `[0, Tq]` / `[0, Tk]`, non-decreasing, and
+    no sequence longer than `max_seqlen_q` / `max_seqlen_k`."""
+    op = "flash_attn_varlen"
+    _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
