@@ -554,12 +554,12 @@ def test_many_head_tiles_follow_the_shared_memory_of_the_device():
 
 
 class _StandInKernel:
-    """Stands in for a JIT kernel of (q, kv, SPARSE, SPLIT): `graphsafe.launch.bind` binds it
+    """Stands in for a JIT kernel of (q, kv, SPARSE, SPLIT, CHECK_IDS): `graphsafe.launch.bind` binds it
     (CPU tensors: every call is the plain `kernel[grid]` launch), and the launch records its
     pipeline depth, then raises what `fail(num_stages)` returns, as a compile would."""
 
     def __init__(self, name, fail=lambda stages: None):
-        def fn(q_ptr, kv_ptr, SPARSE, SPLIT):
+        def fn(q_ptr, kv_ptr, SPARSE, SPLIT, CHECK_IDS):
             pass
 
         self.fn, self.name, self.fail, self.calls = fn, name, fail, []
@@ -574,7 +574,7 @@ class _StandInKernel:
         return launch
 
 
-_VARIANT = {"SPARSE": False, "SPLIT": True}
+_VARIANT = {"SPARSE": False, "SPLIT": True, "CHECK_IDS": False}
 _WHERE = ("cuda", torch.bfloat16, 576)
 
 
@@ -595,7 +595,7 @@ def test_launch_drops_a_stage_when_shared_memory_runs_out(monkeypatch):
     launch(x, x)
     launch(x, x)
     assert kernel.calls == [3, 2, 1, 1], "retries down to one stage once, then launches with it directly"
-    assert tri._STAGES == {(cfg, *_WHERE, False, True): 1}
+    assert tri._STAGES == {(cfg, *_WHERE, False, True, False): 1}
     kernel.calls.clear()
     tri._triton_launch((1,), (x, x), _VARIANT, cfg, _WHERE)(x, x)
     assert kernel.calls == [1], "a later binding of the variant starts from the depth that compiled"
@@ -628,7 +628,7 @@ def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch
     with pytest.warns(RuntimeWarning, match="did not compile"):
         launch(x, x)
     assert (len(gluon.calls), len(attn.calls)) == (1, 2), "the failed compile launched nothing: Triton ran the call"
-    assert tri._GLUON_FAILED == {(*_WHERE, False, True)}
+    assert tri._GLUON_FAILED == {(*_WHERE, False, True, False)}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch(x, x)
@@ -848,7 +848,8 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     ints specialised to 1) and check that the 64-head tiles use wgmma within Hopper's
     227 KiB of shared memory, by compiling the GPU launches for sm_90 with ptxas."""
     out = compile_for_sm90(_COMPILE_SCRIPT, timeout=900)
-    assert out.count("compiled _mla_attn_kernel") == 6 and "compiled _combine_kernel" in out, out
+    # Dense calls launch the kernel twice, without and with the per-key id check.
+    assert out.count("compiled _mla_attn_kernel") == 10 and "compiled _combine_kernel" in out, out
 
 
 _GLUON_COMPILE_SCRIPT = r"""
@@ -898,12 +899,13 @@ for args, kw in launches:
     shapes = {}
     for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"]):
         shapes[m] = shapes.get(m, 0) + 1
-    print("compiled", args[0].dtype, "SPARSE", kw["SPARSE"], "SPLIT", kw["SPLIT"], "shared", k.metadata.shared, shapes)
+    print("compiled", args[0].dtype, "SPARSE", kw["SPARSE"], "SPLIT", kw["SPLIT"], "CHECK_IDS", kw["CHECK_IDS"],
+          "shared", k.metadata.shared, shapes)
     # Per 64 keys each warpgroup scores its 32 keys over 576 columns (36 k-steps of 16) and
     # accumulates its 256 value columns over the 64 keys (4 k-steps): no duplicated q.k.
     assert shapes == {"m64n32k16": 36, "m64n256k16": 4}, shapes
     assert k.metadata.shared <= 227 * 1024, k.metadata.shared
-assert len(launches) == 4, launches
+assert len(launches) == 6, launches  # dense: without and with the per-key id check
 print("OK")
 """
 
@@ -914,7 +916,7 @@ def test_warpgroup_split_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90
     wgmmas of its own half of the scores and values (no duplicated q.k) and the kernel
     fits Hopper's 227 KiB of shared memory."""
     out = compile_for_sm90(_GLUON_COMPILE_SCRIPT)
-    assert out.count("compiled") == 4, out
+    assert out.count("compiled") == 6, out
 
 
 def test_warpgroup_split_needs_a_hopper_gpu():

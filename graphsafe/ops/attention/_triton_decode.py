@@ -22,54 +22,41 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr,
-    stride_qb, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_tb, stride_tm, stride_lens,
-    stride_ob, stride_oh,
-    max_len, block_size, num_blocks, qk_scale,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FP8: tl.constexpr,
+def _ids_in_range(table_row, stride_tm, start, end, block_size, num_blocks, CHUNK: tl.constexpr):
+    """Whether every block id of positions [start, end) is in [0, num_blocks): one
+    unsigned compare per id (a negative id wraps to a huge one)."""
+    first = start // block_size
+    stop = tl.cdiv(end, block_size)
+    bad = tl.zeros([], dtype=tl.int32)
+    for i0 in range(first, stop, CHUNK):
+        i = i0 + tl.arange(0, CHUNK)
+        ids = tl.load(table_row + i * stride_tm, mask=i < stop, other=0)
+        bad += tl.sum((ids.to(tl.uint32, bitcast=True) >= num_blocks).to(tl.int32), axis=0)
+    return bad == 0
+
+
+@triton.jit
+def _attend_tiles(
+    q, k_head, v_head, table_row, start, end, stride_kb, stride_kt, stride_vb, stride_vt, stride_tm,
+    block_size, num_blocks, qk_scale, offs_d, offs_dv, d_mask, dv_mask,
+    BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
+    CHECK_IDS: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    length = tl.minimum(tl.maximum(tl.load(lens_ptr + b * stride_lens), 0), max_len)
-    # This request's share, in whole tiles: splits past its end are empty.
-    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, length)
-
-    offs_g = tl.arange(0, BLOCK_G)
-    heads = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_mask = offs_d < D
-    dv_mask = offs_dv < DV
-    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-
+    """Online softmax over key positions [start, end): (m, l, acc) in log2 units.
+    CHECK_IDS: mask tokens of padding blocks (ids outside [0, num_blocks)); without it
+    every id must be valid (`_ids_in_range`)."""
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
-    table_row = table_ptr + b * stride_tb
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        block = tl.load(table_row + (offs_n // block_size) * stride_tm, mask=offs_n < end, other=-1)
-        # A block id outside [0, num_blocks) is a padding block, its tokens hold no key:
-        # one unsigned compare (negative ids wrap to huge), and masked lanes address block 0.
-        n_mask = (offs_n < end) & (block.to(tl.uint32, bitcast=True) < num_blocks)
-        block = tl.where(n_mask, block, 0).to(tl.int64)
+        n_mask = offs_n < end
+        block = tl.load(table_row + (offs_n // block_size) * stride_tm, mask=n_mask, other=0)
+        if CHECK_IDS:
+            # One unsigned compare; masked lanes address block 0.
+            n_mask = n_mask & (block.to(tl.uint32, bitcast=True) < num_blocks)
+            block = tl.where(n_mask, block, 0)
+        block = block.to(tl.int64)
         in_block = (offs_n % block_size).to(tl.int64)
         k = tl.load(
             k_head + (block * stride_kb + in_block * stride_kt)[:, None] + offs_d[None, :],
@@ -91,6 +78,63 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_tb, stride_tm, stride_lens,
+    stride_ob, stride_oh,
+    max_len, block_size, num_blocks, qk_scale,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FP8: tl.constexpr, CHECK_IDS: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    length = tl.minimum(tl.maximum(tl.load(lens_ptr + b * stride_lens), 0), max_len)
+    # This request's share, in whole tiles: splits past its end are empty.
+    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+
+    table_row = table_ptr + b * stride_tb
+    # Block ids outside [0, num_blocks) are padding blocks (no key). Checking them per
+    # token in the tile loop costs 25% (H200, B = 64): the pipelined loads then carry a
+    # loaded mask per stage; a loop chosen by a branch in the kernel costs 15%. So each
+    # call launches this kernel twice, without and with the per-token check
+    # (CHECK_IDS): a program scans its split's ids first and runs its tiles, and loads q
+    # and stores, in the launch that matches; in the other it reads and writes nothing.
+    # (BLOCK_N ids per scan step: 16 and 256 measured slower.)
+    ids_ok = _ids_in_range(table_row, stride_tm, start, end, block_size, num_blocks, BLOCK_N)
+    mine = ids_ok != CHECK_IDS
+
+    offs_g = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < tl.where(mine, GROUP, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < D
+    dv_mask = offs_dv < DV
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    m_i, l_i, acc = _attend_tiles(
+        q, k_head, v_head, table_row, start, tl.where(mine, end, start), stride_kb, stride_kt, stride_vb, stride_vt,
+        stride_tm, block_size, num_blocks, qk_scale, offs_d, offs_dv, d_mask, dv_mask,
+        BLOCK_G, BLOCK_DV, BLOCK_N, KV_FP8, CHECK_IDS,
+    )
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -140,12 +184,13 @@ def bind_paged_decode(
     """The decode kernel bound to these inputs' shapes and strides, into a contiguous
     `[B, Hq, Dv]` output: `launch(q, k_cache, v_cache, block_table, seq_lens, k_scale,
     v_scale, out, part_o, part_lse)`. bf16/fp16 caches read no scales, and one split
-    writes no partials: pass any tensor of the device there (e.g. q, out)."""
+    writes no partials: pass any tensor of the device there (e.g. q, out). Two launches
+    of the kernel, without and with the per-token id check (see the kernel)."""
     b, hq, d = q.shape
     _, block_size, hk, dv = v_cache.shape
     group = hq // hk
     block_n, num_warps, num_stages = config
-    return bind(
+    unchecked, checked = (bind(
         _paged_decode_kernel, (b, hk, num_splits),
         q, k_cache, v_cache, block_table, seq_lens, q, q, q, q, q,  # scales, out, partials: placeholders
         q.stride(0), q.stride(1),
@@ -156,9 +201,15 @@ def bind_paged_decode(
         block_table.shape[1] * block_size, block_size, k_cache.shape[0], scale * LOG2E,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_FP8=k_cache.dtype.itemsize == 1,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_FP8=k_cache.dtype.itemsize == 1, CHECK_IDS=check,
         num_warps=num_warps, num_stages=num_stages,
-    )
+    ) for check in (False, True))
+
+    def launch(*tensors: torch.Tensor) -> None:
+        unchecked(*tensors)
+        checked(*tensors)
+
+    return launch
 
 
 def bind_combine(like: torch.Tensor, batch: int, num_q_heads: int, head_dim_v: int, num_splits: int) -> Launch:

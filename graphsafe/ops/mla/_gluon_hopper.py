@@ -89,6 +89,20 @@ def _key_ids(map_row, offs, valid, num_slots, BLOCK_SIZE: gl.constexpr, SPARSE: 
 
 
 @gluon.jit
+def _block_ids_in_range(map_row, start, end, num_blocks, BLOCK_SIZE: gl.constexpr):
+    """Whether the block ids of key positions [start, end) are all in [0, num_blocks)."""
+    CHUNK: gl.constexpr = 128
+    IDS: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])  # 8 warps: NUM_WARPS
+    stop = gl.cdiv(end, BLOCK_SIZE)
+    bad = gl.sum(gl.zeros([CHUNK], gl.int32, layout=IDS), axis=0)
+    for i0 in range(start // BLOCK_SIZE, stop, CHUNK):
+        i = i0 + gl.arange(0, CHUNK, layout=IDS)
+        ids = gl.load(map_row + i, mask=i < stop, other=0)
+        bad += gl.sum((ids.to(gl.uint32, bitcast=True) >= num_blocks).to(gl.int32), axis=0)
+    return bad == 0
+
+
+@gluon.jit
 def _key_rows(map_row, n0, end, num_slots, stride_kb, stride_kt,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr):
     """Element offsets of the cache rows of key positions n0 ... n0 + BLOCK_N - 1, and which exist.
@@ -121,6 +135,7 @@ def mla_attn_wgmma_kernel(
     stride_or, stride_oh, stride_lr,
     R: gl.constexpr, P: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
+    CHECK_IDS: gl.constexpr,
 ):
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
     # Copies: 16 bytes per thread, a warp covers 4 rows x 64 columns (four 128-byte lines).
@@ -152,15 +167,23 @@ def mla_attn_wgmma_kernel(
     row = (pid // (head_tiles * num_splits)).to(gl.int64)
     start = split * tokens_per_split
     end = gl.minimum(start + tokens_per_split, kv_capacity)
+    map_row = map_ptr + row * stride_map
+    store_heads = num_heads
     if not SPARSE:
         end = gl.minimum(end, gl.maximum(gl.load(lens_ptr + row), 0))
+        # Padding blocks: as triton.py's kernel, a dense call launches this kernel without
+        # and with the per-key id check (CHECK_IDS); a program scans its split's ids and
+        # runs (copies q, walks its keys, stores) in the launch that matches (reloading
+        # every key's id to mask the scores costs 7% at B = 64 on an H200).
+        mine = _block_ids_in_range(map_row, start, end, num_slots // BLOCK_SIZE, BLOCK_SIZE) != CHECK_IDS
+        end = gl.where(mine, end, start)
+        store_heads = gl.where(mine, num_heads, 0)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS)
     q_rows = row * stride_qr + heads.to(gl.int64) * stride_qh
-    _copy_rows(q_ptr, q_rows, heads < num_heads, q_nope, q_pe, R, P, LOAD)
+    _copy_rows(q_ptr, q_rows, heads < store_heads, q_nope, q_pe, R, P, LOAD)
     async_copy.commit_group()
-    map_row = map_ptr + row * stride_map
     rows, valid = _key_rows(map_row, start, end, num_slots, stride_kb, stride_kt, ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
     _copy_rows(kv_ptr, rows, valid, k_nope.index(0), k_pe.index(0), R, P, LOAD)
     async_copy.commit_group()
@@ -202,10 +225,13 @@ def mla_attn_wgmma_kernel(
             async_copy.commit_group()
             rows, valid = _key_rows(map_row, n0 + 2 * BLOCK_N, end, num_slots, stride_kb, stride_kt,
                                     ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
-        # Which keys of this tile exist, in the scores' layout: the ids again (from L1),
-        # as the copy's validity was computed an iteration ahead in another layout.
+        # Which keys of this tile exist, in the scores' layout (the copy's validity was
+        # computed an iteration ahead in another layout): the ids again, from L1.
         offs = n0 + gl.arange(0, BLOCK_N, layout=S_COL)
-        _, _, key_ok = _key_ids(map_row, offs, offs < end, num_slots, BLOCK_SIZE, SPARSE)
+        if SPARSE or CHECK_IDS:
+            _, _, key_ok = _key_ids(map_row, offs, offs < end, num_slots, BLOCK_SIZE, SPARSE)
+        else:  # every id of this split is valid (scanned above)
+            key_ok = offs < end
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
         s = gl.where(key_ok[None, :], s * qk_scale, float("-inf"))
@@ -234,13 +260,13 @@ def mla_attn_wgmma_kernel(
     o = acc / gl.convert_layout(l_safe, O_ROW)[:, None]
     heads_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROW)
     cols = gl.arange(0, R, layout=O_COL)
-    o_mask = (heads_o < num_heads)[:, None]
+    o_mask = (heads_o < store_heads)[:, None]  # the other launch stores this program's rows (dense)
     heads_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=S_ROW)
     if SPLIT:
         part = (row * num_splits + split) * num_heads
         gl.store(pout_ptr + (part + heads_o.to(gl.int64))[:, None] * R + cols[None, :], o, mask=o_mask)
-        gl.store(plse_ptr + part + heads_s, lse, mask=heads_s < num_heads)
+        gl.store(plse_ptr + part + heads_s, lse, mask=heads_s < store_heads)
     else:
         o_rows = out_ptr + row * stride_or + heads_o.to(gl.int64) * stride_oh
         gl.store(o_rows[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
-        gl.store(lse_ptr + row * stride_lr + heads_s, lse, mask=heads_s < num_heads)
+        gl.store(lse_ptr + row * stride_lr + heads_s, lse, mask=heads_s < store_heads)

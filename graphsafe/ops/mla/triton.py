@@ -3,9 +3,12 @@
 One kernel serves both ops; they differ only in how a key position maps to a cache row:
 `mla_decode` walks its request's block table up to `seq_lens[b]`, `sparse_mla` reads the
 token's own list of cache slots (`-1` = none). A block id or slot outside the cache (-1,
-the padding, or any other) holds no key: one unsigned compare per key folds it into the
-key mask, and masked keys address row 0 and load as 0, so no id is ever dereferenced
-and no unread row reaches the math. Non-finite scores follow the softmax arithmetic
+the padding, or any other) holds no key: sparse calls fold one unsigned compare per key
+into the key mask; dense calls launch the kernel twice (CHECK_IDS off and on) and each
+program, having scanned its split's block ids, works in the launch that matches, so the
+common case (every id valid) runs the loop without a per-key check (see the kernel).
+Masked keys address row 0 and load as 0: no id is ever dereferenced and no unread row
+reaches the math. Non-finite scores follow the softmax arithmetic
 (the ops' docstrings): a NaN or +inf score leaves l NaN, which the epilogue and the
 combine keep NaN (only l == 0 means "no key").
 
@@ -91,6 +94,18 @@ def _in_range(ids, n):
 
 
 @triton.jit
+def _block_ids_in_range(map_row, start, end, num_blocks, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+    """Whether the block ids of key positions [start, end) are all in [0, num_blocks)."""
+    stop = tl.cdiv(end, BLOCK_SIZE)
+    bad = tl.zeros([], dtype=tl.int32)
+    for i0 in range(start // BLOCK_SIZE, stop, CHUNK):
+        i = i0 + tl.arange(0, CHUNK)
+        ids = tl.load(map_row + i, mask=i < stop, other=0)
+        bad += tl.sum((~_in_range(ids, num_blocks)).to(tl.int32), axis=0)
+    return bad == 0
+
+
+@triton.jit
 def _load_cols(rows, cols, row_mask, col_mask):
     """rows [N] pointers x cols [C] -> [N, C]; 0 where a row or a column is masked."""
     return tl.load(rows[:, None] + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
@@ -107,7 +122,7 @@ def _mla_attn_kernel(
     R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-    PREFETCH: tl.constexpr, LINES: tl.constexpr,
+    PREFETCH: tl.constexpr, LINES: tl.constexpr, CHECK_IDS: tl.constexpr,
 ):
     # Head tile varies fastest: the tiles of one (query, split) read the same rows
     # back to back, the second from L2.
@@ -116,8 +131,28 @@ def _mla_attn_kernel(
     split = (pid // head_tiles) % num_splits
     row = (pid // (head_tiles * num_splits)).to(tl.int64)
 
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, kv_capacity)
+    if not SPARSE:
+        # Positions past the request's length hold no key: the loop stops there, so a
+        # split past the end runs zero iterations (a neutral partial).
+        end = tl.minimum(end, tl.maximum(tl.load(lens_ptr + row), 0))
+    num_blocks = num_slots // BLOCK_SIZE
+    map_row = map_ptr + row * stride_map
+    store_heads = num_heads
+    if not SPARSE:
+        # Block ids outside [0, num_blocks) are padding blocks (no key). A per-key check
+        # in the pipelined loop costs 15% (H200, H = 16, B = 128), so a dense call
+        # launches this kernel twice, without and with it (CHECK_IDS): a program scans
+        # its split's ids first and runs (loads q, walks its keys, stores) in the launch
+        # that matches; in the other it reads and writes nothing.
+        # (16 ids per scan step: 32 and 256 measured slower, the loop's registers.)
+        mine = _block_ids_in_range(map_row, start, end, num_blocks, BLOCK_SIZE, 16) != CHECK_IDS
+        end = tl.where(mine, end, start)
+        store_heads = tl.where(mine, num_heads, 0)
+
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < num_heads
+    hmask = heads < store_heads  # nothing read for rows the other launch serves (dense)
     # The R value columns are CHUNKS (1 or 2) chunks of BLOCK_R columns, each with its own
     # key tile, q tile and accumulator (why 2 for 64-head tiles: splits.kernel_config).
     # Column masks are all-true when the chunks cover R exactly: the masks then vary
@@ -135,20 +170,11 @@ def _mla_attn_kernel(
         pmask = pp < P if BLOCK_P != P else tl.full([BLOCK_P], 1, tl.int1)
         q_pe = _load_cols(q_rows + R, pp, hmask, pmask)
 
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, kv_capacity)
-    if not SPARSE:
-        # Positions past the request's length hold no key: the loop stops there, so a
-        # split past the end runs zero iterations (a neutral partial).
-        end = tl.minimum(end, tl.maximum(tl.load(lens_ptr + row), 0))
-    num_blocks = num_slots // BLOCK_SIZE
-
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     if CHUNKS == 2:
         acc1 = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    map_row = map_ptr + row * stride_map
     for n0 in tl.range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         nmask = offs < end
@@ -163,8 +189,9 @@ def _mla_attn_kernel(
         else:
             # Masked: block-table entries past the sequence may be garbage.
             blk = tl.load(map_row + offs // BLOCK_SIZE, mask=nmask, other=0)
-            nmask = nmask & _in_range(blk, num_blocks)
-            blk = tl.where(nmask, blk, 0)
+            if CHECK_IDS:
+                nmask = nmask & _in_range(blk, num_blocks)
+                blk = tl.where(nmask, blk, 0)
             off = offs % BLOCK_SIZE
         kv_rows = kv_ptr + blk.to(tl.int64) * stride_kb + off.to(tl.int64) * stride_kt
         if PREFETCH:
@@ -181,7 +208,8 @@ def _mla_attn_kernel(
                 nxt_off = nxt_slot % BLOCK_SIZE
             else:
                 nxt_blk = tl.load(map_row + nxt // BLOCK_SIZE, mask=nxt_mask, other=0)
-                nxt_mask = nxt_mask & _in_range(nxt_blk, num_blocks)
+                if CHECK_IDS:
+                    nxt_mask = nxt_mask & _in_range(nxt_blk, num_blocks)
                 nxt_off = nxt % BLOCK_SIZE
             nxt_rows = kv_ptr + nxt_blk.to(tl.int64) * stride_kb + nxt_off.to(tl.int64) * stride_kt
             lines = tl.arange(0, LINES) * 64  # 128-byte lines of 16-bit elements
@@ -288,7 +316,7 @@ def _triton_launch(grid, args, constexprs, cfg: KernelConfig, where: tuple) -> L
     shared memory than the device has (`OutOfResources`, raised before anything is
     launched), it is bound again with one pipeline stage fewer and launched, down to one
     stage; the depth that compiled is remembered in `_STAGES` for later bindings."""
-    key = (cfg, *where, constexprs["SPARSE"], constexprs["SPLIT"])
+    key = (cfg, *where, constexprs["SPARSE"], constexprs["SPLIT"], constexprs["CHECK_IDS"])
     stages = _STAGES.get(key, cfg.num_stages)
 
     def make(stages: int) -> Launch:
@@ -380,7 +408,7 @@ def _attention_launch(grid, args, gluon_constexprs, triton_constexprs, cfg: Kern
     calls whose q and cache are 16-byte aligned, the Triton kernel (bound on first need)
     for the others and for good once the Gluon kernel fails to compile (a failed compile
     launched nothing: the Triton kernel then runs the call)."""
-    key = (*where, gluon_constexprs["SPARSE"], gluon_constexprs["SPLIT"])
+    key = (*where, gluon_constexprs["SPARSE"], gluon_constexprs["SPLIT"], gluon_constexprs["CHECK_IDS"])
     if not gluon or key in _GLUON_FAILED:
         return _triton_launch(grid, args, triton_constexprs, cfg, where)
     module = _gluon_module()
@@ -467,18 +495,32 @@ def _prepare(
         num_heads * r, r, num_heads,  # out and lse are contiguous
     )
     where = (device, dtype, head_dim)
-    attention = _attention_launch(
-        grid, args,
-        dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split),
-        dict(
-            R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks,
-            BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split, DOT_F32=dot_f32,
-            # PTX prefetch: NVIDIA only (not the interpreter, not ROCm)
-            PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None,
-            LINES=_pow2(triton.cdiv(head_dim, 64), 1),
-        ),
-        cfg, where, warpgroup_split_fits(q, kv_cache, cfg, r, p),
-    )
+
+    def attention_launch(check_ids: bool) -> Launch:
+        return _attention_launch(
+            grid, args,
+            dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
+                 CHECK_IDS=check_ids),
+            dict(
+                R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks,
+                BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
+                DOT_F32=dot_f32,
+                # PTX prefetch: NVIDIA only (not the interpreter, not ROCm)
+                PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None,
+                LINES=_pow2(triton.cdiv(head_dim, 64), 1), CHECK_IDS=check_ids,
+            ),
+            cfg, where, warpgroup_split_fits(q, kv_cache, cfg, r, p),
+        )
+
+    if sparse:  # slots are checked per key (a gather: no pipelined block walk to keep)
+        attention = attention_launch(False)
+    else:  # dense: the kernel without and with the per-key id check (see the kernel)
+        unchecked, checked = attention_launch(False), attention_launch(True)
+
+        def attention(*tensors):
+            unchecked(*tensors)
+            checked(*tensors)
+
     if not split:
         def attend(q, kv_cache, key_map, lens):
             out = empty(out_shape, dtype=dtype, device=device)
