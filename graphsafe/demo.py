@@ -222,9 +222,11 @@ def _agreement(tokens: torch.Tensor, reference: torch.Tensor | None, near_tie: t
 
 
 def greedy_with_near_ties(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax picks, whether the top two logits are within NEAR_TIE of the top one)."""
-    top = logits.topk(min(2, logits.shape[-1]), dim=-1).values.float()
-    near = (top[..., 0] - top[..., -1]) <= NEAR_TIE * top[..., 0].abs()
+    """(argmax picks, whether the top two logits are within NEAR_TIE of the top one):
+    two reductions, no sort (a top-k over a dynamic batch does not compile everywhere)."""
+    x = logits.float()
+    top = x.amax(-1, keepdim=True)
+    near = (x >= top - NEAR_TIE * top.abs()).sum(-1) >= 2
     return logits.argmax(-1), near
 
 
