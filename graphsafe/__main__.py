@@ -62,7 +62,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown op(s): {unknown}", file=sys.stderr)
         return 2
-    columns = ["opcheck", "fake=real", "mutation", "kernels=ref", "bad inputs", "fake/workspace"]
+    columns = ["opcheck", "fake=real", "mutation", "kernels=ref", "bad inputs", "fake/workspace",
+               "unread", "bad ids", "nan/inf", "debug ids"]
     if any(d == "cuda" for d in devices):
         columns += ["graph replay", "no sync", "allocs"]
     header = f"{'op':<34} {'device':<6} {'serving':<10} " + " ".join(f"{c:>14}" for c in columns) + f" {'s':>6}"
@@ -89,6 +90,14 @@ def cmd_check(args: argparse.Namespace) -> int:
                 for _, a in sets:
                     check(spec, a)
 
+            def per_backend(check, spec=spec, case=case, sets=sets, backends=("reference", *kernels)) -> None:
+                # What an op never reads, ids out of range, NaN/inf: on every backend here.
+                for backend in backends:
+                    if check is C.check_nonfinite_inputs_agree and backend == "reference":
+                        continue
+                    for params, a in sets:
+                        check(spec, case, backend, params, a)
+
             checks: dict[str, Callable[[], object]] = {
                 "opcheck": lambda: each(C.opcheck_op),
                 "fake=real": lambda: each(C.check_fake_matches_real),
@@ -96,6 +105,11 @@ def cmd_check(args: argparse.Namespace) -> int:
                 "kernels=ref": kernels_match,
                 "bad inputs": lambda: f"{C.check_bad_inputs(spec, case, device)} refused",
                 "fake/workspace": lambda: each(C.check_fake_never_touches_workspace),
+                "unread": lambda: per_backend(C.check_unread_inputs_never_matter),
+                "bad ids": lambda: per_backend(C.check_out_of_range_ids_are_padding),
+                "nan/inf": lambda: per_backend(C.check_nonfinite_inputs_agree),
+                "debug ids": lambda: "refused" if any(
+                    [C.check_debug_switch_refuses_out_of_range_ids(spec, case, p, a) for p, a in sets]) else "no ids",
             }
             if device_type == "cuda":
                 gpu_sets = [case.example, *case.edge_cases, *case.gpu_examples]
