@@ -45,10 +45,6 @@ class debug_checks:
         STATE[0] = self._saved
 
 
-def debug_checks_enabled() -> bool:
-    return STATE[0]
-
-
 def checks_can_run(*tensors: Any) -> bool:
     """False while a CUDA graph is being captured on the current stream."""
     for t in tensors:
@@ -79,6 +75,26 @@ def ids_in_range(op: str, arg: str, ids: torch.Tensor, high: int, *, used: torch
         at = _where(bad.cpu())
         pad = f" or {padding} (padding)" if padding is not None else ""
         _fail(op, arg, f"{what} in [0, {high}){pad}", f"{int(ids.cpu()[at])} at index {list(at)}")
+
+
+def table_entries_read(block_table: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Bool `[B, max_blocks]`: the block-table entries a request of `lengths[b]` cached
+    tokens reads (the first `ceil(lengths[b] / block_size)` of row b; none for a length
+    <= 0)."""
+    blocks = torch.div(lengths.detach().long().clamp_min(0) + block_size - 1, block_size, rounding_mode="floor")
+    columns = torch.arange(block_table.shape[1], device=block_table.device)
+    return columns[None, :] < blocks.to(block_table.device)[:, None]
+
+
+def values_distinct(op: str, arg: str, values: torch.Tensor, what: str) -> None:
+    """The entries >= 0 of 1-D `values` are pairwise distinct (negative ones are padding)."""
+    v = values.detach().long()
+    s = v.sort().values
+    dup = (s[1:] == s[:-1]) & (s[1:] >= 0)
+    if bool(dup.any()):
+        value = int(s[1:][dup][0])
+        at = [int(i) for i in (v == value).nonzero().flatten()[:2]]
+        _fail(op, arg, f"distinct {what} (or -1)", f"{what.rstrip('s')} {value} at indices {at}")
 
 
 def values_at_most(op: str, arg: str, values: torch.Tensor, limit: int, why: str) -> None:

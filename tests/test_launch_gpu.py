@@ -7,20 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-import triton.language as tl
 
 from graphsafe.launch import bind, plain_launch_count
+from test_launch import _axpy_kernel
 
 pytestmark = pytest.mark.gpu
-
-
-@triton.jit
-def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, stride_x, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 0.0):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs * stride_x, mask=mask)
-    y = tl.load(y_ptr + offs, mask=mask)
-    tl.store(out_ptr + offs, alpha * x + y + SHIFT, mask=mask)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

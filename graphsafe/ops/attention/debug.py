@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.debug import ids_in_range, max_of_differences_at_most, non_decreasing, values_at_least, values_at_most
+from graphsafe.debug import (
+    ids_in_range,
+    max_of_differences_at_most,
+    non_decreasing,
+    table_entries_read,
+    values_at_least,
+    values_at_most,
+)
 
 
 def debug_check_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None,
@@ -24,9 +31,7 @@ def debug_check_paged_attention_decode(q, k_cache, v_cache, block_table, seq_len
     capacity = block_table.shape[1] * block_size
     values_at_least(op, "seq_lens", seq_lens, 0, "a number of cached tokens")
     values_at_most(op, "seq_lens", seq_lens, capacity, "max_blocks_per_seq * block_size")
-    lens = seq_lens.detach().long().clamp(0, capacity)
-    columns = torch.arange(block_table.shape[1], device=block_table.device)
-    used = columns[None, :] < (lens[:, None] + block_size - 1) // block_size
+    used = table_entries_read(block_table, seq_lens.detach().long().clamp_max(capacity), block_size)
     ids_in_range(op, "block_table", block_table, num_blocks, used=used, what="block ids (num_blocks)")
 
 

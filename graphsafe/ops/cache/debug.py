@@ -10,25 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.debug import ids_in_range
-from graphsafe.errors import InputError
-
-
-def _distinct_slots(op: str, slots: torch.Tensor) -> None:
-    """The slots >= 0 of `slots` (1-D) are pairwise distinct."""
-    s = slots.detach().long().sort().values
-    dup = (s[1:] == s[:-1]) & (s[1:] >= 0)
-    if bool(dup.any()):
-        value = int(s[1:][dup][0])
-        at = [int(i) for i in (slots.detach().long() == value).nonzero().flatten()[:2]]
-        raise InputError(f"graphsafe.{op}: argument 'slot_mapping' must be distinct cache slots (or -1), got "
-                         f"slot {value} at indices {at} (GRAPHSAFE_DEBUG_CHECKS)")
+from graphsafe.debug import ids_in_range, values_distinct
 
 
 def _check_slots(op: str, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     num_blocks, block_size = cache.shape[:2]
     ids_in_range(op, "slot_mapping", slot_mapping, num_blocks * block_size, what="cache slots")
-    _distinct_slots(op, slot_mapping)
+    values_distinct(op, "slot_mapping", slot_mapping, "cache slots")
 
 
 def debug_check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:

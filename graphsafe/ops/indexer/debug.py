@@ -12,13 +12,6 @@ from graphsafe import debug
 from graphsafe.ops.indexer.reference import max_block_id
 
 
-def _table_used(block_table: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Bool `[B, max_blocks]`: the entries that hold a position below each request's length."""
-    blocks = torch.div(lengths.long().clamp_min(0) + block_size - 1, block_size, rounding_mode="floor")
-    cols = torch.arange(block_table.shape[1], device=block_table.device)
-    return cols[None, :] < blocks.to(block_table.device)[:, None]
-
-
 def _windows_inside(op: str, ks: torch.Tensor, ke: torch.Tensor, high: int, ks_arg: str, ke_arg: str) -> None:
     """Every non-empty window `[ks, ke)` lies inside `[0, high)`."""
     open_ = ke.long() > ks.long()
@@ -39,7 +32,7 @@ def debug_check_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, bloc
     debug.values_at_most(op, "cu_seq_lens", cu_seq_lens[-1:], n, "the rows of dst_k")
     lengths = cu_seq_lens[1:].long() - cu_seq_lens[:-1].long()
     bs = kv_cache.shape[1]
-    debug.ids_in_range(op, "block_table", block_table, kv_cache.shape[0], used=_table_used(block_table, lengths, bs),
+    debug.ids_in_range(op, "block_table", block_table, kv_cache.shape[0], used=debug.table_entries_read(block_table, lengths, bs),
                        what="block ids (below each request's length)")
 
 
@@ -51,7 +44,7 @@ def debug_check_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_t
     op = "fp8_paged_mqa_logits"
     debug.values_at_least(op, "context_lens", context_lens, 0, "a length")
     debug.values_at_most(op, "context_lens", context_lens, max_model_len, "max_model_len")
-    used = _table_used(block_table, context_lens.long().clamp_max(max_model_len), kv_cache.shape[1])
+    used = debug.table_entries_read(block_table, context_lens.long().clamp_max(max_model_len), kv_cache.shape[1])
     debug.ids_in_range(op, "block_table", block_table, kv_cache.shape[0], used=used,
                        what="block ids (below each request's context)")
 
@@ -83,7 +76,7 @@ def debug_check_sparse_attn_indexer_decode(
     debug.ids_in_range(op, "slot_mapping", slot_mapping, nb * bs, what="cache slots")
     debug.values_at_least(op, "seq_lens", seq_lens, 0, "a length")
     debug.values_at_most(op, "seq_lens", seq_lens, max_model_len, "max_model_len")
-    debug.ids_in_range(op, "block_table", block_table, nb, used=_table_used(block_table, seq_lens, bs),
+    debug.ids_in_range(op, "block_table", block_table, nb, used=debug.table_entries_read(block_table, seq_lens, bs),
                        what="block ids (below each request's context)")
 
 
@@ -98,7 +91,7 @@ def debug_check_sparse_attn_indexer_prefill(
     debug.values_at_least(op, "cu_seq_lens", cu_seq_lens[:1], 0, "the first gathered row")
     debug.values_at_most(op, "cu_seq_lens", cu_seq_lens[-1:], total_seq_lens, "total_seq_lens")
     lengths = cu_seq_lens[1:].long() - cu_seq_lens[:-1].long()
-    debug.ids_in_range(op, "block_table", block_table, nb, used=_table_used(block_table, lengths, bs),
+    debug.ids_in_range(op, "block_table", block_table, nb, used=debug.table_entries_read(block_table, lengths, bs),
                        what="block ids (below each request's context)")
     gathered = int(cu_seq_lens[-1]) if cu_seq_lens.numel() else 0
     _windows_inside(op, cu_seqlen_ks, cu_seqlen_ke, gathered, "cu_seqlen_ks", "cu_seqlen_ke")

@@ -7,9 +7,7 @@ switch on, any id the op reads that is neither in range nor the padding value -1
 
 from __future__ import annotations
 
-import torch
-
-from graphsafe.debug import ids_in_range, values_at_most
+from graphsafe.debug import ids_in_range, table_entries_read, values_at_most
 
 
 def debug_check_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank) -> None:
@@ -21,8 +19,7 @@ def debug_check_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora
     max_blocks = block_table.shape[1]
     capacity = max_blocks * block_size
     values_at_most(op, "seq_lens", seq_lens, capacity, "max_blocks * block_size: longer requests would be cut")
-    first_pos = torch.arange(max_blocks, device=block_table.device) * block_size
-    used = first_pos[None, :] < seq_lens[:, None].long()
+    used = table_entries_read(block_table, seq_lens, block_size)
     ids_in_range(op, "block_table", block_table, num_blocks, used=used, what="block ids")
 
 

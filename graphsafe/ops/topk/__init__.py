@@ -57,7 +57,8 @@ from graphsafe.registry import Backend, register_op
             supports="graphsafe.ops.topk.aiter:supports_top_k_per_row_prefill",
             workspace=aiter_workspace_specs,
         ),
-    },    debug_check="graphsafe.ops.topk.debug:debug_check_top_k_per_row_prefill",
+    },
+    debug_check="graphsafe.ops.topk.debug:debug_check_top_k_per_row_prefill",
 )
 def top_k_per_row_prefill(logits: Tensor, row_starts: Tensor, row_ends: Tensor, indices: Tensor, topk: int) -> None:
     """Top-`topk` positions of each row of prefill indexer logits, relative to the row start.
@@ -103,7 +104,8 @@ def top_k_per_row_prefill(logits: Tensor, row_starts: Tensor, row_ends: Tensor, 
             supports="graphsafe.ops.topk.aiter:supports_top_k_per_row_decode",
             workspace=aiter_workspace_specs_decode,
         ),
-    },    debug_check="graphsafe.ops.topk.debug:debug_check_top_k_per_row_decode",
+    },
+    debug_check="graphsafe.ops.topk.debug:debug_check_top_k_per_row_decode",
 )
 def top_k_per_row_decode(logits: Tensor, next_n: int, seq_lens: Tensor, indices: Tensor, topk: int) -> None:
     """Top-`topk` positions of each row of decode indexer logits (the paged-logits layout).
