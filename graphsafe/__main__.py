@@ -169,7 +169,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     opts = demo.default_options(device)
-    for name in ("steps", "prompt_len", "backend", "warmup", "seed", "plot", "threads"):
+    for name in ("steps", "prompt_len", "backend", "warmup", "seed", "plot", "threads", "tp"):
         value = getattr(args, name)
         if value is not None:
             setattr(opts, name, value)
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                     "gain nothing from more; 0: torch's default)")
     dm.add_argument("--plot", metavar="PATH", help="draw step latency per mode and batch size (needs matplotlib)")
     dm.add_argument("--no-progress", action="store_true", help="no progress bar")
+    dm.add_argument("--tp", type=int, help="tensor-parallel ranks, one process each: run under torchrun, e.g. "
+                    "torchrun --nproc-per-node 2 -m graphsafe demo --tp 2 (NCCL on GPUs, gloo on CPUs)")
     args = parser.parse_args(argv)
     if args.command == "check" and not torch.cuda.is_available():
         # Kernel backends are checked through Triton's interpreter on CPU-only machines.

@@ -29,7 +29,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, TextIO
 
 import torch
@@ -65,6 +65,10 @@ class DemoOptions:
     # machine spinning threads stall for milliseconds. 0 leaves torch's setting.
     threads: int = 1
     model_overrides: dict[str, Any] = field(default_factory=dict)
+    # Tensor-parallel ranks (one process each, started by torchrun): each rank runs its
+    # shard (graphsafe.models.parallel); picks are compared with a one-device model of the
+    # same weights that every rank also runs eagerly.
+    tp: int = 1
 
 
 def default_options(device: str) -> DemoOptions:
@@ -97,6 +101,7 @@ class Row:
     allocs_fwd: float | None = None
     allocs_step: float | None = None
     setup_s: float | None = None
+    allreduce_ms: float | None = None  # tensor parallel: the step's all-reduces alone
     agree: str = ""
     note: str = ""  # why a row has no numbers ("n/a (no CUDA)", an error)
     tokens: torch.Tensor | None = field(default=None, repr=False)  # [steps, batch] on the CPU
@@ -315,6 +320,9 @@ def _describe(model: Any) -> str:
     for n in ("max_batch", "max_model_len", "block_size"):
         if hasattr(model, n):
             parts.append(f"{n}={getattr(model, n)}")
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1:
+        parts.append(f"tensor parallel over {tp.size} ranks (num_heads is per rank)")
     return ", ".join(parts) or repr(cfg)
 
 
@@ -357,25 +365,103 @@ def run_demo(
     out = out or sys.stdout
     device = torch.device(opts.device)
     _validate(opts, device)
+    tp = None
+    if opts.tp > 1:
+        tp, device = _init_tensor_parallel(opts)
+        if tp.rank != 0:  # one progress bar (rank 0's)
+            opts = replace(opts, progress=False)
     previous_threads = torch.get_num_threads()
     if device.type == "cpu" and opts.threads:
         torch.set_num_threads(opts.threads)
     try:
         torch.manual_seed(opts.seed)
         t0 = time.perf_counter()
-        if build is None:
-            model, _ = _build_default(device, dtype=opts.dtype, seed=opts.seed, **model_sizes(opts))
-        else:
-            model, _ = build(device, dtype=opts.dtype, seed=opts.seed, **opts.model_overrides)
+
+        def make(**extra: Any) -> Any:
+            if build is None:
+                return _build_default(device, dtype=opts.dtype, seed=opts.seed, **model_sizes(opts), **extra)[0]
+            return build(device, dtype=opts.dtype, seed=opts.seed, **opts.model_overrides, **extra)[0]
+
+        reference = None if tp is None else make()
+        model = make() if tp is None else make(tp=tp)
         build_s = time.perf_counter() - t0
-        rows = _Run(model, opts, device).rows()
+        rows = _Run(model, opts, device, reference).rows()
     finally:
         torch.set_num_threads(previous_threads)
+    if tp is not None:
+        return _report_ranks(rows, opts, device, build_s, model, tp, out)
     print(format_table(rows, opts, device, build_s, model), file=out)
     if opts.plot:
         plot_rows(rows, opts.plot, title=f"graphsafe demo on {_device_name(device)}")
         print(f"plot written to {opts.plot}", file=out)
     return rows
+
+
+def _init_tensor_parallel(opts: DemoOptions):
+    from graphsafe.models.parallel import init_from_environment
+
+    try:
+        tp, device = init_from_environment(opts.device)
+    except RuntimeError as err:
+        raise DemoError(str(err)) from None
+    if tp.size != opts.tp:
+        raise DemoError(f"--tp {opts.tp}, but torchrun started {tp.size} processes (--nproc-per-node {opts.tp})")
+    return tp, device
+
+
+def _report_ranks(rows: list[Row], opts: DemoOptions, device: torch.device, build_s: float, model: Any, tp: Any,
+                  out: TextIO) -> list[Row]:
+    """Rank 0 prints every rank's table (syncs and allocations are per rank); every rank
+    returns all ranks' rows, so each exits with the same code."""
+    import torch.distributed as dist
+
+    for r in rows:
+        r.note = r.note or ""
+    gathered: list[Any] = [None] * tp.size
+    dist.all_gather_object(gathered, [(r, device.index) for r in rows], group=tp.group)
+    if tp.rank == 0:
+        for rank, rank_rows in enumerate(gathered):
+            index = rank_rows[0][1] if rank_rows else None
+            rank_device = device if index is None else torch.device(device.type, index)
+            print(f"== rank {rank} of {tp.size}", file=out)
+            table = format_table([r for r, _ in rank_rows], opts, rank_device, build_s, model,
+                                 legend=rank == tp.size - 1)
+            print(table, file=out)
+    return [r for rank_rows in gathered for r, _ in rank_rows]
+
+
+def allreduce_ms(model: Any, batch: int, device: torch.device, captured: bool, repeats: int = 20) -> float | None:
+    """Milliseconds of one decode step's all-reduces run alone: as many as the step
+    makes (two a layer), of the same `[batch, hidden]` tensors, eagerly (eager and
+    compiled modes call them one by one) or replayed from a CUDA graph (the graph mode)."""
+    tp = getattr(model, "tp", None)
+    if tp is None or tp.size == 1:
+        return None
+    import torch.distributed._functional_collectives as funcol
+
+    count = 2 * model.cfg.num_layers
+    x = torch.ones(batch, model.cfg.hidden_size, dtype=model.dtype, device=device)
+
+    def step() -> None:
+        for _ in range(count):
+            funcol.wait_tensor(tp.all_reduce(x))
+
+    run = step
+    if captured and device.type == "cuda":
+        step()  # warm-up outside capture (communicator set-up)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        run = graph.replay
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
 
 
 def _validate(opts: DemoOptions, device: torch.device) -> None:
@@ -384,6 +470,8 @@ def _validate(opts: DemoOptions, device: torch.device) -> None:
     unknown = [m for m in opts.modes if m not in MODES]
     if unknown or not opts.modes:
         raise DemoError(f"modes: expected some of {list(MODES)}, got {list(opts.modes)}")
+    if opts.tp < 1:
+        raise DemoError(f"--tp: expected a positive number of ranks, got {opts.tp}")
     if not opts.batches or min(opts.batches) < 1 or opts.steps < 1 or opts.prompt_len < 1:
         raise DemoError("batch sizes, steps and the prompt length must be positive")
     if opts.plot:
@@ -394,8 +482,11 @@ class _Run:
     """The rows of one demo run: every mode (outer) at every batch size (inner), so
     eager's picks exist when the compiled modes of that batch run."""
 
-    def __init__(self, model: Any, opts: DemoOptions, device: torch.device) -> None:
+    def __init__(self, model: Any, opts: DemoOptions, device: torch.device, reference: Any = None) -> None:
         self.model, self.opts, self.device = model, opts, device
+        # A one-device model of the same weights (tensor parallel): its eager picks are the
+        # reference every mode (eager included) is fed and compared with.
+        self.reference = reference
         gen = torch.Generator().manual_seed(opts.seed)
         vocab = _config(model).vocab_size
         self.prompts = {b: torch.randint(0, vocab, (b, opts.prompt_len), generator=gen).tolist() for b in opts.batches}
@@ -416,9 +507,12 @@ class _Run:
     def rows(self) -> list[Row]:
         opts = self.opts
         runnable = [m for m in opts.modes if m != GRAPHS or self.graphs_here]
-        self.progress = Progress(len(runnable) * len(opts.batches) * opts.steps, opts.progress)
+        runs = len(runnable) + (self.reference is not None)
+        self.progress = Progress(runs * len(opts.batches) * opts.steps, opts.progress)
         rows = []
         try:
+            if self.reference is not None:
+                self._reference_picks()
             for mode in opts.modes:
                 for batch in opts.batches:
                     row = Row(mode, batch)
@@ -436,6 +530,18 @@ class _Run:
             if self.runner is not None:
                 self.runner.close()
         return rows
+
+    def _reference_picks(self) -> None:
+        reference = self.reference
+
+        def greedy(inputs):
+            return greedy_with_near_ties(reference.decode_step(inputs))
+
+        for batch in self.opts.batches:
+            _, _, _, (picks, near) = _decode(reference, greedy, self.prompts[batch], self.opts, self.device,
+                                             self.progress, f"one-device eager B={batch}")
+            self.eager_picks[batch] = picks
+            self.eager_near_ties[batch] = near
 
     def _step_fn(self, row: Row) -> Callable:
         if row.mode == "eager":
@@ -461,8 +567,9 @@ class _Run:
             )
         _fill_row(row, times, fwd, whole, self.opts)
         row.tokens = picks
+        row.allreduce_ms = allreduce_ms(self.model, batch, self.device, captured=mode == GRAPHS)
         breaks1, graphs1 = _dynamo_counts()
-        if mode == "eager":
+        if mode == "eager" and self.reference is None:
             self.eager_picks[batch] = picks
             self.eager_near_ties[batch] = near
             row.agree = "(reference)"
@@ -471,6 +578,10 @@ class _Run:
         row.graph_breaks = breaks1 - breaks0
         row.recompiles = new_graphs - (0 if self.compiled_once else min(new_graphs, 1))
         self.compiled_once = self.compiled_once or new_graphs > 0
+        if mode == "eager":  # tensor parallel: compared with the one-device model
+            row.graph_breaks = row.recompiles = None
+            row.agree = _agreement(picks, self.eager_picks[batch], self.eager_near_ties[batch] | near)
+            return
         if mode == "compiled" and new_graphs:
             row.setup_s = times[0]  # the first step of the row holds its compile
         eager_near = self.eager_near_ties.get(batch)
@@ -546,7 +657,7 @@ COLUMNS = [
 
 
 def format_table(rows: Sequence[Row], opts: DemoOptions, device: torch.device, build_s: float = 0.0,
-                 model: Any = None) -> str:
+                 model: Any = None, legend: bool = True) -> str:
     """The demo's table: one line per (mode, batch), then what the columns mean."""
     lines = [
         f"graphsafe demo on {_device_name(device)}: prompt {opts.prompt_len} tokens, {opts.steps} greedy steps "
@@ -555,7 +666,10 @@ def format_table(rows: Sequence[Row], opts: DemoOptions, device: torch.device, b
     ]
     if model is not None:
         lines.append(f"model: {_describe(model)}")
-    header = " ".join(f"{name:<{w}}" if w else name for name, w in COLUMNS)
+    parallel = any(r.allreduce_ms is not None for r in rows)
+    columns = COLUMNS[:-1] + ([("all-reduce ms (share)", 21), ("picks = one-device eager", 0)] if parallel
+                              else COLUMNS[-1:])
+    header = " ".join(f"{name:<{w}}" if w else name for name, w in columns)
     lines += [header, "-" * len(header)]
     for r in rows:
         if r.step_ms is None:
@@ -567,9 +681,14 @@ def format_table(rows: Sequence[Row], opts: DemoOptions, device: torch.device, b
             "-" if r.graph_breaks is None else str(r.graph_breaks),
             "-" if r.recompiles is None else str(r.recompiles),
             _pair(r.syncs_fwd, r.syncs_step), _pair(r.allocs_fwd, r.allocs_step),
-            "-" if r.setup_s is None else f"{r.setup_s:.1f}", r.agree,
+            "-" if r.setup_s is None else f"{r.setup_s:.1f}",
         ]
-        lines.append(" ".join(f"{c:<{w}}" if w else c for c, (_, w) in zip(cells, COLUMNS)))
+        if parallel:
+            cells.append("-" if r.allreduce_ms is None else f"{r.allreduce_ms:.3f} ({r.allreduce_ms / r.step_ms:.0%})")
+        cells.append(r.agree)
+        lines.append(" ".join(f"{c:<{w}}" if w else c for c, (_, w) in zip(cells, columns)))
+    if not legend:
+        return "\n".join(lines)
     lines += [
         "",
         "step ms: median wall time of a whole step (metadata build, forward with greedy argmax, state advance,",
@@ -584,6 +703,13 @@ def format_table(rows: Sequence[Row], opts: DemoOptions, device: torch.device, b
         "  ulps); \"NO\" counts the flips that are not. Graphs replay the compiled kernels: at a bucket's own",
         "  batch size, picks equal compiled's.",
     ]
+    if parallel:
+        lines += [
+            "Tensor parallel: every mode, eager included, is fed and compared with the picks of a one-device",
+            "  model of the same weights run eagerly on each rank. all-reduce ms: the step's all-reduces (two a",
+            "  layer, [batch, hidden]) timed alone, eagerly or replayed from a CUDA graph as the mode runs them,",
+            "  and their share of the step's median.",
+        ]
     return "\n".join(lines)
 
 

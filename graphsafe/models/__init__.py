@@ -11,11 +11,17 @@
         logits = model.decode_step(inputs)                  # compiles fullgraph, captures
         model.advance(state, tokens)
         tokens = logits.argmax(-1)
+
+Tensor parallelism (one process per rank, e.g. under torchrun; see `models.parallel`):
+
+    tp = TensorParallel.from_process_group()             # after init_process_group
+    model, _ = build_demo_model(device, tp=tp)           # this rank's shard
 """
 
 from graphsafe.models.config import ModelConfig
 from graphsafe.models.demo import DEMO_HF_CONFIG, build_demo_model, build_hf_model, demo_hf_config
 from graphsafe.models.model import DeepseekV32Model
+from graphsafe.models.parallel import TensorParallel
 from graphsafe.models.state import HostState
 from graphsafe.models.weights import convert_state_dict, hf_param_shapes, random_hf_state_dict
 
@@ -24,6 +30,7 @@ __all__ = [
     "DeepseekV32Model",
     "HostState",
     "ModelConfig",
+    "TensorParallel",
     "build_demo_model",
     "build_hf_model",
     "convert_state_dict",

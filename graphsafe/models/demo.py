@@ -49,7 +49,7 @@ DEMO_HF_CONFIG: dict[str, Any] = {
 }
 
 # Keyword arguments of DeepseekV32Model.from_hf_state_dict (the rest are config fields).
-_MODEL_KWARGS = ("max_batch", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens")
+_MODEL_KWARGS = ("max_batch", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens", "tp")
 _EXTRA_FIELDS = ("index_scale_fmt", "prefill_fp8")
 
 
@@ -86,7 +86,8 @@ def build_demo_model(
     `overrides`: transformers config fields (e.g. `index_topk=64`, `num_hidden_layers=4`),
     `ModelConfig` extras (`index_scale_fmt`, `prefill_fp8`) and model sizes
     (`max_batch` default 8, `max_model_len` default 256, `block_size` default 16,
-    `num_blocks`, `max_num_batched_tokens`). `with_hf`: build the transformers model
+    `num_blocks`, `max_num_batched_tokens`, and `tp`, a `TensorParallel` for one rank's
+    shard). `with_hf`: build the transformers model
     (on the CPU); None means "if transformers is importable".
     """
     model_kwargs = {"max_batch": 8, "max_model_len": 256, "block_size": 16}

@@ -34,6 +34,7 @@ from torch import nn
 from graphsafe.metadata import DecodeInputs, DecodeMetadataBuilder, PrefillMetadata, build_prefill
 from graphsafe.models.config import ModelConfig
 from graphsafe.models.layers import quant_fp8_per_head, rms_norm, silu_mul
+from graphsafe.models.parallel import TensorParallel, local_config, shard_tensors
 from graphsafe.models.rope import apply_half, apply_interleaved, rope_tables
 from graphsafe.models.state import HostState
 from graphsafe.models.weights import convert_state_dict
@@ -70,7 +71,12 @@ class _Layer(nn.Module):
 
 class DeepseekV32Model(nn.Module):
     """The model plus its paged caches (latent MLA cache and indexer K cache per layer),
-    the shared top-k buffer and the decode metadata builder's persistent inputs."""
+    the shared top-k buffer and the decode metadata builder's persistent inputs.
+
+    With `tp` (a `graphsafe.models.parallel.TensorParallel` of size > 1) this is one
+    rank's shard: `tensors` are the full model's, sliced here; `cfg` is then this rank's
+    config (its heads and MLP width divided by the group size) and `full_cfg` the whole
+    model's. Every rank runs the same calls in the same order (the all-reduces pair up)."""
 
     def __init__(
         self,
@@ -84,8 +90,13 @@ class DeepseekV32Model(nn.Module):
         block_size: int = 64,
         num_blocks: int | None = None,
         max_num_batched_tokens: int = 8192,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
+        self.tp = tp if tp is not None else TensorParallel()
+        self.full_cfg = cfg
+        tensors = shard_tensors(cfg, tensors, self.tp)
+        cfg = local_config(cfg, self.tp)
         if cfg.index_head_dim % 16:
             raise ValueError(f"index_head_dim must be a multiple of 16 (fp8 indexer ops), got {cfg.index_head_dim}")
         if cfg.qk_rope_head_dim % 2:
@@ -153,13 +164,15 @@ class DeepseekV32Model(nn.Module):
         block_size: int = 64,
         num_blocks: int | None = None,
         max_num_batched_tokens: int = 8192,
+        tp: TensorParallel | None = None,
         **config_extra,
     ) -> DeepseekV32Model:
         """Load a transformers `DeepseekV32ForCausalLM` state dict (dense MLP layers).
 
         `hf_config`: its `DeepseekV32Config` (or a dict of the same fields);
         `config_extra`: `ModelConfig` fields not in it (`index_scale_fmt`, `prefill_fp8`).
-        `max_model_len` defaults to `min(max_position_embeddings, 4096)`.
+        `max_model_len` defaults to `min(max_position_embeddings, 4096)`. `tp`: load
+        this rank's shard of the same full state dict (see `graphsafe.models.parallel`).
         """
         cfg = ModelConfig.from_hf(hf_config, **config_extra)
         if max_model_len is None:
@@ -175,6 +188,7 @@ class DeepseekV32Model(nn.Module):
             block_size=block_size,
             num_blocks=num_blocks,
             max_num_batched_tokens=max_num_batched_tokens,
+            tp=tp,
         )
 
     # -- host bookkeeping ----------------------------------------------------------------
@@ -304,9 +318,14 @@ class DeepseekV32Model(nn.Module):
 
     def _mlp_block(self, layer: _Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         _, eps, _ = self._floats()
-        x = x + F.linear(attn, layer.w_o, layer.b_o)
+        tp = self.tp
+        if tp.size == 1:
+            x = x + F.linear(attn, layer.w_o, layer.b_o)
+        else:  # row-parallel o_proj: partial sums over this rank's heads; the bias once, after
+            o = tp.all_reduce(F.linear(attn, layer.w_o))
+            x = x + (o if layer.b_o is None else o + layer.b_o)
         h = rms_norm(x, layer.post_norm, eps)
-        return x + F.linear(silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down)
+        return x + tp.all_reduce(F.linear(silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         _, eps, _ = self._floats()
