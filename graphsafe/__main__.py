@@ -184,6 +184,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except demo.DemoError as err:
         print(f"demo: {err}", file=sys.stderr)
         return 2
+    finally:
+        if opts.tp > 1:  # the process group --tp started (the command owns its process)
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
     return demo.exit_code(rows)
 
 
