@@ -18,7 +18,9 @@ takes the tensors only, in the order they appear among `args`:
 
 A call costs one `data_ptr()` per tensor, an alignment test, the current stream and the C
 launcher with plain integers for pointers (Inductor and vLLM launch their compiled
-kernels the same way). The first call goes through `kernel[grid]` (compiling if needed)
+kernels the same way). On a Triton whose launcher this module has read (3.6), the C
+launch function is called directly, skipping the Python `__call__` of Triton's
+`CudaLauncher` (about 1 us a launch): see `direct_c_launch`. The first call goes through `kernel[grid]` (compiling if needed)
 and keeps the compiled kernel it returns; later calls launch that handle directly.
 Triton specialises a kernel on which pointers are 16-byte aligned, so handles are kept
 per alignment pattern: the all-aligned one is the hot path, a view at an odd offset gets
@@ -102,6 +104,33 @@ def compiled_handle(compiled: Any) -> tuple[Callable, Any, Any] | None:
         return None
 
 
+# Triton releases whose `CudaLauncher.__call__(gridX, gridY, gridZ, stream, function,
+# *args)` was read: with no global or profile scratch (sizes 0) and GSan off, it only
+# calls its C `launch(gridX, gridY, gridZ, stream, function, cooperative, pdl,
+# global_scratch, profile_scratch, *args)` with None scratch. Other releases (3.9 passes
+# the launch metadata and signature separately) keep the launcher's `__call__`.
+_DIRECT_C_LAUNCH_RELEASES = ("3.6.",)
+_LAUNCHER_CALL_PARAMS = ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+
+
+def direct_c_launch(run: Any) -> tuple[Callable, tuple[Any, ...]] | None:
+    """(C launch function, the arguments it takes between `function` and the packed
+    metadata) for a compiled kernel's `run` (its launcher) when calling the C function
+    directly is what `run` would do; None otherwise (the launcher is then called)."""
+    try:
+        import triton
+
+        if not triton.__version__.startswith(_DIRECT_C_LAUNCH_RELEASES) or type(run).__name__ != "CudaLauncher":
+            return None
+        if list(inspect.signature(type(run).__call__).parameters) != _LAUNCHER_CALL_PARAMS:
+            return None
+        if run.global_scratch_size or run.profile_scratch_size or getattr(run, "gsan_enabled", False):
+            return None
+        return run.launch, (bool(run.launch_cooperative_grid), bool(run.launch_pdl), None, None)
+    except Exception:  # noqa: BLE001 - anything unexpected: call the launcher
+        return None
+
+
 class LaunchState:
     """What a bound launch did so far (tests and the bench read it).
 
@@ -111,6 +140,11 @@ class LaunchState:
     """
 
     __slots__ = ("kernel", "grid", "num_tensors", "plain_calls", "_ns")
+
+    @property
+    def direct(self) -> bool:
+        """Whether the fast path calls Triton's C launch function directly."""
+        return self.fast and self._ns.get("DIRECT", False)
 
     def __init__(self, kernel: Any, grid: tuple[int, int, int], num_tensors: int, ns: dict[str, Any]) -> None:
         self.kernel = kernel
@@ -191,7 +225,7 @@ def launch({ts}):
     if RUN is None or ({any_misaligned}) & 15 or HOOKS() or CURRENT_DEVICE() != DEVICE:
         return slow({ts}{", " if n else ""}{ps})
     try:  # free when nothing is raised (zero-cost exceptions)
-        RUN(G0, G1, G2, STREAM(DEVICE), FUNC, PACKED, None, None, None, {fast_args})
+        RUN(G0, G1, G2, STREAM(DEVICE), FUNC, *HEAD, {fast_args})
     except UNADOPTABLE:
         return plain({ts})
 """
@@ -228,7 +262,11 @@ def launch({ts}):
         ns["HANDLES"][mask] = handle  # None: this mask stays plain (one try)
         if handle is None or mask != all_aligned:
             return
-        run = handle[0]
+        run, head = handle[0], (handle[2], None, None, None)  # packed metadata, launch metadata, hooks
+        direct = direct_c_launch(run)
+        if direct is not None:
+            run, head = direct[0], (*direct[1], *head)
+        ns["DIRECT"] = direct is not None
 
         def run_first(*launch_args: Any) -> None:
             ns["RUN"] = None  # until this first fast launch went through
@@ -239,7 +277,7 @@ def launch({ts}):
                 raise _Unadoptable from None
             ns["RUN"] = run
 
-        ns["FUNC"], ns["PACKED"] = handle[1], handle[2]
+        ns["FUNC"], ns["HEAD"] = handle[1], head
         ns["RUN"] = run_first
 
     ns["ADOPT"], ns["REFUSED"] = adopt, refused
@@ -282,3 +320,23 @@ def bind(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> Launch:
             keywords[name] = value
         full_args.append(value)
     return _make_launch(kernel, _grid3(grid), full_args, tensor_slots, len(args), keywords, device)
+
+
+def output_allocator(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Callable[[], torch.Tensor]:
+    """A function returning a new uninitialised contiguous tensor of `shape` on each call.
+
+    Runners allocate their outputs with it: `torch.empty_strided` with the strides worked
+    out once costs about 1 us less a call than `torch.empty(shape, dtype=, device=)` (H200
+    host, Triton 3.6), which re-derives them."""
+    shape = tuple(int(s) for s in shape)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    strides = tuple(reversed(strides))
+    empty_strided = torch.empty_strided
+
+    def new_output() -> torch.Tensor:
+        return empty_strided(shape, strides, dtype=dtype, device=device)
+
+    return new_output

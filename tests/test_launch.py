@@ -187,3 +187,34 @@ def test_a_run_that_refuses_its_arguments_reverts_to_the_plain_launch(monkeypatc
         launch(x, y, out)
     assert len(compiled.calls) == 1, "one refused try, then never again"
     assert len(kernel.plain) == 4 and not launch.state.fast
+
+
+def test_direct_c_launch_only_for_a_launcher_whose_call_was_read(monkeypatch):
+    """`direct_c_launch` takes a launcher's C function only where Triton's `__call__` is
+    the one read (3.6's signature, no scratch, no GSan); anything else keeps `__call__`."""
+    import triton
+
+    from graphsafe.launch import direct_c_launch
+
+    class CudaLauncher:  # the shape of Triton 3.6's launcher
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __init__(self):
+            self.launch = object()
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            raise AssertionError("not called")
+
+    run = CudaLauncher()
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert direct_c_launch(run) == (run.launch, (False, True, None, None))
+    monkeypatch.setattr(triton, "__version__", "3.9.0")  # its launcher takes other arguments
+    assert direct_c_launch(run) is None
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    run.gsan_enabled = True
+    assert direct_c_launch(run) is None
+    run.gsan_enabled = False
+    run.global_scratch_size = 64
+    assert direct_c_launch(run) is None
+    assert direct_c_launch(lambda *a: None) is None

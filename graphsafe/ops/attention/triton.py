@@ -15,6 +15,7 @@ import torch
 
 from graphsafe.device_info import compute_capability
 from graphsafe.fake_impls.attention import FP8, output_dtype
+from graphsafe.launch import output_allocator
 from graphsafe.ops.attention import reference
 from graphsafe.ops.attention._triton_decode import bind_combine, bind_paged_decode
 from graphsafe.ops.attention._triton_prefill import bind_varlen
@@ -62,10 +63,11 @@ def prepare_paged_attention_decode(
     b, hq, _ = q.shape
     _, block_size, hk, dv = v_cache.shape
     shape, dtype, device = (b, hq, dv), q.dtype, q.device
+    new_out = output_allocator(shape, dtype, device)
 
     if b == 0 or hq == 0:
         def run_empty(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
-            return torch.empty(shape, dtype=dtype, device=device)
+            return new_out()
 
         return run_empty
 
@@ -75,7 +77,7 @@ def prepare_paged_attention_decode(
     decode = bind_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, decode_config(device))
     if num_splits == 1:
         def run(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
-            out = torch.empty(shape, dtype=dtype, device=device)
+            out = new_out()
             if not kv_fp8:
                 k_scale = v_scale = q  # bf16/fp16 caches read no scale: placeholders
             decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, out, out, out)
@@ -87,7 +89,7 @@ def prepare_paged_attention_decode(
     combine = bind_combine(q, b, hq, dv, num_splits)
 
     def run_split(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
-        out = torch.empty(shape, dtype=dtype, device=device)
+        out = new_out()
         part_o, part_lse = current_workspace_manager(device).get_simultaneous(*specs, owner=DECODE_OWNER)
         if not kv_fp8:
             k_scale = v_scale = q
@@ -211,10 +213,11 @@ def prepare_flash_attn_varlen(
         # No fp8 matrix units (or no working fp8 codegen): the slow, exact PyTorch path.
         return reference.flash_attn_varlen
     shape, dtype = (tq, hq, dv), output_dtype(q.dtype)
+    new_out = output_allocator(shape, dtype, device)
     if tq * hq * dv == 0:
         def run_empty(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                       q_descale=None, k_descale=None, v_descale=None, fp8="off"):
-            return torch.empty(shape, dtype=dtype, device=device)
+            return new_out()
 
         return run_empty
 
@@ -231,7 +234,7 @@ def prepare_flash_attn_varlen(
 
         def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                 q_descale=None, k_descale=None, v_descale=None, fp8="off"):
-            out = torch.empty(shape, dtype=dtype, device=device)
+            out = new_out()
             zero_tail(out, cu_seqlens_q, out)
             if attend is not None:
                 attend(q, k, v, out, cu_seqlens_q, cu_seqlens_k, q, q, q)  # no descales: placeholders
@@ -254,7 +257,7 @@ def prepare_flash_attn_varlen(
 
         def run_quantised(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                           q_descale=None, k_descale=None, v_descale=None, fp8="off"):
-            out = torch.empty(shape, dtype=dtype, device=device)
+            out = new_out()
             vt, k8, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
             quantise(q, k, v, cu_seqlens_q, out, k8, vt, scales)
             if attend is not None:
@@ -273,7 +276,7 @@ def prepare_flash_attn_varlen(
 
     def run_fp8_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                        q_descale=None, k_descale=None, v_descale=None, fp8="off"):
-        out = torch.empty(shape, dtype=dtype, device=device)
+        out = new_out()
         vt, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
         quantise(q, k, v, cu_seqlens_q, out, None, vt, scales)
         if attend is not None:

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from graphsafe.device_info import compute_capability, num_sms
-from graphsafe.launch import bind
+from graphsafe.launch import bind, output_allocator
 from graphsafe.ops.fp8_bits import e4m3_bits, e4m3_bytes_to_f16, round_to_e4m3
 from graphsafe.registry import prepared
 
@@ -341,9 +341,10 @@ def prepare_fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
     m, n = q.shape[0], k.shape[0]
     device = q.device
     fill = _mqa_logits_runner(q, k, k_scale, weights, n, None, None, True)  # a fresh [M, N] output
+    new_out = output_allocator((m, n), torch.float32, device)
 
     def run(q, k, k_scale, weights, ks, ke):
-        out = torch.empty((m, n), dtype=torch.float32, device=device)
+        out = new_out()
         fill(out, q, k, k_scale, weights, ks, ke)
         return out
 
@@ -541,9 +542,10 @@ def prepare_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table
     b, next_n = q.shape[:2]
     device = q.device
     fill = _paged_mqa_logits_runner(q, kv_cache, weights, block_table, max_model_len, max_model_len, None, None, True)
+    new_out = output_allocator((b * next_n, max_model_len), torch.float32, device)
 
     def run(q, kv_cache, weights, context_lens, block_table, max_model_len):
-        out = torch.empty((b * next_n, max_model_len), dtype=torch.float32, device=device)
+        out = new_out()
         fill(out, q, kv_cache, weights, context_lens, block_table, max_model_len)
         return out
 
@@ -618,8 +620,10 @@ def prepare_req_local_to_global_slots(req_id_per_token, block_table, topk_indice
         BS=block_size, BLOCK_K=block_k, LAST_BLOCK_ID=2**31 // block_size - 1, num_warps=4,
     )
 
+    new_out = output_allocator((t, k), torch.int32, device)
+
     def run(req_id_per_token, block_table, topk_indices, block_size):
-        out = torch.empty((t, k), dtype=torch.int32, device=device)
+        out = new_out()
         launch(req_id_per_token, block_table, topk_indices, out)
         return out
 

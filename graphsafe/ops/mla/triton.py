@@ -64,7 +64,7 @@ import triton.language as tl
 from triton.runtime import OutOfResources
 
 from graphsafe.backends import triton_interpreter_enabled
-from graphsafe.launch import bind
+from graphsafe.launch import bind, output_allocator
 from graphsafe.ops.mla.splits import KernelConfig, forced_plan, max_shared_memory, partial_specs, plan_launch
 from graphsafe.registry import prepared
 from graphsafe.workspace import current_workspace_manager
@@ -467,11 +467,11 @@ def _prepare(
     rows, num_heads, head_dim = q.shape
     r, p = kv_lora_rank, head_dim - kv_lora_rank
     device, dtype = q.device, q.dtype
-    out_shape, lse_shape = (rows, num_heads, r), (rows, num_heads)
-    f32, empty = torch.float32, torch.empty
+    new_out = output_allocator((rows, num_heads, r), dtype, device)
+    new_lse = output_allocator((rows, num_heads), torch.float32, device)
     if rows == 0 or num_heads == 0:
         def nothing(q, kv_cache, key_map, lens):
-            return empty(out_shape, dtype=dtype, device=device), empty(lse_shape, dtype=f32, device=device)
+            return new_out(), new_lse()
 
         return nothing
     cfg, plan = plan_launch(rows, num_heads, kv_capacity, device, config)
@@ -523,8 +523,7 @@ def _prepare(
 
     if not split:
         def attend(q, kv_cache, key_map, lens):
-            out = empty(out_shape, dtype=dtype, device=device)
-            lse = empty(lse_shape, dtype=f32, device=device)
+            out, lse = new_out(), new_lse()
             attention(q, kv_cache, key_map, lens, out, lse, out, lse)  # partials untouched (SPLIT off)
             return out, lse
 
@@ -532,8 +531,7 @@ def _prepare(
     combine = _combine_launch(rows, num_heads, r, plan.num_splits, (ph, ph, ph, ph))
 
     def attend_split(q, kv_cache, key_map, lens):
-        out = empty(out_shape, dtype=dtype, device=device)
-        lse = empty(lse_shape, dtype=f32, device=device)
+        out, lse = new_out(), new_lse()
         pout, plse = current_workspace_manager(device).get_simultaneous(*specs, owner=op)
         attention(q, kv_cache, key_map, lens, out, lse, pout, plse)
         combine(pout, plse, out, lse)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphsafe.launch import bind
+from graphsafe.launch import bind, output_allocator
 
 
 @triton.jit
@@ -61,9 +61,11 @@ def prepare_build_ragged_indices_from_dense(indices: torch.Tensor, lengths: torc
         fill = bind(_fill_kernel, (n, triton.cdiv(w, block_w)), indices, lengths, indptr, flat, n, w, num_rows,
                     BLOCK_W=block_w)
 
+    new_flat = output_allocator((n * w,), torch.int32, device)
+    new_indptr = output_allocator((n + 1,), torch.int32, device)
+
     def run(indices, lengths, num_rows):
-        flat = torch.empty(n * w, dtype=torch.int32, device=device)
-        indptr = torch.empty(n + 1, dtype=torch.int32, device=device)
+        flat, indptr = new_flat(), new_indptr()
         scan(lengths, indptr)
         if fill is not None:
             fill(indices, lengths, indptr, flat)
