@@ -74,3 +74,50 @@ def compile_for_sm90():
         return proc.stdout
 
     return run
+
+
+AITER_STANDIN_DIR = os.path.join(os.path.dirname(__file__), "aiter_standin")
+_AITER_ADAPTERS = ("graphsafe.ops.mla.aiter", "graphsafe.ops.attention.aiter", "graphsafe.ops.indexer.aiter",
+                   "graphsafe.ops.topk.aiter")
+
+
+def _purge_aiter_modules():
+    import sys
+
+    for name in [m for m in sys.modules if m == "aiter" or m.startswith("aiter.")]:
+        del sys.modules[name]
+
+
+def _clear_adapter_caches():
+    """The adapters' functools caches (aiter functions and types they looked up)."""
+    import importlib
+
+    for module_name in _AITER_ADAPTERS:
+        module = importlib.import_module(module_name)
+        for value in vars(module).values():
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
+
+
+@pytest.fixture
+def aiter_standin(monkeypatch):
+    """`aiter = aiter_standin("gfx942")`: the stand-in aiter package (tests/aiter_standin)
+    imported as `aiter` for that architecture, graphsafe's architecture probe answering
+    it; the adapters' caches are cleared before and after, the modules removed after."""
+    import graphsafe.backends
+
+    def install(arch: str):
+        monkeypatch.setenv("AITER_STANDIN_ARCH", arch)
+        monkeypatch.syspath_prepend(AITER_STANDIN_DIR)
+        _purge_aiter_modules()
+        _clear_adapter_caches()
+        import aiter
+
+        assert aiter.__file__.startswith(AITER_STANDIN_DIR), aiter.__file__
+        monkeypatch.setattr(graphsafe.backends, "rocm_arch", lambda device=None: arch)
+        monkeypatch.setattr(graphsafe.backends, "compute_units", lambda device=None: aiter.get_cu_num())
+        return aiter
+
+    yield install
+    _purge_aiter_modules()
+    _clear_adapter_caches()
