@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphsafe
-from graphsafe import registry
 from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
 from graphsafe.ops.mla import reference as ref
 from graphsafe.ops.mla import splits
@@ -655,110 +654,6 @@ def test_kernel_config_tiles_are_legal_dot_shapes():
             cfg = splits.kernel_config(heads, dev)
             assert cfg.block_h >= 16 and cfg.block_n >= 16
             assert cfg.block_h & (cfg.block_h - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0
-
-
-# -- the aiter adapter's plumbing, against a stand-in module with aiter's documented API --
-def _fake_aiter(calls: dict):
-    """`aiter` stand-in: the documented signatures; mla_decode_fwd attends over the CSR
-    (kv_indptr, kv_indices) it is given and, like aiter's reduce, leaves NaN in empty rows."""
-    import types
-
-    def get_mla_metadata_info_v1(batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse,
-                                 fast_mode=True, num_kv_splits=32, intra_batch_mode=False):
-        calls["info"] = (batch_size, max_seqlen_qo, num_head_qo, q_dtype, kv_dtype, is_sparse)
-        return ((2, torch.uint64), (5, torch.int32), ((7, 8), torch.int32), (batch_size + 1, torch.int32),
-                ((batch_size, 2), torch.int32), (9, torch.int32))
-
-    def get_mla_metadata_v1(seqlens_qo_indptr, seqlens_kv_indptr, kv_last_page_lens, num_heads_per_head_k, num_heads_k,
-                            is_causal, work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr, reduce_final_map,
-                            reduce_partial_map, page_size=1, kv_granularity=16, max_seqlen_qo=-1, uni_seqlen_qo=-1,
-                            fast_mode=True, topk=-1, max_split_per_batch=-1, intra_batch_mode=False, dtype_q=None, dtype_kv=None):
-        calls["meta"] = {
-            "heads": num_heads_per_head_k, "kv_heads": num_heads_k, "page_size": page_size, "dtype_q": dtype_q,
-            "shapes": [tuple(t.shape) for t in (work_metadata_ptrs, work_info_set, work_indptr, reduce_indptr)],
-        }
-
-    def mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, page_size=1,
-                       nhead_kv=1, sm_scale=None, logit_cap=0.0, num_kv_splits=None, num_kv_splits_indptr=None,
-                       work_meta_data=None, work_indptr=None, work_info_set=None, reduce_indptr=None,
-                       reduce_final_map=None, reduce_partial_map=None, q_scale=None, kv_scale=None,
-                       intra_batch_mode=False, return_logits=False, return_lse=False):
-        assert kv_buffer.dim() == 4 and page_size == 1 and max_seqlen_q == 1 and return_lse
-        calls.setdefault("persistent", []).append(work_meta_data is not None)
-        rows = kv_buffer.reshape(-1, kv_buffer.shape[-1])
-        lses = []
-        for i in range(q.shape[0]):
-            ids = kv_indices[int(kv_indptr[i]) : int(kv_indptr[i + 1])].long()
-            out, lse = _attend_rows(q[i], rows[ids], sm_scale, o.shape[2])
-            if ids.numel() == 0:
-                out = torch.full_like(out, float("nan"))
-            o[i] = out.to(o.dtype)
-            lses.append(lse.float())
-        return None, torch.stack(lses)
-
-    aiter = types.ModuleType("aiter")
-    mla = types.ModuleType("aiter.mla")
-    aiter.get_mla_metadata_info_v1, aiter.get_mla_metadata_v1 = get_mla_metadata_info_v1, get_mla_metadata_v1
-    mla.mla_decode_fwd = mla_decode_fwd
-    aiter.mla = mla
-    return aiter, mla
-
-
-@pytest.mark.parametrize("op", ["mla_decode", "sparse_mla"])
-def test_aiter_adapter_builds_the_csr_and_call_aiter_documents(op, monkeypatch):
-    import sys
-
-    from graphsafe.ops.mla import aiter as adapter
-
-    calls: dict = {}
-    fake, fake_mla = _fake_aiter(calls)
-    monkeypatch.setitem(sys.modules, "aiter", fake)
-    monkeypatch.setitem(sys.modules, "aiter.mla", fake_mla)
-    params = {"R": 512, "P": 64, "H": 16, "dtype": torch.bfloat16, "strided": False}
-    if op == "mla_decode":
-        shape = {**cases.EXAMPLE_DECODE, **params, "B": 4, "max_blocks": 3}
-        q, kv, _, _, scale, r = graphsafe.get_op(op).case.inputs(shape, CPU, 11)
-        lens = torch.tensor([5, 0, 12, 1], dtype=torch.int32)  # an empty request: aiter leaves NaN there
-        table = cases.make_block_table(shape, lens, kv.shape[0], torch.Generator().manual_seed(1))
-        args = (q, kv, table, lens, scale, r)
-        out, lse = adapter.mla_decode(*args)
-        assert calls["meta"]["heads"] == 16 and calls["meta"]["kv_heads"] == 1 and calls["meta"]["page_size"] == 1
-        assert calls["meta"]["dtype_q"] == torch.bfloat16 and calls["persistent"] == [True]
-        assert calls["meta"]["shapes"] == [(2,), (7, 8), (5,), (5,)], "metadata buffers in aiter's argument order"
-    else:
-        args = graphsafe.get_op(op).case.inputs({**cases.EXAMPLE_SPARSE, **params, "T": 3, "K": 20}, CPU, 12)
-        args[2][1] = -1
-        out, lse = adapter.sparse_mla(*args)
-        assert calls["persistent"] == [False]
-    expected = C.run_backend(graphsafe.get_op(op), "reference", args)
-    _check(expected, (out, lse))
-    # One prepared runner serves repeated calls (the metadata sizes asked once).
-    run = getattr(adapter, f"prepare_{op}")(*args)
-    for _ in range(2):
-        _check(expected, run(*C.clone_args(args)))
-    # fp16 and other head counts have no aiter kernel: its `supports` refuses them, and
-    # the registry hands them to the next backend (Triton, which runs on ROCm); aiter's
-    # workspace function sizes only what it serves.
-    spec = graphsafe.get_op(op)
-    small = spec.case.inputs(spec.case.example, CPU, 13)
-    supports = getattr(adapter, f"{op}_supports")
-    assert supports(*args) and not supports(*small)
-    monkeypatch.setattr(registry, "backend_available", lambda backend, device_type: True)
-    monkeypatch.setattr(registry, "AUTO_ORDER", {"cpu": ("aiter", "triton", "reference")})
-    with graphsafe.use_backend(None):  # fresh signature tables, here and on exit
-        assert spec.selection_order("cpu") == ["aiter", "triton"]
-        assert spec.serving_backend("cpu", *args) == "aiter" and spec.serving_backend("cpu", *small) == "triton"
-        calls.clear()
-        _check(expected, spec.overload(*C.clone_args(args)))
-        assert calls["persistent"] == [op == "mla_decode"], "the dispatcher ran aiter"
-        calls.clear()
-        _check(C.run_backend(spec, "reference", small), spec.overload(*C.clone_args(small)))
-        assert "persistent" not in calls, "Triton served the shapes aiter has no kernel for"
-        helper = mla_decode_workspace_specs if op == "mla_decode" else sparse_mla_workspace_specs
-        rows, heads, width = small[0].shape[0], small[0].shape[1], small[2].shape[1]
-        shape = (rows, heads, small[-1], width * small[1].shape[1] if op == "mla_decode" else width)
-        assert helper(*shape, device="cpu", backend="aiter", dtype=small[0].dtype) == []
-        assert helper(*shape, device="cpu", dtype=small[0].dtype) == helper(*shape, device="cpu", backend="triton")
 
 
 # -- GPU compilation, without a GPU ------------------------------------------------

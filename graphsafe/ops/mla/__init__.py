@@ -11,8 +11,9 @@ size is a function of shapes only (`mla_decode_workspace_specs`,
 `sparse_mla_workspace_specs`, see `splits.py` for why never of sequence lengths).
 
 Backends: `triton` (`prepare_*` bind the kernels to a call signature once), `aiter` on
-ROCm for the shapes it has kernels for (its `supports` predicates hand the rest to
-Triton), `reference`. Each record names its own worst-case workspace function.
+ROCm gfx942 / gfx950 for the shapes it has kernels for (its `supports` predicates hand
+the rest to Triton; aiter allocates its own split buffers, see `graphsafe.ops.mla.aiter`),
+`reference`. Each record names its own worst-case workspace function.
 """
 
 from __future__ import annotations

@@ -1,52 +1,94 @@
-"""aiter backend of the MLA ops (ROCm): `aiter.mla.mla_decode_fwd`.
+"""aiter backend of the MLA ops (ROCm, gfx942 and gfx950): `aiter.mla.mla_decode_fwd`.
 
-Written against aiter's documented Python API (aiter/mla.py, aiter/ops/attention.py in
-ROCm/aiter) and the way vLLM's ROCm MLA backends call it; it cannot run here (no ROCm):
+Read against aiter v0.1.20-46-ge4048607a5 (ROCm/aiter); it cannot run here (no ROCm).
+Both ops call `mla_decode_fwd` the way vLLM's ROCm MLA backends do (token-granular
+paging, `page_size=1`, `kv_buffer = kv_cache.view(-1, 1, 1, 576)`, every row one query
+token), in its NON-persistent mode, on gfx942 and gfx950 alike:
 
-* `mla_decode`: token-granular paging (page_size 1, as vLLM's AiterMLABackend does):
-  `kv_indices` holds the cache slot of every valid token of every request, in CSR
-  form (`kv_indptr` = [0, cumsum(seq_lens)]); the persistent split schedule comes from
-  `get_mla_metadata_v1` (buffer shapes from `get_mla_metadata_info_v1`), and the call is
-  `mla_decode_fwd(..., work_meta_data=..., reduce_*=..., return_lse=True)`.
-* `sparse_mla`: every token is its own "request" with the valid entries of its index row
-  as `kv_indices` (vLLM's ROCMAiterMLASparseImpl), non-persistent `mla_decode_fwd`.
+* `mla_decode`: row b's keys are the valid positions of its block table (below
+  `clamp(seq_lens[b], 0, capacity)`, block id in `[0, num_blocks)`), in position order.
+* `sparse_mla`: token t's keys are its index entries in `[0, num_slots)`, in entry order
+  (a repeated slot counts once per occurrence).
 
-Our scratch (indptrs, indices, metadata) comes from the workspace manager; aiter's
-`mla_decode_fwd` allocates its own split buffers (`logits`, `attn_lse`) with torch.empty,
-which we cannot route through the workspace. Rows without a valid key are forced to
-out 0 / lse -inf afterwards (aiter's reduce divides 0 by 0 there).
+Why this call:
+* Persistent mode (`work_meta_data` from `get_mla_metadata_v1`) with `return_lse=True`
+  needs a bf16 kernel with lse=1, and gfx942 ships none: `hsa/gfx942/mla/mla_asm.csv` has
+  lse=1 rows for fp8 only, so `csrc/py_itfs_cu/asm_mla.cu:get_heuristic_kernel_mla` raises
+  "cannot get heuristic kernel!" on every bf16 call (H=128 too: aiter/mla.py:mla_decode_fwd
+  folds it to 16 heads first). Non-persistent mode never asks for an lse kernel
+  (asm_mla.cu:mla_decode_stage1_asm_fwd: `lse_flag = lse != nullptr && persistent`); its
+  LSE comes from the Triton reduce `aiter/mla.py:_fwd_kernel_stage2_asm`, in natural log.
+* The split count `n` is ours, never aiter's `get_meta_param` (aiter/mla.py): that one
+  allocates its `num_kv_splits_indptr` on the current device once per lru-cache key (inside
+  a graph capture: from the capture's pool) and may pick `n = 1`, and with one split
+  `_fwd_kernel_stage2_asm` takes its FINAL_OUT branch for H=128 (`MAYBE_FINAL_OUT`), a copy
+  that never stores `final_lse` (left `torch.empty` garbage). We pass both `num_kv_splits=n`
+  and `num_kv_splits_indptr = [0, n, .., rows * n]` (written into the workspace each
+  call), so `get_meta_param` is skipped (aiter/mla.py:mla_decode_fwd calls it only when
+  either is None). `n = min(16, max(2, ceil(2 * CUs / rows)))`: stage 1 runs
+  `rows * n` workgroups (asm_mla.cu grid `(1, bs, kv_split)` for H 16 and 128), about two
+  per CU, at least the 2 splits that make the reduce write the LSE, at most the 16
+  `get_meta_param` itself would consider. From shapes alone (graph-stable).
+* Rows without a valid key: aiter's reduce gives out 0/0 = NaN and lse -inf; a small
+  kernel then writes out 0 and lse -inf into those rows (`aiter_csr.bind_mask_empty`).
 
-Inputs aiter has no kernel for (fp16, head dims other than 512 + 64, H not 16 or 128,
-a cache whose blocks are not contiguous) go to the Triton backend, which runs on ROCm:
-`mla_decode_supports` / `sparse_mla_supports` refuse them, and the registry picks the
-next backend once per signature (this module never imports the Triton backend). The
-`prepare_*` functions fix the workspace specs (aiter's metadata sizes are a host call)
-and the block table's token positions once per signature.
+Our scratch (the token CSR `qo_indptr / kv_indptr / kv_indices / kv_last_page_lens`, the
+splits indptr, the per-chunk counts) comes from the workspace manager and is written by
+the Triton kernels of `aiter_csr`, bound once per signature in `prepare_*`. What aiter
+allocates itself per call with `torch.empty`/`torch.full` (non-persistent path of
+aiter/mla.py:mla_decode_fwd), outside graphsafe's workspace: `logits` float32
+`[rows, n, H, 512]` (n >= 2: never aliased to `out`), `attn_lse` float32
+`[rows, n, H, 1]`, `final_lse` float32 `[rows, H]` (returned as our `lse`), and
+`valid_split_count` int32 `[rows]`. For a large `sparse_mla` prefill that is large
+(`rows * n * H * 2 KiB` of `logits`: 8 GiB for 16384 tokens at H=128).
 
-Not verified here (no ROCm device): that the `lse` aiter returns is in natural log (its
-Triton stage-2 reduce uses `exp`/`log`), the keyword names across aiter versions (we pass
-only the keywords the installed functions accept), and the handling of a zero-length
-request by `get_mla_metadata_v1`.
+Signatures aiter has no kernel for with our semantics go to the Triton backend (which
+runs on ROCm): `mla_decode_supports` / `sparse_mla_supports` decline them and the
+registry picks the next backend once per signature. aiter serves: an architecture the
+capability table (`graphsafe.aiter_support`) lists, bf16, head dim 576 with
+kv_lora_rank 512, H 16 or 128 (the non-persistent bf16 kernels of both csv tables:
+gqa 16 and gqa 128), a contiguous q (asm_mla.cu AITER_CHECK `Q->is_contiguous()`; no
+per-call copy), a cache of contiguous blocks of contiguous rows (aiter passes only
+`kv_buffer.stride(0)`, so one slot must be one 576-element row), int32-addressable slots
+and CSR, and an installed `mla_decode_fwd` taking `num_kv_splits`,
+`num_kv_splits_indptr` and `return_lse`.
+
+Not verifiable without an AMD GPU: the numerics of the asm stage-1 kernels (in
+particular NaN/inf propagation, which graphsafe's contract fixes: a NaN in a read input
+must give NaN where the reference gives it), the stage-1 handling of rows with fewer
+keys than splits and of zero-length rows (our masking covers the latter's outputs), and
+whether non-persistent mode with `return_lse=True` works at all on hardware: aiter's
+own test skips its asm baseline for that combination (op_tests/test_mla.py, "The ASM
+decode baseline aborts for these MLA configs when lse is requested"), so this path is
+untested upstream.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 from typing import Any
 
 import torch
 
+from graphsafe import aiter_support, backends
+from graphsafe.ops.mla.aiter_csr import bind_decode_csr, bind_mask_empty, bind_sparse_csr, num_chunks
 from graphsafe.workspace import current_workspace_manager
 
 DEEPSEEK_R, DEEPSEEK_D = 512, 576
 AITER_HEADS = (16, 128)
-
-
-def _aiter() -> Any:
-    import aiter
-
-    return aiter
+# aiter's index arrays are int32 (csr slots, indptrs).
+INT32_LIMIT = 2**31
+# get_meta_param (aiter/mla.py) tries 1..16 splits; 2 is the fewest whose reduce writes the LSE.
+MIN_SPLITS, MAX_SPLITS = 2, 16
+# aiter allocates its split partials itself on every call (fp32 `logits` [rows, n, H, 512]
+# and `attn_lse`, aiter/mla.py:mla_decode_fwd), outside graphsafe's workspace: calls whose
+# partials would exceed this go to Triton (a 16K-token sparse prefill at H = 128 would
+# allocate 8 GiB per call).
+MAX_SPLIT_PARTIAL_BYTES = 256 * 2**20
+# The keywords our call needs from the installed mla_decode_fwd.
+NEEDED_KEYWORDS = frozenset({"num_kv_splits", "num_kv_splits_indptr", "return_lse"})
 
 
 def _mla_decode_fwd() -> Any:
@@ -56,99 +98,94 @@ def _mla_decode_fwd() -> Any:
 
 
 @functools.cache
-def _params(fn: Any) -> frozenset[str] | None:
-    """Keyword names `fn` accepts (None when its signature cannot be read: pass all)."""
+def _takes_split_keywords() -> bool:
+    """Whether the installed `mla_decode_fwd` takes the split count, split indptr and
+    `return_lse` (False when it cannot be imported or its signature cannot be read)."""
     try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return None
-    return frozenset(sig.parameters)
+        params = inspect.signature(_mla_decode_fwd()).parameters
+    except (ImportError, TypeError, ValueError):
+        return False
+    return NEEDED_KEYWORDS <= set(params)
 
 
-def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    accepted = _params(fn)
-    if accepted is not None:
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-    return fn(*args, **kwargs)
+def _shapes_supported(num_heads: int, head_dim: int, kv_lora_rank: int, dtype: torch.dtype) -> bool:
+    deepseek = head_dim == DEEPSEEK_D and kv_lora_rank == DEEPSEEK_R
+    return dtype == torch.bfloat16 and deepseek and num_heads in AITER_HEADS
 
 
-def _supported(num_heads: int, head_dim: int, kv_lora_rank: int, dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and head_dim == DEEPSEEK_D and kv_lora_rank == DEEPSEEK_R and num_heads in AITER_HEADS
+def _usable(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, width: int) -> bool:
+    if not aiter_support.serves(op, q.device):
+        return False
+    rows, heads, d = q.shape
+    num_blocks, block_size = kv_cache.shape[:2]
+    flat_cache = kv_cache.stride(2) == 1 and kv_cache.stride(1) == d and kv_cache.stride(0) == block_size * d
+    return (
+        _shapes_supported(heads, d, kv_lora_rank, q.dtype)
+        and kv_cache.dtype == q.dtype
+        and q.is_contiguous()
+        and flat_cache
+        and num_blocks * block_size < INT32_LIMIT
+        and rows * width < INT32_LIMIT
+        and split_partial_bytes(rows, heads, kv_lora_rank, q.device) <= MAX_SPLIT_PARTIAL_BYTES
+        and _takes_split_keywords()
+    )
 
 
-def _usable(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    d = q.shape[2]
-    flat_cache = kv_cache.stride(1) == d and kv_cache.stride(0) == kv_cache.shape[1] * d
-    return _supported(q.shape[1], d, kv_lora_rank, q.dtype) and flat_cache and "return_lse" in (_params(_mla_decode_fwd()) or {"return_lse"})
+def split_partial_bytes(rows: int, num_heads: int, kv_lora_rank: int, device) -> int:
+    """Bytes of the split partials aiter allocates for one call (fp32 outputs and LSEs)."""
+    return rows * num_kv_splits(rows, device) * num_heads * (kv_lora_rank + 1) * 4
 
 
 def mla_decode_supports(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank) -> bool:
-    """Whether aiter has a kernel for this signature (bf16, 512 + 64, H 16 or 128, a cache of
-    contiguous blocks, an aiter that returns the LSE); the registry hands the other
-    signatures to the next backend (Triton, which runs on ROCm)."""
-    return _usable(q, kv_cache, kv_lora_rank)
+    """Whether aiter serves this signature: the capability table lists q's architecture
+    for `mla_decode`; bf16; head dim 576 with kv_lora_rank 512; H 16 or 128; contiguous
+    q; a cache of contiguous blocks of contiguous rows; slots and `B * capacity` below
+    2**31; aiter's own split partials at most MAX_SPLIT_PARTIAL_BYTES; an `mla_decode_fwd` taking `num_kv_splits`, `num_kv_splits_indptr` and
+    `return_lse`. The registry hands other signatures to the next backend (Triton)."""
+    width = block_table.shape[1] * kv_cache.shape[1]
+    return _usable("mla_decode", q, kv_cache, kv_lora_rank, width)
 
 
 def sparse_mla_supports(q, kv_cache, indices, sm_scale, kv_lora_rank) -> bool:
-    """As `mla_decode_supports`."""
-    return _usable(q, kv_cache, kv_lora_rank)
+    """As `mla_decode_supports`, for `sparse_mla` (`T * K` below 2**31)."""
+    return _usable("sparse_mla", q, kv_cache, kv_lora_rank, indices.shape[1])
 
 
-def _shape(shape: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in shape) if isinstance(shape, (tuple, list)) else (int(shape),)
+def num_kv_splits(rows: int, device: torch.device | str | None) -> int:
+    """The split count passed to aiter: `min(16, max(2, ceil(2 * CUs / rows)))` (module
+    docstring: why at least 2, why at most 16)."""
+    wanted = math.ceil(2 * backends.compute_units(device) / max(rows, 1))
+    return min(MAX_SPLITS, max(MIN_SPLITS, wanted))
 
 
-def _metadata_specs(batch: int, num_heads: int, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    info = _call(_aiter().get_mla_metadata_info_v1, batch, 1, num_heads, dtype, dtype, is_sparse=False, fast_mode=True)
-    return [(_shape(shape), dt) for shape, dt in info]
-
-
-def _csr_specs(rows: int, entries: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def _csr_specs(rows: int, width: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """qo_indptr, kv_indptr, kv_indices (every position may hold a key), kv_last_page_lens,
+    num_kv_splits_indptr, and the per-chunk key counts and their running sums."""
     i32 = torch.int32
-    # qo_indptr, kv_indptr, kv_indices (+1: the slot padding entries are scattered to), last_page_lens
-    return [((rows + 1,), i32), ((rows + 1,), i32), ((entries + 1,), i32), ((max(rows, 1),), i32)]
+    cells = rows * num_chunks(width)
+    return [((rows + 1,), i32), ((rows + 1,), i32), ((max(1, rows * width),), i32), ((rows,), i32),
+            ((rows + 1,), i32), ((cells,), i32), ((cells,), i32)]
+
+
+def _workspace(op: str, rows: int, num_heads: int, kv_lora_rank: int, width: int, device, head_dim, dtype):
+    head_dim = head_dim or kv_lora_rank + 64
+    if rows == 0 or not _shapes_supported(num_heads, head_dim, kv_lora_rank, dtype):
+        return []
+    if not aiter_support.serves(op, device):
+        return []
+    return _csr_specs(rows, width)
 
 
 def mla_decode_workspace(batch, num_heads, kv_lora_rank, max_kv_len, device=None, head_dim=None, dtype=torch.bfloat16):
-    """Worst-case workspace of one aiter `mla_decode` call, from shapes: the CSR of every
-    token slot and aiter's split metadata. Nothing for shapes aiter has no kernel for: the
-    backend that serves them (Triton) sizes them, and the registry takes the largest."""
-    head_dim = head_dim or kv_lora_rank + 64
-    if not _supported(num_heads, head_dim, kv_lora_rank, dtype):
-        return []
-    return _csr_specs(batch, batch * max_kv_len) + _metadata_specs(batch, num_heads, dtype)
+    """Worst-case workspace of one aiter `mla_decode` call, from shapes: the token CSR with
+    room for every position of the block table, the splits indptr, the chunk counts.
+    Nothing where aiter does not serve the shapes or the architecture (Triton sizes those)."""
+    return _workspace("mla_decode", batch, num_heads, kv_lora_rank, max_kv_len, device, head_dim, dtype)
 
 
 def sparse_mla_workspace(num_tokens, num_heads, kv_lora_rank, topk, device=None, head_dim=None, dtype=torch.bfloat16):
     """Worst-case workspace of one aiter `sparse_mla` call (see `mla_decode_workspace`)."""
-    head_dim = head_dim or kv_lora_rank + 64
-    if not _supported(num_heads, head_dim, kv_lora_rank, dtype):
-        return []
-    return _csr_specs(num_tokens, num_tokens * topk)
-
-
-def _fill_csr(valid: torch.Tensor, slots: torch.Tensor, qo_indptr, kv_indptr, kv_indices, last_page) -> None:
-    """CSR of the valid slots of each row, without host sync.
-
-    Entry j of row i goes to `kv_indptr[i] + (number of valid entries before j)`; invalid
-    entries all go to the extra last element of `kv_indices` (never read by aiter).
-    """
-    rows, width = valid.shape
-    torch.arange(rows + 1, dtype=torch.int32, device=valid.device, out=qo_indptr)
-    kv_indptr[:1].zero_()
-    torch.cumsum(valid.sum(1, dtype=torch.int32), 0, dtype=torch.int32, out=kv_indptr[1:])
-    rank = torch.cumsum(valid.int(), 1) - 1
-    dest = torch.where(valid, kv_indptr[:-1, None].long() + rank, rows * width)
-    kv_indices.scatter_(0, dest.reshape(-1), slots.reshape(-1).int())
-    last_page.fill_(1)
-
-
-def _finish(out: torch.Tensor, lse: torch.Tensor | None, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out.masked_fill_(empty[:, None, None], 0.0)
-    lse = lse.reshape(out.shape[:2]).float() if lse is not None else torch.empty(out.shape[:2], dtype=torch.float32, device=out.device)
-    return out, lse.masked_fill(empty[:, None], float("-inf"))
+    return _workspace("sparse_mla", num_tokens, num_heads, kv_lora_rank, topk, device, head_dim, dtype)
 
 
 def _empty_outputs(rows: int, num_heads: int, kv_lora_rank: int, dtype: torch.dtype, device: torch.device):
@@ -159,77 +196,86 @@ def _empty_outputs(rows: int, num_heads: int, kv_lora_rank: int, dtype: torch.dt
     return run
 
 
+def _bind_attend(q: torch.Tensor, kv_lora_rank: int, sm_scale: float, splits: int):
+    """`attend(q, kv_cache, qo_indptr, kv_indptr, kv_indices, last_page_lens, splits_indptr)`
+    -> (out, lse): the aiter call on a written CSR, then rows without a key set to 0 / -inf."""
+    rows, heads, head_dim = q.shape
+    device, dtype, scale = q.device, q.dtype, float(sm_scale)
+    decode_fwd = _mla_decode_fwd()
+    mask_empty = bind_mask_empty(q, rows, heads, kv_lora_rank)
+
+    def attend(q, kv_cache, qo_indptr, kv_indptr, kv_indices, last_page_lens, splits_indptr):
+        out = torch.empty((rows, heads, kv_lora_rank), dtype=dtype, device=device)
+        # aiter writes `out` in place and returns (logits, final_lse) (aiter/mla.py:mla_decode_fwd).
+        _, lse = decode_fwd(
+            q, kv_cache.view(-1, 1, 1, head_dim), out, qo_indptr, kv_indptr, kv_indices, last_page_lens, 1,
+            page_size=1, nhead_kv=1, sm_scale=scale,
+            num_kv_splits=splits, num_kv_splits_indptr=splits_indptr, return_lse=True,
+        )
+        mask_empty(kv_indptr, out, lse)
+        return out, lse
+
+    return attend
+
+
+def _get_workspace(device: torch.device, specs: tuple, owner: str) -> list[torch.Tensor]:
+    return current_workspace_manager(device).get_simultaneous(*specs, owner=owner)
+
+
+def _csr_attend(owner: str, device: torch.device, specs: tuple, count, scatter, attend):
+    """`run(q, kv_cache, ids, lens)`: the CSR written into the workspace (the per-chunk
+    counts, their running sums, the scatter of the valid slots), then aiter's call."""
+
+    def run(q, kv_cache, ids, lens):
+        qo_indptr, kv_indptr, kv_indices, last_page, splits_indptr, counts, ends = _get_workspace(
+            device, specs, owner)
+        count(ids, lens, counts, qo_indptr, last_page, splits_indptr)
+        torch.cumsum(counts, 0, dtype=torch.int32, out=ends)
+        scatter(ids, lens, counts, ends, kv_indptr, kv_indices)
+        return attend(q, kv_cache, qo_indptr, kv_indptr, kv_indices, last_page, splits_indptr)
+
+    return run
+
+
 def prepare_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
-    """The aiter runner of `mla_decode` for calls with this signature (one `supports`
-    accepts): the workspace specs (aiter's metadata sizes included) and the token
-    positions of the block table are fixed here."""
-    batch, num_heads, head_dim = q.shape
-    device, dtype = q.device, q.dtype
-    if batch == 0:
-        return _empty_outputs(batch, num_heads, kv_lora_rank, dtype, device)
-    block_size = kv_cache.shape[1]
-    capacity = block_table.shape[1] * block_size
-    specs = tuple(mla_decode_workspace(batch, num_heads, kv_lora_rank, capacity, device, head_dim, dtype))
-    pos = torch.arange(capacity, device=device)
-    pos_block, pos_offset = pos // block_size, pos % block_size
-    scale = float(sm_scale)
-    aiter, decode_fwd = _aiter(), _mla_decode_fwd()
-    kv_dtype = kv_cache.dtype
+    """The aiter runner of `mla_decode` for calls with this signature (one
+    `mla_decode_supports` accepts): the split count, workspace specs and the CSR kernels
+    are fixed here; a call writes the CSR and calls aiter."""
+    rows, heads, _ = q.shape
+    device = q.device
+    if rows == 0:
+        return _empty_outputs(rows, heads, kv_lora_rank, q.dtype, device)
+    num_blocks, block_size = kv_cache.shape[:2]
+    specs = tuple(_csr_specs(rows, block_table.shape[1] * block_size))
+    splits = num_kv_splits(rows, device)
+    count, scatter = bind_decode_csr(block_table, seq_lens, q, num_blocks, block_size, splits)
+    attend = _bind_attend(q, kv_lora_rank, sm_scale, splits)
+
+    attend_csr = _csr_attend("mla_decode", device, specs, count, scatter, attend)
 
     def run(q, kv_cache, block_table, seq_lens, *_):
-        out = torch.empty((batch, num_heads, kv_lora_rank), dtype=dtype, device=device)
-        qo_indptr, kv_indptr, kv_indices, last_page, wm, wi, wis, ri, rfm, rpm = current_workspace_manager(
-            device
-        ).get_simultaneous(*specs, owner="mla_decode")
-        valid = pos[None, :] < seq_lens[:, None]
-        slots = torch.where(valid, block_table[:, pos_block], 0).long() * block_size + pos_offset
-        _fill_csr(valid, slots, qo_indptr, kv_indptr, kv_indices, last_page)
-        wis.fill_(-1)  # aiter's own tests start the work list from -1 (unused entries)
-        # Argument order of get_mla_metadata_v1: ..., work_metadata_ptrs, work_info_set, work_indptr, reduce_*.
-        _call(
-            aiter.get_mla_metadata_v1,
-            qo_indptr, kv_indptr, last_page, num_heads, 1, True, wm, wis, wi, ri, rfm, rpm,
-            page_size=1, kv_granularity=16, max_seqlen_qo=1, uni_seqlen_qo=1, fast_mode=True,
-            dtype_q=dtype, dtype_kv=kv_dtype,
-        )
-        _, lse = _call(
-            decode_fwd,
-            q.contiguous(), kv_cache.view(-1, 1, 1, head_dim), out, qo_indptr, kv_indptr, kv_indices[:-1], last_page, 1,
-            page_size=1, nhead_kv=1, sm_scale=scale,
-            work_meta_data=wm, work_indptr=wi, work_info_set=wis,
-            reduce_indptr=ri, reduce_final_map=rfm, reduce_partial_map=rpm, return_lse=True,
-        )
-        return _finish(out, lse, seq_lens <= 0)
+        return attend_csr(q, kv_cache, block_table, seq_lens)
 
     return run
 
 
 def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
-    """The aiter runner of `sparse_mla` for calls with this signature (one `supports`
-    accepts)."""
-    tokens, num_heads, head_dim = q.shape
-    device, dtype = q.device, q.dtype
-    if tokens == 0:
-        return _empty_outputs(tokens, num_heads, kv_lora_rank, dtype, device)
-    topk = indices.shape[1]
+    """The aiter runner of `sparse_mla` for calls with this signature (one
+    `sparse_mla_supports` accepts), as `prepare_mla_decode`."""
+    rows, heads, _ = q.shape
+    device = q.device
+    if rows == 0:
+        return _empty_outputs(rows, heads, kv_lora_rank, q.dtype, device)
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    specs = tuple(sparse_mla_workspace(tokens, num_heads, kv_lora_rank, topk, device, head_dim, dtype))
-    scale = float(sm_scale)
-    decode_fwd = _mla_decode_fwd()
+    specs = tuple(_csr_specs(rows, indices.shape[1]))
+    splits = num_kv_splits(rows, device)
+    count, scatter = bind_sparse_csr(indices, q, num_slots, splits)
+    attend = _bind_attend(q, kv_lora_rank, sm_scale, splits)
+
+    attend_csr = _csr_attend("sparse_mla", device, specs, count, scatter, attend)
 
     def run(q, kv_cache, indices, *_):
-        out = torch.empty((tokens, num_heads, kv_lora_rank), dtype=dtype, device=device)
-        qo_indptr, kv_indptr, kv_indices, last_page = current_workspace_manager(device).get_simultaneous(
-            *specs, owner="sparse_mla"
-        )
-        valid = (indices >= 0) & (indices < num_slots)
-        _fill_csr(valid, indices, qo_indptr, kv_indptr, kv_indices, last_page)
-        _, lse = _call(
-            decode_fwd,
-            q.contiguous(), kv_cache.view(-1, 1, 1, head_dim), out, qo_indptr, kv_indptr, kv_indices[:-1], last_page, 1,
-            page_size=1, nhead_kv=1, sm_scale=scale, return_lse=True,
-        )
-        return _finish(out, lse, ~valid.any(1))
+        return attend_csr(q, kv_cache, indices, indices)  # the sparse kernels read no lengths
 
     return run
 
