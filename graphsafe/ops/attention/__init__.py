@@ -69,11 +69,6 @@ def flash_attn_varlen_workspace(
             prepare="graphsafe.ops.attention.triton:prepare_paged_attention_decode",
             workspace=decode_workspace_specs,
         ),
-        "aiter": Backend(
-            prepare="graphsafe.ops.attention.aiter:prepare_paged_attention_decode",
-            supports="graphsafe.ops.attention.aiter:supports_paged_attention_decode",
-            workspace="graphsafe.ops.attention.aiter:paged_attention_decode_workspace",
-        ),
     },
 )
 def paged_attention_decode(

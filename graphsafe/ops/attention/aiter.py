@@ -1,153 +1,124 @@
-"""aiter backend of the GQA attention ops (ROCm only; selected when `import aiter` works).
+"""aiter backend of `flash_attn_varlen` (ROCm: gfx942 and gfx950, see graphsafe.aiter_support).
 
-Written against aiter's documented Python API; it cannot run on the machines this was
-written on (no ROCm). What aiter does not cover is declined per call signature by the
-records' `supports` predicates here (`supports_*`), and the registry hands those
-signatures to the next backend (Triton); the adapter itself never calls another backend.
+Read against aiter v0.1.20-46-ge4048607a5 (ROCm/aiter e4048607a535); file and function
+names cited. The records' `supports` predicates (`supports_*`) accept a call signature
+only where `aiter_support.serves` lists the device's architecture for the op and aiter's
+kernel exists for the shapes and dtypes with graphsafe's semantics; the registry hands
+every other signature to the next backend (Triton), once per signature. The adapter
+itself never calls another backend.
 
-* `flash_attn_varlen` -> `aiter.flash_attn_varlen_func(q, k, v, cu_seqlens_q,
-  cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=, causal=)`
-  (aiter/ops/mha.py; bottom-right causal alignment like FlashAttention-2; supports GQA
-  and hdim_q 192 / hdim_v 128). Only for the bf16/fp16 path: aiter's fp8 varlen kernel
-  (`flash_attn_varlen_fp8_pertensor_func`) takes the platform's fp8 type (e4m3fnuz on
-  gfx942), not our float8_e4m3fn inputs, so fp8 goes to Triton.
-* `paged_attention_decode` -> `torch.ops.aiter.paged_attention_v1(out, workspace, q,
-  k_cache, v_cache, scale, block_tables, cu_query_lens, context_lens, max_context_len,
-  alibi_slopes, kv_cache_dtype, kv_cache_layout, logits_soft_cap, k_scale, v_scale,
-  fp8_out_scale, partition_size)` with kv_cache_layout "NHD" = our `[num_blocks,
-  block_size, Hk, D]` layout (as vLLM's ROCM_AITER_FA decode calls it). Its partition
-  count comes from `max_context_len`, which we pass from shapes
-  (`max_blocks_per_seq * block_size`), never from `seq_lens` values (vLLM #51119).
+* `flash_attn_varlen` -> `aiter.flash_attn_varlen_func(q, k, v, cu_q, cu_k,
+  max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=, causal=)` (aiter/ops/mha.py;
+  fmha v3 asm or CK `mha_varlen_fwd`; bottom-right causal alignment, a row that sees no
+  key is 0). aiter uses `cu_seqlens` as given (asm_mha_varlen_fwd.cu / CK
+  mha_varlen_fwd_kernels.cu: no clamping), so a Triton launch
+  (aiter_prep.bind_sequence_bounds) first writes graphsafe's bounds (running maximum,
+  clamped to [0, T]) into workspace int32 buffers, and those are passed. aiter's output
+  is `torch::empty`: rows outside every sequence (before the first, at or past the last)
+  are zeroed afterwards (`_triton_quant.bind_prepare`). Only bf16/fp16 with `fp8="off"`:
+  aiter's fp8 type is e4m3fnuz on gfx942 (aiter/utility/dtypes.py), and its fp8 varlen
+  path is not graphsafe's per-tensor quantisation. At least one sequence: aiter rejects
+  B = 0 ("batch size must be postive"). Calls with no output element, no key row or a
+  `max_seqlen_*` of 0 have an all-zero (or empty) output and skip aiter.
+
+What aiter allocates itself (not from graphsafe's workspace): `flash_attn_varlen_func`
+allocates its output (and, for head dims not a multiple of 8, padded copies of q, k, v
+and a padded output, whose slice the adapter then copies to a contiguous tensor:
+aiter/ops/mha.py:FlashAttnVarlenFunc.forward). The output tensor is allocated per call
+as on every backend. The varlen bounds (two int32 [B + 1] buffers) are not in
+`flash_attn_varlen_workspace`'s worst case, whose parameters have no batch size: an
+arena grown at all (1 MiB granularity) holds them up to B = 131071, and an eager call
+before a capture grows an empty one.
+
+`paged_attention_decode` has no aiter backend (Triton serves it on ROCm).
+`torch.ops.aiter.paged_attention_v1` (aiter/ops/attention.py, body
+csrc/cpp_itfs/pa/pa_v1.py) loads the V rows of every token of a partition and weights
+the rows past a request's length by 0, positions past the context reusing its last block
+(csrc/cpp_itfs/pa/pa_kernels.cuh:_paged_attention_kernel): a NaN or inf in the V cache
+rows past `seq_lens[b]` inside request b's last block makes its output NaN (0 * NaN),
+where graphsafe's contract says those rows are not read. The adapter cannot avoid it
+(the kernel takes the cache's base pointer and strides; graphsafe must not write the
+caller's cache) and `supports` cannot see values. The kernel also dereferences every
+block id unchecked (padding blocks would be read), steps through `block_tables` with
+`size(1)` as the row stride (pa_v1.cuh), and with more than 16 query heads per KV head
+places KV head h's heads at h times the loop's group size, not h * G (pa_kernels.cuh:
+GQA_RATIO_LOOP, wg_start_head_idx).
+
+Not verifiable without AMD hardware: the results of aiter's asm/CK kernels. NaN and inf
+propagation is expected from their arithmetic (NaN scores reach the exp sums, V is
+multiplied by the softmax weights) but unverified, and so is whether the fmha kernels
+load K/V rows past a sequence's end (the CK tile windows are bounded by the sequence's
+length; graphsafe's contract says rows outside the sequences are not read).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from graphsafe.launch import bind
+from graphsafe import aiter_support
+from graphsafe.ops.attention import aiter_prep
 from graphsafe.ops.attention._triton_quant import bind_prepare
-from graphsafe.ops.attention.fp8 import quantize_inputs
 from graphsafe.workspace import current_workspace_manager
 
-PARTITION_SIZE = 256  # aiter's paged_attention_v1 partition (vLLM's _PARTITION_SIZE_ROCM)
-OWNER = "paged_attention_decode"
+# Head sizes ceil(max/8)*8 above this are rejected by aiter's varlen TORCH_CHECKs.
+MAX_VARLEN_HEAD = 256
+VARLEN_OWNER = "flash_attn_varlen"
 
 
-def decode_workspace_specs(batch: int, num_q_heads: int, head_dim: int, max_blocks_per_seq: int, block_size: int):
-    """paged_attention_v1's buffer (bf16/fp16 partial outputs, f32 exp sums and max
-    logits per partition), then int32 cu_query_lens [B+1] and clamped lengths [B], and
-    two float32 unit scales."""
-    partitions = max(1, -(-(max_blocks_per_seq * block_size) // PARTITION_SIZE))
-    nbytes = batch * num_q_heads * partitions * head_dim * 2 + 2 * batch * num_q_heads * partitions * 4
-    return [((nbytes,), torch.uint8), ((batch + 1,), torch.int32), ((batch,), torch.int32), ((2,), torch.float32)]
-
-
-def paged_attention_decode_workspace(
-    batch_size: int, num_q_heads: int, num_kv_heads: int, head_dim_v: int, max_blocks_per_seq: int, block_size: int,
-    device: torch.device | str | None = None, head_dim: int | None = None,
-):
-    """This backend's worst case for one call (the record's `workspace`, the op's common
-    parameters): aiter's buffer holds partial outputs of `head_dim` (= `head_dim_v` for
-    the signatures it takes)."""
-    return decode_workspace_specs(batch_size, num_q_heads, head_dim or head_dim_v, max_blocks_per_seq, block_size)
-
-
-def supports_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
-    """What paged_attention_v1 covers: contiguous q, a cache of q's dtype (no fp8 cache),
-    D == Dv in (64, 128), block size 16 or 32."""
-    return (
-        q.is_contiguous()
-        and k_cache.dtype == q.dtype
-        and v_cache.shape[-1] == q.shape[-1]
-        and q.shape[-1] in (64, 128)
-        and k_cache.shape[1] in (16, 32)
-    )
-
-
-@triton.jit
-def _zero_empty_rows_kernel(out_ptr, lens_ptr, row_len, BLOCK: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    if tl.load(lens_ptr + b) <= 0:
-        for c0 in range(0, row_len, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            zeros = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
-            tl.store(out_ptr + b * row_len + cols, zeros, mask=cols < row_len)
-
-
-def prepare_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
-    """The runner of this (supported) call signature: the workspace specs, the capacity
-    passed as `max_context_len` and the empty-row launch are fixed here."""
-    import aiter  # noqa: F401 - registers torch.ops.aiter.*
-
-    b, hq, d = q.shape
-    block_size = k_cache.shape[1]
-    max_len = block_table.shape[1] * block_size
-    shape, dtype, device = (b, hq, d), q.dtype, q.device
-    if b == 0:
-        def run_empty(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
-            return torch.empty(shape, dtype=dtype, device=device)
-
-        return run_empty
-
-    paged_attention_v1 = torch.ops.aiter.paged_attention_v1
-    specs = tuple(decode_workspace_specs(b, hq, d, block_table.shape[1], block_size))
-    # Our contract: an empty request gives 0 (aiter's value for it is not documented).
-    zero_empty_rows = bind(_zero_empty_rows_kernel, (b,), q, seq_lens, hq * d,
-                           BLOCK=min(1024, triton.next_power_of_2(hq * d)))
-
-    def run(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
-        out = torch.empty(shape, dtype=dtype, device=device)
-        buf, cu_query_lens, lens, unit = current_workspace_manager(device).get_simultaneous(*specs, owner=OWNER)
-        torch.arange(b + 1, out=cu_query_lens)  # one query token per request
-        torch.clamp(seq_lens, 0, max_len, out=lens)  # our contract clamps; aiter would read past the table
-        unit.fill_(1.0)
-        paged_attention_v1(
-            out, buf, q, k_cache, v_cache, scale, block_table, cu_query_lens[:b], lens, max_len,
-            None, "auto", "NHD", 0.0, unit[0:1], unit[1:2], None, PARTITION_SIZE,
-        )
-        zero_empty_rows(out, lens)
-        return out
-
-    return run
-
-
+# -- varlen prefill -------------------------------------------------------------------------
 def supports_flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
     q_descale=None, k_descale=None, v_descale=None, fp8="off",
 ):
-    """The bf16/fp16 path only: fp8 inputs and fp8 quantisation ("on", or "auto" where
-    `fp8_prefill_supported`) go to the next backend."""
-    return q.dtype in (torch.bfloat16, torch.float16) and not quantize_inputs(fp8, q.dtype, q.device)
+    """The architectures of the capability table; bf16/fp16 inputs with `fp8="off"`
+    (fp8 goes to Triton); at least one sequence (aiter: "batch size must be postive");
+    head dims that aiter's TORCH_CHECKs take after padding them to a multiple of 8
+    (<= 256)."""
+    head = max(q.shape[-1], v.shape[-1])
+    return (
+        aiter_support.serves("flash_attn_varlen", q.device)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and fp8 == "off"
+        and cu_seqlens_q.shape[0] >= 2
+        and -(-head // 8) * 8 <= MAX_VARLEN_HEAD
+    )
 
 
 def prepare_flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
     q_descale=None, k_descale=None, v_descale=None, fp8="off",
 ):
-    """The runner of this (supported) call signature; the launch that zeroes the padding
-    rows after the last sequence is bound here."""
+    """The runner of this (supported) call signature: the bounds launch, aiter's call and
+    the launch zeroing the rows outside every sequence, bound here."""
+    tq, hq, _ = q.shape
+    tk, dv = k.shape[0], v.shape[-1]
+    batch = cu_seqlens_q.shape[0] - 1
+    shape, dtype, device = (tq, hq, dv), q.dtype, q.device
+    if tq * hq * dv == 0 or tk == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        # No output element, or no row that sees a key: 0 everywhere (the contract).
+        def run_zeros(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                      q_descale=None, k_descale=None, v_descale=None, fp8="off"):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return run_zeros
+
     import aiter
 
     varlen = aiter.flash_attn_varlen_func
-    tq, hq, _ = q.shape
-    dv = v.shape[-1]
-    # Rows after the last sequence (padding) are 0 in our contract; aiter leaves them unset.
-    zero_tail = bind_prepare(q, cu_seqlens_q.shape[0] - 1, tq, hq * dv, False)
+    specs = (((batch + 1,), torch.int32), ((batch + 1,), torch.int32))
+    bounds = aiter_prep.bind_sequence_bounds(cu_seqlens_q, batch, tq, tk)
+    zero_outside = bind_prepare(q, batch, tq, hq * dv, False)
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
             q_descale=None, k_descale=None, v_descale=None, fp8="off"):
-        res = varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            dropout_p=0.0, softmax_scale=scale, causal=causal,
-        )
-        out = res[0] if isinstance(res, (tuple, list)) else res  # older aiter returns a 1-tuple
-        if out.dim() != 3 or out.shape[-1] != dv or not out.is_contiguous():
-            out = out[..., :dv].contiguous()
-        if zero_tail is not None:
-            zero_tail(out, cu_seqlens_q, out)
+        cu_q, cu_k = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
+        bounds(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k)
+        # One tensor back when no LSE / probabilities are asked (mha.py:FlashAttnVarlenFunc).
+        out = varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=scale,
+                     causal=causal)
+        if not out.is_contiguous():  # Dv not a multiple of 8: a slice of aiter's padded output
+            out = out.contiguous()
+        zero_outside(out, cu_q, out)
         return out
 
     return run
-
