@@ -1,6 +1,7 @@
 """Per-row top-k (`top_k_per_row_prefill`, `top_k_per_row_decode`): the semantics of
 issue 3 against a plain-Python oracle, every path of the Triton selection (through the
-interpreter on CPU), the workspace contract, and the aiter adapter against a fake aiter.
+interpreter on CPU) and the workspace contract (the aiter adapter: test_aiter_indexer_topk.py,
+against the stand-in aiter).
 
 The contract suite (tests/test_contract.py) already runs opcheck, fake==real, exact
 mutation, bad inputs and Triton==reference on drawn inputs for both ops.
@@ -9,8 +10,6 @@ mutation, bad inputs and Triton==reference on drawn inputs for both ops.
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
 
 import pytest
 import torch
@@ -597,74 +596,6 @@ def test_workspace_worst_case_grows_with_shapes_only():
         small = workspace_bytes(*fn(num_rows=1, width=32768, topk=2048))
         big = workspace_bytes(*fn(num_rows=128, width=131072, topk=2048))
         assert 0 < small < big < 128 * 131072 * 4, "scratch stays well below the logits it selects from"
-
-
-# -- aiter adapter, against a fake aiter -------------------------------------------
-def _fake_aiter(takes_k: bool, calls: list):
-    """aiter's documented behaviour: absolute columns for prefill, [rows, k] contiguous output."""
-
-    def prefill(logits, rowStarts, rowEnds, indices, values, numRows, stride0, stride1, k=2048):
-        assert indices.is_contiguous() and indices.shape == (numRows, k) and values is None
-        calls.append(("prefill", k))
-        ref.select_rows(logits, rowStarts.long(), rowEnds.long(), torch.zeros_like(rowStarts), indices, k)
-
-    def decode(logits, next_n, seqLens, indices, numRows, stride0, stride1, k=2048):
-        assert next_n == 1 and seqLens.shape == (numRows,) and indices.shape == (numRows, k)
-        calls.append(("decode", k))
-        lo = torch.zeros_like(seqLens)
-        ref.select_rows(logits, lo, seqLens.long().clamp(0, logits.shape[1]), lo, indices, k)
-
-    if not takes_k:
-        def prefill_nok(logits, rowStarts, rowEnds, indices, values, numRows, stride0, stride1):
-            return prefill(logits, rowStarts, rowEnds, indices, values, numRows, stride0, stride1)
-
-        def decode_nok(logits, next_n, seqLens, indices, numRows, stride0, stride1):
-            return decode(logits, next_n, seqLens, indices, numRows, stride0, stride1)
-
-        return types.SimpleNamespace(top_k_per_row_prefill=prefill_nok, top_k_per_row_decode=decode_nok)
-    return types.SimpleNamespace(top_k_per_row_prefill=prefill, top_k_per_row_decode=decode)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("takes_k", [True, False])
-@pytest.mark.parametrize("name", [PREFILL, DECODE])
-def test_aiter_adapter_localises_and_fills(monkeypatch, name, takes_k):
-    from graphsafe.ops.topk import aiter as adapter
-
-    calls: list = []
-    monkeypatch.setitem(sys.modules, "aiter", _fake_aiter(takes_k, calls))
-    adapter._entry.cache_clear()
-    supports = getattr(adapter, f"supports_{name}")
-    try:
-        spec = graphsafe.get_op(name)
-        for params in (
-            {**spec.case.example, "extra_k": 3, "strided": True},  # through scratch + copy
-            {**spec.case.example, "extra_k": 0, "strided": False},  # aiter writes indices directly
-            {**spec.case.example, "values": "ties_inf", "extra_k": 0},
-        ):
-            args = spec.case.inputs(params, "cpu", 1)
-            # An aiter without `k` only serves topk == 2048: `supports` hands the rest to
-            # the Triton backend (the registry decides once per signature).
-            assert supports(*args) is takes_k
-            if takes_k:
-                C.check_backend_matches_reference(spec, spec.case, "aiter", args, params)
-        # Empty shapes go to the Triton backend; topk == 2048 is served without `k` too.
-        logits, wide = torch.zeros(2, 16), torch.empty(2, 2048, dtype=torch.int32)
-        rows = (torch.zeros(2, dtype=torch.int32),) * 2
-        if name == PREFILL:
-            assert supports(logits, *rows, wide, 2048)
-            assert not supports(logits[:0], *(r[:0] for r in rows), wide[:0], 2048)
-            assert not supports(logits, *rows, wide, 0)
-        else:
-            assert supports(logits, 1, rows[0], wide, 2048)
-            assert not supports(logits[:, :0], 1, rows[0], wide, 2048)
-            assert not supports(logits, 1, rows[0], wide, 0)
-    finally:
-        adapter._entry.cache_clear()
-    if takes_k:
-        assert calls and all(k == spec.case.example["topk"] for _, k in calls)
-    else:
-        assert not calls
 
 
 # -- GPU compilation, without a GPU ------------------------------------------------

@@ -48,10 +48,11 @@ __all__ = [
 ]
 
 
-def _backends(name: str, aiter: bool = True) -> dict[str, str | Backend]:
-    """The records of a single op: the reference, Triton's prepare and, where aiter has the
-    kernel, aiter's prepare with the predicate of the signatures it takes (the others go
-    to Triton)."""
+def _backends(name: str, aiter: bool = False) -> dict[str, str | Backend]:
+    """The records of a single op: the reference, Triton's prepare and, with `aiter`, aiter's
+    prepare with the predicate of the signatures it takes (the others go to Triton). Only
+    `fp8_mqa_logits` has one (gfx950; see graphsafe.aiter_support and the docstring of
+    graphsafe/ops/indexer/aiter.py for why the other ops have none)."""
     b: dict[str, str | Backend] = {
         "reference": f"graphsafe.ops.indexer.reference:{name}",
         "triton": Backend(prepare=f"graphsafe.ops.indexer.triton:prepare_{name}"),
@@ -153,7 +154,7 @@ def cp_gather_indexer_k_quant_cache(
     check=fakes.check_fp8_mqa_logits,
     debug_check="graphsafe.ops.indexer.debug:debug_check_fp8_mqa_logits",
     family="indexer",
-    backends=_backends("fp8_mqa_logits"),
+    backends=_backends("fp8_mqa_logits", aiter=True),
 )
 def fp8_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor, ke: Tensor) -> Tensor:
     """Indexer logits of M query tokens against N contiguous keys (prefill; DeepGEMM semantics).
@@ -235,7 +236,7 @@ def fp8_paged_mqa_logits(
     check=fakes.check_req_local_to_global_slots,
     debug_check="graphsafe.ops.indexer.debug:debug_check_req_local_to_global_slots",
     family="indexer",
-    backends=_backends("req_local_to_global_slots", aiter=False),
+    backends=_backends("req_local_to_global_slots"),
 )
 def req_local_to_global_slots(req_id_per_token: Tensor, block_table: Tensor, topk_indices: Tensor, block_size: int) -> Tensor:
     """Map request-local token positions (top-k results) to global cache slots.

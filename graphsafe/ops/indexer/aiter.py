@@ -1,48 +1,62 @@
-"""aiter backend of the sparse-indexer ops (ROCm), written against aiter's documented API.
+"""aiter backend of the sparse-indexer ops (ROCm): `fp8_mqa_logits` on gfx950 only.
 
-Used only where aiter's kernel has exactly graphsafe's semantics and layout: each op's
-`supports_*` predicate (its registry record's `supports`) accepts those signatures, and
-the registry hands every other one to the next backend (Triton), once per signature.
-`prepare_*` resolves aiter's function once and returns the runner. Guards:
+Read against aiter v0.1.20-46-ge4048607a5 (commit e4048607a535ace3a2b51ded31b1c8c2d45c0879);
+`graphsafe.aiter_support` holds the per-architecture decision. The record's `supports`
+predicate accepts a call signature only where aiter's kernel has graphsafe's semantics;
+the registry hands every other signature to Triton, once per signature.
 
-* aiter's fp8 type: on gfx942 (MI300) `aiter.dtypes.fp8` is float8_e4m3fnuz and its
-  kernels quantise with 240 and read the cache bytes as fnuz, which is not graphsafe's
-  e4m3fn cache. The adapters call aiter only when `aiter.dtypes.fp8` is
-  float8_e4m3fn (gfx950 and later).
-* `indexer_k_quant_and_cache` (aiter.ops.cache): its kernel reduces the group amax over a
-  fixed thread group: used only for quant_block_size == 128 and contiguous `k`.
-  Note: aiter stores `k * (1 / s)` (a reciprocal multiply) where graphsafe divides: a value
-  may land one e4m3 step away (the case's comparison allows one step).
-* `cp_gather_indexer_k_quant_cache` (aiter.ops.cache): same cache layout and row mapping.
-  aiter's kernel wants `dst_scale` as bytes `[N, 4 * G]` (we pass a uint8 view). Unlike
-  graphsafe it may not guard rows past `cu_seq_lens[B]` (N as an upper bound): not
-  verifiable here, see the family report.
-* `fp8_mqa_logits` (aiter.ops.triton[.attention].fp8_mqa_logits): takes (Q, KV, kv_scales,
-  weights, cu_starts, cu_ends) and returns a -inf-initialised `[M, N]` view of a buffer
-  whose rows are padded to 256 columns: made contiguous here. Power-of-two H and D only.
-* `fp8_paged_mqa_logits` (aiter.ops.triton[.attention].pa_mqa_logits,
-  `deepgemm_fp8_paged_mqa_logits`): wants a 4-D cache `[NB, BS, 1, D + 4]`, writes only
-  the valid logits into a caller-provided output, which must be pre-filled with -inf.
-  Non-preshuffled caches with KVBlockSize > 1 have a public illegal-address report, so it
-  is used for block_size == 1 only (vLLM uses the preshuffled layout for larger blocks).
+`fp8_mqa_logits` (aiter/ops/triton/attention/fp8_mqa_logits.py:fp8_mqa_logits, plain
+Python): served on gfx950 with Triton >= 3.6, where aiter launches its Gluon kernel
+(aiter/ops/triton/_gluon_kernels/gfx950/attention/fp8_mqa_logits.py): `relu_f32` is
+`gl.maximum(x, 0, propagate_nan=ALL)`, so relu(NaN) = NaN as graphsafe's contract says,
+the key scale multiplies the head sum as in graphsafe's formula, and the windows are
+clamped to `[max(ks, 0), min(ke, N))` like graphsafe's. Elsewhere aiter takes its Triton
+kernel (aiter/ops/triton/_triton_kernels/attention/fp8_mqa_logits.py:_fp8_mqa_logits_kernel),
+whose `tl.maximum(scores, 0.0)` takes relu(NaN) to 0, and on gfx942 it first converts
+e4m3fn inputs to e4m3fnuz copies: those go to Triton. Taken: e4m3fn q and k, H and D
+powers of two (aiter asserts it), `16 <= D <= 1024` (the Gluon Q layout spreads D / 16
+lanes over a 64-lane wave), at least one query and one key. Small H on the Gluon
+kernel has not run on hardware.
+Allocations per call: aiter allocates its output itself, a `[M, ceil(N / 256) * 256]`
+float32 buffer filled with -inf (`clean_logits=True`, the default), and returns its
+`[:, :N]` view; unless N is a multiple of 256 that view is not contiguous and we copy it
+into a contiguous `[M, N]` tensor (graphsafe's output contract). Both are ordinary
+allocations (capturable: the graph pool serves them), not workspace.
+
+Ops with no aiter backend any more (their records are gone; Triton serves them):
+* `indexer_k_quant_and_cache` (aiter/ops/cache.py:indexer_k_quant_and_cache,
+  csrc/kernels/cache_kernels.cu:indexer_k_quant_and_cache_kernel): the group amax is
+  reduced with `fmaxf` / `v_max3_f32`, which drop NaN, so a NaN key gives a finite scale
+  and saturated bytes where graphsafe stores NaN scales and values bit for bit; only
+  `slot < 0` is skipped (a slot past the cache is written out of bounds); the block pitch
+  comes from the sizes (`kv_cache.size(1) * kv_cache.size(2)`), never the strides; and on
+  gfx942 it quantises to e4m3fnuz with max 240 (csrc/include/opus/opus.hpp:finfo<fp8_t>).
+* `cp_gather_indexer_k_quant_cache` (aiter/ops/cache.py:cp_gather_indexer_k_quant_cache,
+  csrc/kernels/cache_kernels.cu:cp_gather_indexer_k_quant_cache_kernel): a row at or past
+  `cu_seq_lens[B]` reads its request index from shared memory no thread initialised and
+  then the block table and cache at that index, and block ids are never checked; the
+  prefill composite passes an upper bound of rows, so this would read out of bounds.
+* `fp8_paged_mqa_logits` (aiter/ops/triton/attention/pa_mqa_logits.py:
+  deepgemm_fp8_paged_mqa_logits, Gluon kernel aiter/ops/triton/gluon/pa_mqa_logits.py:
+  _gluon_deepgemm_fp8_paged_mqa_logits): `gl.maximum(o, 0.0)` without NaN propagation
+  takes relu(NaN) to 0; padding block ids (-1) are read as blocks; `context_lens` are
+  not clamped (it writes past a row of `max_model_len` columns); H must be a multiple of
+  `4096 // D` (its `ValQMPerThread` layout); and on gfx942 the kernel is compiled with
+  e4m3fnuz pointers, so e4m3fn bytes are read as fnuz.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import re
 
 import torch
+import triton
 
+from graphsafe import aiter_support
 
-@functools.cache
-def _aiter_fp8_is_e4m3fn() -> bool:
-    try:
-        from aiter import dtypes
-
-        return dtypes.fp8 == torch.float8_e4m3fn
-    except Exception:  # noqa: BLE001 - any failure means "do not use aiter's fp8 kernels"
-        return False
+_GLUON_TRITON = (3, 6)  # aiter: TRITON_GE_36 gates the Gluon kernels
 
 
 @functools.cache
@@ -55,100 +69,43 @@ def _module(*paths: str):
     return None
 
 
-def _cache_ops():
-    return _module("aiter.ops.cache", "aiter")
+def _mqa_module():
+    return _module("aiter.ops.triton.attention.fp8_mqa_logits", "aiter.ops.triton.fp8_mqa_logits")
 
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _nothing(*args, **kwargs) -> None:
-    return None
+def _triton_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
 
 
-def _cache_fn(name: str):
-    ops = _cache_ops()
-    return getattr(ops, name, None) if ops is not None else None
-
-
-def _mqa_module():
-    return _module("aiter.ops.triton.attention.fp8_mqa_logits", "aiter.ops.triton.fp8_mqa_logits")
-
-
-def _paged_module():
-    return _module("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits")
-
-
-# -- indexer_k_quant_and_cache ---------------------------------------------------------------
-def supports_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> bool:
-    return (_cache_fn("indexer_k_quant_and_cache") is not None and _aiter_fp8_is_e4m3fn()
-            and quant_block_size == 128 and k.is_contiguous())
-
-
-def prepare_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None):
-    if k.shape[0] == 0:
-        return _nothing
-    fn = _cache_fn("indexer_k_quant_and_cache")
-
-    def run(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
-        # aiter's kernel takes int64 slots and a plain string format ("" = float32 scales).
-        fn(k, kv_cache, slot_mapping.long(), quant_block_size, scale_fmt or "")
-
-    return run
-
-
-# -- cp_gather_indexer_k_quant_cache -----------------------------------------------------------
-def supports_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> bool:
-    return (_cache_fn("cp_gather_indexer_k_quant_cache") is not None and dst_k.is_contiguous()
-            and dst_scale.is_contiguous() and block_table.is_contiguous())
-
-
-def prepare_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
-    n = dst_k.shape[0]
-    if n == 0 or block_table.shape[0] == 0:
-        return _nothing
-    fn = _cache_fn("cp_gather_indexer_k_quant_cache")
-
-    def run(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
-        fn(kv_cache, dst_k, dst_scale.view(torch.uint8).view(n, -1), block_table, cu_seq_lens)
-
-    return run
+def _runs_gluon(module) -> bool:
+    """aiter's own choice (fp8_mqa_logits.py: `use_gluon = TRITON_GE_36 and
+    _gluon_fp8_mqa_logits_kernel is not None`; the kernel import may fail and then aiter
+    silently takes the Triton kernel, whose relu drops NaN)."""
+    return _triton_version() >= _GLUON_TRITON and getattr(module, "_gluon_fp8_mqa_logits_kernel", None) is not None
 
 
 # -- fp8_mqa_logits ----------------------------------------------------------------------------
 def supports_fp8_mqa_logits(q, k, k_scale, weights, ks, ke) -> bool:
+    """Whether aiter serves this call signature (else the Triton backend does)."""
+    if not aiter_support.serves("fp8_mqa_logits", q.device):
+        return False
+    module = _mqa_module()
     m, h, d = q.shape
-    return (_mqa_module() is not None and _aiter_fp8_is_e4m3fn() and _pow2(h) and _pow2(d)
-            and m > 0 and k.shape[0] > 0)
+    return (module is not None and _runs_gluon(module)
+            and q.dtype == torch.float8_e4m3fn and k.dtype == torch.float8_e4m3fn
+            and _pow2(h) and _pow2(d) and 16 <= d <= 1024 and m > 0 and k.shape[0] > 0)
 
 
 def prepare_fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
     fn = _mqa_module().fp8_mqa_logits
 
     def run(q, k, k_scale, weights, ks, ke):
+        # clean_logits defaults to True: -inf outside each window.
         out = fn(q, k, k_scale, weights, ks, ke)
         return out if out.is_contiguous() else out.contiguous()
-
-    return run
-
-
-# -- fp8_paged_mqa_logits ----------------------------------------------------------------------
-def supports_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len) -> bool:
-    return (_paged_module() is not None and _aiter_fp8_is_e4m3fn() and kv_cache.shape[1] == 1
-            and q.shape[0] > 0)
-
-
-def prepare_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len):
-    b, next_n = q.shape[:2]
-    block_size = kv_cache.shape[1]
-    device = q.device
-    fn = _paged_module().deepgemm_fp8_paged_mqa_logits
-
-    def run(q, kv_cache, weights, context_lens, block_table, max_model_len):
-        out = torch.full((b * next_n, max_model_len), float("-inf"), dtype=torch.float32, device=device)
-        fn(q, kv_cache.unsqueeze(2), weights, out, context_lens, block_table, max_model_len,
-           Preshuffle=False, KVBlockSize=block_size)
-        return out
 
     return run

@@ -1,6 +1,9 @@
-"""aiter backend of the per-row top-k ops (ROCm only; selected when `import aiter` works).
+"""aiter backend of the per-row top-k ops (ROCm; gfx942 and gfx950, see graphsafe.aiter_support).
 
-aiter's documented entry points (aiter/ops/topk.py):
+Read against aiter v0.1.20-46-ge4048607a5 (commit e4048607a535ace3a2b51ded31b1c8c2d45c0879).
+aiter's public entry points (aiter/ops/topk.py, plain Python wrappers around the compiled
+`_top_k_per_row_prefill` / `_top_k_per_row_decode` of
+csrc/kernels/topk_per_row_kernels.cu, built from HIP source for the device):
 
     top_k_per_row_prefill(logits, rowStarts, rowEnds, indices, values, numRows,
                           stride0, stride1, k=2048, stable=False)
@@ -8,18 +11,32 @@ aiter's documented entry points (aiter/ops/topk.py):
                          k=2048, stable=False)
 
 Older aiter releases have no `k` (the kernels are built for 2048). What we adapt:
-* aiter writes a contiguous `[numRows, k]` block. When `indices` is wider than `topk` or
-  strided, aiter writes into workspace scratch and a small kernel copies it over (and
-  writes the -1 columns past `topk`).
+* aiter writes a dense `[numRows, k]` int32 block (`out_idx + b * k`,
+  radix_topk_one_block_kernel) whatever `indices`' strides. When `indices` is wider
+  than `topk` or strided, aiter writes into workspace scratch and a small kernel copies
+  it over (and writes the -1 columns past `topk`).
 * The prefill kernel returns absolute columns; we localise them (`n - row_starts[m]`,
   -1 kept), as vLLM's ROCm path does after the same call.
-* Row bounds are clipped to `[0, N)` first (our contract; aiter does not clip), and the
-  decode row ends `seq_lens[b] - next_n + i + 1` are precomputed per row and passed with
-  `next_n = 1` (vLLM's ROCm call pattern), so aiter never reads past a row.
-The records' `supports` predicates (`supports_*`) hand what aiter cannot serve (a `topk`
-other than 2048 on an aiter without `k`; empty shapes) to the Triton backend, which runs
-on ROCm too: decided once per call signature. `prepare_*` bind a runner to a signature;
-the two small Triton kernels around the aiter call come from `triton_external`.
+* Row bounds are clipped to `[0, N]` first: aiter reads `logits + b * stride0 + rowStart`
+  for `rowEnd - rowStart` values unclamped. The decode row ends
+  `seq_lens[b] - next_n + i + 1` are precomputed per row and passed with `next_n = 1`
+  (vLLM's ROCm call pattern), so aiter never reads past a row.
+* Prefill passes `stable=True`: aiter then takes its one-block kernel (ascending
+  positions, the smallest position first at ties). Without it, aiter may pick its
+  multi-block kernel (`topk_use_mulblocks(numRows, stride0)`), whose zeroed scratch it
+  allocates and caches itself per (device, stream, size) (aiter/ops/topk.py:
+  get_topk_mb_workspace): inside a graph capture that buffer would be created on the
+  capture stream. Decode always takes the one-block kernel.
+Allocations aiter makes itself: the one-block kernel's scratch, `torch.empty` on every
+call (aiter/ops/topk.py:get_topk_scratch_workspace); the public wrappers take no
+workspace argument, so it cannot come from graphsafe's workspace manager (capturable:
+the graph pool serves it). Our own scratch (clipped bounds, row ends, the dense block)
+comes from the workspace manager.
+The records' `supports` predicates (`supports_*`) hand what aiter cannot serve (another
+architecture, non-float32 logits, a `topk` other than 2048 on an aiter without `k`, a
+prefill without `stable`, empty shapes) to the Triton backend, which runs on ROCm too:
+decided once per call signature. `prepare_*` bind a runner to a signature; the two small
+Triton kernels around the aiter call come from `triton_external`.
 """
 
 from __future__ import annotations
@@ -29,6 +46,7 @@ import inspect
 
 import torch
 
+from graphsafe import aiter_support
 from graphsafe.ops.topk.plan import aiter_workspace_specs, aiter_workspace_specs_decode
 from graphsafe.ops.topk.triton_external import bind_decode_row_ends, bind_finish_external
 from graphsafe.workspace import current_workspace_manager
@@ -36,44 +54,57 @@ from graphsafe.workspace import current_workspace_manager
 
 @functools.cache
 def _entry(name: str):
-    """(aiter function, accepts k) or None when this aiter has no such function."""
+    """(aiter function, its parameter names) or None when this aiter has no such function."""
     import aiter
 
     fn = getattr(aiter, name, None)
     if fn is None:
         return None
     try:
-        takes_k = "k" in inspect.signature(fn).parameters
+        params = frozenset(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # a compiled binding without a Python signature
-        takes_k = False
-    return fn, takes_k
+        params = frozenset()
+    return fn, params
 
 
-def _usable(name: str, topk: int):
+def _usable(name: str, topk: int, needs: tuple[str, ...] = ()):
+    """(aiter function, accepts k) when this aiter serves `topk` and takes `needs`."""
     entry = _entry(name)
     if entry is None:
         return None
-    fn, takes_k = entry
-    if not takes_k and topk != 2048:
+    fn, params = entry
+    takes_k = "k" in params
+    if (not takes_k and topk != 2048) or not all(p in params for p in needs):
         return None
     return fn, takes_k
+
+
+# Prefill needs `stable` (the one-block kernel, see the module docstring).
+_NEEDS = {"top_k_per_row_prefill": ("stable",), "top_k_per_row_decode": ()}
+
+
+def _served(name: str, logits, topk: int) -> bool:
+    rows, width = logits.shape
+    # aiter reads the logits as float* (no dtype check in its host code) and takes
+    # stride0 as the row length and pitch (a [1, N] view may carry any row stride).
+    return (aiter_support.serves(name, logits.device) and logits.dtype == torch.float32
+            and rows > 0 and width > 0 and logits.stride(0) >= width and topk > 0
+            and _usable(name, topk, _NEEDS[name]) is not None)
 
 
 def supports_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk) -> bool:
     """Whether aiter serves this call signature (else the Triton backend does)."""
-    rows, width = logits.shape
-    return rows > 0 and width > 0 and topk > 0 and _usable("top_k_per_row_prefill", topk) is not None
+    return _served("top_k_per_row_prefill", logits, topk)
 
 
 def supports_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk) -> bool:
     """Whether aiter serves this call signature (else the Triton backend does)."""
-    rows, width = logits.shape
-    return rows > 0 and width > 0 and topk > 0 and _usable("top_k_per_row_decode", topk) is not None
+    return _served("top_k_per_row_decode", logits, topk)
 
 
 def _entry_of(name: str, topk: int):
     """The usable entry; prepare runs only where `supports` said yes."""
-    entry = _usable(name, topk)
+    entry = _usable(name, topk, _NEEDS[name])
     if entry is None:
         raise NotImplementedError(f"{name}: this aiter does not serve topk={topk} (see supports_{name})")
     return entry
@@ -88,7 +119,7 @@ def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk):
     device, owner = logits.device, "top_k_per_row_prefill"
     stride0, stride1 = logits.stride()
     kwargs = {"k": topk} if takes_k else {}
-    # Absolute columns -> positions relative to the (unclipped) row start.
+    # Absolute columns -> positions relative to the clipped row start (the op's origin).
     finish = bind_finish_external(indices, indices.stride(0) if direct else topk, topk, True)
 
     def run(logits, row_starts, row_ends, indices, topk) -> None:
@@ -98,7 +129,7 @@ def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk):
         torch.clamp(row_ends, max=width, out=hi)
         torch.maximum(hi, lo, out=hi)
         dst = indices if direct else views[2]
-        fn(logits, lo, hi, dst, None, rows, stride0, stride1, **kwargs)
+        fn(logits, lo, hi, dst, None, rows, stride0, stride1, stable=True, **kwargs)
         finish(dst, indices, lo)
 
     return run
