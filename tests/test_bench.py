@@ -188,3 +188,24 @@ def test_long_impl_labels_wrap_instead_of_being_cut():
     first, second = format_row(row).splitlines()
     assert first == f"  {label}"
     assert second.startswith("  " + " " * IMPL_WIDTH) and _gbps_cell(second) == "2"
+
+
+def test_flashinfer_peers_are_optional_and_ratios_come_from_the_first_row():
+    """Without FlashInfer (or off CUDA) the peers add no impl; the ratio note divides the
+    first (graphsafe) row's time by each FlashInfer row's."""
+    from graphsafe.bench import flashinfer
+    from graphsafe.bench.harness import Row
+
+    cpu = torch.device("cpu")
+    x = torch.zeros(2, 4, 8)
+    assert flashinfer.ragged_prefill_peers(x, x, x, torch.zeros(2, dtype=torch.int32), 1.0, True, x) == ({}, "")
+
+    def row(impl, ms, error=None):
+        return Row(case="c", shape="s", impl=impl, median_ms=ms, eager_ms=None, bytes=0, flops=0, gbps=None,
+                   pct_bandwidth=None, tflops=None, pct_peak=None, speedup_vs_first=None, unit="ms", error=error)
+
+    rows = [row("graphsafe[triton]", 0.4), row("reference eager", 9.0), row("flashinfer MLA fa3", 0.3),
+            row("flashinfer MLA fa2", 0.5, error="boom")]
+    assert flashinfer.ratio_note(rows) == "graphsafe / flashinfer MLA fa3 = 1.33"
+    assert flashinfer.ratio_note([row("graphsafe[triton]", 0.4, error="x"), rows[2]]) == ""
+    assert flashinfer.unavailable(cpu) == "flashinfer: CUDA only"

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from graphsafe.bench import flashinfer
+
 
 @dataclass
 class Problem:
@@ -619,11 +621,14 @@ def _run_case(case: BenchCase, shapes: tuple, device: torch.device, ceilings: Ce
             if deadline.expired():
                 return
             echo(problem_title(problem))
+            rows = []
             for row in measure_rows(problem, device, ceilings, deadline):
                 log.add(row, deadline.elapsed())
                 echo(format_row(row))
-            if problem.note:
-                echo(f"  note: {problem.note}")
+                rows.append(row)
+            note = "; ".join(x for x in (problem.note, flashinfer.ratio_note(rows)) if x)
+            if note:
+                echo(f"  note: {note}")
             if deadline.hit:
                 return
             del problem

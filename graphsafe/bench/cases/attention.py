@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from graphsafe.bench import flashinfer
 from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.bench.peers import nbytes, op_peers
 from graphsafe.registry import get_op
@@ -95,6 +96,8 @@ def paged_attention_decode(device: torch.device, shapes: tuple):
         q, k_cache, v_cache, table, lens, _ = args
         hq, hk, d = q.shape[1], k_cache.shape[2], q.shape[2]
         impls, note = _graphsafe_only(spec, args, device, 2 * b * ctx * hk * 2 * d * 4)
+        fi_impls, fi_note = flashinfer.paged_decode_peers(*args, spec.public(*args))
+        impls.update(fi_impls)
         peers, peer_note = _decode_peers(*args, device)
         impls.update(peers)
         yield Problem(
@@ -104,9 +107,9 @@ def paged_attention_decode(device: torch.device, shapes: tuple):
             # every cached K/V row of each request once, q, the tables, the output
             bytes=b * ctx * hk * 2 * d * k_cache.element_size() + nbytes(q, table, lens) + nbytes(q),
             flops=4 * b * hq * ctx * d,
-            note="; ".join(x for x in (note, peer_note) if x),
+            note="; ".join(x for x in (note, fi_note, peer_note) if x),
         )
-        del impls, peers, args, q, k_cache, v_cache, table, lens
+        del impls, peers, fi_impls, args, q, k_cache, v_cache, table, lens
 
 
 # -- varlen prefill -----------------------------------------------------------------------
@@ -209,12 +212,14 @@ def flash_attn_varlen(device: torch.device, shapes: tuple):
 
         args = (q, k, v, cu, cu, n, n, scale, True, None, None, None, "off")
         impls, note = _graphsafe_only(spec, args, device, seqs * hq * n * n * 4 * 3)
+        fi_impls, fi_note = flashinfer.ragged_prefill_peers(q, k, v, cu, scale, True, spec.public(*args))
+        impls.update(fi_impls)
         peers, peer_note = _varlen_peers(q, k, v, seqs, n, scale, device)
         impls.update(peers)
         gpu_only = "" if device.type == "cuda" else "the fp8 problem needs a GPU: skipped"
         yield Problem(case=spec.name, shape=f"{label} bf16", impls=impls, bytes=io_bytes, flops=flops, bound="compute",
-                      peak_dtype=torch.bfloat16, note="; ".join(x for x in (note, peer_note, gpu_only) if x))
-        del impls, peers
+                      peak_dtype=torch.bfloat16, note="; ".join(x for x in (note, fi_note, peer_note, gpu_only) if x))
+        del impls, peers, fi_impls
         if device.type != "cuda":
             continue
         yield Problem(case=spec.name, shape=f"{label} fp8", impls=_fp8_impls(spec.public, q, k, v, cu, n, scale),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from graphsafe.bench import flashinfer
 from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.bench.peers import op_peers
 from graphsafe.registry import get_op
@@ -39,8 +40,12 @@ def _decode_full(spec, case, device, rows: int, width: int, topk: int) -> Proble
     params = {"B": rows, "next_n": 1, "L": width, "topk": topk, "extra_k": 0,
               "values": "normal", "lens": "full", "strided": False}
     args = case.inputs(params, device, seed=0)
+    logits, _, seq_lens, indices = args[:4]
+    spec.public(*args)  # graphsafe's picks, compared with FlashInfer's
+    impls = _impls(spec, args, device, logits, topk)
+    fi_impls, fi_note = flashinfer.topk_decode_peers(logits, seq_lens, topk, indices.clone())
     return Problem(case=spec.name, shape=f"rows={rows} L={width} K={topk} full",
-                   impls=_impls(spec, args, device, args[0], topk), bytes=rows * width * 4)
+                   impls={**impls, **fi_impls}, bytes=rows * width * 4, note=fi_note)
 
 
 def _decode_ragged(spec, case, device, batch: int, next_n: int, width: int, topk: int) -> Problem:
