@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from graphsafe.bench.peers import same_index_sets
+
 WORKSPACE_BYTES = 256 * 2**20
 PREFIX = "flashinfer"
 
@@ -208,11 +210,6 @@ def ragged_prefill_peers(q, k, v, cu_seqlens, scale, causal, graphsafe_out) -> t
     return _variants(device, variants, lambda o: f"max |out - graphsafe| {_max_diff(o, graphsafe_out):.3g}")
 
 
-def _same_sets(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = torch.sort(a.long(), dim=1).values, torch.sort(b.long(), dim=1).values
-    return (a == b).all(dim=1).float().mean().item()
-
-
 def topk_decode_peers(logits, lengths, topk, graphsafe_indices) -> tuple[dict, str]:
     """`top_k_ragged_transform` (row offsets 0, the rows' lengths): FlashInfer's DSA top-k."""
     fi = _module()
@@ -229,7 +226,7 @@ def topk_decode_peers(logits, lengths, topk, graphsafe_indices) -> tuple[dict, s
 
     def compare(result) -> str:
         idx = result[1] if isinstance(result, tuple) else result
-        return f"rows with graphsafe's index set {_same_sets(idx, graphsafe_indices):.3f}"
+        return f"rows with graphsafe's index set {same_index_sets(idx, graphsafe_indices):.3f}"
 
     return _variants(device, [(f"{PREFIX} top_k_ragged_transform", spec, make)], compare)
 

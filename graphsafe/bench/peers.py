@@ -33,3 +33,9 @@ def op_peers(spec: OpSpec, args: tuple, device: torch.device, compile_reference:
 
 def nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def same_index_sets(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The share of rows of two `[rows, k]` index tensors that hold the same set of indices."""
+    a, b = torch.sort(a.long(), dim=1).values, torch.sort(b.long(), dim=1).values
+    return (a == b).all(dim=1).float().mean().item()

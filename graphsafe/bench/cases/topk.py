@@ -12,7 +12,7 @@ import torch
 
 from graphsafe.bench import flashinfer
 from graphsafe.bench.harness import Problem, Shapes, bench_case
-from graphsafe.bench.peers import op_peers
+from graphsafe.bench.peers import op_peers, same_index_sets
 from graphsafe.registry import get_op
 from graphsafe.testing.cases import case_for
 
@@ -41,11 +41,14 @@ def _decode_full(spec, case, device, rows: int, width: int, topk: int) -> Proble
               "values": "normal", "lens": "full", "strided": False}
     args = case.inputs(params, device, seed=0)
     logits, _, seq_lens, indices = args[:4]
-    spec.public(*args)  # graphsafe's picks, compared with FlashInfer's
+    spec.public(*args)  # graphsafe's picks, compared with torch.topk's and FlashInfer's
+    picks = indices.clone()
+    same = same_index_sets(picks[:, :topk], torch.topk(logits, topk, dim=1).indices)
     impls = _impls(spec, args, device, logits, topk)
-    fi_impls, fi_note = flashinfer.topk_decode_peers(logits, seq_lens, topk, indices.clone())
+    fi_impls, fi_note = flashinfer.topk_decode_peers(logits, seq_lens, topk, picks)
+    note = f"rows with torch.topk's index set: {same:.3f}" + (f"; {fi_note}" if fi_note else "")
     return Problem(case=spec.name, shape=f"rows={rows} L={width} K={topk} full",
-                   impls={**impls, **fi_impls}, bytes=rows * width * 4, note=fi_note)
+                   impls={**impls, **fi_impls}, bytes=rows * width * 4, note=note)
 
 
 def _decode_ragged(spec, case, device, batch: int, next_n: int, width: int, topk: int) -> Problem:
