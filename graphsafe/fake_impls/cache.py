@@ -8,6 +8,15 @@ from graphsafe.fake_impls import _checks as c
 
 SLOT_DTYPES = (torch.int64, torch.int32)
 CACHE_FP8 = torch.float8_e4m3fn
+# A uint8 cache of concat_and_cache_mla is an fp8_ds_mla cache: the layout of
+# graphsafe.ops.fp8_ds_mla (fakes import nothing of graphsafe.ops: tests/test_static.py).
+CACHE_DS_MLA = torch.uint8
+DS_MLA_TILE = 128
+
+
+def ds_mla_record_bytes(r: int, p: int) -> int:
+    """`fp8_ds_mla.record_bytes`: R e4m3 bytes, a float32 scale per 128, P bfloat16."""
+    return r + 4 * (r // DS_MLA_TILE) + 2 * p
 
 
 def check_concat_and_cache_mla(
@@ -25,13 +34,33 @@ def check_concat_and_cache_mla(
     c.same_dtype(op, "k_pe", k_pe, "kv_c", kv_c)
     c.shape(op, "k_pe", k_pe, (t, None), "[T, P]")
     p = k_pe.shape[1]
-    c.tensor(op, "kv_cache", kv_cache, dtypes=(kv_c.dtype, CACHE_FP8), ndim=3, device=dev)
-    c.shape(op, "kv_cache", kv_cache, (None, None, r + p), "[num_blocks, block_size, R + P]")
+    c.tensor(op, "kv_cache", kv_cache, dtypes=(kv_c.dtype, CACHE_FP8, CACHE_DS_MLA), ndim=3, device=dev)
+    if kv_cache.dtype == CACHE_DS_MLA:
+        _check_ds_mla_layout(op, kv_c, k_pe, kv_cache, scale)
+    else:
+        c.shape(op, "kv_cache", kv_cache, (None, None, r + p), "[num_blocks, block_size, R + P]")
     c.tensor(op, "slot_mapping", slot_mapping, dtypes=SLOT_DTYPES, ndim=1, device=dev)
     c.shape(op, "slot_mapping", slot_mapping, (t,), "[T]")
     for name, x in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache)):
         c.last_dim_contiguous(op, name, x)
     c.fp8_cache_scale(op, "scale", scale, kv_cache, dev, "when 'kv_cache' is float8_e4m3fn")
+
+
+def _check_ds_mla_layout(op: str, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, scale) -> None:
+    """A uint8 `kv_cache` is an fp8_ds_mla cache: R a multiple of 128, P even, one
+    `record_bytes(R, P)`-byte record per token, and no `scale` (the records hold theirs)."""
+    r, p = kv_c.shape[1], k_pe.shape[1]
+    when = "when 'kv_cache' is uint8 (an fp8_ds_mla cache)"
+    if r % DS_MLA_TILE != 0 or r == 0:
+        c.fail(op, "kv_c", f"of shape [T, R] with R a positive multiple of {DS_MLA_TILE} {when}", f"R = {r}")
+    if p % 2 != 0:
+        c.fail(op, "k_pe", f"of shape [T, P] with P even {when}", f"P = {p}")
+    c.shape(op, "kv_cache", kv_cache, (None, None, ds_mla_record_bytes(r, p)),
+            "[num_blocks, block_size, R + 4 * R/128 + 2 * P] (fp8_ds_mla records)")
+    if scale is not None:
+        c.fail(op, "scale", f"None {when}: the records hold their scales",
+               f"a {str(scale.dtype).removeprefix('torch.')} tensor of shape {list(scale.shape)}"
+               if isinstance(scale, torch.Tensor) else type(scale).__name__)
 
 
 def fake_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:

@@ -11,7 +11,8 @@ values, P = 64 rope values). Token record, byte by byte:
     [R + 4 * R/128, record)       the rope key `k_pe`, P bfloat16 values (little-endian)
 
 Writing a token (`quantize_records`), per 128-value tile of its latent, in float32:
-`amax = max |x|`; `scale = amax / 448` (IEEE division), or 1 where `amax == 0`; each value
+`amax = max |x|`; `scale = amax / 448` (IEEE division), or 1 where that is 0 (`amax` 0, or
+below 448 times the smallest float32 subnormal, so the tile's values round to 0); each value
 is stored as torch's `(x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)` (IEEE division,
 round to nearest even). The rope values are rounded to bfloat16. Non-finite latents: a NaN
 in a tile makes its scale NaN and so every value of the tile NaN (byte 0x7F); an inf makes
@@ -63,7 +64,10 @@ def tile_scales(kv_c: torch.Tensor) -> torch.Tensor:
     """`[T, R // 128]` float32 scales of the latent rows `kv_c [T, R]` (module docstring)."""
     t, r = kv_c.shape
     amax = kv_c.float().reshape(t, r // TILE, TILE).abs().amax(-1)
-    return torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    # A tensor divisor: torch turns division by a Python scalar into a multiplication by
+    # its reciprocal on CUDA, which is not the IEEE quotient the kernels compute.
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
 def quantize_records(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,13 @@ through a uint8 view of the cache. Triton's `.to(tl.float8e4nv)` is not used: th
 interpreter rounds it wrongly near exponent boundaries, and the explicit rounding gives
 the same bytes as torch's `.to(torch.float8_e4m3fn)` on every target.
 
+fp8_ds_mla caches (uint8 records, graphsafe.ops.fp8_ds_mla): `_ds_mla_record` writes a
+token's record byte for byte as `quantize_records` does, with the same float32 operations
+(an amax over each 128-value tile, IEEE divisions by `div_rn`, e4m3 rounding by
+`e4m3_byte`, bfloat16 rounding on the bits), so the bytes equal the reference's on the
+same device. Every byte is stored through the uint8 cache: no alignment is assumed of the
+records (block and token strides are free).
+
 `prepare_*` bind the kernel to a call signature once (`graphsafe.launch.bind`); the
 runners they return launch it with the tensors alone.
 """
@@ -21,7 +28,12 @@ import triton
 import triton.language as tl
 
 from graphsafe.launch import bind
-from graphsafe.ops.fp8_bits import e4m3_byte
+from graphsafe.ops import fp8_ds_mla as ds_mla
+from graphsafe.ops.fp8_bits import FP8_MAX, e4m3_byte
+
+# float32 bits: +inf (every NaN's bits, sign cleared, are above) and the NaN torch's amax gives.
+F32_INF_BITS = tl.constexpr(0x7F800000)
+F32_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
@@ -79,11 +91,112 @@ def _bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8)
 
 
+@triton.jit
+def _tile_scale(x):
+    """The float32 scale of a 128-value tile (`fp8_ds_mla.tile_scales`): amax / 448 by
+    IEEE division, 1 where that is 0 (amax 0, or so small the quotient underflows), NaN
+    (from 0x7FC00000) where the tile has a NaN."""
+    # The amax on the bits of |x|: for floats of sign 0 the integer order is the float
+    # order, with +inf above every finite value and every NaN above +inf. So the max
+    # cannot drop a NaN (a float max may, depending on the target).
+    amax_bits = tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=0)
+    amax_bits = tl.where(amax_bits > F32_INF_BITS, F32_NAN_BITS, amax_bits)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    scale = tl.math.div_rn(amax, FP8_MAX)
+    return tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def _bf16_bits(x):
+    """The bfloat16 bits (low 16 bits of an int32) of float32 `x`, rounded to nearest even
+    (overflow to +-inf, subnormals kept), as torch's `.to(torch.bfloat16)`; NaN -> 0x7FFF
+    (CUDA's cvt.rn.bf16.f32 NaN). On the bits: the interpreter truncates `.to(tl.bfloat16)`."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int32)
+    return tl.where(x != x, 0x7FFF, rounded)
+
+
+@triton.jit
+def _as_f32(x):
+    """`x` (bf16/fp16/fp32) as float32, exactly. bfloat16 through the bits (the upper half
+    of a float32): the interpreter's conversion loses bf16 subnormals."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _ds_mla_record(
+    kv_c_ptr, k_pe_ptr, dst_ptr, enabled,
+    R: tl.constexpr, P: tl.constexpr, TILE: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+):
+    """Write one token's fp8_ds_mla record at `dst_ptr` (uint8): R e4m3 bytes, R / TILE
+    float32 scales, P bfloat16 rope values; nothing (and nothing read) if not enabled."""
+    cols = tl.arange(0, TILE)
+    byte_of_word = tl.arange(0, 4)
+    tile_live = tl.where(enabled, TILE, 0)
+    for tile in tl.range(0, R // TILE):
+        x = _as_f32(tl.load(kv_c_ptr + tile * TILE + cols, mask=cols < tile_live, other=0.0))
+        scale = _tile_scale(x)
+        # div_rn: IEEE division, bit-identical to the reference's x / scale.
+        tl.store(dst_ptr + tile * TILE + cols, e4m3_byte(tl.math.div_rn(x, scale)), mask=cols < tile_live)
+        scale_bits = scale.to(tl.int32, bitcast=True)
+        tl.store(dst_ptr + R + 4 * tile + byte_of_word, ((scale_bits >> (8 * byte_of_word)) & 0xFF).to(tl.uint8),
+                 mask=byte_of_word < tl.where(enabled, 4, 0))
+    # Rope: byte k is the low (k even) or high byte of value k // 2, little-endian.
+    k = tl.arange(0, BLOCK_ROPE)
+    mask = k < tl.where(enabled, 2 * P, 0)
+    x = tl.load(k_pe_ptr + k // 2, mask=mask, other=0.0)
+    if x.dtype == tl.bfloat16:
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32)  # as it is: torch's .to() is a no-op
+    else:
+        bits = _bf16_bits(x.to(tl.float32))
+    tl.store(dst_ptr + R + 4 * (R // TILE) + k, ((bits >> (8 * (k % 2))) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _concat_and_cache_ds_mla_kernel(
+    kv_c_ptr, k_pe_ptr, cache_ptr, slot_ptr,
+    num_slots, block_size,
+    stride_kv_c, stride_k_pe, stride_block, stride_token,
+    R: tl.constexpr, P: tl.constexpr, TILE: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    enabled = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(enabled, slot, 0)
+    dst = cache_ptr + (slot // block_size) * stride_block + (slot % block_size) * stride_token
+    _ds_mla_record(kv_c_ptr + token * stride_kv_c, k_pe_ptr + token * stride_k_pe, dst, enabled,
+                   R, P, TILE, BLOCK_ROPE)
+
+
+def _prepare_ds_mla(kv_c, k_pe, kv_cache, slot_mapping):
+    """The fp8_ds_mla write: one program per token (a record is 656 bytes for DeepSeek)."""
+    t, r = kv_c.shape
+    p = k_pe.shape[1]
+    nb, bs = kv_cache.shape[:2]
+    launch = bind(
+        _concat_and_cache_ds_mla_kernel, (t,),
+        kv_c, k_pe, kv_cache, slot_mapping,
+        nb * bs, bs,
+        kv_c.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        R=r, P=p, TILE=ds_mla.TILE, BLOCK_ROPE=triton.next_power_of_2(max(2 * p, 1)),
+    )
+
+    def run(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
+        launch(kv_c, k_pe, kv_cache, slot_mapping)
+
+    return run
+
+
 def prepare_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None):
     t, r = kv_c.shape
     p = k_pe.shape[1]
     if t == 0:
         return _nothing
+    if kv_cache.dtype == torch.uint8:
+        return _prepare_ds_mla(kv_c, k_pe, kv_cache, slot_mapping)
     quant = kv_cache.dtype == torch.float8_e4m3fn
     nb, bs = kv_cache.shape[:2]
     launch = bind(

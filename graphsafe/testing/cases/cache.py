@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from graphsafe.ops.fp8_ds_mla import TILE, record_bytes
 from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
 from graphsafe.testing.tensors import distinct_slots, poison, randn
 
@@ -40,6 +41,32 @@ def bitwise_compare(op: str):
             assert_bits_equal(want[name], got[name], f"{op} mutated '{name}'")
 
     return compare
+
+
+def _rope_nans_canonical(cache: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8_ds_mla cache (uint8 records, the last 2P bytes the bf16 rope) with every NaN
+    rope value set to 0x7FFF, and the mask of those values."""
+    records = cache.contiguous()
+    rope = records[..., records.shape[-1] - 2 * p :].contiguous().view(torch.int16)
+    nan = torch.isnan(rope.view(torch.bfloat16))
+    rope = torch.where(nan, torch.full_like(rope, 0x7FFF), rope)
+    return torch.cat([records[..., : records.shape[-1] - 2 * p], rope.view(torch.uint8)], dim=-1), nan
+
+
+def compare_mla(expected, actual, expected_args, actual_args, params) -> None:
+    """`bitwise_compare` of concat_and_cache_mla, except that the bits of a NaN rope value in
+    an fp8_ds_mla cache written from fp16/fp32 are free (the op's docstring: torch's CPU
+    conversion gives 0xFFFF or 0x7FC0, CUDA's and the Triton kernel's 0x7FFF); the NaNs
+    must be at the same places."""
+    if not params.get("ds_mla_cache", False) or params["dtype"] == torch.bfloat16 or params["P"] == 0:
+        return bitwise_compare("concat_and_cache_mla")(expected, actual, expected_args, actual_args, params)
+    from graphsafe.testing.contract import assert_bits_equal
+
+    assert expected is None and actual is None, "concat_and_cache_mla returns None"
+    want, want_nan = _rope_nans_canonical(expected_args[2], params["P"])
+    got, got_nan = _rope_nans_canonical(actual_args[2], params["P"])
+    assert torch.equal(want_nan, got_nan), "concat_and_cache_mla: NaN rope values at other places than the reference's"
+    assert_bits_equal(want, got, "concat_and_cache_mla mutated 'kv_cache' (fp8_ds_mla, NaN rope bits aside)")
 
 
 def _valid_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -103,29 +130,74 @@ def _nonfinite(values: tuple[int, ...]):
     return nonfinite
 
 
+def _nonfinite_mla(params: Params, args, gen: torch.Generator):
+    """`OpCase.nonfinite` of concat_and_cache_mla. Into an fp8_ds_mla cache per 128-value
+    tile of `kv_c` (elementwise NaN/inf would leave hardly a tile without a NaN): a fifth
+    each clean, one NaN, one +inf, one -inf, a +inf and a -inf; `k_pe` elementwise."""
+    if not params.get("ds_mla_cache", False):
+        return _nonfinite((0, 1))(params, args, gen)
+    kv_c = args[0]
+    t, r = kv_c.shape
+    x = kv_c.float().cpu().reshape(t, r // TILE, TILE)
+    kind = torch.randint(0, 5, x.shape[:2], generator=gen)[..., None]
+    at = [torch.nn.functional.one_hot(torch.randint(0, TILE, x.shape[:2], generator=gen), TILE).bool()
+          for _ in range(2)]
+    x = torch.where(at[0] & (kind == 1), float("nan"), x)
+    x = torch.where(at[0] & ((kind == 2) | (kind == 4)), float("inf"), x)
+    x = torch.where((at[0] & (kind == 3)) | (at[1] & (kind == 4)), float("-inf"), x)
+    with_rope = _nonfinite((1,))(params, args, gen)
+    return (x.reshape(t, r).to(kv_c.dtype).to(kv_c.device), *with_rope[1:])
+
+
 def _params_mla():
     from hypothesis import strategies as st
 
-    return st.fixed_dictionaries(
-        {
-            "T": st.integers(0, 12),
-            "R": st.sampled_from([8, 32, 64]),
-            "P": st.sampled_from([4, 8, 16]),
-            "block_size": st.sampled_from([1, 4, 16, 64]),
-            "dtype": st.sampled_from(DTYPES),
-            "fp8_cache": st.booleans(),
-            "strided_cache": st.booleans(),
-        }
-    )
+    common = {
+        "T": st.integers(0, 12),
+        "block_size": st.sampled_from([1, 4, 16, 64]),
+        "dtype": st.sampled_from(DTYPES),
+        "strided_cache": st.booleans(),
+    }
+    plain_or_fp8 = {
+        **common,
+        "R": st.sampled_from([8, 32, 64]),
+        "P": st.sampled_from([4, 8, 16]),
+        "fp8_cache": st.booleans(),
+        "ds_mla_cache": st.just(False),
+    }
+    ds_mla = {
+        **common,
+        "R": st.just(TILE),
+        "P": st.sampled_from([16, 32]),
+        "fp8_cache": st.just(False),
+        "ds_mla_cache": st.just(True),
+    }
+    return st.fixed_dictionaries(plain_or_fp8) | st.fixed_dictionaries(ds_mla)
+
+
+def _ds_mla_latent(t: int, r: int, dtype: torch.dtype, device, gen) -> torch.Tensor:
+    """`[T, R]` latent rows for an fp8_ds_mla cache: each 128-value tile randn times 2^k
+    (k drawn per tile, within the dtype's range), one tile in 8 all zeros (scale 1)."""
+    span = 12 if dtype == torch.float16 else 60
+    tiles = torch.randn((t, r // TILE, TILE), generator=gen)
+    k = torch.randint(-span, span + 1, (t, r // TILE, 1), generator=gen)
+    zero = torch.rand((t, r // TILE, 1), generator=gen) < 0.125
+    tiles = torch.where(zero, 0.0, tiles * torch.pow(2.0, k.float()))
+    return tiles.reshape(t, r).to(dtype).to(device)
 
 
 def _make_mla(p: Params, device, gen):
     t, r, pe, bs = p["T"], p["R"], p["P"], p["block_size"]
+    # Parameter sets written before the fp8_ds_mla kind (benchmarks) lack the key.
+    ds_mla = p.get("ds_mla_cache", False)
     nb = max(1, -(-2 * t // bs))
-    kv_c = randn((t, r), p["dtype"], device, gen)
+    kv_c = _ds_mla_latent(t, r, p["dtype"], device, gen) if ds_mla else randn((t, r), p["dtype"], device, gen)
     k_pe = randn((t, pe), p["dtype"], device, gen)
-    cache_dtype = torch.float8_e4m3fn if p["fp8_cache"] else p["dtype"]
-    kv_cache = _cache((nb, bs, r + pe), cache_dtype, device, gen, p["strided_cache"])
+    if ds_mla:
+        kv_cache = _cache((nb, bs, record_bytes(r, pe)), torch.uint8, device, gen, p["strided_cache"])
+    else:
+        cache_dtype = torch.float8_e4m3fn if p["fp8_cache"] else p["dtype"]
+        kv_cache = _cache((nb, bs, r + pe), cache_dtype, device, gen, p["strided_cache"])
     slots = _slots(t, nb, bs, device, gen)
     scale = (torch.rand(1, generator=gen) * 0.1 + 0.01).to(device) if p["fp8_cache"] else None
     return kv_c, k_pe, kv_cache, slots, scale
@@ -145,10 +217,27 @@ def _bad_mla(device, gen):
         BadInput("slot_mapping with other T", (kv_c, k_pe, kv_cache, slots[1:]), "slot_mapping", r"\[T\]"),
         BadInput("fp8 cache without scale", (kv_c, k_pe, fp8_cache, slots), "scale", "float32"),
         BadInput("kv_c strided last dim", (kv_c.t().contiguous().t(), k_pe, kv_cache, slots), "kv_c", "contiguous"),
+        *_bad_ds_mla(device, gen),
     ]
 
 
-EXAMPLE_MLA: Params = {"T": 6, "R": 32, "P": 8, "block_size": 4, "dtype": torch.bfloat16, "fp8_cache": False, "strided_cache": False}
+def _bad_ds_mla(device, gen):
+    """uint8 (fp8_ds_mla) caches that do not fit R and P, and a scale given with one."""
+    kv_c, k_pe, cache, slots, _ = _make_mla(EXAMPLE_DS_MLA, device, gen)  # R = 128, P = 16: 164 bytes
+    scale = torch.ones(1, device=device)
+    return [
+        BadInput("uint8 kv_cache of 163-byte records (R=128, P=16: 164)", (kv_c, k_pe, cache[..., 1:], slots),
+                 "kv_cache", r"record.*= \[\?, \?, 164\], got shape \[\d+, \d+, 163\]"),
+        BadInput("uint8 kv_cache with R=64", (kv_c[:, :64], k_pe, cache, slots), "kv_c", "multiple of 128.*got R = 64"),
+        BadInput("uint8 kv_cache with odd P", (kv_c, k_pe[:, :15], cache, slots), "k_pe", "P even.*got P = 15"),
+        BadInput("uint8 kv_cache with a scale", (kv_c, k_pe, cache, slots, scale), "scale",
+                 r"None when .*got a float32 tensor of shape \[1\]"),
+    ]
+
+
+EXAMPLE_MLA: Params = {"T": 6, "R": 32, "P": 8, "block_size": 4, "dtype": torch.bfloat16, "fp8_cache": False,
+                       "strided_cache": False, "ds_mla_cache": False}
+EXAMPLE_DS_MLA: Params = {**EXAMPLE_MLA, "R": TILE, "P": 16, "ds_mla_cache": True}
 
 register_case(
     OpCase(
@@ -156,19 +245,28 @@ register_case(
         params=_params_mla,
         example=EXAMPLE_MLA,
         make=_make_mla,
-        compare=bitwise_compare("concat_and_cache_mla"),
+        compare=compare_mla,
         bad_inputs=_bad_mla,
         unread=_unread(values=(0, 1), caches=(2,), scales=(4,), slots_at=3),
         out_of_range=_out_of_range(caches_at=2, slots_at=3),
-        nonfinite=_nonfinite((0, 1)),
+        nonfinite=_nonfinite_mla,
         edge_cases=(
             {**EXAMPLE_MLA, "T": 0},
             {**EXAMPLE_MLA, "fp8_cache": True, "dtype": torch.float16},
             {**EXAMPLE_MLA, "R": 512, "P": 64, "block_size": 64, "strided_cache": True},
+            EXAMPLE_DS_MLA,
+            {**EXAMPLE_DS_MLA, "T": 0},
+            {**EXAMPLE_DS_MLA, "P": 32, "dtype": torch.float32, "block_size": 1, "strided_cache": True},
+            {**EXAMPLE_DS_MLA, "R": 2 * TILE, "dtype": torch.float16, "strided_cache": True},
         ),
         gpu_examples=(
-            {"T": 256, "R": 512, "P": 64, "block_size": 64, "dtype": torch.bfloat16, "fp8_cache": False, "strided_cache": False},
-            {"T": 1024, "R": 512, "P": 64, "block_size": 64, "dtype": torch.bfloat16, "fp8_cache": True, "strided_cache": True},
+            {"T": 256, "R": 512, "P": 64, "block_size": 64, "dtype": torch.bfloat16, "fp8_cache": False,
+             "strided_cache": False, "ds_mla_cache": False},
+            {"T": 1024, "R": 512, "P": 64, "block_size": 64, "dtype": torch.bfloat16, "fp8_cache": True,
+             "strided_cache": True, "ds_mla_cache": False},
+            # DeepSeek-V3.2's fp8_ds_mla cache: 656-byte records.
+            {"T": 1024, "R": 512, "P": 64, "block_size": 64, "dtype": torch.bfloat16, "fp8_cache": False,
+             "strided_cache": True, "ds_mla_cache": True},
         ),
     )
 )
