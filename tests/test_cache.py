@@ -296,7 +296,7 @@ def _ds_error(args: tuple) -> str:
 
 def test_ds_mla_check_uses_the_record_layout():
     """The check's copy of the record size (fakes import nothing of graphsafe.ops)."""
-    from graphsafe.fake_impls.cache import ds_mla_record_bytes
+    from graphsafe.fake_impls._checks import ds_mla_record_bytes
 
     for r, p in ((512, 64), (128, 16), (128, 32), (256, 0), (384, 2)):
         assert ds_mla_record_bytes(r, p) == ds_mla.record_bytes(r, p)

@@ -3,8 +3,10 @@
 The reference is checked against a plain per-request loop; the Triton kernels (through
 the interpreter) against the reference with forced split counts, empty splits, empty
 rows; unread cache rows holding NaN, padding and out-of-range ids (never wrapping around)
-and non-finite inputs on both backends; and the split planner and workspace sizing
-against their contract (shapes only).
+and non-finite inputs on both backends; the same over fp8_ds_mla caches (uint8 records:
+the loop spec dequantizes each record it reads, 0xFF bytes poison unread records, the
+input checks of this cache kind, its kernel variants compiled for sm_90); and the split
+planner and workspace sizing against their contract (shapes only).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphsafe
+from graphsafe.ops.fp8_ds_mla import dequantize_records, quantize_records, record_bytes
 from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
 from graphsafe.ops.mla import reference as ref
 from graphsafe.ops.mla import splits
@@ -41,6 +44,17 @@ def _attend_rows(q: torch.Tensor, rows: torch.Tensor, scale: float, r: int):
     return (w / w.sum(1, keepdim=True)) @ rows.double()[:, :r], lse
 
 
+def _key_rows(kv_cache, entries: list[tuple[int, int]], r: int, width: int) -> torch.Tensor:
+    """The key rows [n, width] of the cache entries (block, offset), one by one: an
+    fp8_ds_mla cache's records dequantized (`dequantize_records`, the format's spec)."""
+    rows = [kv_cache[blk, off] for blk, off in entries]
+    if not rows:
+        return torch.zeros((0, width), dtype=torch.float64)
+    if kv_cache.dtype == torch.uint8:
+        return torch.stack([dequantize_records(row, r) for row in rows])
+    return torch.stack(rows)
+
+
 def naive_decode(q, kv_cache, block_table, seq_lens, scale, r):
     nb, bs = kv_cache.shape[:2]
     capacity = block_table.shape[1] * bs
@@ -48,8 +62,8 @@ def naive_decode(q, kv_cache, block_table, seq_lens, scale, r):
     for b in range(q.shape[0]):
         n = max(0, min(int(seq_lens[b]), capacity))
         blocks = [int(block_table[b, j // bs]) for j in range(n)]
-        rows = [kv_cache[blk, j % bs] for j, blk in enumerate(blocks) if 0 <= blk < nb]  # padding: no key
-        rows = torch.stack(rows) if rows else kv_cache.new_zeros((0, q.shape[2]))
+        entries = [(blk, j % bs) for j, blk in enumerate(blocks) if 0 <= blk < nb]  # padding: no key
+        rows = _key_rows(kv_cache, entries, r, q.shape[2])
         o, l = _attend_rows(q[b], rows, scale, r)
         outs.append(o)
         lses.append(l)
@@ -64,8 +78,8 @@ def naive_sparse(q, kv_cache, indices, scale, r):
     nb, bs = kv_cache.shape[:2]
     outs, lses = [], []
     for t in range(q.shape[0]):
-        rows = [kv_cache[s // bs, s % bs] for s in indices[t].tolist() if 0 <= s < nb * bs]
-        rows = torch.stack(rows) if rows else kv_cache.new_zeros((0, q.shape[2]))
+        entries = [(s // bs, s % bs) for s in indices[t].tolist() if 0 <= s < nb * bs]
+        rows = _key_rows(kv_cache, entries, r, q.shape[2])
         o, l = _attend_rows(q[t], rows, scale, r)
         outs.append(o)
         lses.append(l)
@@ -76,10 +90,12 @@ def naive_sparse(q, kv_cache, indices, scale, r):
     )
 
 
-def _check(expected, actual):
+def _check(expected, actual, args=None):
+    """No NaN, and `compare_attention` (its fp8_ds_mla lse tolerance where `args` hold such
+    a cache: a kernel against the exact float32 rows; none between exact computations)."""
     out, lse = actual
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "NaN in the result"
-    cases.compare_attention(expected, actual, None, None, None)
+    cases.compare_attention(expected, actual, args, args, None)
 
 
 @given(params=cases._params_decode(), seed=st.integers(0, 2**31 - 1))
@@ -358,13 +374,13 @@ def test_negative_and_huge_ids_never_wrap_around(backend, num_splits):
     assert not expected[0].isnan().any()
 
 
-def _same_nonfinite_places(expected, actual):
+def _same_nonfinite_places(expected, actual, args=None):
     for e, a in zip(expected, actual):
         for test in (torch.isnan, torch.isposinf, torch.isneginf):
             assert torch.equal(test(e.float()), test(a.float())), f"{test.__name__} places differ"
     # Elsewhere within tolerance: NaN out entries and NaN lse zeroed (lse keeps its -inf).
     finite = [(torch.nan_to_num(out, nan=0.0), torch.where(lse.isnan(), 0.0, lse)) for out, lse in (expected, actual)]
-    cases.compare_attention(finite[0], finite[1], None, None, None)
+    cases.compare_attention(finite[0], finite[1], args, args, None)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -446,6 +462,189 @@ def test_decode_step_compiles_fullgraph_with_triton_kernels():
         actual = compiled(q, kv_c, k_pe, kv_compiled, slots, bt, lens)
     assert torch.equal(kv_eager, kv_compiled)
     assert torch.equal(expected[0], actual[0]) and torch.equal(expected[1], actual[1])
+
+
+# -- fp8_ds_mla caches (uint8 records: e4m3 latent, float32 tile scales, bf16 rope) -------
+FP8 = {"cache": cases.FP8_DS}  # with dtype bfloat16
+
+
+@given(params=cases._params_decode().filter(cases.fp8_ds), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=10)
+def test_reference_fp8_ds_decode_matches_the_loop_over_dequantized_rows(params, seed):
+    args = graphsafe.get_op("mla_decode").case.inputs(params, CPU, seed)
+    assert args[1].dtype == torch.uint8 and args[1].shape[2] == record_bytes(params["R"], params["P"])
+    _check(naive_decode(*args), ref.mla_decode(*args))
+
+
+@given(params=cases._params_sparse().filter(cases.fp8_ds), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=10)
+def test_reference_fp8_ds_sparse_matches_the_loop_over_dequantized_rows(params, seed):
+    args = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, seed)
+    _check(naive_sparse(*args), ref.sparse_mla(*args))
+
+
+def test_fp8_ds_rows_are_the_dequantized_records_exactly():
+    """A single key: out is its dequantized latent (rounded to bf16 once), lse its
+    float32 score: the op reads the record as `dequantize_records` does, tile scales
+    included (R = 256: two tiles of different scales)."""
+    gen = torch.Generator().manual_seed(3)
+    r, p = 256, 16
+    kv_c = torch.randn(8, r, generator=gen) * torch.tensor([1.0] * 128 + [20.0] * 128)
+    kv = quantize_records(kv_c, torch.randn(8, p, generator=gen)).view(2, 4, -1)
+    q = torch.randn(2, 3, r + p, generator=gen).bfloat16()
+    rows = dequantize_records(kv[torch.tensor([1, 0]), torch.tensor([2, 3])], r)
+    for backend in ("reference", "triton"):
+        idx = torch.tensor([[6, -1], [-1, 3]], dtype=torch.int32)
+        out, lse = C.run_backend(graphsafe.get_op("sparse_mla"), backend, (q, kv, idx, 0.1, r))
+        assert torch.equal(out, rows[:, None, :r].bfloat16().expand_as(out)), backend
+        expected = 0.1 * torch.einsum("thd,td->th", q.float(), rows)
+        tol = 1e-5 if backend == "reference" else cases.FP8_DS_LSE_TOLERANCE[1]  # the kernel's bf16 rows
+        torch.testing.assert_close(lse, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("r,p", [(128, 16), (256, 32)])
+@pytest.mark.parametrize("num_splits", [1, 2, 6])
+def test_triton_fp8_ds_decode_with_forced_splits_and_padding_blocks(r, p, num_splits):
+    args = _decode_args(torch.bfloat16, [0, 1, 9, 96], R=r, P=p, **FP8)
+    q, kv, bt, lens, scale, r = args
+    bt = bt.clone()
+    bt[2, 0] = bt[3, 2] = -1  # padding blocks inside requests
+    args = (q, kv, bt, lens, scale, r)
+    out, lse = tri.mla_decode(*args, num_splits=num_splits)
+    _check(ref.mla_decode(*args), (out, lse), args)
+    _check(naive_decode(*args), (out, lse), args)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all(), "empty request: 0, -inf"
+
+
+@pytest.mark.parametrize("r", [128, 256])
+def test_triton_fp8_ds_decode_with_value_chunks(r):
+    """Two value chunks: halves of one scale tile (R = 128) or one tile each (R = 256)."""
+    args = _decode_args(torch.bfloat16, [0, 1, 9, 96], R=r, P=16, H=17, **FP8)
+    out, lse = tri.mla_decode(*args, config=CHUNKED, num_splits=3)
+    _check(ref.mla_decode(*args), (out, lse), args)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_triton_fp8_ds_sparse_with_forced_splits(num_splits, chunks):
+    params = {**cases.EXAMPLE_SPARSE_FP8_DS, "T": 4, "K": 70, "R": 256, "P": 32, "num_blocks": 8, "strided": True}
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 3)
+    idx[1] = -1  # a token without any key
+    idx[2, 30:] = -1  # the later splits of a token hold no key
+    args = (q, kv, idx, scale, r)
+    config = CHUNKED if chunks == 2 else None
+    out, lse = tri.sparse_mla(*args, config=config, num_splits=num_splits)
+    _check(ref.sparse_mla(*args), (out, lse), args)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+def _fp8_with_unread_block_0(kv, r, p):
+    """An fp8_ds_mla cache (R = r, P = p) behind one extra block 0 of valid records that
+    no request reads."""
+    gen = torch.Generator().manual_seed(7)
+    block = quantize_records(torch.randn(kv.shape[1], r, generator=gen), torch.randn(kv.shape[1], p, generator=gen))
+    return torch.cat([block[None], kv])
+
+
+@pytest.mark.parametrize("backend,num_splits", RUNS)
+def test_poisoned_unread_fp8_ds_records_never_reach_outputs(backend, num_splits):
+    """0xFF bytes (NaN latent bytes, NaN scales, NaN rope) in block 0, in the tail of a
+    request's last block and in every other record no key reads change no output bit,
+    dense and sparse; out-of-range ids act as -1 (nothing read, nothing wrapped)."""
+    q, kv, bt, lens, scale, r = _decode_args(torch.bfloat16, [0, 1, 9, 96], R=128, P=16, strided=False, **FP8)
+    kv = _fp8_with_unread_block_0(kv, 128, 16)
+    used = torch.arange(bt.shape[1])[None, :] * kv.shape[1] < lens[:, None]
+    bt = torch.where(used, bt + 1, bt)
+    bt[3, 1] = -1
+    _, _, rows = cases.decode_reads(kv, bt, lens)
+    assert not rows[0].any() and (~rows[1:]).any()
+    clean = _run(backend, num_splits, "mla_decode", (q, kv, bt, lens, scale, r))
+    dirty = kv.clone()
+    dirty[~rows] = 0xFF
+    bad = bt.clone()
+    bad[3, 1] = 10**6
+    out, lse = _run(backend, num_splits, "mla_decode", (q, dirty, bad, lens, scale, r))
+    _bits_equal(clean, (out, lse))
+    assert not out.isnan().any() and not lse.isnan().any()
+
+    gen = torch.Generator().manual_seed(1)
+    slots = torch.randint(kv.shape[1], kv.numel() // kv.shape[2], (3, 40), generator=gen)  # none in block 0
+    idx = torch.where(torch.rand(3, 40, generator=gen) < 0.3, -1, slots).int()
+    _, rows = cases.sparse_reads(kv, idx)
+    clean = _run(backend, num_splits, "sparse_mla", (q[:3], kv, idx, scale, r))
+    dirty = kv.clone()
+    dirty[~rows] = 0xFF
+    bad_ids = torch.tensor([-2, -(2**31), 10**6, kv.numel() // kv.shape[2]])  # the last: one past the end
+    bad_idx = torch.where(idx < 0, bad_ids[torch.arange(40) % 4], idx).int()
+    out, lse = _run(backend, num_splits, "sparse_mla", (q[:3], dirty, bad_idx, scale, r))
+    _bits_equal(clean, (out, lse))
+    assert not out.isnan().any() and not lse.isnan().any()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_nonfinite_fp8_ds_records_give_the_reference_places(num_splits):
+    """A latent written with an inf reads back a NaN tile: every head of the requests
+    reading that key gets NaN out and lse; a -inf rope value gives +-inf scores by q's
+    sign (NaN for +inf; weight 0 for -inf); a NaN scale byte pattern makes its tile NaN."""
+    q, kv, bt, lens, scale, r = _decode_args(torch.bfloat16, [0, 30, 70, 96], R=128, P=16, **FP8)
+    q, kv = q.clone(), kv.clone()
+    q[2, 0, r + 1], q[2, 1, r + 1] = 1.0, -1.0  # both signs against the -inf rope value
+    latent = dequantize_records(kv[int(bt[1, 0]), 5], r)
+    latent[7] = INF
+    kv[int(bt[1, 0]), 5] = quantize_records(latent[None, :r], latent[None, r:])[0]
+    rope_at = r + 4 * (r // 128) + 2 * 1  # rope value 1
+    kv[int(bt[2, 4]), 2, rope_at : rope_at + 2] = torch.tensor([-INF], dtype=torch.bfloat16).view(torch.uint8)
+    kv[int(bt[3, 3]), 0, r : r + 4] = torch.tensor([NAN]).view(torch.uint8)  # the scale of tile 0
+    expected = ref.mla_decode(q, kv, bt, lens, scale, r)
+    actual = tri.mla_decode(q, kv, bt, lens, scale, r, num_splits=num_splits)
+    out, lse = expected
+    assert out[1].isnan().all() and lse[1].isnan().all(), "a NaN tile: NaN for every head"
+    assert out[3].isnan().all() and lse[3].isnan().all(), "a NaN scale: NaN for every head"
+    positive = q[2, :, r + 1] < 0  # -inf rope times a negative q: +inf score, NaN
+    assert positive.any() and (~positive).any()
+    assert lse[2][positive].isnan().all() and not lse[2][~positive].isnan().any()
+    assert not out[2][~positive].isnan().any()
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+    _same_nonfinite_places(expected, actual, (q, kv))
+
+
+@pytest.mark.parametrize("op", ["mla_decode", "sparse_mla"])
+def test_fp8_ds_cache_checks_name_the_argument(op):
+    """A uint8 cache is an fp8_ds_mla cache: the record size, R, P, q's dtype and the
+    records' alignment are checked, with the argument named."""
+    spec = graphsafe.get_op(op)
+    example = cases.EXAMPLE_DECODE_FP8_DS if op == "mla_decode" else cases.EXAMPLE_SPARSE_FP8_DS
+    q, kv, *rest = spec.case.inputs(example, CPU, 0)
+    ids, scale, r = rest[:-2], rest[-2], rest[-1]
+    spec.public(q, kv, *ids, scale, r)  # the valid call
+    gapped = torch.zeros((*kv.shape[:2], kv.shape[2] + 2), dtype=torch.uint8)[..., :-2]  # token stride 166
+    refused = [
+        ((q.half(), kv, *ids, scale, r), r"'q' must be of dtype bfloat16 when 'kv_cache' is uint8"),
+        ((q, kv[..., :-4], *ids, scale, r), r"'kv_cache' must be of shape .*fp8_ds_mla record.* = \[\?, \?, 164\]"),
+        ((q, gapped, *ids, scale, r), r"'kv_cache' must be of 4-byte aligned records \(block and token strides"),
+        ((q[..., :-1], kv, *ids, scale, r), r"'q' must be of last dim R \+ P with P .* even.*got P = 15"),
+        ((q, kv, *ids, scale, 64), r"'kv_lora_rank' must be a multiple of 128 when 'kv_cache' is uint8.*got 64"),
+    ]
+    for args, match in refused:
+        with pytest.raises(graphsafe.InputError, match=rf"graphsafe\.{op}: argument {match}"):
+            spec.public(*args)
+
+
+@pytest.mark.parametrize("op", ["mla_decode", "sparse_mla"])
+def test_fp8_ds_cache_storage_offset_is_checked_on_every_triton_call(op):
+    """The storage offset is no part of a call's signature (validated at its first call
+    only): the Triton runner, whose kernel loads the scales as float32, checks it per call."""
+    spec = graphsafe.get_op(op)
+    example = cases.EXAMPLE_DECODE_FP8_DS if op == "mla_decode" else cases.EXAMPLE_SPARSE_FP8_DS
+    q, kv, *rest = spec.case.inputs(example, CPU, 0)
+    shifted = torch.empty(kv.numel() + 2, dtype=torch.uint8)[2:].view(kv.shape).copy_(kv)
+    match = rf"graphsafe\.{op}: argument 'kv_cache' must be of 4-byte aligned records \(a storage offset.*offset 2"
+    with graphsafe.use_backend("triton"):
+        with pytest.raises(graphsafe.InputError, match=match):  # the first call of the signature: the check
+            spec.public(q, shifted, *rest)
+        spec.public(q, kv, *rest)
+        with pytest.raises(graphsafe.InputError, match=match):  # a later one: the runner
+            spec.public(q, shifted, *rest)
 
 
 # -- split planning and workspace -----------------------------------------------------------
@@ -747,6 +946,70 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     assert out.count("compiled _mla_attn_kernel") == 10 and "compiled _combine_kernel" in out, out
 
 
+# The fp8_ds_mla variants (DeepSeek's 656-byte records) as the launcher binds them for an
+# sm_90 device: hardware e4m3 conversion (FP8_NATIVE, what a CUDA tensor turns on), and
+# once the integer decoding of other targets (compiled for sm_80).
+_FP8_DS_COMPILE_SCRIPT = r"""
+import sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+import torch
+from graphsafe.ops.mla import splits, triton as tri
+from graphsafe.ops.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
+
+launches = []
+
+def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record each launch, run nothing
+    def launch(*tensors):
+        it = iter(tensors)
+        launches.append((kernel, tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), dict(kw)))
+    return launch
+
+tri.bind = record
+""" + _SPECIALISE + r"""
+TYPES[torch.uint8] = "u8"
+for heads in (16, 128):
+    cfg = splits.kernel_config(heads, "cuda")
+    q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(64, 64, DEEPSEEK_RECORD_BYTES, dtype=torch.uint8)
+    table = torch.arange(64, dtype=torch.int32).view(2, 32)
+    lens = torch.full((2,), 2048, dtype=torch.int32)
+    tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=4)
+    idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
+    tri.sparse_mla(q, kv, idx, 0.04, 512, config=cfg, num_splits=1)
+attn = [(args, kw) for fn, args, kw in launches if fn is tri._mla_attn_kernel]
+assert all(kw["FP8_DS"] and not kw["FP8_NATIVE"] for _, kw in attn), "CPU tensors: the integer decoding"
+assert len(attn) == 6, len(attn)  # per head count: dense without and with the id check, sparse
+targets = [(args, {**kw, "FP8_NATIVE": True}, 90) for args, kw in attn]
+targets.append((attn[-1][0], dict(attn[-1][1]), 80))
+for args, kw, arch in targets:
+    opts = {"num_warps": kw.pop("num_warps"), "num_stages": kw.pop("num_stages", 2)}
+    k = triton.compile(specialise(tri._mla_attn_kernel, args, kw), target=GPUTarget("cuda", arch, 32), options=opts)
+    ptx = k.asm["ptx"]
+    native = "e4m3x2" in ptx  # cvt.rn.f16x2.e4m3x2: the hardware conversion
+    print("compiled sm", arch, kw["BLOCK_H"], kw["SPARSE"], kw["SPLIT"], kw["CHECK_IDS"], "native", native,
+          "shared", k.metadata.shared, "wgmma", "wgmma.mma_async" in ptx)
+    assert native == kw["FP8_NATIVE"], "hardware e4m3 conversion exactly where asked for"
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+    if arch == 90 and kw["BLOCK_H"] == 64:
+        assert "wgmma.mma_async" in ptx, "64-head tiles use wgmma"
+print("OK")
+"""
+
+
+def test_fp8_ds_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
+    """The fp8_ds_mla variants of the attention kernel (DeepSeek's R = 512, P = 64, 16 and
+    128 heads, dense and sparse) compile for sm_90 with the hardware e4m3 conversion,
+    within Hopper's shared memory, the 64-head tiles on wgmma; the integer decoding of
+    other targets compiles for sm_80."""
+    out = compile_for_sm90(_FP8_DS_COMPILE_SCRIPT, timeout=900)
+    assert out.count("compiled sm 90") == 6 and out.count("compiled sm 80") == 1, out
+
+
 _GLUON_COMPILE_SCRIPT = r"""
 import re, sys, types
 try:
@@ -812,6 +1075,29 @@ def test_warpgroup_split_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90
     fits Hopper's 227 KiB of shared memory."""
     out = compile_for_sm90(_GLUON_COMPILE_SCRIPT)
     assert out.count("compiled") == 6, out
+
+
+def test_warpgroup_split_declines_an_fp8_ds_cache(monkeypatch):
+    """On a (stand-in) sm_90 device with the Gluon kernel's shapes, a bf16 cache fits the
+    warpgroup-split kernel and an fp8_ds_mla cache (uint8 records) does not: the Triton
+    kernel serves it."""
+    import types
+
+    monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tri, "max_shared_memory", lambda device: 232448)
+    monkeypatch.setattr(tri, "_gluon_module", lambda: types.SimpleNamespace(BLOCK_H=64, BLOCK_N=64,
+                                                                            shared_memory_bytes=lambda r, p: 1))
+    monkeypatch.setattr(tri.torch.version, "hip", None)
+
+    def stand_in(dtype, shape):
+        stride = (shape[1] * shape[2], shape[2], 1)
+        return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=shape,
+                                     stride=lambda dim=None: stride if dim is None else stride[dim])
+
+    cfg = splits.kernel_config(128, "cuda")
+    q = stand_in(torch.bfloat16, (2, 128, 576))
+    assert tri.warpgroup_split_fits(q, stand_in(torch.bfloat16, (64, 64, 576)), cfg, 512, 64)
+    assert not tri.warpgroup_split_fits(q, stand_in(torch.uint8, (64, 64, record_bytes(512, 64))), cfg, 512, 64)
 
 
 def test_warpgroup_split_needs_a_hopper_gpu():

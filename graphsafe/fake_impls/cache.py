@@ -8,15 +8,8 @@ from graphsafe.fake_impls import _checks as c
 
 SLOT_DTYPES = (torch.int64, torch.int32)
 CACHE_FP8 = torch.float8_e4m3fn
-# A uint8 cache of concat_and_cache_mla is an fp8_ds_mla cache: the layout of
-# graphsafe.ops.fp8_ds_mla (fakes import nothing of graphsafe.ops: tests/test_static.py).
+# A uint8 cache of concat_and_cache_mla is an fp8_ds_mla cache (c.ds_mla_record_bytes).
 CACHE_DS_MLA = torch.uint8
-DS_MLA_TILE = 128
-
-
-def ds_mla_record_bytes(r: int, p: int) -> int:
-    """`fp8_ds_mla.record_bytes`: R e4m3 bytes, a float32 scale per 128, P bfloat16."""
-    return r + 4 * (r // DS_MLA_TILE) + 2 * p
 
 
 def check_concat_and_cache_mla(
@@ -51,11 +44,11 @@ def _check_ds_mla_layout(op: str, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cac
     `record_bytes(R, P)`-byte record per token, and no `scale` (the records hold theirs)."""
     r, p = kv_c.shape[1], k_pe.shape[1]
     when = "when 'kv_cache' is uint8 (an fp8_ds_mla cache)"
-    if r % DS_MLA_TILE != 0 or r == 0:
-        c.fail(op, "kv_c", f"of shape [T, R] with R a positive multiple of {DS_MLA_TILE} {when}", f"R = {r}")
+    if r % c.DS_MLA_TILE != 0 or r == 0:
+        c.fail(op, "kv_c", f"of shape [T, R] with R a positive multiple of {c.DS_MLA_TILE} {when}", f"R = {r}")
     if p % 2 != 0:
         c.fail(op, "k_pe", f"of shape [T, P] with P even {when}", f"P = {p}")
-    c.shape(op, "kv_cache", kv_cache, (None, None, ds_mla_record_bytes(r, p)),
+    c.shape(op, "kv_cache", kv_cache, (None, None, c.ds_mla_record_bytes(r, p)),
             "[num_blocks, block_size, R + 4 * R/128 + 2 * P] (fp8_ds_mla records)")
     if scale is not None:
         c.fail(op, "scale", f"None {when}: the records hold their scales",

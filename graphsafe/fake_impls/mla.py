@@ -6,19 +6,57 @@ import torch
 
 from graphsafe.fake_impls import _checks as c
 
+# A uint8 kv_cache is an fp8_ds_mla cache (c.ds_mla_record_bytes).
+TILE = c.DS_MLA_TILE
+
 
 def _check_q_and_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> None:
     c.tensor(op, "q", q, dtypes=c.HALF_DTYPES, ndim=3)
     d = q.shape[2]
     c.last_dim_contiguous(op, "q", q)
     c.tensor(op, "kv_cache", kv_cache, ndim=3, device=q.device)
-    c.same_dtype(op, "kv_cache", kv_cache, "q", q)
-    c.shape(op, "kv_cache", kv_cache, (None, None, d), "[num_blocks, block_size, R + P] (R + P = q.shape[2])")
+    if kv_lora_rank < 1 or kv_lora_rank > d:
+        c.fail(op, "kv_lora_rank", f"the value width R, an int in [1, R + P] = [1, {d}]", kv_lora_rank)
+    if kv_cache.dtype == torch.uint8:
+        _check_fp8_ds_mla_cache(op, q, kv_cache, kv_lora_rank)
+    else:
+        if kv_cache.dtype != q.dtype:
+            c.fail(op, "kv_cache", f"of the same dtype as 'q' ({q.dtype}) or uint8 (an fp8_ds_mla cache)",
+                   kv_cache.dtype)
+        c.shape(op, "kv_cache", kv_cache, (None, None, d), "[num_blocks, block_size, R + P] (R + P = q.shape[2])")
     c.last_dim_contiguous(op, "kv_cache", kv_cache)
     if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
         c.fail(op, "kv_cache", "of at least one block of at least one slot", f"shape {list(kv_cache.shape)}")
-    if kv_lora_rank < 1 or kv_lora_rank > d:
-        c.fail(op, "kv_lora_rank", f"the value width R, an int in [1, R + P] = [1, {d}]", kv_lora_rank)
+
+
+def _check_fp8_ds_mla_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> None:
+    """A uint8 cache is an fp8_ds_mla cache (graphsafe.ops.fp8_ds_mla): R a multiple of 128,
+    P = q.shape[2] - R even, `record_bytes(R, P)` bytes per token, q bf16, and every record
+    4-byte aligned (the kernels load its scales as float32: strides and the storage
+    offset multiples of 4 bytes)."""
+    r, p = kv_lora_rank, q.shape[2] - kv_lora_rank
+    when = "when 'kv_cache' is uint8 (an fp8_ds_mla cache)"
+    if q.dtype != torch.bfloat16:
+        c.fail(op, "q", f"of dtype bfloat16 {when}", str(q.dtype).removeprefix("torch."))
+    if r % TILE:
+        c.fail(op, "kv_lora_rank", f"a multiple of {TILE} {when}", r)
+    if p % 2:
+        c.fail(op, "q", f"of last dim R + P with P (the rope width) even {when}", f"P = {p}")
+    c.shape(op, "kv_cache", kv_cache, (None, None, c.ds_mla_record_bytes(r, p)),
+            "[num_blocks, block_size, R + 4 * R/128 + 2 * P] (the fp8_ds_mla record, bytes)")
+    if kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4:
+        c.fail(op, "kv_cache", f"of 4-byte aligned records (block and token strides multiples of 4) {when}",
+               f"strides {kv_cache.stride()}")
+    check_fp8_ds_mla_offset(op, kv_cache)
+
+
+def check_fp8_ds_mla_offset(op: str, kv_cache: torch.Tensor) -> None:
+    """An fp8_ds_mla cache's storage offset must be a multiple of 4 bytes. Not part of a
+    call's signature (the registry validates a signature's first call only), so the
+    Triton runner, whose kernel loads the scales as float32, repeats this per call."""
+    if kv_cache.storage_offset() % 4:
+        c.fail(op, "kv_cache", "of 4-byte aligned records (a storage offset multiple of 4) when 'kv_cache' is "
+               "uint8 (an fp8_ds_mla cache)", f"storage offset {kv_cache.storage_offset()}")
 
 
 def check_mla_decode(

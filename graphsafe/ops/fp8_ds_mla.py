@@ -91,7 +91,7 @@ def dequantize_records(records: torch.Tensor, kv_lora_rank: int) -> torch.Tensor
     scales = flat[:, r : r + 4 * n_scales].view(torch.float32)
     rope = flat[:, r + 4 * n_scales :].view(torch.bfloat16).float()
     latent = (values.reshape(-1, n_scales, TILE) * scales[..., None]).reshape(-1, r)
-    return torch.cat([latent, rope], dim=1).reshape(*lead, -1)
+    return torch.cat([latent, rope], dim=1).reshape(*lead, r + rope.shape[1])
 
 
 __all__ = [

@@ -4,7 +4,10 @@ The latent cache `kv_cache [num_blocks, block_size, R + P]` is written by
 `concat_and_cache_mla`: each token's row is its compressed KV (R = kv_lora_rank = 512 for
 DeepSeek) followed by its rope key (P = 64). In the absorbed form a query head is one
 `R + P` vector: `score = sm_scale * q . row` over all R + P entries, and the value of a
-row is its first R entries, so K and V are one read of the cache.
+row is its first R entries, so K and V are one read of the cache. The cache may also be
+DeepSeek's FP8 one (fp8_ds_mla, `graphsafe.ops.fp8_ds_mla`: uint8 records of e4m3 latent
+bytes, float32 tile scales and bf16 rope values), told apart by its dtype; the ops then
+attend over the dequantized rows (`mla_decode`'s docstring).
 
 Split-KV scratch (f32 partial outputs and LSEs) comes from the workspace manager; its
 size is a function of shapes only (`mla_decode_workspace_specs`,
@@ -66,11 +69,36 @@ def mla_decode(
     and `lse[b, h]` NaN; a key whose score is -inf has weight 0, yet its value entries
     still enter as `0 * k_j[c]`: an infinite `k_j[c]` (c < R) makes `out[b, h, c]` NaN.
 
+    fp8_ds_mla cache (`kv_cache` uint8; `graphsafe.ops.fp8_ds_mla`): `kv_cache
+    [num_blocks, block_size, record]`, `record = R + 4 * R/128 + 2 * P` bytes per token
+    (656 for R = 512, P = 64). A token's record, byte by byte: `[0, R)` its latent, one
+    float8_e4m3fn byte per value; `[R, R + 4 * R/128)` R/128 float32 scales
+    (little-endian), scale t for the latent values `[128 t, 128 t + 128)`;
+    `[R + 4 * R/128, record)` its rope key, P bfloat16 values (little-endian). Its row
+    `k_j` is `dequantize_records(record, R)`: latent value c is `float(byte c as e4m3fn)
+    * scale[c // 128]` in float32, followed by the P rope values; the op computes the
+    formula above over these float32 rows (scores over all R + P entries, values the
+    first R). Only the records of the keys the formula names are read: no byte of any
+    other record ever influences an output. Non-finite values come from the bytes: a NaN
+    byte (0x7F, 0xFF) or a NaN scale gives NaN values, an infinite scale gives +-inf
+    values (NaN for a 0 byte); a tile written (`quantize_records`) from a latent holding
+    NaN or +-inf reads back all NaN, so every head of every request reading that key gets
+    NaN out and lse. Rounding: the reference scores the float32 rows exactly; the
+    kernels round them to bf16 (to nearest even) for their dot products, as a bf16
+    cache would hold them, which moves a score by at most `sm_scale * 2^-9 * sum_c
+    |q[c] k_j[c]|` (up to about 2e-2 for randn rows and queries; measured at most
+    1.2e-2) and the lse by no more. Requires bf16 q, R a multiple of 128, P even, and
+    4-byte aligned records (block and token strides and the storage offset multiples
+    of 4 bytes; the kernels load the scales as float32).
+
     Args:
         q: `[B, H, R + P]` bf16/fp16, one decode token per request (R = kv_lora_rank; for
-            DeepSeek 512 + 64, H = 16 at TP8 or 128 at TP1). Last dim contiguous.
+            DeepSeek 512 + 64, H = 16 at TP8 or 128 at TP1); bf16 with an fp8_ds_mla
+            cache. Last dim contiguous.
         kv_cache: `[num_blocks, block_size, R + P]`, dtype of `q`; the latent cache of
-            `concat_and_cache_mla`. Last dim contiguous; block and token strides are free.
+            `concat_and_cache_mla`. Or an fp8_ds_mla cache: uint8 `[num_blocks,
+            block_size, R + 4 * R/128 + 2 * P]` (above). Last dim contiguous; block and
+            token strides are free (multiples of 4 for an fp8_ds_mla cache).
         block_table: `[B, max_blocks]` int32, last dim contiguous; entry `[b, i]` is the
             cache block of request b's tokens `i * block_size ... (i + 1) * block_size - 1`,
             or -1 (padding: those tokens hold no key; any other id outside
@@ -131,10 +159,18 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, kv
     NaN; an entry whose score is -inf has weight 0, yet an infinite value entry
     `k_j[c]` (c < R) of it makes `out[t, h, c]` NaN.
 
+    An fp8_ds_mla cache (uint8) is read exactly as `mla_decode` reads it (see there: the
+    record's bytes, `k_j = dequantize_records(record, R)`, only the records of valid
+    entries read, non-finite values, the kernels' bf16 rounding of the rows and its
+    bound on the scores and lse, the requirements).
+
     Args:
-        q: `[T, H, R + P]` bf16/fp16 (DeepSeek-V3.2: R = 512, P = 64). Last dim contiguous.
-        kv_cache: `[num_blocks, block_size, R + P]`, dtype of `q`. Last dim contiguous;
-            block and token strides are free.
+        q: `[T, H, R + P]` bf16/fp16 (DeepSeek-V3.2: R = 512, P = 64); bf16 with an
+            fp8_ds_mla cache. Last dim contiguous.
+        kv_cache: `[num_blocks, block_size, R + P]`, dtype of `q`, or an fp8_ds_mla cache
+            (uint8 `[num_blocks, block_size, R + 4 * R/128 + 2 * P]`, see `mla_decode`).
+            Last dim contiguous; block and token strides are free (multiples of 4 for an
+            fp8_ds_mla cache).
         indices: `[T, K]` int32 cache slots (`block * block_size + offset`), `-1` = none,
             in any order; a slot outside `[0, num_blocks * block_size)` acts as -1. Last
             dim contiguous. The debug switch (`graphsafe.debug_checks`) checks that every

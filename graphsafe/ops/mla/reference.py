@@ -5,12 +5,16 @@ padding blocks, padding or out-of-range slots) are masked (score -inf), never fi
 out. Their cache reads are redirected to slot 0 so that no id is ever dereferenced out
 of range (a negative id never wraps around), and the rows read there are replaced by 0
 with `torch.where` before any arithmetic, so whatever slot 0 holds (NaN, inf) cannot
-reach an output.
+reach an output. An fp8_ds_mla cache (uint8 records) is read the same way: the records
+gathered for masked keys are zeroed (bytes) first, then the gathered records are
+dequantized (`dequantize_records`; an all-zero record is a row of zeros).
 """
 
 from __future__ import annotations
 
 import torch
+
+from graphsafe.ops.fp8_ds_mla import dequantize_records
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale: float, kv_lora_rank: int):
@@ -74,11 +78,23 @@ def sparse_keys(kv_cache: torch.Tensor, indices: torch.Tensor):
     return kv_cache[slots // block_size, slots % block_size], valid
 
 
+def key_rows(gathered: torch.Tensor, valid: torch.Tensor, kv_lora_rank: int, head_dim: int) -> torch.Tensor:
+    """The key rows of gathered cache entries: the entries themselves for a float cache
+    (`attend` masks them), the float32 `[..., R + P]` rows (R + P = head_dim) of gathered
+    fp8_ds_mla records (uint8), those of masked keys (`valid` False) zeroed before any
+    arithmetic."""
+    if gathered.dtype != torch.uint8:
+        return gathered
+    if gathered.numel() == 0:  # dequantize_records cannot reshape an empty batch
+        return torch.zeros((*gathered.shape[:-1], head_dim), dtype=torch.float32, device=gathered.device)
+    return dequantize_records(torch.where(valid[..., None], gathered, 0), kv_lora_rank)
+
+
 def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
     keys, valid = decode_keys(kv_cache, block_table, seq_lens)
-    return attend(q, keys, valid, sm_scale, kv_lora_rank)
+    return attend(q, key_rows(keys, valid, kv_lora_rank, q.shape[2]), valid, sm_scale, kv_lora_rank)
 
 
 def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
     keys, valid = sparse_keys(kv_cache, indices)
-    return attend(q, keys, valid, sm_scale, kv_lora_rank)
+    return attend(q, key_rows(keys, valid, kv_lora_rank, q.shape[2]), valid, sm_scale, kv_lora_rank)

@@ -49,7 +49,19 @@ call whose pointers are not).
 
 Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly; there (and only
 there) bf16 dots run on f32 copies of the operands (DOT_F32), after rounding the
-probabilities to bf16 as the GPU path does.
+probabilities to bf16 as the GPU path does. Its float32 -> bf16 conversion truncates:
+there the dequantized keys of an fp8_ds_mla cache (below) are rounded to nearest even
+on their bits first, as the GPU's conversion rounds them.
+
+An fp8_ds_mla cache (uint8 records, `graphsafe.ops.fp8_ds_mla`) runs the same kernel with
+FP8_DS on (float caches compile without any of it: a constexpr branch). Its pointers
+and strides count bytes. Per key tile the kernel loads the latent bytes of the keys'
+records, converts them from e4m3 (`float8e4nv` in hardware where `native_e4m3`, else
+exactly with integer ops), multiplies each by its record's float32 scale of that
+128-column tile (one load per key and tile, from byte R + 4 t) and rounds the products
+to bf16, q's dtype, for the dots; the rope values are read through a bf16 view from
+byte R + 4 R/128. Masked keys load nothing, as for a float cache. The Gluon kernel reads
+16-bit rows only: `warpgroup_split_fits` declines this kind, the Triton kernel serves.
 """
 
 from __future__ import annotations
@@ -64,7 +76,11 @@ import triton.language as tl
 from triton.runtime import OutOfResources
 
 from graphsafe.backends import triton_interpreter_enabled
+from graphsafe.device_info import compute_capability
+from graphsafe.fake_impls.mla import check_fp8_ds_mla_offset
 from graphsafe.launch import bind, output_allocator
+from graphsafe.ops.fp8_bits import e4m3_bytes_to_f16
+from graphsafe.ops.fp8_ds_mla import is_fp8_ds_mla
 from graphsafe.ops.mla.splits import KernelConfig, forced_plan, max_shared_memory, partial_specs, plan_launch
 from graphsafe.registry import prepared
 from graphsafe.workspace import current_workspace_manager
@@ -112,6 +128,48 @@ def _load_cols(rows, cols, row_mask, col_mask):
 
 
 @triton.jit
+def _round_bf16_bits(x):
+    """float32 `x` rounded to the nearest bfloat16 (ties to even) on its bits, NaN kept:
+    what the GPU's float32 -> bf16 conversion does, which the interpreter's truncates."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _load_latent(rows, cols, row_mask, col_mask, FIRST: tl.constexpr, BLOCK_C: tl.constexpr, R: tl.constexpr,
+                 FP8_DS: tl.constexpr, FP8_NATIVE: tl.constexpr, ROUND_BITS: tl.constexpr):
+    """The latent columns `cols` (BLOCK_C of them, from column FIRST on) of the key rows
+    `rows` ([N] pointers): [N, BLOCK_C] dot operands, 0 where a row or a column is
+    masked. A float cache: its values. An fp8_ds_mla cache (FP8_DS; uint8 records,
+    `rows` in bytes): byte c as e4m3 times the row's float32 scale of tile c // 128 (at
+    byte R + 4 t), in float32, which is `dequantize_records` exactly, then rounded to
+    bf16 (to nearest even; ROUND_BITS: on the bits first, for the interpreter); only the
+    scales of the tiles these columns span are loaded, and masked rows load none."""
+    if FP8_DS:
+        mask = row_mask[:, None] & col_mask[None, :]
+        b = tl.load(rows[:, None] + cols[None, :], mask=mask, other=0)
+        if FP8_NATIVE:
+            x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:  # exact on every target (the interpreter's fp8 conversion makes NaN bytes finite)
+            x = e4m3_bytes_to_f16(b).to(tl.float32)
+        scale_rows = (rows + R).to(tl.pointer_type(tl.float32))
+        tile = cols // 128
+        scale = tl.zeros_like(x)  # masked columns: 0 * 0
+        for t in tl.static_range(FIRST // 128, (FIRST + BLOCK_C + 127) // 128):
+            if t < R // 128:
+                s_t = tl.load(scale_rows + t, mask=row_mask, other=0.0)
+                scale = tl.where((tile == t)[None, :], s_t[:, None], scale)
+        keys = x * scale
+        if ROUND_BITS:
+            keys = _round_bf16_bits(keys)
+        keys = keys.to(tl.bfloat16)
+    else:
+        keys = _load_cols(rows, cols, row_mask, col_mask)
+    return keys
+
+
+@triton.jit
 def _mla_attn_kernel(
     q_ptr, kv_ptr, map_ptr, lens_ptr,
     out_ptr, lse_ptr, pout_ptr, plse_ptr,
@@ -123,6 +181,7 @@ def _mla_attn_kernel(
     BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     PREFETCH: tl.constexpr, LINES: tl.constexpr, CHECK_IDS: tl.constexpr,
+    FP8_DS: tl.constexpr, FP8_NATIVE: tl.constexpr,
 ):
     # Head tile varies fastest: the tiles of one (query, split) read the same rows
     # back to back, the second from L2.
@@ -217,13 +276,18 @@ def _mla_attn_kernel(
             # Rows without a key (past the end, padding ids) prefetch the cache's first line instead.
             nxt_lines = tl.where(line_ok, nxt_rows[:, None] + lines[None, :], kv_ptr)
         # Masked rows load as 0 (never garbage, which could be NaN): p = 0 times 0.
-        k0 = _load_cols(kv_rows, c0, nmask, c0_mask)
+        # (DOT_F32, the interpreter: dequantized fp8_ds_mla keys round to bf16 on the bits.)
+        k0 = _load_latent(kv_rows, c0, nmask, c0_mask, 0, BLOCK_R, R, FP8_DS, FP8_NATIVE, DOT_F32)
         s = _dot(q0, tl.trans(k0), None, DOT_F32)
         if CHUNKS == 2:
-            k1 = _load_cols(kv_rows, c1, nmask, c1_mask)
+            k1 = _load_latent(kv_rows, c1, nmask, c1_mask, BLOCK_R, BLOCK_R, R, FP8_DS, FP8_NATIVE, DOT_F32)
             s = _dot(q1, tl.trans(k1), s, DOT_F32)
         if P > 0:
-            k_pe = _load_cols(kv_rows + R, pp, nmask, pmask)
+            if FP8_DS:  # the bf16 rope values after the latent bytes and the scales
+                pe_rows = (kv_rows + (R + 4 * (R // 128))).to(tl.pointer_type(tl.bfloat16))
+            else:
+                pe_rows = kv_rows + R
+            k_pe = _load_cols(pe_rows, pp, nmask, pmask)
             s = _dot(q_pe, tl.trans(k_pe), s, DOT_F32)
         if PREFETCH:
             _prefetch_l2(nxt_lines)
@@ -235,7 +299,7 @@ def _mla_attn_kernel(
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         # The value of a key is the first R columns of the very tiles just loaded.
-        p = p.to(kv_ptr.dtype.element_ty)
+        p = p.to(q_ptr.dtype.element_ty)  # the cache's dtype, or bf16 for fp8_ds_mla records
         acc0 = _dot(p, k0, acc0 * alpha[:, None], DOT_F32)
         if CHUNKS == 2:
             acc1 = _dot(p, k1, acc1 * alpha[:, None], DOT_F32)
@@ -303,7 +367,7 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 # Pipeline depth that compiled within the device's shared memory, per (config, device,
-# dtype, head dim, variant). The configs are sized for their GPUs (splits.kernel_config);
+# dtype, head dim, cache dtype, variant). The configs are sized for their GPUs (splits.kernel_config);
 # this only guards against a Triton version that allocates a little more shared memory:
 # one stage fewer keeps the tiles, so the split plan and the workspace stay the same.
 _STAGES: dict[tuple, int] = {}
@@ -356,7 +420,7 @@ def _gluon_module():
     return _gluon_hopper
 
 
-# (device, dtype, head dim, variant) keys whose Gluon kernel failed to compile: those
+# (device, dtype, head dim, cache dtype, variant) keys whose Gluon kernel failed to compile: those
 # calls run the Triton kernel (a warning says why, once per key).
 _GLUON_FAILED: set[tuple] = set()
 # What a failed Gluon compile raises (RuntimeError: a failed MLIR pass).
@@ -368,6 +432,8 @@ def warpgroup_split_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelCon
     dtype, device), decided once in `prepare`: all of it but the data pointers'
     alignment, which the runner tests per call."""
     if not cfg.warpgroup_split:
+        return False
+    if kv_cache.dtype != q.dtype:  # an fp8_ds_mla cache: the Gluon kernel reads 16-bit rows only
         return False
     if q.device.type != "cuda" or torch.version.hip is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -390,7 +456,8 @@ def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: Kernel
     Blackwell has none), a 16-bit dtype, R = 512 (DeepSeek) or 256 with P = 64, rows the
     16-byte copies can address (q and the cache 16-byte aligned, their row strides
     multiples of 16 elements: what Triton's specialisation proves; without it the cp.async
-    copies do not compile), and the shared memory the kernel needs."""
+    copies do not compile), a cache of q's dtype (never an fp8_ds_mla cache), and the
+    shared memory the kernel needs."""
     return not (q.data_ptr() | kv_cache.data_ptr()) & 15 and warpgroup_split_fits(q, kv_cache, cfg, r, p)
 
 
@@ -430,6 +497,17 @@ def _attention_launch(grid, args, gluon_constexprs, triton_constexprs, cfg: Kern
     return run
 
 
+def _offset_checked(op: str, attention: Launch) -> Launch:
+    """`attention` refusing (`InputError`) an fp8_ds_mla cache whose storage offset is not
+    a multiple of 4 bytes (the kernel loads the scales as float32; the strides, part of
+    the signature, were checked at its first call)."""
+    def run(q, kv_cache, *rest):
+        check_fp8_ds_mla_offset(op, kv_cache)
+        attention(q, kv_cache, *rest)
+
+    return run
+
+
 def _combine_launch(rows: int, num_heads: int, r: int, num_splits: int, args: tuple) -> Launch:
     """`_combine_kernel` bound to one signature; called with (pout, plse, out, lse)."""
     block_s = _pow2(num_splits, 2)
@@ -440,6 +518,20 @@ def _combine_launch(rows: int, num_heads: int, r: int, num_splits: int, args: tu
         *args, num_heads, num_splits, r_chunks, num_heads * r, r, num_heads,
         R=r, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4,
     )
+
+
+@functools.cache
+def native_e4m3(device: torch.device) -> bool:
+    """Whether Triton converts float8e4nv (OCP e4m3fn) to float in hardware on `device`:
+    CUDA sm_89 and later, ROCm gfx950 / gfx12. Elsewhere (MI300's units are fnuz-only;
+    the CPU interpreter turns the NaN bytes 0x7F / 0xFF into +-480) the kernel decodes
+    the bytes with integer ops (`e4m3_bytes_to_f16`, exact)."""
+    if device.type != "cuda":
+        return False
+    if torch.version.hip is not None:
+        return torch.cuda.get_device_properties(device).gcnArchName.startswith(("gfx950", "gfx12"))
+    cc = compute_capability(device)
+    return cc is not None and cc >= (8, 9)
 
 
 @functools.cache
@@ -467,6 +559,7 @@ def _prepare(
     rows, num_heads, head_dim = q.shape
     r, p = kv_lora_rank, head_dim - kv_lora_rank
     device, dtype = q.device, q.dtype
+    fp8_ds = is_fp8_ds_mla(kv_cache, r, head_dim)
     new_out = output_allocator((rows, num_heads, r), dtype, device)
     new_lse = output_allocator((rows, num_heads), torch.float32, device)
     if rows == 0 or num_heads == 0:
@@ -494,7 +587,7 @@ def _prepare(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0),
         num_heads * r, r, num_heads,  # out and lse are contiguous
     )
-    where = (device, dtype, head_dim)
+    where = (device, dtype, head_dim, kv_cache.dtype)
 
     def attention_launch(check_ids: bool) -> Launch:
         return _attention_launch(
@@ -505,9 +598,11 @@ def _prepare(
                 R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks,
                 BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
                 DOT_F32=dot_f32,
-                # PTX prefetch: NVIDIA only (not the interpreter, not ROCm)
-                PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None,
+                # PTX prefetch: NVIDIA only (not the interpreter, not ROCm); its lines count
+                # 16-bit elements, so not for fp8_ds_mla records (no default config prefetches).
+                PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None and not fp8_ds,
                 LINES=_pow2(triton.cdiv(head_dim, 64), 1), CHECK_IDS=check_ids,
+                FP8_DS=fp8_ds, FP8_NATIVE=fp8_ds and native_e4m3(device),
             ),
             cfg, where, warpgroup_split_fits(q, kv_cache, cfg, r, p),
         )
@@ -521,6 +616,8 @@ def _prepare(
             unchecked(*tensors)
             checked(*tensors)
 
+    if fp8_ds:  # the storage offset is no part of the signature: checked per call
+        attention = _offset_checked(op, attention)
     if not split:
         def attend(q, kv_cache, key_map, lens):
             out, lse = new_out(), new_lse()

@@ -5,12 +5,16 @@ request's length hold garbage block ids (huge, negative), caches are random. The
 op reads are valid or the padding value -1 (padding blocks inside a request's length,
 `-1` among the sparse slots, which also repeat); ids out of range in every other way
 (huge, negative, one past the end) come from `out_of_range`, paired with -1 at their places.
+
+Parameter sets with `"cache": FP8_DS` hold an fp8_ds_mla cache (uint8 records written by
+`quantize_records`, bf16 q); the others a cache of q's dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
+from graphsafe.ops.fp8_ds_mla import TILE, dequantize_records, quantize_records, record_bytes
 from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
 from graphsafe.testing.tensors import randn
 
@@ -25,17 +29,36 @@ DTYPES = (torch.bfloat16, torch.float16)
 # allow about two units in the last place of the output dtype.
 OUT_TOLERANCES = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
 LSE_TOLERANCE = (1e-4, 1e-4)  # f32 LSE from the same f32-accumulated scores
+# (rtol, atol) of `lse` over an fp8_ds_mla cache. The reference scores the float32 rows
+# `dequantize_records` gives; the kernels round them to bf16 for their dots (2^-9
+# relative, to nearest even), so a score moves by at most sm_scale * 2^-9 * sum_c
+# |q_c k_c| (up to about 0.023 for the rows and queries of these cases: randn, tiles
+# scaled by up to 2, D <= 288) and the lse, a smooth max of the scores, by no more.
+# Measured: at most 1.23e-2 (300 draws of 4 x 16 heads, R = 128 and 256, P = 16 and 32,
+# the reference over bf16-rounded rows) and 6.7e-3 (80 contract draws on the Triton
+# kernel). `out` keeps OUT_TOLERANCES: the same rounding moved it by at most 58% of the
+# bf16 tolerance there.
+FP8_DS_LSE_TOLERANCE = (0.0, 3e-2)
+FP8_DS = "fp8_ds_mla"
+
+
+def fp8_ds(p: Params) -> bool:
+    """Whether parameter set `p` holds an fp8_ds_mla cache."""
+    return p.get("cache", "float") == FP8_DS
 
 
 def compare_attention(expected, actual, expected_args, actual_args, params: Params) -> None:
-    """out within a couple of ulps of its dtype, lse within 1e-4; -inf rows must match exactly."""
+    """out within a couple of ulps of its dtype, lse within 1e-4 (3e-2 over an fp8_ds_mla
+    cache, told by the args or the params); -inf rows must match exactly."""
     (e_out, e_lse), (a_out, a_lse) = expected, actual
+    quantized = (expected_args is not None and expected_args[1].dtype == torch.uint8) or (
+        params is not None and fp8_ds(params))
     rtol, atol = OUT_TOLERANCES[e_out.dtype]
     assert a_out.shape == e_out.shape and a_out.dtype == e_out.dtype, "out: shape/dtype"
     assert a_lse.shape == e_lse.shape and a_lse.dtype == torch.float32, "lse: shape/dtype"
     torch.testing.assert_close(a_out.float().cpu(), e_out.float().cpu(), rtol=rtol, atol=atol, msg=lambda m: f"out: {m}")
     assert torch.equal(torch.isneginf(a_lse).cpu(), torch.isneginf(e_lse).cpu()), "lse: rows without a key differ"
-    rtol, atol = LSE_TOLERANCE
+    rtol, atol = FP8_DS_LSE_TOLERANCE if quantized else LSE_TOLERANCE
     torch.testing.assert_close(a_lse.cpu(), e_lse.cpu(), rtol=rtol, atol=atol, msg=lambda m: f"lse: {m}")
 
 
@@ -52,6 +75,30 @@ def _cache(nb: int, bs: int, d: int, dtype, device, gen, strided: bool) -> torch
     if not strided:
         return randn((nb, bs, d), dtype, device, gen)
     return randn((nb, bs + 1, d + 16), dtype, device, gen)[:, :bs, :d]
+
+
+def _fp8_ds_cache(nb: int, bs: int, r: int, pe: int, device, gen, strided: bool) -> torch.Tensor:
+    """An fp8_ds_mla cache of random tokens: randn latents, each 128-value tile times a
+    factor in [1/2, 2] (so the tiles of a record have clearly different scales), randn
+    rope values. `strided`: a view with random bytes between tokens and blocks (a 16-byte
+    gap keeps the records 4-byte aligned)."""
+    kv_c = torch.randn((nb * bs, r // TILE, TILE), generator=gen)
+    kv_c = (kv_c * 2.0 ** (2 * torch.rand((nb * bs, r // TILE, 1), generator=gen) - 1)).reshape(nb * bs, r)
+    records = quantize_records(kv_c, torch.randn((nb * bs, pe), generator=gen)).view(nb, bs, -1)
+    if not strided:
+        return records.to(device)
+    size = records.shape[2]
+    base = torch.randint(0, 256, (nb, bs + 1, size + 16), generator=gen, dtype=torch.uint8).to(device)
+    view = base[:, :bs, :size]
+    view.copy_(records)
+    return view
+
+
+def _kv_cache(p: Params, nb: int, device, gen) -> torch.Tensor:
+    bs, r, pe = p["block_size"], p["R"], p["P"]
+    if fp8_ds(p):
+        return _fp8_ds_cache(nb, bs, r, pe, device, gen, p["strided"])
+    return _cache(nb, bs, r + pe, p["dtype"], device, gen, p["strided"])
 
 
 def sm_scale_of(p: Params) -> float:
@@ -88,10 +135,11 @@ def _out_of_range_ids(ids: torch.Tensor, read: torch.Tensor, end: int, gen) -> t
     return bad.to(ids.dtype).to(ids.device), padded.to(ids.dtype).to(ids.device)
 
 
-def _nonfinite(q, kv, q_read, kv_rows_read, gen):
+def _nonfinite(q, kv, q_read, kv_rows_read, gen, kv_lora_rank: int):
     """Copies of q and kv with NaN in one element of a read q row and, in read cache rows,
     +inf, -inf and (in about half of the draws) NaN at random columns. q_read: bool [rows, H];
-    kv_rows_read: bool [num_blocks, block_size]."""
+    kv_rows_read: bool [num_blocks, block_size]. An fp8_ds_mla cache gets them in its
+    tokens' float values (`_set_fp8_ds_value`)."""
     q, kv = _copy(q), _copy(kv)
     heads = q_read.reshape(-1).nonzero()[:, 0].cpu()
     if heads.numel():
@@ -105,29 +153,58 @@ def _nonfinite(q, kv, q_read, kv_rows_read, gen):
         if rows.numel() == 0:
             break
         row = int(rows[torch.randint(0, rows.numel(), (1,), generator=gen)])
-        col = int(torch.randint(0, kv.shape[2], (1,), generator=gen))
-        kv[row // bs, row % bs, col] = v
+        col = int(torch.randint(0, q.shape[2], (1,), generator=gen))
+        if kv.dtype == torch.uint8:
+            _set_fp8_ds_value(kv[row // bs, row % bs], col, v, kv_lora_rank)
+        else:
+            kv[row // bs, row % bs, col] = v
     return q, kv
 
 
+def _set_fp8_ds_value(record: torch.Tensor, col: int, value: float, r: int) -> None:
+    """Write `value` at column `col` of the token whose fp8_ds_mla record is `record`
+    (uint8 [record], in place). A latent column (col < R): the token's row is read back
+    (`dequantize_records`), the value put in and the latent quantized again
+    (`quantize_records`), so its tile reads back all NaN (see graphsafe.ops.fp8_ds_mla):
+    its score is NaN for every head, and out and lse are NaN for every head of every
+    query reading it. A rope column: its bf16 bytes, so the score is +-inf or NaN as for
+    a float cache (an inf times q's entry)."""
+    row = dequantize_records(record[None], r)[0]
+    if col < r:
+        latent = row[:r].clone()
+        latent[col] = value
+        record.copy_(quantize_records(latent[None], row[r:][None])[0].to(record.device))
+    else:
+        at = r + 4 * (r // TILE) + 2 * (col - r)
+        record[at : at + 2] = torch.tensor([value], dtype=torch.bfloat16).view(torch.uint8).to(record.device)
+
+
 # -- mla_decode ---------------------------------------------------------------------------
+def _with_fp8_ds_sets(st, fields: dict):
+    """Parameter sets of a cache of q's dtype (`fields`) or, one draw in four, of an
+    fp8_ds_mla cache: R = 128 (one scale per token) or 256, P = 16 or 32, bf16 q (what
+    the interpreter runs in reasonable time)."""
+    fp8 = {**fields, "R": st.sampled_from([128, 128, 256]), "P": st.sampled_from([16, 32]),
+           "dtype": st.just(torch.bfloat16), "cache": st.just(FP8_DS)}
+    return st.one_of(st.fixed_dictionaries(fields), st.fixed_dictionaries(fields),
+                     st.fixed_dictionaries(fields), st.fixed_dictionaries(fp8))
+
+
 def _params_decode():
     from hypothesis import strategies as st
 
-    return st.fixed_dictionaries(
-        {
-            "B": st.integers(0, 4),
-            "H": st.sampled_from([1, 2, 3, 4, 16]),
-            "R": st.sampled_from([16, 24, 32]),
-            "P": st.sampled_from([0, 8, 16]),
-            "block_size": st.sampled_from([1, 4, 16]),
-            "max_blocks": st.integers(0, 6),
-            "dtype": st.sampled_from(DTYPES),
-            "lens": st.sampled_from(["random", "random", "full", "empty"]),
-            "padding": st.sampled_from([0.0, 0.0, 0.25]),
-            "strided": st.booleans(),
-        }
-    )
+    return _with_fp8_ds_sets(st, {
+        "B": st.integers(0, 4),
+        "H": st.sampled_from([1, 2, 3, 4, 16]),
+        "R": st.sampled_from([16, 24, 32]),
+        "P": st.sampled_from([0, 8, 16]),
+        "block_size": st.sampled_from([1, 4, 16]),
+        "max_blocks": st.integers(0, 6),
+        "dtype": st.sampled_from(DTYPES),
+        "lens": st.sampled_from(["random", "random", "full", "empty"]),
+        "padding": st.sampled_from([0.0, 0.0, 0.25]),
+        "strided": st.booleans(),
+    })
 
 
 def make_seq_lens(p: Params, gen) -> torch.Tensor:
@@ -170,7 +247,7 @@ def _make_decode(p: Params, device, gen):
     d = r + pe
     num_blocks = b * mb + 3
     q = _q((b, h, d), p["dtype"], device, gen, p["strided"])
-    kv_cache = _cache(num_blocks, bs, d, p["dtype"], device, gen, p["strided"])
+    kv_cache = _kv_cache(p, num_blocks, device, gen)
     seq_lens = make_seq_lens(p, gen)
     block_table = make_block_table(p, seq_lens, num_blocks, gen, padding=p.get("padding", 0.0))
     return q, kv_cache, block_table.to(device), seq_lens.to(device), sm_scale_of(p), r
@@ -204,7 +281,7 @@ def _nonfinite_decode(p: Params, args, gen):
     q, kv_cache, block_table, seq_lens, scale, r = args
     _, keys, rows = decode_reads(kv_cache, block_table, seq_lens)
     q_read = keys.any(dim=1)[:, None].expand(q.shape[:2])
-    q, kv_cache = _nonfinite(q, kv_cache, q_read, rows, gen)
+    q, kv_cache = _nonfinite(q, kv_cache, q_read, rows, gen, r)
     return q, kv_cache, block_table, seq_lens, scale, r
 
 
@@ -213,10 +290,34 @@ EXAMPLE_DECODE: Params = {
     "dtype": torch.float16, "lens": "random", "padding": 0.25, "strided": False,
 }
 DEEPSEEK = {"R": 512, "P": 64}
+EXAMPLE_DECODE_FP8_DS: Params = {**EXAMPLE_DECODE, "R": 128, "P": 16, "dtype": torch.bfloat16, "cache": FP8_DS}
+
+
+def _bad_fp8_ds(q, kv, rest: tuple, r: int, gen) -> list[BadInput]:
+    """What an fp8_ds_mla cache (q, kv: R = r, P = 16) must refuse; `rest` are the other
+    args between the cache and sm_scale, kv_lora_rank."""
+    scale = (q.shape[2]) ** -0.5
+    odd_q = randn((*q.shape[:2], q.shape[2] + 1), torch.bfloat16, q.device, gen)
+    odd_kv = torch.zeros((*kv.shape[:2], record_bytes(r, 17) + 1), dtype=torch.uint8, device=kv.device)
+    wide_q = randn((*q.shape[:2], 64 + 80), torch.bfloat16, q.device, gen)
+    wide_kv = torch.zeros((*kv.shape[:2], record_bytes(128, 16)), dtype=torch.uint8, device=kv.device)
+    shifted = torch.zeros((*kv.shape[:2], kv.shape[2] + 2), dtype=torch.uint8, device=kv.device)[..., 2:]
+    return [
+        BadInput("fp8_ds_mla cache, q float16", (q.half(), kv, *rest, scale, r), "q",
+                 "bfloat16 when 'kv_cache' is uint8"),
+        BadInput("fp8_ds_mla cache, record of other size", (q, kv[..., 4:], *rest, scale, r), "kv_cache",
+                 "fp8_ds_mla record"),
+        BadInput("fp8_ds_mla cache, R not a multiple of 128", (wide_q, wide_kv, *rest, scale, 64), "kv_lora_rank",
+                 "a multiple of 128"),
+        BadInput("fp8_ds_mla cache, odd P", (odd_q, odd_kv, *rest, scale, r), "q", "P .*even"),
+        BadInput("fp8_ds_mla cache, records 2-byte aligned", (q, shifted, *rest, scale, r), "kv_cache",
+                 "4-byte aligned"),
+    ]
 
 
 def _bad_decode(device, gen):
     q, kv, bt, lens, scale, r = _make_decode(EXAMPLE_DECODE, device, gen)
+    q8, kv8, bt8, lens8, _, r8 = _make_decode(EXAMPLE_DECODE_FP8_DS, device, gen)
     return [
         BadInput("q of dtype float32", (q.float(), kv, bt, lens, scale, r), "q", "dtype"),
         BadInput("q 2-D", (q[0], kv, bt, lens, scale, r), "q", "3-D"),
@@ -229,6 +330,8 @@ def _bad_decode(device, gen):
         BadInput("seq_lens int64", (q, kv, bt, lens.long(), scale, r), "seq_lens", "dtype"),
         BadInput("kv_lora_rank 0", (q, kv, bt, lens, scale, 0), "kv_lora_rank", r"\[1, R \+ P\]"),
         BadInput("kv_lora_rank > R+P", (q, kv, bt, lens, scale, q.shape[2] + 1), "kv_lora_rank", r"\[1, R \+ P\]"),
+        BadInput("kv_cache uint8 with q float16", (q, kv.view(torch.uint8), bt, lens, scale, r), "q", "bfloat16"),
+        *_bad_fp8_ds(q8, kv8, (bt8, lens8), r8, gen),
     ]
 
 
@@ -252,6 +355,10 @@ register_case(
             {**EXAMPLE_DECODE, "P": 0, "H": 1, "block_size": 1, "max_blocks": 40},
             {**EXAMPLE_DECODE, "B": 2, "H": 16, "block_size": 16, "max_blocks": 6, "lens": "full"},
             {**EXAMPLE_DECODE, "R": 24, "P": 12, "H": 17, "max_blocks": 9},
+            EXAMPLE_DECODE_FP8_DS,
+            {**EXAMPLE_DECODE_FP8_DS, "P": 32, "H": 16, "block_size": 16, "max_blocks": 3, "lens": "full",
+             "strided": True},
+            {**EXAMPLE_DECODE_FP8_DS, "R": 256, "B": 2, "H": 3, "block_size": 1, "max_blocks": 20, "strided": True},
         ),
         gpu_examples=(
             {**DEEPSEEK, "B": 64, "H": 16, "block_size": 64, "max_blocks": 64, "dtype": torch.bfloat16, "lens": "random", "strided": False},
@@ -259,6 +366,10 @@ register_case(
              "padding": 0.25, "strided": False},
             {**DEEPSEEK, "B": 5, "H": 16, "block_size": 16, "max_blocks": 300, "dtype": torch.float16, "lens": "random", "strided": True},
             {**DEEPSEEK, "B": 3, "H": 128, "block_size": 64, "max_blocks": 16, "dtype": torch.bfloat16, "lens": "empty", "strided": False},
+            {**DEEPSEEK, "B": 64, "H": 16, "block_size": 64, "max_blocks": 64, "dtype": torch.bfloat16,
+             "lens": "random", "padding": 0.25, "strided": False, "cache": FP8_DS},
+            {**DEEPSEEK, "B": 8, "H": 128, "block_size": 64, "max_blocks": 128, "dtype": torch.bfloat16,
+             "lens": "random", "strided": True, "cache": FP8_DS},
         ),
     )
 )
@@ -268,20 +379,18 @@ register_case(
 def _params_sparse():
     from hypothesis import strategies as st
 
-    return st.fixed_dictionaries(
-        {
-            "T": st.integers(0, 4),
-            "H": st.sampled_from([1, 2, 3, 4, 16]),
-            "R": st.sampled_from([16, 24, 32]),
-            "P": st.sampled_from([0, 8, 16]),
-            "block_size": st.sampled_from([1, 4, 16]),
-            "num_blocks": st.integers(1, 6),
-            "K": st.integers(0, 70),
-            "dtype": st.sampled_from(DTYPES),
-            "invalid": st.sampled_from([0.0, 0.25, 0.25, 1.0]),
-            "strided": st.booleans(),
-        }
-    )
+    return _with_fp8_ds_sets(st, {
+        "T": st.integers(0, 4),
+        "H": st.sampled_from([1, 2, 3, 4, 16]),
+        "R": st.sampled_from([16, 24, 32]),
+        "P": st.sampled_from([0, 8, 16]),
+        "block_size": st.sampled_from([1, 4, 16]),
+        "num_blocks": st.integers(1, 6),
+        "K": st.integers(0, 70),
+        "dtype": st.sampled_from(DTYPES),
+        "invalid": st.sampled_from([0.0, 0.25, 0.25, 1.0]),
+        "strided": st.booleans(),
+    })
 
 
 def make_indices(t: int, k: int, num_slots: int, invalid: float, gen) -> torch.Tensor:
@@ -307,7 +416,7 @@ def _make_sparse(p: Params, device, gen):
     t, h, r, pe, bs, nb, k = p["T"], p["H"], p["R"], p["P"], p["block_size"], p["num_blocks"], p["K"]
     d = r + pe
     q = _q((t, h, d), p["dtype"], device, gen, p["strided"])
-    kv_cache = _cache(nb, bs, d, p["dtype"], device, gen, p["strided"])
+    kv_cache = _kv_cache(p, nb, device, gen)
     indices = make_indices(t, k, nb * bs, p["invalid"], gen)
     return q, kv_cache, indices.to(device), sm_scale_of(p), r
 
@@ -334,7 +443,7 @@ def _nonfinite_sparse(p: Params, args, gen):
     q, kv_cache, indices, scale, r = args
     keys, rows = sparse_reads(kv_cache, indices)
     q_read = keys.any(dim=1)[:, None].expand(q.shape[:2])
-    q, kv_cache = _nonfinite(q, kv_cache, q_read, rows, gen)
+    q, kv_cache = _nonfinite(q, kv_cache, q_read, rows, gen, r)
     return q, kv_cache, indices, scale, r
 
 
@@ -344,8 +453,12 @@ EXAMPLE_SPARSE: Params = {
 }
 
 
+EXAMPLE_SPARSE_FP8_DS: Params = {**EXAMPLE_SPARSE, "R": 128, "P": 16, "dtype": torch.bfloat16, "cache": FP8_DS}
+
+
 def _bad_sparse(device, gen):
     q, kv, idx, scale, r = _make_sparse(EXAMPLE_SPARSE, device, gen)
+    q8, kv8, idx8, _, r8 = _make_sparse(EXAMPLE_SPARSE_FP8_DS, device, gen)
     return [
         BadInput("q of dtype int32", (q.int(), kv, idx, scale, r), "q", "dtype"),
         BadInput("kv_cache 4-D", (q, kv[None], idx, scale, r), "kv_cache", "3-D"),
@@ -355,6 +468,9 @@ def _bad_sparse(device, gen):
         BadInput("indices strided", (q, kv, idx.t().contiguous().t(), scale, r), "indices", "contiguous"),
         BadInput("indices 1-D", (q, kv, idx.flatten(), scale, r), "indices", "2-D"),
         BadInput("kv_lora_rank negative", (q, kv, idx, scale, -3), "kv_lora_rank", r"\[1, R \+ P\]"),
+        BadInput("kv_cache float8_e4m3fn", (q, kv.to(torch.float8_e4m3fn), idx, scale, r), "kv_cache",
+                 "same dtype as 'q'.* or uint8"),
+        *_bad_fp8_ds(q8, kv8, (idx8,), r8, gen),
     ]
 
 
@@ -376,15 +492,23 @@ register_case(
             {**EXAMPLE_SPARSE, "invalid": 0.0, "dtype": torch.bfloat16, "strided": True},
             {**EXAMPLE_SPARSE, "P": 0, "H": 16, "block_size": 1, "num_blocks": 30, "K": 100},
             {**EXAMPLE_SPARSE, "R": 24, "P": 12, "H": 17, "dtype": torch.bfloat16},
+            EXAMPLE_SPARSE_FP8_DS,
+            {**EXAMPLE_SPARSE_FP8_DS, "P": 32, "H": 16, "block_size": 16, "num_blocks": 3, "invalid": 0.0,
+             "strided": True},
+            {**EXAMPLE_SPARSE_FP8_DS, "R": 256, "T": 2, "H": 3, "block_size": 1, "num_blocks": 30, "strided": True},
         ),
         gpu_examples=(
             {**DEEPSEEK, "T": 64, "H": 16, "block_size": 64, "num_blocks": 2048, "K": 2048, "dtype": torch.bfloat16, "invalid": 0.0, "strided": False},
             {**DEEPSEEK, "T": 16, "H": 128, "block_size": 64, "num_blocks": 512, "K": 2048, "dtype": torch.bfloat16, "invalid": 0.25, "strided": False},
             {**DEEPSEEK, "T": 300, "H": 16, "block_size": 1, "num_blocks": 50000, "K": 2048, "dtype": torch.float16, "invalid": 0.25, "strided": True},
             {**DEEPSEEK, "T": 7, "H": 16, "block_size": 64, "num_blocks": 64, "K": 2048, "dtype": torch.bfloat16, "invalid": 1.0, "strided": False},
+            {**DEEPSEEK, "T": 64, "H": 16, "block_size": 64, "num_blocks": 2048, "K": 2048, "dtype": torch.bfloat16,
+             "invalid": 0.25, "strided": True, "cache": FP8_DS},
+            {**DEEPSEEK, "T": 16, "H": 128, "block_size": 64, "num_blocks": 512, "K": 2048, "dtype": torch.bfloat16,
+             "invalid": 0.0, "strided": False, "cache": FP8_DS},
         ),
     )
 )
 
-__all__ = ["compare_attention", "decode_reads", "make_block_table", "make_indices", "make_seq_lens", "sm_scale_of",
-           "sparse_reads"]
+__all__ = ["FP8_DS", "compare_attention", "decode_reads", "fp8_ds", "make_block_table", "make_indices", "make_seq_lens",
+           "sm_scale_of", "sparse_reads"]
