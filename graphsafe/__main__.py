@@ -177,6 +177,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         opts.batches = tuple(args.batch)
     if args.mode:
         opts.modes = tuple(m for m in demo.MODES if m in args.mode)
+    if args.kv_cache is not None:
+        opts.kv_cache = args.kv_cache
+    opts.compare_caches = args.compare_caches
     opts.progress = not args.no_progress
     try:
         opts.model_overrides = {**opts.model_overrides, **dict(demo.parse_override(o) for o in args.model or ())}
@@ -232,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a field of the demo model's config, e.g. num_hidden_layers=60 (repeatable)")
     dm.add_argument("--threads", type=int, help="CPU threads during the run (default: 1, the tiny model's matrices "
                     "gain nothing from more; 0: torch's default)")
+    dm.add_argument("--kv-cache", choices=["auto", "fp8_ds_mla"],
+                    help="the latent MLA cache: auto (the model dtype, default) or fp8_ds_mla (DeepSeek's FP8 "
+                    "record: e4m3 latent, a float32 scale per 128 values, bf16 rope; the demo model then has "
+                    "kv_lora_rank 128)")
+    dm.add_argument("--compare-caches", action="store_true",
+                    help="run the modes with both caches on the same prompts (fp8_ds_mla fed the bf16 cache's "
+                    "picks) and print a comparison: bytes per token, cache size, step ms, greedy agreement")
     dm.add_argument("--plot", metavar="PATH", help="draw step latency per mode and batch size (needs matplotlib)")
     dm.add_argument("--no-progress", action="store_true", help="no progress bar")
     dm.add_argument("--tp", type=int, help="tensor-parallel ranks, one process each: run under torchrun, e.g. "

@@ -19,6 +19,13 @@ forward alone and for the whole step with the metadata build), the one-off set-u
 (compile or capture) and whether each mode's greedy picks equal eager's: every mode is
 fed eager's tokens (teacher forcing), so one pick flipped at a near-tie of the logits
 stays one pick instead of forking the rest of the sequence.
+
+The latent MLA cache is the model dtype's (`--kv-cache auto`) or DeepSeek's FP8 record
+(`--kv-cache fp8_ds_mla`; the model then has kv_lora_rank 128, since the demo model's 64
+has no record layout); the table's header gives its bytes per token, per layer and in
+all layers. `--compare-caches` runs the modes with both caches on the same prompts and
+weights, the fp8_ds_mla run fed the bf16 run's picks, and adds a table of bytes per
+token, cache size, step times and greedy agreement (`format_cache_comparison`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,11 @@ from graphsafe.errors import GraphsafeError
 
 MODES = ("eager", "compiled", "compiled+graphs")
 GRAPHS = "compiled+graphs"
+# The latent MLA cache kinds (`ModelConfig.kv_cache_dtype`): the model dtype, DeepSeek's FP8 record.
+KV_CACHES = ("auto", "fp8_ds_mla")
+# fp8_ds_mla keeps one float32 scale per 128 latent values: the demo model's kv_lora_rank
+# (64) has no record layout, so a run with that cache builds the model with this one.
+FP8_CACHE_KV_LORA_RANK = 128
 
 
 class DemoError(GraphsafeError):
@@ -69,6 +81,14 @@ class DemoOptions:
     # shard (graphsafe.models.parallel); picks are compared with a one-device model of the
     # same weights that every rank also runs eagerly.
     tp: int = 1
+    # The latent MLA cache: "auto" (the model dtype) or "fp8_ds_mla" (656 bytes a token for
+    # DeepSeek). With either fp8_ds_mla or `compare_caches`, kv_lora_rank is 128 unless
+    # `model_overrides` names a multiple of 128 (the demo model's 64 has no record layout).
+    kv_cache: str = "auto"
+    # Run the modes with both caches on the same prompts and weights (bf16 first; every
+    # fp8_ds_mla row is fed the bf16 run's picks) and print a comparison table after the two
+    # tables. `kv_cache` is then not used.
+    compare_caches: bool = False
 
 
 def default_options(device: str) -> DemoOptions:
@@ -102,6 +122,7 @@ class Row:
     allocs_step: float | None = None
     setup_s: float | None = None
     allreduce_ms: float | None = None  # tensor parallel: the step's all-reduces alone
+    kv_cache: str = "auto"  # the latent cache kind of the run (KV_CACHES)
     agree: str = ""
     note: str = ""  # why a row has no numbers ("n/a (no CUDA)", an error)
     tokens: torch.Tensor | None = field(default=None, repr=False)  # [steps, batch] on the CPU
@@ -248,14 +269,18 @@ def _decode(
     progress: Progress,
     label: str,
     forced: torch.Tensor | None = None,
+    first: torch.Tensor | None = None,
 ) -> tuple[list[float], _Counters, _Counters, torch.Tensor]:
     """Prefill `prompts`, then `opts.steps` greedy steps through `step`. Returns the step
     times (s), the counters of the measured steps (forward only, whole step), and each
     step's greedy picks and near-tie flags (`greedy_with_near_ties`), each `[steps, batch]`
     on the CPU. With `forced` (eager's picks), step i + 1 is fed `forced[i]` instead of
-    this run's own pick (teacher forcing)."""
+    this run's own pick (teacher forcing); with `first` too, step 0 is fed `first` instead
+    of the prefill's pick."""
     state = model.new_state()
     tokens = model.prefill(state, prompts).argmax(-1)
+    if first is not None:
+        tokens = first.to(device)
     # Tokens are kept on the device until the end: reading them back each step would be
     # a host sync that the table should not charge to the step.
     generated = torch.empty(opts.steps, len(prompts), dtype=torch.int64, device=device)
@@ -304,8 +329,26 @@ def _build_default(device: torch.device, dtype: torch.dtype, seed: int, **overri
 def model_sizes(opts: DemoOptions) -> dict[str, Any]:
     """Model sizes the run needs (user overrides win): room for the largest batch, and a
     context just long enough for the prompt plus the decoded tokens (the indexer's decode
-    logits are `max_model_len` wide, so a tight bound keeps the step honest and small)."""
-    return {"max_batch": max(opts.batches), "max_model_len": opts.prompt_len + opts.steps, **opts.model_overrides}
+    logits are `max_model_len` wide, so a tight bound keeps the step honest and small);
+    with an fp8_ds_mla cache (`uses_fp8_cache`), kv_lora_rank FP8_CACHE_KV_LORA_RANK."""
+    sizes: dict[str, Any] = {"max_batch": max(opts.batches), "max_model_len": opts.prompt_len + opts.steps}
+    if uses_fp8_cache(opts):
+        sizes["kv_lora_rank"] = FP8_CACHE_KV_LORA_RANK
+    return {**sizes, **opts.model_overrides}
+
+
+def uses_fp8_cache(opts: DemoOptions) -> bool:
+    """Whether some run of the demo builds the model with the fp8_ds_mla cache."""
+    return opts.compare_caches or opts.kv_cache == "fp8_ds_mla"
+
+
+def _fp8_rank_note(opts: DemoOptions, default_build: bool) -> list[str]:
+    """The header's note when the demo changed the model's kv_lora_rank for the fp8 cache."""
+    if not (default_build and uses_fp8_cache(opts)) or "kv_lora_rank" in opts.model_overrides:
+        return []
+    both = " (both caches run this model)" if opts.compare_caches else ""
+    return [f"note: kv_lora_rank={FP8_CACHE_KV_LORA_RANK}{both}: the demo model's own 64 has no fp8_ds_mla record "
+            f"layout (one float32 scale per {FP8_CACHE_KV_LORA_RANK} latent values)"]
 
 
 def _config(model: Any) -> Any:
@@ -361,7 +404,9 @@ def run_demo(
 
     `build(device, dtype=, seed=, **opts.model_overrides) -> (model, _)` replaces the
     demo model (tests); by default `graphsafe.models.build_demo_model` with the sizes of
-    `model_sizes(opts)`."""
+    `model_sizes(opts)`. A run with the fp8_ds_mla cache passes `kv_cache_dtype=
+    "fp8_ds_mla"` to either (the "auto" cache passes nothing). With `compare_caches` the
+    rows of both runs come back, bf16 first (`Row.kv_cache` tells them apart)."""
     out = out or sys.stdout
     device = torch.device(opts.device)
     _validate(opts, device)
@@ -377,24 +422,99 @@ def run_demo(
         torch.manual_seed(opts.seed)
         t0 = time.perf_counter()
 
-        def make(**extra: Any) -> Any:
+        def make(kv_cache: str, **extra: Any) -> Any:
+            if kv_cache != "auto":
+                extra["kv_cache_dtype"] = kv_cache
             if build is None:
                 return _build_default(device, dtype=opts.dtype, seed=opts.seed, **model_sizes(opts), **extra)[0]
             return build(device, dtype=opts.dtype, seed=opts.seed, **opts.model_overrides, **extra)[0]
 
-        reference = None if tp is None else make()
-        model = make() if tp is None else make(tp=tp)
-        build_s = time.perf_counter() - t0
-        rows = _Run(model, opts, device, reference).rows()
+        if opts.compare_caches:
+            runs = _cache_runs(make, opts, device)
+        else:
+            reference = None if tp is None else make(opts.kv_cache)
+            model = make(opts.kv_cache) if tp is None else make(opts.kv_cache, tp=tp)
+            build_s = time.perf_counter() - t0
+            rows = _Run(model, opts, device, reference).rows()
+            for row in rows:
+                row.kv_cache = opts.kv_cache
     finally:
         torch.set_num_threads(previous_threads)
-    if tp is not None:
+    notes = _fp8_rank_note(opts, build is None)
+    if opts.compare_caches:
+        rows = _report_caches(runs, opts, device, notes, out)
+    elif tp is not None:
         return _report_ranks(rows, opts, device, build_s, model, tp, out)
-    print(format_table(rows, opts, device, build_s, model), file=out)
+    else:
+        print(format_table(rows, opts, device, build_s, model, notes=notes), file=out)
     if opts.plot:
         plot_rows(rows, opts.plot, title=f"graphsafe demo on {_device_name(device)}")
         print(f"plot written to {opts.plot}", file=out)
     return rows
+
+
+@dataclass
+class _CacheRun:
+    """One cache kind's run of `--compare-caches`."""
+
+    kind: str
+    model: Any
+    rows: list[Row]
+    build_s: float
+    # batch -> (mode, picks [steps, batch]) of the bf16 run's row whose picks were fed to
+    # every row of that batch in the fp8_ds_mla run (the same for both runs).
+    fed: dict[int, tuple[str, torch.Tensor]]
+
+
+def _cache_runs(make: Callable[..., Any], opts: DemoOptions, device: torch.device) -> list[_CacheRun]:
+    """Every mode at every batch with the bf16 cache, then with fp8_ds_mla, on the same
+    prompts and weights (same seed). The fp8_ds_mla rows are all fed the bf16 run's
+    tokens (teacher forcing: its prefill's pick, then its eager picks, or those of its
+    first mode without eager), so both runs decode the same tokens and their picks
+    compare position by position."""
+    runs: list[_CacheRun] = []
+    feed: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+    for kind in KV_CACHES:
+        t0 = time.perf_counter()
+        model = make(kind)
+        build_s = time.perf_counter() - t0
+        run = _Run(model, opts, device, feed=feed)
+        rows = run.rows()
+        for row in rows:
+            row.kv_cache = kind
+        if feed is None:
+            fed = _fed_picks(rows)
+            feed = {b: (_prefill_picks(model, run.prompts[b]), picks) for b, (_, picks) in fed.items()}
+        runs.append(_CacheRun(kind, model, rows, build_s, runs[0].fed if runs else fed))
+    return runs
+
+
+@torch.no_grad()
+def _prefill_picks(model: Any, prompts: list[list[int]]) -> torch.Tensor:
+    """The greedy picks of an eager prefill of `prompts` (what every run's step 0 is fed)."""
+    return model.prefill(model.new_state(), prompts).argmax(-1)
+
+
+def _fed_picks(rows: Sequence[Row]) -> dict[int, tuple[str, torch.Tensor]]:
+    """Per batch, the mode and picks of the first row with picks: no eager picks existed
+    before it, so it was fed its own picks, the tokens its run decoded (eager's, when
+    eager runs, since the modes run in order)."""
+    fed: dict[int, tuple[str, torch.Tensor]] = {}
+    for row in rows:
+        if row.tokens is not None and row.batch not in fed:
+            fed[row.batch] = (row.mode, row.tokens)
+    return fed
+
+
+def _report_caches(runs: Sequence[_CacheRun], opts: DemoOptions, device: torch.device, notes: list[str],
+                   out: TextIO) -> list[Row]:
+    """Each cache's table (the legend once), then the comparison; returns all rows."""
+    for i, run in enumerate(runs):
+        legend = i == len(runs) - 1
+        print(format_table(run.rows, opts, device, run.build_s, run.model, legend=legend, notes=notes), file=out)
+        print(file=out)
+    print(format_cache_comparison(runs), file=out)
+    return [row for run in runs for row in run.rows]
 
 
 def _init_tensor_parallel(opts: DemoOptions):
@@ -472,21 +592,47 @@ def _validate(opts: DemoOptions, device: torch.device) -> None:
         raise DemoError(f"modes: expected some of {list(MODES)}, got {list(opts.modes)}")
     if opts.tp < 1:
         raise DemoError(f"--tp: expected a positive number of ranks, got {opts.tp}")
+    if opts.kv_cache not in KV_CACHES:
+        raise DemoError(f"--kv-cache: expected one of {list(KV_CACHES)}, got {opts.kv_cache!r}")
+    if opts.compare_caches and opts.tp > 1:
+        raise DemoError("--compare-caches runs on one device: leave out --tp")
+    if uses_fp8_cache(opts):
+        _validate_fp8_layout(opts.model_overrides)
     if not opts.batches or min(opts.batches) < 1 or opts.steps < 1 or opts.prompt_len < 1:
         raise DemoError("batch sizes, steps and the prompt length must be positive")
     if opts.plot:
         check_plot_available()  # before any work
 
 
+def _validate_fp8_layout(overrides: dict[str, Any]) -> None:
+    """The fp8_ds_mla record needs kv_lora_rank a multiple of 128 and an even rope width:
+    refuse overrides without a layout before building anything."""
+    rank = overrides.get("kv_lora_rank", FP8_CACHE_KV_LORA_RANK)
+    rope = overrides.get("qk_rope_head_dim", 0)
+    if not isinstance(rank, int) or rank <= 0 or rank % FP8_CACHE_KV_LORA_RANK:
+        raise DemoError(
+            f"the fp8_ds_mla cache needs kv_lora_rank a multiple of {FP8_CACHE_KV_LORA_RANK} (one float32 scale "
+            f"per {FP8_CACHE_KV_LORA_RANK} latent values), got --model kv_lora_rank={rank}; without the override "
+            f"the demo uses {FP8_CACHE_KV_LORA_RANK}"
+        )
+    if not isinstance(rope, int) or rope % 2:
+        raise DemoError(f"the fp8_ds_mla cache needs an even qk_rope_head_dim, got --model qk_rope_head_dim={rope}")
+
+
 class _Run:
     """The rows of one demo run: every mode (outer) at every batch size (inner), so
     eager's picks exist when the compiled modes of that batch run."""
 
-    def __init__(self, model: Any, opts: DemoOptions, device: torch.device, reference: Any = None) -> None:
+    def __init__(self, model: Any, opts: DemoOptions, device: torch.device, reference: Any = None,
+                 feed: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         self.model, self.opts, self.device = model, opts, device
         # A one-device model of the same weights (tensor parallel): its eager picks are the
         # reference every mode (eager included) is fed and compared with.
         self.reference = reference
+        # Per batch, (first, forced) tokens [batch], [steps, batch] fed to every mode instead of
+        # its prefill's pick and eager's picks (the bf16 cache's in a cache comparison); the
+        # picks are still compared with eager's.
+        self.feed = feed or {}
         gen = torch.Generator().manual_seed(opts.seed)
         vocab = _config(model).vocab_size
         self.prompts = {b: torch.randint(0, vocab, (b, opts.prompt_len), generator=gen).tolist() for b in opts.batches}
@@ -543,6 +689,14 @@ class _Run:
             self.eager_picks[batch] = picks
             self.eager_near_ties[batch] = near
 
+    def _fed(self, batch: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`_decode`'s (forced, first) for a row of `batch`: the feed's when there is one,
+        else eager's picks once eager has run (and the row's own prefill pick)."""
+        if batch in self.feed:
+            first, forced = self.feed[batch]
+            return forced, first
+        return self.eager_picks.get(batch), None
+
     def _step_fn(self, row: Row) -> Callable:
         if row.mode == "eager":
             return self.greedy
@@ -563,7 +717,7 @@ class _Run:
         with _batch_dim_not_specialised():
             times, fwd, whole, (picks, near) = _decode(
                 self.model, step, self.prompts[batch], self.opts, self.device, self.progress,
-                f"{mode} B={batch}", forced=self.eager_picks.get(batch),
+                f"{mode} B={batch}", *self._fed(batch),
             )
         _fill_row(row, times, fwd, whole, self.opts)
         row.tokens = picks
@@ -657,8 +811,10 @@ COLUMNS = [
 
 
 def format_table(rows: Sequence[Row], opts: DemoOptions, device: torch.device, build_s: float = 0.0,
-                 model: Any = None, legend: bool = True) -> str:
-    """The demo's table: one line per (mode, batch), then what the columns mean."""
+                 model: Any = None, legend: bool = True, notes: Sequence[str] = ()) -> str:
+    """The demo's table: the run, the model and its MLA cache's bytes per token (per
+    layer and in all layers), `notes`, one line per (mode, batch), then what the
+    columns mean."""
     lines = [
         f"graphsafe demo on {_device_name(device)}: prompt {opts.prompt_len} tokens, {opts.steps} greedy steps "
         f"(median over steps {min(opts.warmup, opts.steps - 1) + 1}..{opts.steps}), compile backend "
@@ -666,6 +822,10 @@ def format_table(rows: Sequence[Row], opts: DemoOptions, device: torch.device, b
     ]
     if model is not None:
         lines.append(f"model: {_describe(model)}")
+        cache = _cache_line(model)
+        if cache:
+            lines.append(cache)
+    lines += list(notes)
     parallel = any(r.allreduce_ms is not None for r in rows)
     columns = COLUMNS[:-1] + ([("all-reduce ms (share)", 21), ("picks = one-device eager", 0)] if parallel
                               else COLUMNS[-1:])
@@ -713,6 +873,82 @@ def format_table(rows: Sequence[Row], opts: DemoOptions, device: torch.device, b
     return "\n".join(lines)
 
 
+def _cache_line(model: Any) -> str | None:
+    """"MLA cache: <kind> (<row layout>): N bytes per token per layer, M in all L layers"
+    for a model with `cache_bytes_per_token` (None otherwise)."""
+    per_token = getattr(model, "cache_bytes_per_token", None)
+    cfg = _config(model)
+    if per_token is None or cfg is None:
+        return None
+    total, layers = per_token(), cfg.num_layers
+    r, p = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    if cfg.kv_cache_dtype == "fp8_ds_mla":
+        scales = r // 128
+        layout = (f"fp8_ds_mla records: {r} e4m3 latent bytes, {scales} float32 scale{'s' * (scales > 1)}, "
+                  f"{p} bf16 rope values")
+    else:
+        layout = f"auto: {r} + {p} values in {str(model.dtype).removeprefix('torch.')}"
+    return f"MLA cache ({layout}): {total // layers} bytes per token per layer, {total} in all {layers} layers"
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in B, KiB, MiB or GiB (the largest unit that keeps the number >= 1)."""
+    units, power = ("B", "KiB", "MiB", "GiB"), 0
+    while nbytes >= 1024 and power < len(units) - 1:
+        nbytes /= 1024
+        power += 1
+    return f"{nbytes:.0f} B" if power == 0 else f"{nbytes:.1f} {units[power]}"
+
+
+def _picks_equal(tokens: torch.Tensor | None, reference: torch.Tensor) -> str:
+    if tokens is None:
+        return "-"
+    equal = int((tokens == reference).sum())
+    return f"{equal}/{tokens.numel()} ({equal / tokens.numel():.0%})"
+
+
+def format_cache_comparison(runs: Sequence[Any]) -> str:
+    """`--compare-caches`' table: per cache kind, the MLA cache's bytes per token (a layer,
+    all layers) and its size at max_model_len x max_batch tokens; per (mode, batch), each
+    cache's median step ms, their ratio, and how many of the fp8_ds_mla run's greedy picks
+    equal the bf16 run's (both fed the bf16 run's picks). `runs`: the bf16 run, then fp8_ds_mla."""
+    base, other = runs
+    layers = _config(base.model).num_layers
+    tokens = base.model.max_model_len * base.model.max_batch
+    lines = [
+        f"KV cache comparison: same weights and prompts; every {other.kind} row is fed the {base.kind} run's picks",
+        f"{'cache':<17} {'bytes/token/layer':<18} {f'bytes/token ({layers} layers)':<24} "
+        f"cache at max_model_len x max_batch ({base.model.max_model_len} x {base.model.max_batch})",
+    ]
+    base_bytes = base.model.cache_bytes_per_token()
+    for run in runs:
+        per_token = run.model.cache_bytes_per_token()
+        ratio = "" if run is base else f" ({per_token / base_bytes:.2f}x)"
+        name = f"{run.kind} ({str(run.model.dtype).removeprefix('torch.')})" if run.kind == "auto" else run.kind
+        lines.append(f"{name:<17} {per_token // layers:<18} {per_token:<24} {_size(per_token * tokens)}{ratio}")
+    ref_modes = sorted({mode for mode, _ in base.fed.values()})
+    header = (f"{'mode':<15} {'batch':<5} {f'{base.kind} ms':<9} {f'{other.kind} ms':<14} {'ratio':<6} "
+              f"{other.kind} picks = {base.kind} {'/'.join(ref_modes)}'s")
+    lines += ["", header, "-" * len(header)]
+    by_mode = {(r.mode, r.batch): r for r in other.rows}
+    for r in base.rows:
+        o = by_mode[(r.mode, r.batch)]
+        if r.step_ms is None or o.step_ms is None:
+            lines.append(f"{r.mode:<15} {r.batch:<5} {r.note or o.note}")
+            continue
+        agree = _picks_equal(o.tokens, base.fed[r.batch][1])
+        lines.append(f"{r.mode:<15} {r.batch:<5} {r.step_ms:<9.3f} {o.step_ms:<14.3f} "
+                     f"{o.step_ms / r.step_ms:<6.2f} {agree}")
+    lines += [
+        "",
+        "bytes: the latent MLA cache only (the indexer's fp8 keys are the same for both). ms: median step, as",
+        f"  above. picks: the {other.kind} run's greedy picks equal to the {base.kind} run's at the same",
+        "  positions (teacher forcing). e4m3 rounds each latent value by up to 2^-4 of it; a pick flips where",
+        "  the top two logits are closer than that moves them (README, \"FP8 MLA cache\").",
+    ]
+    return "\n".join(lines)
+
+
 def plot_rows(rows: Sequence[Row], path: str, title: str = "graphsafe demo") -> None:
     """Step latency per mode against the batch size, to `path` (png, svg, pdf...)."""
     check_plot_available()
@@ -722,11 +958,15 @@ def plot_rows(rows: Sequence[Row], path: str, title: str = "graphsafe demo") -> 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for mode in MODES:
-        points = sorted((r.batch, r.step_ms) for r in rows if r.mode == mode and r.step_ms is not None)
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", label=mode)
+    kinds = [k for k in KV_CACHES if any(r.kv_cache == k for r in rows)]
+    for kind in kinds:
+        for mode in MODES:
+            points = sorted((r.batch, r.step_ms) for r in rows
+                            if r.mode == mode and r.kv_cache == kind and r.step_ms is not None)
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", linestyle="-" if kind == kinds[0] else "--",
+                        label=mode if len(kinds) == 1 else f"{mode}, {kind} cache")
     ax.set_xscale("log", base=2)
     batches = sorted({r.batch for r in rows})
     ax.set_xticks(batches, [str(b) for b in batches])
@@ -766,6 +1006,6 @@ def exit_code(rows: Sequence[Row]) -> int:
 
 
 __all__ = [
-    "MODES", "DemoError", "DemoOptions", "Row", "Progress", "default_options", "run_demo", "format_table",
-    "plot_rows", "parse_override", "exit_code",
+    "MODES", "KV_CACHES", "DemoError", "DemoOptions", "Row", "Progress", "default_options", "run_demo",
+    "format_table", "format_cache_comparison", "plot_rows", "parse_override", "exit_code",
 ]

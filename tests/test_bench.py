@@ -209,3 +209,52 @@ def test_flashinfer_peers_are_optional_and_ratios_come_from_the_first_row():
     assert flashinfer.ratio_note(rows) == "graphsafe / flashinfer MLA fa3 = 1.33"
     assert flashinfer.ratio_note([row("graphsafe[triton]", 0.4, error="x"), rows[2]]) == ""
     assert flashinfer.unavailable(cpu) == "flashinfer: CUDA only"
+
+
+# -- MLA with the fp8_ds_mla cache ------------------------------------------------------------
+def _mla_problems(name: str) -> list:
+    case = harness.load_cases()[name]
+    return list(case.fn(torch.device("cpu"), case.shapes.cpu))
+
+
+@pytest.mark.parametrize("name", ["mla_decode", "sparse_mla"])
+def test_mla_cases_pair_each_bf16_row_with_an_fp8_ds_mla_row_of_656_bytes_a_key(name):
+    """Each CPU shape yields the bf16 problem, then the same shape with the fp8_ds_mla
+    cache; the bytes moved differ by exactly the cache reads: 1152 against 656 bytes a key
+    (q, out, lse and the block table / indices are the same)."""
+    from graphsafe.bench.cases import mla
+
+    assert mla.RECORD == 656
+    problems = _mla_problems(name)
+    shapes = harness.load_cases()[name].shapes.cpu
+    assert len(problems) == 2 * len(shapes)
+    for (bf16, fp8), shape in zip(zip(problems[::2], problems[1::2]), shapes):
+        rows, keys = shape[0], shape[2]
+        assert "fp8_ds_mla" not in bf16.shape and fp8.shape == bf16.shape + " fp8_ds_mla", (bf16.shape, fp8.shape)
+        assert bf16.bytes - fp8.bytes == rows * keys * (2 * mla.D - 656)
+        assert fp8.flops == bf16.flops and set(fp8.impls) == set(bf16.impls)
+
+
+def test_fp8_bench_cache_holds_the_records_of_the_bf16_keys(monkeypatch):
+    from graphsafe.bench.cases import mla
+    from graphsafe.ops.fp8_ds_mla import quantize_records
+
+    kv = torch.randn(3, 4, mla.D).bfloat16()
+    monkeypatch.setattr(mla, "QUANT_CHUNK_ROWS", 5)  # chunks that split blocks
+    records = mla.fp8_cache(kv)
+    assert records.dtype == torch.uint8 and records.shape == (3, 4, 656)
+    assert mla.cache_bytes_per_key(records) == 656 and mla.cache_bytes_per_key(kv) == 1152
+    flat = kv.reshape(-1, mla.D)
+    assert torch.equal(records.reshape(-1, 656), quantize_records(flat[:, : mla.R], flat[:, mla.R :]))
+
+
+def test_bench_runs_the_fp8_ds_mla_rows_on_the_cpu(tmp_path):
+    """Needs the MLA ops to read the fp8_ds_mla cache (reference backend on the CPU)."""
+    path = tmp_path / "bench.json"
+    rc, text = _bench(["--op", "mla_decode", "--op", "sparse_mla", "--json", str(path)])
+    assert rc == 0, text
+    rows = _rows(_strict_json(path))
+    fp8 = [r for r in rows if r.shape.endswith("fp8_ds_mla")]
+    assert {r.case for r in fp8} == {"mla_decode", "sparse_mla"} and len(fp8) == len(rows) / 2
+    for row in rows:
+        assert row.error is None and row.gbps > 0, row

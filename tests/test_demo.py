@@ -299,3 +299,155 @@ def test_graph_mode_with_the_real_model_through_the_emulated_runner():
         assert row.ok and row.step_ms is not None, text
         assert row.agree in ("(reference)", "yes"), text  # aot_eager: eager's kernels, equal picks
     assert not current_workspace_manager("cpu").is_locked
+
+
+# -- the MLA cache kind: --kv-cache, --compare-caches -------------------------------------------
+@dataclass
+class CacheFakeConfig:
+    vocab_size: int
+    kv_cache_dtype: str
+    num_layers: int = 2
+    kv_lora_rank: int = 128
+    qk_rope_head_dim: int = 16
+
+
+class CacheFakeModel(FakeModel):
+    """The fake model with the cache-size API; "fp8_ds_mla" is another seed (other picks)
+    whose tokens fed to each decode step are recorded."""
+
+    def __init__(self, device, dtype, seed, kind):
+        super().__init__(device, dtype, seed + (kind != "auto"))
+        self.cfg = CacheFakeConfig(self.toy.vocab, kind)
+        self.dtype, self.max_model_len, self.max_batch = dtype, 11, 3
+        self.fed: list[torch.Tensor] = []
+
+    def cache_bytes_per_token(self):
+        return 2 * (288 if self.cfg.kv_cache_dtype == "auto" else 164)
+
+    def decode_inputs(self, state, next_tokens):
+        self.fed.append(next_tokens.cpu().clone())
+        return super().decode_inputs(state, next_tokens)
+
+
+def test_cache_options_are_validated_before_any_work():
+    built = []
+
+    def build(*args, **kwargs):
+        built.append(1)
+
+    bad = (
+        {"kv_cache": "fp8"},
+        {"kv_cache": "fp8_ds_mla", "model_overrides": {"kv_lora_rank": 64}},
+        {"compare_caches": True, "model_overrides": {"kv_lora_rank": 192}},
+        {"kv_cache": "fp8_ds_mla", "model_overrides": {"qk_rope_head_dim": 15}},
+        {"compare_caches": True, "tp": 2},
+    )
+    messages = ("--kv-cache", "multiple of 128", "multiple of 128", "even qk_rope_head_dim", "one device")
+    for kw, message in zip(bad, messages):
+        with pytest.raises(demo.DemoError, match=message):
+            demo.run_demo(demo.DemoOptions(progress=False, **kw), build=build, out=io.StringIO())
+    assert not built
+    # The demo model's own kv_lora_rank (64) has no fp8_ds_mla layout: the demo uses 128.
+    sizes = demo.model_sizes(demo.DemoOptions(kv_cache="fp8_ds_mla", batches=(2,), steps=3, prompt_len=4))
+    assert sizes == {"max_batch": 2, "max_model_len": 7, "kv_lora_rank": 128}
+    assert "kv_lora_rank" not in demo.model_sizes(demo.DemoOptions())
+    assert demo.model_sizes(demo.DemoOptions(compare_caches=True, model_overrides={"kv_lora_rank": 256}))[
+        "kv_lora_rank"] == 256
+
+
+def test_cli_cache_options_reach_the_demo_options(monkeypatch):
+    from graphsafe.__main__ import main
+
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda opts: seen.append(opts) or [])
+    assert main(["demo", "--device", "cpu", "--kv-cache", "fp8_ds_mla"]) == 0
+    assert main(["demo", "--device", "cpu", "--compare-caches"]) == 0
+    assert main(["demo", "--device", "cpu"]) == 0
+    assert [(o.kv_cache, o.compare_caches) for o in seen] == [("fp8_ds_mla", False), ("auto", True), ("auto", False)]
+
+
+def test_compare_caches_feeds_the_bf16_runs_tokens_and_counts_agreement():
+    """The fake model: the fp8_ds_mla run (another seed, so other picks) is fed the bf16
+    run's prefill pick and eager picks in every mode; the comparison counts the picks of
+    each of its rows equal to the bf16 eager picks at the same positions."""
+    built = {}
+
+    def build(device, dtype, seed, kv_cache_dtype="auto"):
+        built[kv_cache_dtype] = CacheFakeModel(device, dtype, seed, kv_cache_dtype)
+        return built[kv_cache_dtype], None
+
+    opts = demo.DemoOptions(device="cpu", batches=(1, 3), steps=5, prompt_len=6, backend="aot_eager",
+                            progress=False, compare_caches=True, modes=("eager", "compiled"))
+    out = io.StringIO()
+    rows = demo.run_demo(opts, build=build, out=out)
+    text = out.getvalue()
+    assert [(r.kv_cache, r.mode, r.batch) for r in rows] == [
+        (k, m, b) for k in ("auto", "fp8_ds_mla") for m in ("eager", "compiled") for b in (1, 3)]
+    assert demo.exit_code(rows) == 0
+    by = {(r.kv_cache, r.mode, r.batch): r for r in rows}
+    # Each run feeds 5 steps per row; the fp8 model's step 0 gets bf16's prefill pick.
+    bf16, fp8 = built["auto"], built["fp8_ds_mla"]
+    for i, b in enumerate((1, 3)):
+        eager = by[("auto", "eager", b)].tokens
+        for j, mode in enumerate(("eager", "compiled")):
+            fed = fp8.fed[(2 * j + i) * 5:(2 * j + i + 1) * 5]
+            assert torch.equal(torch.stack(fed[1:]), eager[:-1]), (mode, b)
+            assert torch.equal(fed[0], bf16.fed[i * 5]), "step 0: the bf16 run's prefill pick"
+    assert not torch.equal(by[("fp8_ds_mla", "eager", 3)].tokens, by[("auto", "eager", 3)].tokens)
+    lines = text[text.index("KV cache comparison"):].splitlines()
+    assert lines[2].split()[:5] == ["auto", "(bfloat16)", "288", "576", "18.6"]  # 576 B x 11 x 3 = 18.6 KiB
+    assert lines[3].split()[:3] == ["fp8_ds_mla", "164", "328"] and lines[3].endswith("(0.57x)")
+    assert "fp8_ds_mla picks = auto eager's" in lines[5]
+    table = {(m.group(1), int(m.group(2))): m.group(3) for m in map(ROW.match, lines[7:]) if m}
+    assert set(table) == {(m, b) for m in ("eager", "compiled") for b in (1, 3)}
+    for (mode, b), cells in table.items():
+        got, want = by[("fp8_ds_mla", mode, b)], by[("auto", "eager", b)].tokens
+        equal = int((got.tokens == want).sum())
+        c = cells.split()
+        assert float(c[0]) == pytest.approx(by[("auto", mode, b)].step_ms, abs=1e-3)
+        assert float(c[1]) == pytest.approx(got.step_ms, abs=1e-3)
+        assert c[3] == f"{equal}/{5 * b}", cells
+    assert text.count("MLA cache (") == 2 and "164 bytes per token per layer, 328 in all 2 layers" in text
+
+
+@pytest.mark.skipif(not _real_model_available(), reason="graphsafe.models is not there yet")
+def test_demo_with_the_fp8_cache_on_the_real_model():
+    """`--kv-cache fp8_ds_mla`: the model gets kv_lora_rank 128 (the header says why), the
+    header gives its 164-byte records per layer and in all layers, and the modes run as
+    with the bf16 cache (aot_eager: eager's kernels, equal picks)."""
+    opts = demo.DemoOptions(device="cpu", batches=(1, 2), steps=3, prompt_len=5, backend="aot_eager",
+                            progress=False, modes=("eager", "compiled"), kv_cache="fp8_ds_mla")
+    out = io.StringIO()
+    rows = demo.run_demo(opts, out=out)
+    text = out.getvalue()
+    assert demo.exit_code(rows) == 0, text
+    assert all(r.ok and r.kv_cache == "fp8_ds_mla" and r.agree in ("(reference)", "yes") for r in rows), text
+    assert "kv_lora_rank=128," in text and "note: kv_lora_rank=128: the demo model's own 64 has no fp8_ds_mla" in text
+    assert ("MLA cache (fp8_ds_mla records: 128 e4m3 latent bytes, 1 float32 scale, 16 bf16 rope values): "
+            "164 bytes per token per layer, 328 in all 2 layers") in text
+
+
+@pytest.mark.skipif(not _real_model_available(), reason="graphsafe.models is not there yet")
+def test_cli_compare_caches_on_the_real_model(capsys):
+    """`--compare-caches` through the command line: both tables, then the comparison with
+    the two caches' bytes (288 / 164 a layer for R = 128, P = 16), sizes, step times and the
+    fp8 run's agreement with the bf16 eager picks, one line per mode and batch."""
+    from graphsafe.__main__ import main
+
+    argv = ["demo", "--device", "cpu", "--batch", "1", "2", "--steps", "3", "--prompt-len", "5", "--backend",
+            "aot_eager", "--mode", "eager", "--mode", "compiled", "--no-progress", "--compare-caches"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "MLA cache (auto: 128 + 16 values in bfloat16): 288 bytes per token per layer, 576 in all 2 layers" in text
+    assert "164 bytes per token per layer, 328 in all 2 layers" in text
+    lines = text[text.index("KV cache comparison"):].splitlines()
+    assert "(8 x 2)" in lines[1]
+    assert lines[2].split()[:5] == ["auto", "(bfloat16)", "288", "576", "9.0"]  # 576 B x 8 x 2
+    assert lines[3].split()[:4] == ["fp8_ds_mla", "164", "328", "5.1"] and lines[3].endswith("(0.57x)")
+    table = {(m.group(1), int(m.group(2))): m.group(3).split() for m in map(ROW.match, lines[7:]) if m}
+    assert set(table) == {(m, b) for m in ("eager", "compiled") for b in (1, 2)}
+    for (mode, b), cells in table.items():
+        assert float(cells[0]) > 0 and float(cells[1]) > 0
+        equal, total = map(int, cells[3].split("/"))
+        # e4m3 flips a pick only at a close call of the random model's top two logits.
+        assert total == 3 * b and equal >= total - 1, cells

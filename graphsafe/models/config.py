@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from graphsafe.ops.fp8_ds_mla import TILE
+
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
     if isinstance(cfg, dict):
@@ -19,6 +21,10 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
+
+
+# `ModelConfig.kv_cache_dtype` values.
+KV_CACHE_DTYPES = ("auto", "fp8_ds_mla")
 
 
 @dataclass
@@ -50,6 +56,36 @@ class ModelConfig:
     # "off" keeps bf16 (the transformers oracle's numerics), "on" forces fp8. The effect on
     # the model's logits and greedy picks is measured in README.md ("Prefill precision").
     prefill_fp8: str = "auto"
+    # The per-layer latent MLA cache (written by `concat_and_cache_mla`, read by
+    # `sparse_mla`): "auto" stores the model dtype, R + P values a token (1152 bytes for
+    # DeepSeek in bf16); "fp8_ds_mla" stores DeepSeek's FP8 record
+    # (`graphsafe.ops.fp8_ds_mla`: R e4m3 bytes, a float32 scale per 128 of them, P bf16
+    # rope values; 656 bytes for DeepSeek), which needs R a multiple of 128 and P even.
+    # Accuracy against the bf16 cache: every latent value is rounded to e4m3 (relative
+    # error at most 2^-4, 3 mantissa bits) after scaling its 128-value tile to +-448, the
+    # rope values stay bf16. Measured on the CPU, reference backend (the demo model with
+    # R = 128 and an index_topk keeping every key; 3 prompts of 9-20 tokens, 6 decode steps
+    # fed the bf16 cache's picks; seeds 0-3, 18 decode rows each): the logits' relative L2
+    # error per row is 1.6-1.9% (median), 2.6% at most; max |diff| / max |logits| 2.6% at
+    # most; greedy picks agree at 17 of 18 decode positions for every seed. The dense
+    # prefill never reads the cache (its logits are equal). tests/test_models_fp8_cache.py
+    # bounds it: every row within 2^-4 = 6.25%, picks equal at 3/4 of the positions or more.
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: expected one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8_ds_mla":
+            if self.kv_lora_rank <= 0 or self.kv_lora_rank % TILE:
+                raise ValueError(
+                    f"kv_cache_dtype='fp8_ds_mla' needs kv_lora_rank a positive multiple of {TILE} (one float32 "
+                    f"scale per {TILE} latent values), got kv_lora_rank={self.kv_lora_rank}"
+                )
+            if self.qk_rope_head_dim % 2:
+                raise ValueError(
+                    f"kv_cache_dtype='fp8_ds_mla' needs an even qk_rope_head_dim (2-byte aligned bf16 rope "
+                    f"values), got qk_rope_head_dim={self.qk_rope_head_dim}"
+                )
 
     @property
     def qk_head_dim(self) -> int:

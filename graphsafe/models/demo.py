@@ -50,7 +50,7 @@ DEMO_HF_CONFIG: dict[str, Any] = {
 
 # Keyword arguments of DeepseekV32Model.from_hf_state_dict (the rest are config fields).
 _MODEL_KWARGS = ("max_batch", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens", "tp")
-_EXTRA_FIELDS = ("index_scale_fmt", "prefill_fp8")
+_EXTRA_FIELDS = ("index_scale_fmt", "prefill_fp8", "kv_cache_dtype")
 
 
 def demo_hf_config(**overrides: Any) -> dict[str, Any]:
@@ -84,7 +84,9 @@ def build_demo_model(
     """(graphsafe model, transformers model or None) sharing one random state dict.
 
     `overrides`: transformers config fields (e.g. `index_topk=64`, `num_hidden_layers=4`),
-    `ModelConfig` extras (`index_scale_fmt`, `prefill_fp8`) and model sizes
+    `ModelConfig` extras (`index_scale_fmt`, `prefill_fp8`, `kv_cache_dtype`; the
+    transformers model has no fp8 cache: it always computes with the exact latent) and
+    model sizes
     (`max_batch` default 8, `max_model_len` default 256, `block_size` default 16,
     `num_blocks`, `max_num_batched_tokens`, and `tp`, a `TensorParallel` for one rank's
     shard). `with_hf`: build the transformers model

@@ -16,6 +16,13 @@ so dense attention is exact); longer requests take `sparse_attn_indexer_prefill`
 absorbed `sparse_mla` over the paged cache. This is transformers' semantics: its indexer
 keeps the top `min(index_topk, T)` causal keys of each query and masks the rest.
 
+Latent cache (`ModelConfig.kv_cache_dtype`): "auto" keeps R + P values a token in the
+model dtype; "fp8_ds_mla" keeps DeepSeek's 656-byte FP8 record (`graphsafe.ops.fp8_ds_mla`).
+The same op calls serve both (the ops read the format from the cache tensor): decode
+writes with `concat_and_cache_mla` and reads with `sparse_mla`; prefill writes the
+cache, its dense path attends over the bf16 projections (it never reads the cache),
+its sparse path reads the cache with `sparse_mla`.
+
 Indexer numerics: queries and keys are fp8 (DeepGEMM/vLLM), transformers scores in
 float32 from bf16 inputs; the two select the same keys except at near-ties of the k-th
 score (tests/test_models.py measures it). The Hadamard rotation of DeepSeek's reference
@@ -38,6 +45,7 @@ from graphsafe.models.parallel import TensorParallel, local_config, shard_tensor
 from graphsafe.models.rope import apply_half, apply_interleaved, rope_tables
 from graphsafe.models.state import HostState
 from graphsafe.models.weights import convert_state_dict
+from graphsafe.ops.fp8_ds_mla import record_bytes
 from graphsafe.ops.indexer.plan import sparse_attn_indexer_decode_workspace, sparse_attn_indexer_prefill_workspace
 from graphsafe.ops.mla import sparse_mla_workspace_specs
 from graphsafe.workspace import current_workspace_manager, workspace_bytes
@@ -101,6 +109,9 @@ class DeepseekV32Model(nn.Module):
             raise ValueError(f"index_head_dim must be a multiple of 16 (fp8 indexer ops), got {cfg.index_head_dim}")
         if cfg.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even")
+        if cfg.kv_cache_dtype == "fp8_ds_mla" and dtype != torch.bfloat16:
+            # The MLA ops read an fp8_ds_mla cache with bf16 queries only.
+            raise ValueError(f"kv_cache_dtype='fp8_ds_mla' needs the model dtype bfloat16, got {dtype}")
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
@@ -129,11 +140,11 @@ class DeepseekV32Model(nn.Module):
         self.final_norm = nn.Parameter(param(tensors["final_norm"]), requires_grad=False)
         self.lm_head = nn.Parameter(param(tensors["lm_head"]), requires_grad=False)
         layers = []
-        r, p, d = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim
+        d = cfg.index_head_dim
         for i in range(cfg.num_layers):
             prefix = f"layers.{i}."
             own = {k[len(prefix) :]: param(v) for k, v in tensors.items() if k.startswith(prefix)}
-            kv_cache = torch.zeros(self.num_blocks, block_size, r + p, dtype=dtype, device=self.device)
+            kv_cache = self._new_kv_cache()
             index_cache = torch.zeros(self.num_blocks, block_size, d + 4, dtype=torch.uint8, device=self.device)
             layers.append(_Layer(own, kv_cache, index_cache))
         self.layers = nn.ModuleList(layers)
@@ -151,6 +162,24 @@ class DeepseekV32Model(nn.Module):
         self.trace: Callable[[str, int, dict], None] | None = None
 
     # -- construction ------------------------------------------------------------------
+    def _new_kv_cache(self) -> torch.Tensor:
+        """One layer's zeroed latent cache `[num_blocks, block_size, row]`: rows of R + P
+        values in the model dtype ("auto"), or uint8 fp8_ds_mla records of
+        `record_bytes(R, P)` bytes (`ModelConfig.kv_cache_dtype`). The ops tell the two
+        apart by the tensor alone; nothing else in the model depends on the kind."""
+        r, p = self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim
+        if self.cfg.kv_cache_dtype == "fp8_ds_mla":
+            shape, dtype = (self.num_blocks, self.block_size, record_bytes(r, p)), torch.uint8
+        else:
+            shape, dtype = (self.num_blocks, self.block_size, r + p), self.dtype
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def cache_bytes_per_token(self) -> int:
+        """Bytes one token takes in the latent MLA caches of all layers (this rank's: the
+        latent cache is replicated under tensor parallelism). The indexer's fp8 key cache
+        (`index_head_dim + 4` bytes a layer, the same for both cache kinds) is not counted."""
+        return sum(layer.kv_cache.shape[-1] * layer.kv_cache.element_size() for layer in self.layers)
+
     @classmethod
     def from_hf_state_dict(
         cls,
@@ -170,7 +199,8 @@ class DeepseekV32Model(nn.Module):
         """Load a transformers `DeepseekV32ForCausalLM` state dict (dense MLP layers).
 
         `hf_config`: its `DeepseekV32Config` (or a dict of the same fields);
-        `config_extra`: `ModelConfig` fields not in it (`index_scale_fmt`, `prefill_fp8`).
+        `config_extra`: `ModelConfig` fields not in it (`index_scale_fmt`, `prefill_fp8`,
+        `kv_cache_dtype`).
         `max_model_len` defaults to `min(max_position_embeddings, 4096)`. `tp`: load
         this rank's shard of the same full state dict (see `graphsafe.models.parallel`).
         """

@@ -1,17 +1,19 @@
-"""Benchmarks of the MLA attention ops (DeepSeek dims: R = 512, P = 64, bf16).
+"""Benchmarks of the MLA attention ops (DeepSeek dims: R = 512, P = 64; bf16 queries).
 
 `mla_decode` (full sweep): B in {1, 64, 128} x H in {16, 128} x ctx in {4096, 32768},
 plus the DESIGN.md anchor B=64, H=16, ctx=8192; every request holds `ctx` cached tokens in
 randomly placed 64-token blocks. `sparse_mla` (full sweep): T in {1, 64, 128} x H in {16, 128} with
 K = 2048 distinct slots per token, each token's slots in its own region of the cache (as
-in decode, where every token attends to its own request).
+in decode, where every token attends to its own request). Every shape runs twice: with
+the bf16 cache (1152 bytes a key) and, on a row labelled "fp8_ds_mla", with the same
+keys as DeepSeek's FP8 records (`graphsafe.ops.fp8_ds_mla`, 656 bytes a key).
 
-Bytes = the cache rows every query must read once + q + out + lse + the block table /
-indices; flops = 2 * H * keys * (R + P + R) per query. With H = 128 the roofline is
-the larger of bytes / bandwidth and flops / peak: the table shows %bw and %peak, read the
-larger one. The eager reference materialises the gathered keys in f32 and the [H, keys]
-scores; where that would need more than ~20 GB it is left out and the shape label says
-so ("no eager").
+Bytes = the cache rows every query must read once (at the cache's bytes a key) + q +
+out + lse + the block table / indices; flops = 2 * H * keys * (R + P + R) per query.
+With H = 128 the roofline is the larger of bytes / bandwidth and flops / peak: the
+table shows %bw and %peak, read the larger one. The eager reference materialises the
+gathered keys in f32 and the [H, keys] scores; where that would need more than ~20 GB
+it is left out and the shape label says so ("no eager").
 
 `mla_tune` compares kernel tiles and split counts at the anchor shapes (for picking the
 defaults in splits.kernel_config / plan_kv_splits on a new GPU): `TUNE_TILES` says
@@ -22,11 +24,16 @@ from __future__ import annotations
 
 import torch
 
+from graphsafe.bench import flashinfer
 from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.bench.peers import nbytes, op_peers
+from graphsafe.ops.fp8_ds_mla import quantize_records, record_bytes
 from graphsafe.registry import get_op
 
 R, P, D = 512, 64, 576
+RECORD = record_bytes(R, P)  # 656: 512 e4m3 bytes, 4 float32 scales, 64 bf16 rope values
+# Cache rows quantised at a time by `fp8_cache` (its float32 temporaries stay ~1 GB).
+QUANT_CHUNK_ROWS = 1 << 18
 BLOCK_SIZE = 64
 EAGER_LIMIT_BYTES = 20e9
 # bf16 dense peak over copy bandwidth on H100/H200 (~800 TFLOP/s, 3.0-4.3 TB/s): above
@@ -68,8 +75,31 @@ def sparse_inputs(tokens: int, heads: int, topk: int, device: torch.device, regi
     return q, kv_cache, indices, D**-0.5, R
 
 
-def _label(kind: str, rows: int, heads: int, keys: int, eager: bool) -> str:
-    return f"{kind}={rows} H={heads} {'ctx' if kind == 'B' else 'K'}={keys}" + ("" if eager else " (no eager)")
+def fp8_cache(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The fp8_ds_mla cache `[num_blocks, block_size, 656]` uint8 holding the keys of the
+    bf16 cache `kv_cache [num_blocks, block_size, 576]` (`quantize_records`, in chunks of
+    QUANT_CHUNK_ROWS rows: the float32 temporaries of a GB-sized cache at once would not fit)."""
+    rows = kv_cache.reshape(-1, D)
+    out = torch.empty(rows.shape[0], RECORD, dtype=torch.uint8, device=kv_cache.device)
+    for start in range(0, rows.shape[0], QUANT_CHUNK_ROWS):
+        part = rows[start : start + QUANT_CHUNK_ROWS]
+        out[start : start + QUANT_CHUNK_ROWS] = quantize_records(part[:, :R], part[:, R:])
+    return out.view(*kv_cache.shape[:2], RECORD)
+
+
+def with_fp8_cache(args: tuple) -> tuple:
+    """`decode_inputs` / `sparse_inputs` with their cache (argument 1) as fp8_ds_mla records."""
+    return (args[0], fp8_cache(args[1]), *args[2:])
+
+
+def cache_bytes_per_key(kv_cache: torch.Tensor) -> int:
+    """Bytes of one key of the cache: 1152 for bf16 (576 values), 656 for fp8_ds_mla records."""
+    return kv_cache.shape[-1] * kv_cache.element_size()
+
+
+def _label(kind: str, rows: int, heads: int, keys: int, eager: bool, fp8: bool = False) -> str:
+    return (f"{kind}={rows} H={heads} {'ctx' if kind == 'B' else 'K'}={keys}" + (" fp8_ds_mla" if fp8 else "")
+            + ("" if eager else " (no eager)"))
 
 
 def _problem(spec, args, device, rows: int, heads: int, keys: int, kind: str, extra_bytes: int) -> Problem:
@@ -77,14 +107,14 @@ def _problem(spec, args, device, rows: int, heads: int, keys: int, kind: str, ex
     impls = op_peers(spec, args, device)
     if not eager:
         impls.pop("reference eager")
-    q = args[0]
+    q, kv_cache = args[0], args[1]
     out_bytes = rows * heads * R * q.element_size() + rows * heads * 4
-    read = rows * keys * D * q.element_size()
+    read = rows * keys * cache_bytes_per_key(kv_cache)
     total = read + nbytes(q) + out_bytes + extra_bytes
     flops = 2 * rows * heads * keys * (D + R)
     return Problem(
         case=spec.name,
-        shape=_label(kind, rows, heads, keys, eager),
+        shape=_label(kind, rows, heads, keys, eager, fp8=kv_cache.dtype == torch.uint8),
         impls=impls,
         bytes=total,
         flops=flops,
@@ -92,17 +122,26 @@ def _problem(spec, args, device, rows: int, heads: int, keys: int, kind: str, ex
     )
 
 
-# (batch, heads, ctx); by default the DESIGN.md anchor (memory-bound) and the compute-bound
+# (batch, heads, ctx); by default the DESIGN.md anchor (memory-bound), the FlashInfer
+# comparison's B=64 H=128 ctx=8192 (issue 17) and the compute-bound
 # 128 heads at 32k.
 @bench_case("mla_decode", Shapes(
-    default=((64, 16, 8192), (64, 128, 32768)),
-    full=((64, 16, 8192), *((b, h, c) for b in (1, 64, 128) for h in (16, 128) for c in (4096, 32768))),
+    default=((64, 16, 8192), (64, 128, 8192), (64, 128, 32768)),
+    full=((64, 16, 8192), (64, 128, 8192),
+          *((b, h, c) for b in (1, 64, 128) for h in (16, 128) for c in (4096, 32768))),
     cpu=((2, 16, 512),),
 ))
 def mla_decode(device: torch.device, shapes: tuple):
     spec = get_op("mla_decode")
     for batch, heads, ctx in shapes:
         args = decode_inputs(batch, heads, ctx, device)
+        problem = _problem(spec, args, device, batch, heads, ctx, "B", nbytes(args[2], args[3]))
+        fi_impls, fi_note = flashinfer.mla_decode_peers(*args, spec.public(*args))
+        problem.impls.update(fi_impls)
+        problem.note = "; ".join(x for x in (problem.note, fi_note) if x)
+        yield problem
+        del problem, fi_impls
+        args = with_fp8_cache(args)
         yield _problem(spec, args, device, batch, heads, ctx, "B", nbytes(args[2], args[3]))
         del args
 
@@ -117,6 +156,8 @@ def sparse_mla(device: torch.device, shapes: tuple):
     spec = get_op("sparse_mla")
     for tokens, heads, topk, region in shapes:
         args = sparse_inputs(tokens, heads, topk, device, region=region)
+        yield _problem(spec, args, device, tokens, heads, topk, "T", nbytes(args[2]))
+        args = with_fp8_cache(args)
         yield _problem(spec, args, device, tokens, heads, topk, "T", nbytes(args[2]))
         del args
 
