@@ -1107,3 +1107,16 @@ def test_warpgroup_split_needs_a_hopper_gpu():
     q = torch.randn(1, 128, 576, dtype=torch.bfloat16)
     assert not tri.warpgroup_split_applies(q, q, cfg, 512, 64)
     assert not splits.kernel_config(128, "cpu").warpgroup_split
+
+
+def test_fp8_ds_config_changes_only_the_stages(monkeypatch):
+    """The fp8_ds_mla tiles differ from the bf16 cache's in pipeline stages only (16 heads),
+    so the split plan, and the workspace sized from it, stay the same."""
+    monkeypatch.setattr(splits, "max_shared_memory", lambda device: 232448)  # sm_90
+    cuda = torch.device("cuda", 0)
+    for heads in (16, 128):
+        base, fp8 = splits.kernel_config(heads, "cuda", 232448), splits.fp8_ds_kernel_config(heads, cuda)
+        assert (fp8.block_h, fp8.block_n, fp8.ctas_per_sm, fp8.value_chunks) == (
+            base.block_h, base.block_n, base.ctas_per_sm, base.value_chunks)
+        assert fp8.num_stages == (3 if heads <= 16 else base.num_stages)
+    assert splits.fp8_ds_kernel_config(16, CPU) == splits.kernel_config(16, "cpu")

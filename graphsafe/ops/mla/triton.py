@@ -81,7 +81,9 @@ from graphsafe.fake_impls.mla import check_fp8_ds_mla_offset
 from graphsafe.launch import bind, output_allocator
 from graphsafe.ops.fp8_bits import e4m3_bytes_to_f16
 from graphsafe.ops.fp8_ds_mla import is_fp8_ds_mla
-from graphsafe.ops.mla.splits import KernelConfig, forced_plan, max_shared_memory, partial_specs, plan_launch
+from graphsafe.ops.mla.splits import (
+    KernelConfig, forced_plan, fp8_ds_kernel_config, max_shared_memory, partial_specs, plan_launch,
+)
 from graphsafe.registry import prepared
 from graphsafe.workspace import current_workspace_manager
 
@@ -567,6 +569,8 @@ def _prepare(
             return new_out(), new_lse()
 
         return nothing
+    if config is None and fp8_ds:
+        config = fp8_ds_kernel_config(num_heads, device)
     cfg, plan = plan_launch(rows, num_heads, kv_capacity, device, config)
     if num_splits is not None:  # tests and tuning only
         plan = forced_plan(kv_capacity, cfg.block_n, num_splits)
