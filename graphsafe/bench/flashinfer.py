@@ -5,7 +5,7 @@ flashinfer` fails, off CUDA, or when the FlashInfer kernel a variant needs is ne
 prebuilt nor already JIT-built here (compiling it can take from minutes to half an hour;
 `GRAPHSAFE_BENCH_FLASHINFER_JIT=1` allows it). Each variant is run once before timing and
 its output compared with graphsafe's (max abs difference, in the note; for top-k the
-share of rows whose index sets are equal); the timed impls are labelled
+share of rows picking the same values); the timed impls are labelled
 "flashinfer <kernel> <backend>". The harness adds "graphsafe / flashinfer" ratios to the
 problem's note (`ratio_note`).
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from graphsafe.bench.peers import same_index_sets
+from graphsafe.bench.peers import same_picks
 
 WORKSPACE_BYTES = 256 * 2**20
 PREFIX = "flashinfer"
@@ -226,7 +226,7 @@ def topk_decode_peers(logits, lengths, topk, graphsafe_indices) -> tuple[dict, s
 
     def compare(result) -> str:
         idx = result[1] if isinstance(result, tuple) else result
-        return f"rows with graphsafe's index set {same_index_sets(idx, graphsafe_indices):.3f}"
+        return f"rows picking graphsafe's values {same_picks(logits, idx, graphsafe_indices):.3f}"
 
     return _variants(device, [(f"{PREFIX} top_k_ragged_transform", spec, make)], compare)
 

@@ -12,7 +12,7 @@ import torch
 
 from graphsafe.bench import flashinfer
 from graphsafe.bench.harness import Problem, Shapes, bench_case
-from graphsafe.bench.peers import op_peers, same_index_sets
+from graphsafe.bench.peers import op_peers, same_picks
 from graphsafe.registry import get_op
 from graphsafe.testing.cases import case_for
 
@@ -43,10 +43,10 @@ def _decode_full(spec, case, device, rows: int, width: int, topk: int) -> Proble
     logits, _, seq_lens, indices = args[:4]
     spec.public(*args)  # graphsafe's picks, compared with torch.topk's and FlashInfer's
     picks = indices.clone()
-    same = same_index_sets(picks[:, :topk], torch.topk(logits, topk, dim=1).indices)
+    same = same_picks(logits, picks[:, :topk], torch.topk(logits, topk, dim=1).indices)
     impls = _impls(spec, args, device, logits, topk)
     fi_impls, fi_note = flashinfer.topk_decode_peers(logits, seq_lens, topk, picks)
-    note = f"rows with torch.topk's index set: {same:.3f}" + (f"; {fi_note}" if fi_note else "")
+    note = f"rows picking torch.topk's values: {same:.3f}" + (f"; {fi_note}" if fi_note else "")
     return Problem(case=spec.name, shape=f"rows={rows} L={width} K={topk} full",
                    impls={**impls, **fi_impls}, bytes=rows * width * 4, note=note)
 
