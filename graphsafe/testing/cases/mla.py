@@ -36,9 +36,14 @@ LSE_TOLERANCE = (1e-4, 1e-4)  # f32 LSE from the same f32-accumulated scores
 # scaled by up to 2, D <= 288) and the lse, a smooth max of the scores, by no more.
 # Measured: at most 1.23e-2 (300 draws of 4 x 16 heads, R = 128 and 256, P = 16 and 32,
 # the reference over bf16-rounded rows) and 6.7e-3 (80 contract draws on the Triton
-# kernel). `out` keeps OUT_TOLERANCES: the same rounding moved it by at most 58% of the
-# bf16 tolerance there.
+# kernel). `out`: the score moves above change each softmax weight by a factor of at most
+# exp(2 * 0.023), about 4.7%, which moves `out` by that share of the spread of the values
+# (unit-variance values here): up to ~0.05 where a few keys split the weight. Measured: a
+# contract draw of 2 keys moved an `out` of 0.115 by 0.0229 (over the bf16 tolerance of
+# 0.022 there); 600 draws of the Triton kernel at 1 to 16 heads and 2 to 96 keys left at
+# most 0.0191 beyond 2% of |out|. So the fp8_ds_mla cache adds FP8_DS_OUT_ATOL.
 FP8_DS_LSE_TOLERANCE = (0.0, 3e-2)
+FP8_DS_OUT_ATOL = 5e-2
 FP8_DS = "fp8_ds_mla"
 
 
@@ -48,12 +53,15 @@ def fp8_ds(p: Params) -> bool:
 
 
 def compare_attention(expected, actual, expected_args, actual_args, params: Params) -> None:
-    """out within a couple of ulps of its dtype, lse within 1e-4 (3e-2 over an fp8_ds_mla
-    cache, told by the args or the params); -inf rows must match exactly."""
+    """out within a couple of ulps of its dtype (plus FP8_DS_OUT_ATOL over an fp8_ds_mla
+    cache), lse within 1e-4 (3e-2 over an fp8_ds_mla cache; the cache kind told by the args
+    or the params); -inf rows must match exactly."""
     (e_out, e_lse), (a_out, a_lse) = expected, actual
     quantized = (expected_args is not None and expected_args[1].dtype == torch.uint8) or (
         params is not None and fp8_ds(params))
     rtol, atol = OUT_TOLERANCES[e_out.dtype]
+    if quantized:
+        atol += FP8_DS_OUT_ATOL
     assert a_out.shape == e_out.shape and a_out.dtype == e_out.dtype, "out: shape/dtype"
     assert a_lse.shape == e_lse.shape and a_lse.dtype == torch.float32, "lse: shape/dtype"
     torch.testing.assert_close(a_out.float().cpu(), e_out.float().cpu(), rtol=rtol, atol=atol, msg=lambda m: f"out: {m}")
