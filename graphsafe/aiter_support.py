@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphsafe import backends
+from graphsafe import device_info
 
 # MI300X / MI325X (CDNA3), MI350X / MI355X (CDNA4).
 ARCHS = ("gfx942", "gfx950")
@@ -105,7 +105,7 @@ NO_ADAPTER = (
 def serves(op: str, device) -> bool:
     """Whether the capability table lets aiter serve `op` on `device`'s architecture."""
     capability = CAPABILITIES.get(op)
-    return capability is not None and backends.rocm_arch(device) in capability.archs
+    return capability is not None and device_info.rocm_arch(device) in capability.archs
 
 
 def markdown_table() -> str:

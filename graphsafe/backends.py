@@ -37,35 +37,6 @@ def is_rocm() -> bool:
     return getattr(torch.version, "hip", None) is not None
 
 
-def rocm_arch(device: torch.device | str | int | None = None) -> str | None:
-    """The AMD GPU architecture of `device` ("gfx942", "gfx950", ...), None off ROCm.
-
-    From HIP's `gcnArchName` (e.g. "gfx942:sramecc+:xnack-"), the property aiter's C++
-    dispatchers read for the current device; no subprocess (aiter's Python side runs
-    rocminfo, which agrees on a machine of one GPU model)."""
-    if not is_rocm() or not torch.cuda.is_available():
-        return None
-    index = torch.device(device).index if isinstance(device, (torch.device, str)) else device
-    return _rocm_arch_of(torch.cuda.current_device() if index is None else index)
-
-
-@functools.cache
-def _rocm_arch_of(index: int) -> str | None:
-    name = getattr(torch.cuda.get_device_properties(index), "gcnArchName", "") or ""
-    return name.split(":")[0] or None
-
-
-def compute_units(device: torch.device | str | int | None = None) -> int:
-    """Multiprocessors (CUDA SMs, AMD CUs) of `device`."""
-    index = torch.device(device).index if isinstance(device, (torch.device, str)) else device
-    return _compute_units_of(torch.cuda.current_device() if index is None else index)
-
-
-@functools.cache
-def _compute_units_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -32,13 +32,40 @@ def compute_capability(device: torch.device | str) -> tuple[int, int] | None:
 
 
 @functools.cache
+def rocm_arch(device: torch.device | str) -> str | None:
+    """The AMD GPU architecture of a HIP device ("gfx942", "gfx950", ...), None elsewhere.
+
+    From HIP's `gcnArchName` (e.g. "gfx942:sramecc+:xnack-"), the property aiter's C++
+    dispatchers read; no subprocess (aiter's Python side runs rocminfo, which agrees on a
+    machine of one GPU model)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not getattr(torch.version, "hip", None):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = getattr(torch.cuda.get_device_properties(index), "gcnArchName", "") or ""
+    return name.split(":")[0] or None
+
+
+@functools.cache
 def has_fp8_matrix_units(device: torch.device | str) -> bool:
     """sm89+ on NVIDIA, gfx942+ (MI300) on ROCm."""
     device = torch.device(device)
     if device.type != "cuda":
         return False
     if getattr(torch.version, "hip", None):
-        arch = torch.cuda.get_device_properties(device).gcnArchName
-        return any(arch.startswith(a) for a in ("gfx942", "gfx950", "gfx12"))
+        return (rocm_arch(device) or "").startswith(("gfx942", "gfx950", "gfx12"))
+    cc = compute_capability(device)
+    return cc is not None and cc >= (8, 9)
+
+
+@functools.cache
+def has_ocp_e4m3(device: torch.device | str) -> bool:
+    """Whether the device converts OCP e4m3fn (Triton's float8e4nv) in hardware: sm89+ on
+    NVIDIA, gfx950 / gfx12 on ROCm (MI300's units are e4m3fnuz only); never the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    if getattr(torch.version, "hip", None):
+        return (rocm_arch(device) or "").startswith(("gfx950", "gfx12"))
     cc = compute_capability(device)
     return cc is not None and cc >= (8, 9)

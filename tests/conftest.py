@@ -105,6 +105,7 @@ def aiter_standin(monkeypatch):
     imported as `aiter` for that architecture, graphsafe's architecture probe answering
     it; the adapters' caches are cleared before and after, the modules removed after."""
     import graphsafe.backends
+    import graphsafe.device_info
 
     if not graphsafe.backends.triton_interpreter_enabled():
         pytest.skip("the adapters' Triton kernels run on the stand-in's CPU tensors through Triton's interpreter")
@@ -117,8 +118,8 @@ def aiter_standin(monkeypatch):
         import aiter
 
         assert aiter.__file__.startswith(AITER_STANDIN_DIR), aiter.__file__
-        monkeypatch.setattr(graphsafe.backends, "rocm_arch", lambda device=None: arch)
-        monkeypatch.setattr(graphsafe.backends, "compute_units", lambda device=None: aiter.get_cu_num())
+        monkeypatch.setattr(graphsafe.device_info, "rocm_arch", lambda device=None: arch)
+        monkeypatch.setattr(graphsafe.device_info, "num_sms", lambda device=None: aiter.get_cu_num())
         return aiter
 
     yield install

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphsafe.device_info import compute_capability, num_sms
+from graphsafe.device_info import has_ocp_e4m3, num_sms
 from graphsafe.launch import bind, output_allocator
 from graphsafe.ops.fp8_bits import e4m3_bits, e4m3_bytes_to_f16, round_to_e4m3
 from graphsafe.registry import prepared
@@ -55,13 +55,7 @@ def fp8_dot_supported(device: torch.device) -> bool:
     """Whether tl.dot takes float8e4nv operands on `device`. The CPU interpreter does, but
     its fp8 conversion turns NaN bytes (0x7F/0xFF) into finite values, so it runs the
     byte-decoding fp16 path, which keeps them NaN (tests still force the fp8 path)."""
-    if device.type != "cuda":
-        return False
-    if getattr(torch.version, "hip", None):
-        arch = torch.cuda.get_device_properties(device).gcnArchName
-        return arch.startswith(("gfx950", "gfx12"))  # OCP e4m3fn units; gfx942 is fnuz-only
-    cc = compute_capability(device)
-    return cc is not None and cc >= (8, 9)
+    return has_ocp_e4m3(device)
 
 
 def _pow2(n: int, lo: int = 1) -> int:

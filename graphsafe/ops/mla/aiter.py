@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from graphsafe import aiter_support, backends
+from graphsafe import aiter_support, device_info
 from graphsafe.ops.mla.aiter_csr import bind_decode_csr, bind_mask_empty, bind_sparse_csr, num_chunks
 from graphsafe.workspace import current_workspace_manager
 
@@ -154,7 +154,7 @@ def sparse_mla_supports(q, kv_cache, indices, sm_scale, kv_lora_rank) -> bool:
 def num_kv_splits(rows: int, device: torch.device | str | None) -> int:
     """The split count passed to aiter: `min(16, max(2, ceil(2 * CUs / rows)))` (module
     docstring: why at least 2, why at most 16)."""
-    wanted = math.ceil(2 * backends.compute_units(device) / max(rows, 1))
+    wanted = math.ceil(2 * device_info.num_sms(device) / max(rows, 1))
     return min(MAX_SPLITS, max(MIN_SPLITS, wanted))
 
 

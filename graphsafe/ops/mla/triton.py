@@ -56,9 +56,10 @@ on their bits first, as the GPU's conversion rounds them.
 An fp8_ds_mla cache (uint8 records, `graphsafe.ops.fp8_ds_mla`) runs the same kernel with
 FP8_DS on (float caches compile without any of it: a constexpr branch). Its pointers
 and strides count bytes. Per key tile the kernel loads the latent bytes of the keys'
-records, converts them from e4m3 (`float8e4nv` in hardware where `native_e4m3`, else
-exactly with integer ops), multiplies each by its record's float32 scale of that
-128-column tile (one load per key and tile, from byte R + 4 t) and rounds the products
+records, converts them from e4m3 (`float8e4nv` in hardware where `has_ocp_e4m3`;
+elsewhere, and in the interpreter, which turns the NaN bytes 0x7F / 0xFF into +-480,
+exactly with integer ops), multiplies each by its record's float32 scale of that 128-column
+tile (one load per key and tile, from byte R + 4 t) and rounds the products
 to bf16, q's dtype, for the dots; the rope values are read through a bf16 view from
 byte R + 4 R/128. Masked keys load nothing, as for a float cache. The Gluon kernel reads
 16-bit rows only: `warpgroup_split_fits` declines this kind, the Triton kernel serves.
@@ -76,7 +77,7 @@ import triton.language as tl
 from triton.runtime import OutOfResources
 
 from graphsafe.backends import triton_interpreter_enabled
-from graphsafe.device_info import compute_capability
+from graphsafe.device_info import has_ocp_e4m3
 from graphsafe.fake_impls.mla import check_fp8_ds_mla_offset
 from graphsafe.launch import bind, output_allocator
 from graphsafe.ops.fp8_bits import e4m3_bytes_to_f16
@@ -523,20 +524,6 @@ def _combine_launch(rows: int, num_heads: int, r: int, num_splits: int, args: tu
 
 
 @functools.cache
-def native_e4m3(device: torch.device) -> bool:
-    """Whether Triton converts float8e4nv (OCP e4m3fn) to float in hardware on `device`:
-    CUDA sm_89 and later, ROCm gfx950 / gfx12. Elsewhere (MI300's units are fnuz-only;
-    the CPU interpreter turns the NaN bytes 0x7F / 0xFF into +-480) the kernel decodes
-    the bytes with integer ops (`e4m3_bytes_to_f16`, exact)."""
-    if device.type != "cuda":
-        return False
-    if torch.version.hip is not None:
-        return torch.cuda.get_device_properties(device).gcnArchName.startswith(("gfx950", "gfx12"))
-    cc = compute_capability(device)
-    return cc is not None and cc >= (8, 9)
-
-
-@functools.cache
 def _placeholder(device: torch.device) -> torch.Tensor:
     """A tensor on `device` that holds no memory: what `bind` takes at tensor positions."""
     return torch.empty(0, device=device)
@@ -606,7 +593,7 @@ def _prepare(
                 # 16-bit elements, so not for fp8_ds_mla records (no default config prefetches).
                 PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None and not fp8_ds,
                 LINES=_pow2(triton.cdiv(head_dim, 64), 1), CHECK_IDS=check_ids,
-                FP8_DS=fp8_ds, FP8_NATIVE=fp8_ds and native_e4m3(device),
+                FP8_DS=fp8_ds, FP8_NATIVE=fp8_ds and has_ocp_e4m3(device),
             ),
             cfg, where, warpgroup_split_fits(q, kv_cache, cfg, r, p),
         )
