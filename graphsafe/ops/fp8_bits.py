@@ -1,4 +1,5 @@
-"""float8_e4m3fn bytes from float32 and back, with integer and fp32 ops only, inside Triton kernels.
+"""float8_e4m3fn bytes from float32 and back, with integer and fp32 ops only, inside Triton kernels;
+and float32 -> bfloat16 rounding on the bits (the interpreter's conversion truncates).
 
 Kernels that write fp8 caches round explicitly instead of `.to(tl.float8e4nv)`: Triton's
 CPU interpreter rounds that conversion wrongly near exponent boundaries (the tests compare
@@ -13,6 +14,15 @@ import triton.language as tl
 
 # Globals read inside @triton.jit code must be constexpr objects.
 FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def bf16_rounded_bits(x):
+    """The int32 bits of float32 `x` rounded to the nearest bfloat16 (ties to even,
+    overflow to +-inf, subnormals kept): the low 16 bits clear, the high 16 the bfloat16,
+    as torch's `.to(torch.bfloat16)` gives for every non-NaN `x` (callers choose the NaN)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
 
 
 @triton.jit

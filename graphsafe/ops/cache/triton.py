@@ -29,7 +29,7 @@ import triton.language as tl
 
 from graphsafe.launch import bind
 from graphsafe.ops import fp8_ds_mla as ds_mla
-from graphsafe.ops.fp8_bits import FP8_MAX, e4m3_byte
+from graphsafe.ops.fp8_bits import FP8_MAX, bf16_rounded_bits, e4m3_byte
 
 # float32 bits: +inf (every NaN's bits, sign cleared, are above) and the NaN torch's amax gives.
 F32_INF_BITS = tl.constexpr(0x7F800000)
@@ -111,9 +111,7 @@ def _bf16_bits(x):
     """The bfloat16 bits (low 16 bits of an int32) of float32 `x`, rounded to nearest even
     (overflow to +-inf, subnormals kept), as torch's `.to(torch.bfloat16)`; NaN -> 0x7FFF
     (CUDA's cvt.rn.bf16.f32 NaN). On the bits: the interpreter truncates `.to(tl.bfloat16)`."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int32)
-    return tl.where(x != x, 0x7FFF, rounded)
+    return tl.where(x != x, 0x7FFF, (bf16_rounded_bits(x) >> 16) & 0xFFFF)
 
 
 @triton.jit

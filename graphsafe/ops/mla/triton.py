@@ -80,7 +80,7 @@ from graphsafe.backends import triton_interpreter_enabled
 from graphsafe.device_info import has_ocp_e4m3
 from graphsafe.fake_impls.mla import check_fp8_ds_mla_offset
 from graphsafe.launch import bind, output_allocator
-from graphsafe.ops.fp8_bits import e4m3_bytes_to_f16
+from graphsafe.ops.fp8_bits import bf16_rounded_bits, e4m3_bytes_to_f16
 from graphsafe.ops.fp8_ds_mla import is_fp8_ds_mla
 from graphsafe.ops.mla.splits import (
     KernelConfig, forced_plan, fp8_ds_kernel_config, max_shared_memory, partial_specs, plan_launch,
@@ -134,9 +134,7 @@ def _load_cols(rows, cols, row_mask, col_mask):
 def _round_bf16_bits(x):
     """float32 `x` rounded to the nearest bfloat16 (ties to even) on its bits, NaN kept:
     what the GPU's float32 -> bf16 conversion does, which the interpreter's truncates."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return tl.where(x != x, x, bf16_rounded_bits(x).to(tl.float32, bitcast=True))
 
 
 @triton.jit
