@@ -76,8 +76,8 @@ def quantize_records(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     scales = tile_scales(kv_c)
     x = kv_c.float().reshape(t, r // TILE, TILE) / scales[..., None]
     values = x.clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(t, r).view(torch.uint8)
-    scale_bytes = scales.contiguous().view(torch.uint8).reshape(t, -1)
-    rope_bytes = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(t, -1)
+    scale_bytes = scales.contiguous().view(torch.uint8).reshape(t, 4 * (r // TILE))
+    rope_bytes = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(t, 2 * k_pe.shape[1])
     return torch.cat([values, scale_bytes, rope_bytes], dim=1)
 
 

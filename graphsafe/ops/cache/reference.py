@@ -55,8 +55,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None
         # fp8_ds_mla (the input check holds the layout). Every token is quantised, the
         # skipped ones too (no data-dependent shapes): records are independent rows and
         # scatter_tokens drops the skipped ones, so a skipped row never reaches the cache.
-        if kv_c.shape[0] > 0:  # quantize_records cannot reshape 0 tokens
-            scatter_tokens(kv_cache, slot_mapping, ds_mla.quantize_records(kv_c, k_pe))
+        scatter_tokens(kv_cache, slot_mapping, ds_mla.quantize_records(kv_c, k_pe))
         return
     entries = torch.cat([kv_c, k_pe], dim=-1)
     scatter_tokens(kv_cache, slot_mapping, _to_cache(entries, kv_cache, scale))

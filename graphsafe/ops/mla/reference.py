@@ -78,23 +78,21 @@ def sparse_keys(kv_cache: torch.Tensor, indices: torch.Tensor):
     return kv_cache[slots // block_size, slots % block_size], valid
 
 
-def key_rows(gathered: torch.Tensor, valid: torch.Tensor, kv_lora_rank: int, head_dim: int) -> torch.Tensor:
+def key_rows(gathered: torch.Tensor, valid: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
     """The key rows of gathered cache entries: the entries themselves for a float cache
-    (`attend` masks them), the float32 `[..., R + P]` rows (R + P = head_dim) of gathered
+    (`attend` masks them), the float32 `[..., R + P]` rows of gathered
     fp8_ds_mla records (uint8), those of masked keys (`valid` False) zeroed before any
     arithmetic."""
     if gathered.dtype != torch.uint8:
         return gathered
-    if gathered.numel() == 0:  # dequantize_records cannot reshape an empty batch
-        return torch.zeros((*gathered.shape[:-1], head_dim), dtype=torch.float32, device=gathered.device)
     return dequantize_records(torch.where(valid[..., None], gathered, 0), kv_lora_rank)
 
 
 def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
     keys, valid = decode_keys(kv_cache, block_table, seq_lens)
-    return attend(q, key_rows(keys, valid, kv_lora_rank, q.shape[2]), valid, sm_scale, kv_lora_rank)
+    return attend(q, key_rows(keys, valid, kv_lora_rank), valid, sm_scale, kv_lora_rank)
 
 
 def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
     keys, valid = sparse_keys(kv_cache, indices)
-    return attend(q, key_rows(keys, valid, kv_lora_rank, q.shape[2]), valid, sm_scale, kv_lora_rank)
+    return attend(q, key_rows(keys, valid, kv_lora_rank), valid, sm_scale, kv_lora_rank)
