@@ -884,7 +884,8 @@ def specialise(fn, args, kw, source=None):
 # Records the launches the Triton wrappers make at DeepSeek dims with the GPU tile
 # configs (the kernels never run), then compiles each for sm_90 with the launcher's own
 # specialisation (pointers and ints divisible by 16, ints equal to 1 as constants).
-_COMPILE_SCRIPT = r"""
+# The launcher's kernels, recorded instead of run (the scripts below call the wrappers).
+_RECORD_LAUNCHES = r"""
 import sys
 try:
     import triton
@@ -904,7 +905,9 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record each lau
     return launch
 
 tri.bind = record
-""" + _SPECIALISE + r"""
+"""
+
+_COMPILE_SCRIPT = _RECORD_LAUNCHES + _SPECIALISE + r"""
 for heads in (16, 128):
     cfg = splits.kernel_config(heads, "cuda")
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
@@ -949,28 +952,8 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
 # The fp8_ds_mla variants (DeepSeek's 656-byte records) as the launcher binds them for an
 # sm_90 device: hardware e4m3 conversion (FP8_NATIVE, what a CUDA tensor turns on), and
 # once the integer decoding of other targets (compiled for sm_80).
-_FP8_DS_COMPILE_SCRIPT = r"""
-import sys
-try:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError:
-    print("NO_BACKEND"); sys.exit(0)
-import torch
-from graphsafe.ops.mla import splits, triton as tri
+_FP8_DS_COMPILE_SCRIPT = _RECORD_LAUNCHES + _SPECIALISE + r"""
 from graphsafe.ops.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
-
-launches = []
-
-def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record each launch, run nothing
-    def launch(*tensors):
-        it = iter(tensors)
-        launches.append((kernel, tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), dict(kw)))
-    return launch
-
-tri.bind = record
-""" + _SPECIALISE + r"""
 TYPES[torch.uint8] = "u8"
 for heads in (16, 128):
     cfg = splits.kernel_config(heads, "cuda")

@@ -22,6 +22,7 @@ import torch
 from graphsafe.bench.peers import same_picks
 
 WORKSPACE_BYTES = 256 * 2**20
+BF16 = torch.bfloat16  # the dtype FlashInfer's prebuilt kernels were built for
 PREFIX = "flashinfer"
 
 
@@ -95,10 +96,6 @@ def _variants(device: torch.device, variants: list[tuple[str, Callable[[], Any],
     return impls, "; ".join(notes)
 
 
-def _bf16() -> torch.dtype:
-    return torch.bfloat16
-
-
 def mla_decode_peers(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, graphsafe_out) -> tuple[dict, str]:
     """`BatchMLAPagedAttentionWrapper` fa3 and fa2 (bf16, the whole block table as CSR)."""
     fi = _module()
@@ -126,7 +123,7 @@ def mla_decode_peers(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank,
         def name():
             from flashinfer.jit.attention import modules
 
-            return modules.gen_batch_mla_module(backend, _bf16(), _bf16(), _bf16(), torch.int32, kv_lora_rank,
+            return modules.gen_batch_mla_module(backend, BF16, BF16, BF16, torch.int32, kv_lora_rank,
                                                 d - kv_lora_rank, False)
 
         return name
@@ -163,12 +160,12 @@ def paged_decode_peers(q, k_cache, v_cache, block_table, seq_lens, scale, graphs
     def decode_spec():
         from flashinfer.jit.attention import modules
 
-        return modules.gen_batch_decode_module(_bf16(), _bf16(), _bf16(), torch.int32, d, d, 0, False, False)
+        return modules.gen_batch_decode_module(BF16, BF16, BF16, torch.int32, d, d, 0, False, False)
 
     def prefill_spec():
         from flashinfer.jit.attention import modules
 
-        return modules._gen_batch_prefill_primary_module("fa2", _bf16(), _bf16(), _bf16(), torch.int32, d, d, 0,
+        return modules._gen_batch_prefill_primary_module("fa2", BF16, BF16, BF16, torch.int32, d, d, 0,
                                                           False, False, False)
 
     variants = [
@@ -199,9 +196,9 @@ def ragged_prefill_peers(q, k, v, cu_seqlens, scale, causal, graphsafe_out) -> t
             from flashinfer.jit.attention import modules
 
             if backend == "fa2":
-                return modules._gen_batch_prefill_primary_module("fa2", _bf16(), _bf16(), _bf16(), torch.int32, d,
+                return modules._gen_batch_prefill_primary_module("fa2", BF16, BF16, BF16, torch.int32, d,
                                                                   dv, 0, False, False, False)
-            return modules.gen_batch_prefill_module("fa3", _bf16(), _bf16(), _bf16(), torch.int32, d, dv, 0, False,
+            return modules.gen_batch_prefill_module("fa3", BF16, BF16, BF16, torch.int32, d, dv, 0, False,
                                                     False, False)
 
         return name
