@@ -468,7 +468,7 @@ def test_decode_step_compiles_fullgraph_with_triton_kernels():
 FP8 = {"cache": cases.FP8_DS}  # with dtype bfloat16
 
 
-@given(params=cases._params_decode().filter(cases.fp8_ds), seed=st.integers(0, 2**31 - 1))
+@given(params=cases._params_decode(fp8_only=True), seed=st.integers(0, 2**31 - 1))
 @settings(max_examples=10)
 def test_reference_fp8_ds_decode_matches_the_loop_over_dequantized_rows(params, seed):
     args = graphsafe.get_op("mla_decode").case.inputs(params, CPU, seed)
@@ -476,7 +476,7 @@ def test_reference_fp8_ds_decode_matches_the_loop_over_dequantized_rows(params, 
     _check(naive_decode(*args), ref.mla_decode(*args))
 
 
-@given(params=cases._params_sparse().filter(cases.fp8_ds), seed=st.integers(0, 2**31 - 1))
+@given(params=cases._params_sparse(fp8_only=True), seed=st.integers(0, 2**31 - 1))
 @settings(max_examples=10)
 def test_reference_fp8_ds_sparse_matches_the_loop_over_dequantized_rows(params, seed):
     args = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, seed)

@@ -188,20 +188,22 @@ def _set_fp8_ds_value(record: torch.Tensor, col: int, value: float, r: int) -> N
 
 
 # -- mla_decode ---------------------------------------------------------------------------
-def _with_fp8_ds_sets(st, fields: dict):
+def _with_fp8_ds_sets(st, fields: dict, fp8_only: bool = False):
     """Parameter sets of a cache of q's dtype (`fields`) or, one draw in four, of an
     fp8_ds_mla cache: R = 128 (one scale per token) or 256, P = 16 or 32, bf16 q (what
-    the interpreter runs in reasonable time)."""
+    the interpreter runs in reasonable time). `fp8_only`: the fp8_ds_mla sets alone."""
     fp8 = {**fields, "R": st.sampled_from([128, 128, 256]), "P": st.sampled_from([16, 32]),
            "dtype": st.just(torch.bfloat16), "cache": st.just(FP8_DS)}
+    if fp8_only:
+        return st.fixed_dictionaries(fp8)
     return st.one_of(st.fixed_dictionaries(fields), st.fixed_dictionaries(fields),
                      st.fixed_dictionaries(fields), st.fixed_dictionaries(fp8))
 
 
-def _params_decode():
+def _params_decode(fp8_only: bool = False):
     from hypothesis import strategies as st
 
-    return _with_fp8_ds_sets(st, {
+    return _with_fp8_ds_sets(st, fp8_only=fp8_only, fields={
         "B": st.integers(0, 4),
         "H": st.sampled_from([1, 2, 3, 4, 16]),
         "R": st.sampled_from([16, 24, 32]),
@@ -384,10 +386,10 @@ register_case(
 
 
 # -- sparse_mla ---------------------------------------------------------------------------
-def _params_sparse():
+def _params_sparse(fp8_only: bool = False):
     from hypothesis import strategies as st
 
-    return _with_fp8_ds_sets(st, {
+    return _with_fp8_ds_sets(st, fp8_only=fp8_only, fields={
         "T": st.integers(0, 4),
         "H": st.sampled_from([1, 2, 3, 4, 16]),
         "R": st.sampled_from([16, 24, 32]),
