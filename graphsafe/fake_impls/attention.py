@@ -1,6 +1,9 @@
-"""Fakes and input checks of the GQA attention ops (`paged_attention_decode`, `flash_attn_varlen`)."""
+"""Fakes and input checks of the GQA attention ops (`paged_attention_decode`,
+`paged_attention_prefill`, `flash_attn_varlen`)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -15,20 +18,24 @@ def _check_heads(op: str, arg: str, hk, hq) -> None:
         c.fail(op, arg, f"a head count Hk >= 1 that divides Hq = {hq} (GQA)", f"Hk = {hk}")
 
 
-def check_paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    op = "paged_attention_decode"
-    c.tensor(op, "q", q, dtypes=c.HALF_DTYPES, ndim=3)
+def check_variants(op: str, window_left, softcap, sinks, num_q_heads, device: torch.device) -> None:
+    """The attention variants every GQA op takes: `window_left` an int >= -1 (-1: no
+    window), `softcap` a finite float >= 0 (0: none), `sinks` None or float32 `[Hq]`."""
+    if isinstance(window_left, bool) or not isinstance(window_left, (int, torch.SymInt)) or window_left < -1:
+        c.fail(op, "window_left", "an int >= -1 (the keys left of the query's own it sees; -1: no window)",
+               repr(window_left))
+    if not isinstance(softcap, (int, float, torch.SymFloat)) or not (math.isfinite(softcap) and softcap >= 0):
+        c.fail(op, "softcap", "a finite float >= 0 (0: no softcap)", repr(softcap))
+    if sinks is not None:
+        c.tensor(op, "sinks", sinks, dtypes=(torch.float32,), ndim=1, device=device)
+        c.shape(op, "sinks", sinks, (num_q_heads,), "[Hq]")
+
+
+def _check_paged_cache(op: str, q: torch.Tensor, k_cache, v_cache, block_table, seq_lens, batch: int,
+                       k_scale, v_scale) -> None:
+    """The paged K/V cache of `reshape_and_cache`, its block table and lengths."""
     dev = q.device
-    b, hq, d = q.shape
+    hq, d = q.shape[1:]
     c.tensor(op, "k_cache", k_cache, dtypes=(q.dtype, FP8), ndim=4, device=dev)
     c.shape(op, "k_cache", k_cache, (None, None, None, d), "[num_blocks, block_size, Hk, D]")
     nb, bs, hk = k_cache.shape[:3]
@@ -38,19 +45,85 @@ def check_paged_attention_decode(
     c.tensor(op, "v_cache", v_cache, dtypes=(k_cache.dtype,), ndim=4, device=dev)
     c.shape(op, "v_cache", v_cache, (nb, bs, hk, None), "[num_blocks, block_size, Hk, Dv]")
     c.tensor(op, "block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
-    c.shape(op, "block_table", block_table, (b, None), "[B, max_blocks_per_seq]")
+    c.shape(op, "block_table", block_table, (batch, None), "[B, max_blocks_per_seq]")
     c.tensor(op, "seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=dev)
-    c.shape(op, "seq_lens", seq_lens, (b,), "[B]")
+    c.shape(op, "seq_lens", seq_lens, (batch,), "[B]")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         c.last_dim_contiguous(op, name, x)
     c.fp8_cache_scale(op, "k_scale", k_scale, k_cache, dev, "when the caches are float8_e4m3fn")
     c.fp8_cache_scale(op, "v_scale", v_scale, v_cache, dev, "when the caches are float8_e4m3fn")
 
 
-def fake_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
-    check_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale)
+def check_paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    op = "paged_attention_decode"
+    c.tensor(op, "q", q, dtypes=c.HALF_DTYPES, ndim=3)
+    _check_paged_cache(op, q, k_cache, v_cache, block_table, seq_lens, q.shape[0], k_scale, v_scale)
+    check_variants(op, window_left, softcap, sinks, q.shape[1], q.device)
+
+
+def fake_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
+                                window_left=-1, softcap=0.0, sinks=None):
+    check_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale,
+                                 window_left, softcap, sinks)
     b, hq, _ = q.shape
     return q.new_empty((b, hq, v_cache.shape[3]))
+
+
+def _check_cu_seqlens(op: str, arg: str, cu: torch.Tensor, device: torch.device, batch: int | None) -> int:
+    """`[B + 1]` int32 contiguous (B from this tensor when `batch` is None); returns B."""
+    c.tensor(op, arg, cu, dtypes=(torch.int32,), ndim=1, device=device)
+    if batch is None:
+        if cu.shape[0] < 1:
+            c.fail(op, arg, "of shape [B + 1] with B >= 0", f"shape {list(cu.shape)}")
+        batch = cu.shape[0] - 1
+    else:
+        c.shape(op, arg, cu, (batch + 1,), "[B + 1] (as cu_seqlens_q)")
+    c.contiguous(op, arg, cu)
+    return batch
+
+
+def check_paged_attention_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    causal: bool,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    op = "paged_attention_prefill"
+    c.tensor(op, "q", q, dtypes=c.HALF_DTYPES, ndim=3)
+    batch = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.device, None)
+    _check_paged_cache(op, q, k_cache, v_cache, block_table, seq_lens, batch, k_scale, v_scale)
+    if max_seqlen_q < 0:
+        c.fail(op, "max_seqlen_q", "an int >= 0", max_seqlen_q)
+    check_variants(op, window_left, softcap, sinks, q.shape[1], q.device)
+
+
+def fake_paged_attention_prefill(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale,
+                                 causal, k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
+    check_paged_attention_prefill(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale,
+                                  causal, k_scale, v_scale, window_left, softcap, sinks)
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))
 
 
 def _check_descale(op: str, arg: str, descale, q: torch.Tensor, batch, hk) -> None:
@@ -83,6 +156,9 @@ def check_flash_attn_varlen(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     fp8: str = "off",
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     op = "flash_attn_varlen"
     c.tensor(op, "q", q, dtypes=(*c.HALF_DTYPES, FP8), ndim=3)
@@ -96,14 +172,8 @@ def check_flash_attn_varlen(
     c.tensor(op, "v", v, ndim=3, device=dev)
     c.same_dtype(op, "v", v, "q", q)
     c.shape(op, "v", v, (tk, hk, None), "[Tk, Hk, Dv]")
-    c.tensor(op, "cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1, device=dev)
-    if cu_seqlens_q.shape[0] < 1:
-        c.fail(op, "cu_seqlens_q", "of shape [B + 1] with B >= 0", f"shape {list(cu_seqlens_q.shape)}")
-    batch = cu_seqlens_q.shape[0] - 1
-    c.tensor(op, "cu_seqlens_k", cu_seqlens_k, dtypes=(torch.int32,), ndim=1, device=dev)
-    c.shape(op, "cu_seqlens_k", cu_seqlens_k, (batch + 1,), "[B + 1] (as cu_seqlens_q)")
-    c.contiguous(op, "cu_seqlens_q", cu_seqlens_q)
-    c.contiguous(op, "cu_seqlens_k", cu_seqlens_k)
+    batch = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, dev, None)
+    _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, dev, batch)
     if max_seqlen_q < 0:
         c.fail(op, "max_seqlen_q", "an int >= 0", max_seqlen_q)
     if max_seqlen_k < 0:
@@ -114,14 +184,15 @@ def check_flash_attn_varlen(
         c.last_dim_contiguous(op, name, x)
     for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         _check_descale(op, name, x, q, batch, hk)
+    check_variants(op, window_left, softcap, sinks, hq, dev)
 
 
 def fake_flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="off",
+    q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None,
 ):
     check_flash_attn_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-        q_descale, k_descale, v_descale, fp8,
+        q_descale, k_descale, v_descale, fp8, window_left, softcap, sinks,
     )
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=output_dtype(q.dtype))

@@ -96,14 +96,23 @@ def check_sparse_mla(
     indices: torch.Tensor,
     sm_scale: float,
     kv_lora_rank: int,
+    attn_sink: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
 ) -> None:
     op = "sparse_mla"
     _check_q_and_cache(op, q, kv_cache, kv_lora_rank)
     c.tensor(op, "indices", indices, dtypes=(torch.int32,), ndim=2, device=q.device)
     c.shape(op, "indices", indices, (q.shape[0], None), "[T, K]")
     c.last_dim_contiguous(op, "indices", indices)
+    if attn_sink is not None:
+        c.tensor(op, "attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1, device=q.device)
+        c.shape(op, "attn_sink", attn_sink, (q.shape[1],), "[H]")
+    if topk_length is not None:
+        c.tensor(op, "topk_length", topk_length, dtypes=(torch.int32,), ndim=1, device=q.device)
+        c.shape(op, "topk_length", topk_length, (q.shape[0],), "[T]")
+        c.last_dim_contiguous(op, "topk_length", topk_length)
 
 
-def fake_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
-    check_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank)
+def fake_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None):
+    check_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink, topk_length)
     return _outputs(q, kv_lora_rank)

@@ -1,5 +1,7 @@
-"""GQA attention: paged decode over the K/V cache written by `reshape_and_cache`, and
-varlen (packed) prefill with an FP8 path.
+"""GQA attention: paged decode and paged prefill over the K/V cache written by
+`reshape_and_cache`, and varlen (packed) prefill with an FP8 path. All three take the
+attention variants of current models: a sliding (left) window, a logit softcap and
+per-head attention sinks.
 
 Public helpers besides the ops: `paged_attention_decode_workspace` /
 `flash_attn_varlen_workspace` (worst-case scratch from shapes, to size the workspace
@@ -25,6 +27,7 @@ __all__ = [
     "fp8_prefill_supported",
     "paged_attention_decode",
     "paged_attention_decode_workspace",
+    "paged_attention_prefill",
     "plan_decode_splits",
 ]
 
@@ -67,6 +70,7 @@ def flash_attn_varlen_workspace(
         "triton": Backend(
             "graphsafe.ops.attention.triton:paged_attention_decode",
             prepare="graphsafe.ops.attention.triton:prepare_paged_attention_decode",
+            supports="graphsafe.ops.attention.triton:supports_plain_decode",
             workspace=decode_workspace_specs,
         ),
     },
@@ -80,6 +84,9 @@ def paged_attention_decode(
     scale: float,
     k_scale: Optional[Tensor] = None,
     v_scale: Optional[Tensor] = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """GQA decode: each request's query attends to its first `seq_lens[b]` cached tokens.
 
@@ -93,6 +100,22 @@ def paged_attention_decode(
     positions skipped like positions past `seq_lens[b]`; nothing outside the caches is
     ever read. A request without a token (`seq_lens[b] == 0`, or only padding blocks)
     gets 0. For fp8 caches: `softmax_j(scale * k_scale * q . K_raw) @ V_raw * v_scale`.
+
+    Variants (each off by default; FlashAttention's and gpt-oss's conventions):
+    * `window_left = w >= 0`, a sliding window: the query, at position `p = seq_lens[b] - 1`
+      (the request's last token), sees only the tokens `j >= p - w` (FlashAttention's
+      `window_size=(w, 0)`). A model whose window holds W tokens, the query's own
+      included (Mistral's and Gemma's `sliding_window`), passes `w = W - 1`. Tokens
+      before the window are never read, nor are the block-table entries of blocks that
+      lie wholly before it (a sliding-window cache may have freed them: any value there
+      is fine). -1: no window.
+    * `softcap = c > 0`: every score becomes `c * tanh(s / c)` (Gemma-2), before the
+      softmax (a -inf or +inf score then becomes -c or +c, a finite weight). 0: none.
+    * `sinks` (`[Hq]` float32): head h's sink logit joins the softmax's normaliser and
+      carries no value (gpt-oss): `out[b, h] = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m)
+      + e^(sinks[h] - m))` with m the largest score; the same as FlashMLA's `out *
+      exp(lse) / (exp(lse) + exp(sink))`. A sink of +inf gives 0, -inf no change, NaN
+      NaN (for a request with a key: one without any stays 0).
 
     Non-finite values (IEEE arithmetic of the formula, the same places on every backend):
     elements the op does not read (tokens past `seq_lens[b]` or in padding blocks, cache
@@ -127,6 +150,10 @@ def paged_attention_decode(
         k_scale, v_scale: `[1]` float32, for float8_e4m3fn caches: the cached value times
             the scale is the real key/value (`reshape_and_cache` stores `x / scale`).
             Ignored for bf16/fp16 caches.
+        window_left: int >= -1, the sliding window (above); a host int (part of the
+            call's signature, as is whether `softcap` is 0 and `sinks` None).
+        softcap: float >= 0, the logit softcap (above).
+        sinks: `[Hq]` float32 or None, the attention sinks (above).
 
     Returns:
         out: `[B, Hq, Dv]`, dtype of `q`, contiguous.
@@ -144,6 +171,7 @@ def paged_attention_decode(
         "triton": Backend(
             "graphsafe.ops.attention.triton:flash_attn_varlen",
             prepare="graphsafe.ops.attention.triton:prepare_flash_attn_varlen",
+            supports="graphsafe.ops.attention.triton:supports_plain_varlen",
             workspace="graphsafe.ops.attention.triton:flash_attn_varlen_workspace",
         ),
         "aiter": Backend(
@@ -166,6 +194,9 @@ def flash_attn_varlen(
     k_descale: Optional[Tensor] = None,
     v_descale: Optional[Tensor] = None,
     fp8: str = "off",
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Varlen (packed) prefill attention with GQA, causal or not, and an FP8 path.
 
@@ -182,6 +213,14 @@ def flash_attn_varlen(
     usual `j <= i`. A query row with no visible key (e.g. `len_k < len_q` under `causal`,
     or `len_k == 0`) gives 0; so do rows outside every sequence (before `cq[0]`, or at or
     past `cq[B]`: padding after the last sequence). Empty and length-1 sequences are fine.
+
+    Variants, as `paged_attention_decode` defines them, with query i of a sequence at key
+    position `p = i + (len_k - len_q)`: `window_left = w >= 0` hides the keys `j < p - w`
+    (under `causal` too those `j > p`; without `causal` only the left bound applies, as
+    FlashAttention's `window_size=(w, -1)`); `softcap` caps every score; `sinks[h]`
+    joins the normaliser of every row of head h. Key rows no query row of their
+    sequence sees (before every row's window) are never read (without fp8 quantisation, which reads all); a key row that some rows
+    of a kernel tile see may reach the others as 0 * NaN (as under `causal`).
 
     Non-finite values (IEEE arithmetic of the formula, the same places on every backend):
     rows outside every sequence never reach an output (without fp8 quantisation, see
@@ -233,7 +272,87 @@ def flash_attn_varlen(
             value is `x * descale`. Shape `[1]` (per tensor) or `[B, Hk]` (per sequence and
             KV head, FlashAttention-3's convention; q uses its KV head's entry). None means 1.
         fp8: "off" (default), "on" or "auto", see above.
+        window_left, softcap, sinks: the variants (above; `paged_attention_decode`).
 
     Returns:
         out: `[Tq, Hq, Dv]`, contiguous; dtype of `q`, or bfloat16 for fp8 inputs.
+    """
+
+
+@register_op(
+    "paged_attention_prefill",
+    fake=fakes.fake_paged_attention_prefill,
+    check=fakes.check_paged_attention_prefill,
+    family="attention",
+    debug_check="graphsafe.ops.attention.debug:debug_check_paged_attention_prefill",
+    backends={
+        "reference": "graphsafe.ops.attention.reference:paged_attention_prefill",
+    },
+)
+def paged_attention_prefill(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    cu_seqlens_q: Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    causal: bool,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+) -> Tensor:
+    """Varlen prefill over the paged K/V cache: chunked prefill and prefix caching.
+
+    The new tokens' keys and values are written into the cache first
+    (`reshape_and_cache`); then sequence b's query rows `[cq[b], cq[b+1])` attend to its
+    first `seq_lens[b]` cached tokens, token j at block `block_table[b, j // block_size]`,
+    offset `j % block_size` (FlashAttention's `block_table` + `seqused_k`; the layout
+    `paged_attention_decode` reads). `cq` is `cu_seqlens_q` made well-formed as
+    `flash_attn_varlen` does it (running maximum, clamped to `[0, Tq]`: rows at or past
+    Tq do not exist, a decreasing entry makes an empty sequence), and `seq_lens[b]` is
+    clamped to `[0, max_blocks_per_seq * block_size]`. A block id outside
+    `[0, num_blocks)` (-1 documented) is a padding block whose tokens hold no key, as in
+    `paged_attention_decode`. With `len_q` query rows and `len_k = seq_lens[b]` keys the
+    queries are the LAST `len_q` tokens of the sequence: query i sits at key position
+    `p = i + (len_k - len_q)`, `causal` hides the keys `j > p` (FlashAttention's
+    bottom-right alignment) and `window_left = w >= 0` the keys `j < p - w`. A query row
+    with no visible key gives 0; so do rows outside every sequence. A decode step is the
+    case `len_q = 1`; a batch may mix decodes, chunks and whole prompts.
+
+    Variants (`window_left`, `softcap`, `sinks`) and non-finite values as in
+    `paged_attention_decode`, per query row: a NaN or +-inf in a query row or in a key it
+    sees makes its scores NaN or +-inf; a NaN or +inf score makes the whole row NaN; a
+    NaN in element c of a value makes element c of every row that sees it NaN, and may
+    reach a row of the same kernel tile that does not see it (0 * NaN, as under `causal`
+    in `flash_attn_varlen`). Never read: cache tokens at or past `seq_lens[b]` and of
+    padding blocks, tokens no query row of their sequence sees (before the first row's
+    window), block-table entries past a sequence's last block or of blocks wholly before
+    its first row's window, and query rows outside every sequence. fp8 caches:
+    `softmax(scale * k_scale * q . K_raw) @ V_raw * v_scale`.
+
+    Args:
+        q: `[Tq, Hq, D]` bfloat16/float16, last dim contiguous; the new tokens of all
+            sequences, packed.
+        k_cache: `[num_blocks, block_size, Hk, D]`, dtype of `q` or float8_e4m3fn (then
+            `k_scale` is required); `Hk` divides `Hq`. Last dim contiguous; block,
+            token and head strides are free.
+        v_cache: `[num_blocks, block_size, Hk, Dv]`, same dtype as `k_cache`.
+        block_table: `[B, max_blocks_per_seq]` int32, as for `paged_attention_decode`.
+        seq_lens: `[B]` int32, cached tokens per sequence, the new ones included.
+        cu_seqlens_q: `[B + 1]` int32, contiguous, cumulative query lengths (as for
+            `flash_attn_varlen`).
+        max_seqlen_q: host int >= every query length (the kernel's grid; never read on
+            the device): a precondition as in `flash_attn_varlen` (the debug switch
+            `graphsafe.debug_checks` checks it).
+        scale: multiplies `q . k` before the softmax (usually `D ** -0.5`).
+        causal: bottom-right aligned causal mask (above).
+        k_scale, v_scale: `[1]` float32 for float8_e4m3fn caches (as for decode).
+        window_left, softcap, sinks: the variants of `paged_attention_decode`.
+
+    Returns:
+        out: `[Tq, Hq, Dv]`, dtype of `q`, contiguous.
     """

@@ -68,12 +68,12 @@ VARLEN_OWNER = "flash_attn_varlen"
 # -- varlen prefill -------------------------------------------------------------------------
 def supports_flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="off",
+    q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None,
 ):
     """The architectures of the capability table; bf16/fp16 inputs with `fp8="off"`
     (fp8 goes to Triton); at least one sequence (aiter: "batch size must be postive");
     head dims that aiter's TORCH_CHECKs take after padding them to a multiple of 8
-    (<= 256)."""
+    (<= 256); no sliding window, softcap or sinks (not adapted: Triton serves them)."""
     head = max(q.shape[-1], v.shape[-1])
     return (
         aiter_support.serves("flash_attn_varlen", q.device)
@@ -81,12 +81,15 @@ def supports_flash_attn_varlen(
         and fp8 == "off"
         and cu_seqlens_q.shape[0] >= 2
         and -(-head // 8) * 8 <= MAX_VARLEN_HEAD
+        and window_left == -1
+        and softcap == 0.0
+        and sinks is None
     )
 
 
 def prepare_flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="off",
+    q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None,
 ):
     """The runner of this (supported) call signature: the bounds launch, aiter's call and
     the launch zeroing the rows outside every sequence, bound here."""
@@ -97,7 +100,8 @@ def prepare_flash_attn_varlen(
     if tq * hq * dv == 0 or tk == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         # No output element, or no row that sees a key: 0 everywhere (the contract).
         def run_zeros(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                      q_descale=None, k_descale=None, v_descale=None, fp8="off"):
+                      q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0,
+                      sinks=None):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         return run_zeros
@@ -110,7 +114,7 @@ def prepare_flash_attn_varlen(
     zero_outside = bind_prepare(q, batch, tq, hq * dv, False)
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-            q_descale=None, k_descale=None, v_descale=None, fp8="off"):
+            q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None):
         cu_q, cu_k = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
         bounds(cu_seqlens_q, cu_seqlens_k, cu_q, cu_k)
         # One tensor back when no LSE / probabilities are asked (mha.py:FlashAttnVarlenFunc).

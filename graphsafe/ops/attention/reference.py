@@ -13,11 +13,20 @@ from graphsafe.ops.attention.fp8 import quantize_inputs, quantize_per_tensor
 NEG_INF = float("-inf")
 
 
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """The logit softcap (Gemma-2): `softcap * tanh(s / softcap)`; 0 means none."""
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
+
+
 def _masked_softmax_apply(
-    scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor, equation: str
+    scores: torch.Tensor, allowed: torch.Tensor, values: torch.Tensor, equation: str,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(scores) over allowed keys (last dim), applied to `values` with `equation`.
-    Rows without an allowed key give 0 (not NaN)."""
+    `sinks` (broadcast against `scores[..., :1]`): a logit per row that joins the
+    normaliser and carries no value, `exp(sink - m)` added to the sum with `m` the row
+    max of the scores (the kernels' arithmetic: +inf gives 0, -inf no change). Rows
+    without an allowed key give 0 (not NaN), whatever the sink."""
     if scores.shape[-1] == 0:  # no keys at all: the (empty) sum below is 0
         return torch.einsum(equation, scores, values)
     scores = scores.masked_fill(~allowed, NEG_INF)
@@ -25,8 +34,26 @@ def _masked_softmax_apply(
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(scores - row_max)  # exp(-inf) = 0 on masked keys
     denom = p.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = torch.where(allowed.any(dim=-1, keepdim=True), denom + torch.exp(sinks - row_max), denom)
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     return torch.einsum(equation, p, values)
+
+
+def _visible(lens_q: torch.Tensor, lens_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
+             window_left: int) -> torch.Tensor:
+    """[B, max_q, max_k]: query i of sequence b sees key j. Keys j < len_k; with the query
+    at key position `i + (len_k - len_q)` (bottom-right alignment), `causal` hides keys
+    after it and `window_left >= 0` keys more than `window_left` before it."""
+    i = torch.arange(max_q, device=lens_q.device)[None, :, None]
+    j = torch.arange(max_k, device=lens_q.device)[None, None, :]
+    position = i + (lens_k - lens_q)[:, None, None]
+    allowed = (j < lens_k[:, None, None]).expand(lens_q.shape[0], max_q, max_k)
+    if causal:
+        allowed = allowed & (j <= position)
+    if window_left >= 0:
+        allowed = allowed & (j >= position - window_left)
+    return allowed
 
 
 def _fresh(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -44,28 +71,34 @@ def _gather_pages(cache: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor)
     return torch.where(keep[:, :, None, None], pages, torch.zeros((), device=pages.device))
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
-    b, hq, d = q.shape
-    num_blocks, block_size, hk, dv = v_cache.shape
-    mb = block_table.shape[1]
-    max_len = mb * block_size
-    lens = seq_lens.long().clamp(0, max_len)
-    # Token j of request b exists when j < seq_lens[b] and its block id is in range: an
-    # id outside [0, num_blocks) is a padding block (-1 documented) and holds no key.
+def _paged_keys(k_cache, v_cache, block_table, lens_k):
+    """(keys, values `[B, L, Hk, Dx]` float32, token_ok `[B, L]`), L = max_blocks *
+    block_size: token j of request b exists when `j < lens_k[b]` and its block id is in
+    `[0, num_blocks)` (an id outside, -1 documented, is a padding block: no key)."""
+    num_blocks, block_size = k_cache.shape[:2]
     ids = block_table.long()
     block_ok = (ids >= 0) & (ids < num_blocks)
-    pos = torch.arange(max_len, device=q.device)
-    allowed = (pos[None, :] < lens[:, None]) & block_ok.repeat_interleave(block_size, dim=1)
+    pos = torch.arange(ids.shape[1] * block_size, device=k_cache.device)
+    token_ok = (pos[None, :] < lens_k[:, None]) & block_ok.repeat_interleave(block_size, dim=1)
     blocks = torch.where(block_ok, ids, torch.zeros_like(ids))  # any in-range id; masked below
-    keys = _gather_pages(k_cache, blocks, allowed)
-    values = _gather_pages(v_cache, blocks, allowed)
-    qg = q.float().reshape(b, hk, hq // hk, d)
-    score_scale = scale * k_scale.float().reshape(()) if k_cache.dtype == FP8 else scale
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * score_scale
-    out = _masked_softmax_apply(scores, allowed[:, None, None, :], values, "bhgl,blhd->bhgd")
-    if k_cache.dtype == FP8:
-        out = out * v_scale.float().reshape(())  # after the sum, as the kernels apply it
-    return _fresh(out.reshape(b, hq, dv), q.dtype)
+    return _gather_pages(k_cache, blocks, token_ok), _gather_pages(v_cache, blocks, token_ok), token_ok
+
+
+def _score_scale(scale: float, k_cache: torch.Tensor, k_scale) -> float | torch.Tensor:
+    return scale * k_scale.float().reshape(()) if k_cache.dtype == FP8 else scale
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
+                           window_left=-1, softcap=0.0, sinks=None):
+    b, hq, d = q.shape
+    hk = k_cache.shape[2]
+    lens = seq_lens.long().clamp(0, block_table.shape[1] * k_cache.shape[1])
+    keys, values, token_ok = _paged_keys(k_cache, v_cache, block_table, lens)
+    # One query per request, its last token: a prefill of one query row.
+    qp = q.float().reshape(b, 1, hk, hq // hk, d)
+    out = _attend_padded(qp, keys, values, torch.ones_like(lens), lens, token_ok, _score_scale(scale, k_cache, k_scale),
+                         True, window_left, softcap, sinks, v_scale if k_cache.dtype == FP8 else None)
+    return _fresh(out, q.dtype)
 
 
 # -- varlen prefill ----------------------------------------------------------------------
@@ -97,16 +130,51 @@ def _descaled(x: torch.Tensor, descale: torch.Tensor | None, lens: torch.Tensor)
     return torch.where(valid.reshape(batch, max_len, *([1] * (x.dim() - 2))), x, torch.zeros((), device=x.device))
 
 
+def _attend_padded(qp, kp, vp, lens_q, lens_k, token_ok, scale, causal, window_left, softcap, sinks,
+                   value_scale=None):
+    """Padded queries `[B, Mq, Hk, G, D]` over padded keys/values `[B, Mk, Hk, Dx]` ->
+    `[B * Mq, Hq, Dv]`; `token_ok` `[B, Mk]` (or None) further hides keys; `value_scale`
+    (fp8 caches) multiplies the result, after the sum as the kernels apply it. A row that
+    sees no key is 0, also where a value it does not see is NaN (0 * NaN)."""
+    batch, max_q, hk, group = qp.shape[:4]
+    allowed = _visible(lens_q, lens_k, max_q, kp.shape[1], causal, window_left)
+    if token_ok is not None:
+        allowed = allowed & token_ok[:, None, :]
+    # Keys no row sees (before every row's window) never reach the arithmetic (0 * NaN).
+    seen = allowed.any(dim=1)[:, :, None, None]
+    kp, vp = (torch.where(seen, x, torch.zeros((), device=x.device)) for x in (kp, vp))
+    scores = _capped(torch.einsum("bqhgd,bkhd->bhgqk", qp, kp) * scale, softcap)
+    sink = None if sinks is None else sinks.float().reshape(1, hk, group, 1, 1)
+    out = _masked_softmax_apply(scores, allowed[:, None, None], vp, "bhgqk,bkhd->bqhgd", sink)
+    if value_scale is not None:
+        out = out * value_scale.float().reshape(())
+    sees = allowed.any(dim=-1)[:, :, None, None, None]
+    out = torch.where(sees, out, torch.zeros((), device=out.device))
+    return out.reshape(batch * max_q, hk * group, vp.shape[-1])
+
+
+def _unpad(out: torch.Tensor, cu_q: torch.Tensor, total_q: int, max_q: int) -> torch.Tensor:
+    """Padded rows `[B * max_q, H, Dv]` back to packed `[Tq, H, Dv]`; rows outside every
+    sequence (before c[0], at or past c[B]) get 0."""
+    batch = cu_q.shape[0] - 1
+    t = torch.arange(total_q, device=out.device)
+    seq = torch.searchsorted(cu_q[1:].contiguous(), t, right=True).clamp(max=max(batch - 1, 0))
+    pos = t - cu_q[seq]
+    valid = (t < cu_q[-1]) & (pos >= 0) & (pos < max_q)
+    out_ext = torch.cat([out, out.new_zeros((1, *out.shape[1:]))])
+    return out_ext[torch.where(valid, seq * max_q + pos, batch * max_q)]
+
+
 def flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="off",
+    q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None,
 ):
     out_dtype = output_dtype(q.dtype)
     if quantize_inputs(fp8, q.dtype, q.device):
         # The fp8 path's numerics: each of q, k, v quantised per tensor, then as fp8 inputs.
         (q, q_descale), (k, k_descale), (v, v_descale) = (quantize_per_tensor(x) for x in (q, k, v))
     tq, hq, d = q.shape
-    hk, dv = v.shape[1:]
+    hk = v.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
     cu_q, cu_k = sequence_bounds(cu_seqlens_q, tq), sequence_bounds(cu_seqlens_k, k.shape[0])
     lens_q, lens_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
@@ -115,23 +183,23 @@ def flash_attn_varlen(
                    q_descale, lens_q)
     kp = _descaled(_pad(k, cu_k[:-1], lens_k, max_seqlen_k), k_descale, lens_k)
     vp = _descaled(_pad(v, cu_k[:-1], lens_k, max_seqlen_k), v_descale, lens_k)
+    out = _attend_padded(qp, kp, vp, lens_q, lens_k, None, scale, causal, window_left, softcap, sinks)
+    return _fresh(_unpad(out, cu_q, tq, max_seqlen_q), out_dtype)
 
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qp, kp) * scale
-    i = torch.arange(max_seqlen_q, device=q.device)
-    j = torch.arange(max_seqlen_k, device=q.device)
-    allowed = (j[None, None, :] < lens_k[:, None, None]).expand(batch, max_seqlen_q, max_seqlen_k)
-    if causal:
-        # Bottom-right aligned: query i of a sequence sees keys j <= i + (len_k - len_q).
-        allowed = allowed & (j[None, None, :] <= i[None, :, None] + (lens_k - lens_q)[:, None, None])
-    out = _masked_softmax_apply(scores, allowed[:, None, None], vp, "bhgqk,bkhd->bqhgd")
-    # A row that sees no key is 0, also where a value it does not see is NaN (0 * NaN).
-    sees = allowed.any(dim=-1)[:, :, None, None, None]
-    out = torch.where(sees, out, torch.zeros((), device=out.device)).reshape(batch * max_seqlen_q, hq, dv)
 
-    # Back to packed rows; rows outside every sequence (before c[0], at or past c[B]) get 0.
-    t = torch.arange(tq, device=q.device)
-    seq = torch.searchsorted(cu_q[1:].contiguous(), t, right=True).clamp(max=max(batch - 1, 0))
-    pos = t - cu_q[seq]
-    valid = (t < cu_q[-1]) & (pos >= 0) & (pos < max_seqlen_q)
-    out_ext = torch.cat([out, out.new_zeros((1, hq, dv))])
-    return _fresh(out_ext[torch.where(valid, seq * max_seqlen_q + pos, batch * max_seqlen_q)], out_dtype)
+# -- paged prefill -----------------------------------------------------------------------
+def paged_attention_prefill(
+    q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, causal,
+    k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None,
+):
+    tq, hq, d = q.shape
+    hk = k_cache.shape[2]
+    batch = cu_seqlens_q.shape[0] - 1
+    cu_q = sequence_bounds(cu_seqlens_q, tq)
+    lens_q = cu_q[1:] - cu_q[:-1]
+    lens_k = seq_lens.long().clamp(0, block_table.shape[1] * k_cache.shape[1])
+    keys, values, token_ok = _paged_keys(k_cache, v_cache, block_table, lens_k)
+    qp = _pad(q, cu_q[:-1], lens_q, max_seqlen_q).reshape(batch, max_seqlen_q, hk, hq // hk, d)
+    out = _attend_padded(qp, keys, values, lens_q, lens_k, token_ok, _score_scale(scale, k_cache, k_scale), causal,
+                         window_left, softcap, sinks, v_scale if k_cache.dtype == FP8 else None)
+    return _fresh(_unpad(out, cu_q, tq, max_seqlen_q), q.dtype)

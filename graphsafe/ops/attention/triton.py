@@ -46,6 +46,20 @@ def _hopper_or_newer(device: torch.device) -> bool:
     return cc is not None and cc >= (9, 0)
 
 
+def supports_plain_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
+                          window_left=-1, softcap=0.0, sinks=None) -> bool:
+    """Until the kernel takes them: no sliding window, softcap or sinks (the registry
+    hands such calls to the reference)."""
+    return window_left == -1 and softcap == 0.0 and sinks is None
+
+
+def supports_plain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                          q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0,
+                          sinks=None) -> bool:
+    """Until the kernels take them: no sliding window, softcap or sinks."""
+    return window_left == -1 and softcap == 0.0 and sinks is None
+
+
 # -- paged decode -------------------------------------------------------------------------
 def decode_config(device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). 3 stages keep ~3 K/V tiles in flight per program."""
@@ -54,7 +68,9 @@ def decode_config(device: torch.device) -> tuple[int, int, int]:
 
 
 def prepare_paged_attention_decode(
-    q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None, *, num_splits=None
+    q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None, window_left=-1, softcap=0.0,
+    sinks=None, *,
+    num_splits=None
 ):
     """The runner of this call signature: the split plan, the decode launch and (with
     more than one split) the combine launch and the partials' workspace specs, fixed
@@ -66,7 +82,8 @@ def prepare_paged_attention_decode(
     new_out = output_allocator(shape, dtype, device)
 
     if b == 0 or hq == 0:
-        def run_empty(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
+        def run_empty(q, k_cache, v_cache, block_table, seq_lens, scale,
+                  k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
             return new_out()
 
         return run_empty
@@ -76,7 +93,8 @@ def prepare_paged_attention_decode(
     kv_fp8 = k_cache.dtype.itemsize == 1
     decode = bind_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, decode_config(device))
     if num_splits == 1:
-        def run(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
+        def run(q, k_cache, v_cache, block_table, seq_lens, scale,
+                  k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
             out = new_out()
             if not kv_fp8:
                 k_scale = v_scale = q  # bf16/fp16 caches read no scale: placeholders
@@ -88,7 +106,8 @@ def prepare_paged_attention_decode(
     specs = (((b, hq, num_splits, dv), torch.float32), ((b, hq, num_splits), torch.float32))
     combine = bind_combine(q, b, hq, dv, num_splits)
 
-    def run_split(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None):
+    def run_split(q, k_cache, v_cache, block_table, seq_lens, scale,
+                  k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
         out = new_out()
         part_o, part_lse = current_workspace_manager(device).get_simultaneous(*specs, owner=DECODE_OWNER)
         if not kv_fp8:
@@ -101,13 +120,13 @@ def prepare_paged_attention_decode(
 
 
 def paged_attention_decode(
-    q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None, *, num_splits=None
+    q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None, window_left=-1, softcap=0.0,
+    sinks=None, *,
+    num_splits=None
 ):
     """One call, prepared afresh. `num_splits` (tests only) overrides the shape-based plan."""
-    run = prepare_paged_attention_decode(
-        q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, num_splits=num_splits
-    )
-    return run(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale)
+    args = (q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, window_left, softcap, sinks)
+    return prepare_paged_attention_decode(*args, num_splits=num_splits)(*args)
 
 
 # -- varlen prefill -----------------------------------------------------------------------
@@ -196,7 +215,8 @@ def _descale_strides(x: torch.Tensor | None) -> tuple[int, int]:
 
 def prepare_flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="off", *, config=None,
+    q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None, *,
+    config=None,
 ):
     """The runner of this call signature. `fp8` is resolved here ("auto": the cached
     per-device probe), with the tile config, the workspace specs and every launch.
@@ -216,7 +236,8 @@ def prepare_flash_attn_varlen(
     new_out = output_allocator(shape, dtype, device)
     if tq * hq * dv == 0:
         def run_empty(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                      q_descale=None, k_descale=None, v_descale=None, fp8="off"):
+                      q_descale=None, k_descale=None, v_descale=None, fp8="off",
+                window_left=-1, softcap=0.0, sinks=None):
             return new_out()
 
         return run_empty
@@ -233,7 +254,8 @@ def prepare_flash_attn_varlen(
         )
 
         def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                q_descale=None, k_descale=None, v_descale=None, fp8="off"):
+                q_descale=None, k_descale=None, v_descale=None, fp8="off",
+                window_left=-1, softcap=0.0, sinks=None):
             out = new_out()
             zero_tail(out, cu_seqlens_q, out)
             if attend is not None:
@@ -256,7 +278,8 @@ def prepare_flash_attn_varlen(
         )
 
         def run_quantised(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                          q_descale=None, k_descale=None, v_descale=None, fp8="off"):
+                          q_descale=None, k_descale=None, v_descale=None, fp8="off",
+                window_left=-1, softcap=0.0, sinks=None):
             out = new_out()
             vt, k8, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
             quantise(q, k, v, cu_seqlens_q, out, k8, vt, scales)
@@ -275,7 +298,8 @@ def prepare_flash_attn_varlen(
     needs_one = q_descale is None or k_descale is None or v_descale is None
 
     def run_fp8_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                       q_descale=None, k_descale=None, v_descale=None, fp8="off"):
+                       q_descale=None, k_descale=None, v_descale=None, fp8="off",
+                window_left=-1, softcap=0.0, sinks=None):
         out = new_out()
         vt, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
         quantise(q, k, v, cu_seqlens_q, out, None, vt, scales)
@@ -292,10 +316,11 @@ def prepare_flash_attn_varlen(
 
 def flash_attn_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="off", *, config=None,
+    q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None, *,
+    config=None,
 ):
     """One call, prepared afresh. `config` (tests and benchmarks only) overrides
     (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-            q_descale, k_descale, v_descale, fp8)
+            q_descale, k_descale, v_descale, fp8, window_left, softcap, sinks)
     return prepare_flash_attn_varlen(*args, config=config)(*args)

@@ -21,6 +21,8 @@ the rest to Triton; aiter allocates its own split buffers, see `graphsafe.ops.ml
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -132,7 +134,11 @@ def mla_decode(
     family="mla",
     backends={
         "reference": "graphsafe.ops.mla.reference:sparse_mla",
-        "triton": Backend(prepare="graphsafe.ops.mla.triton:prepare_sparse_mla", workspace=triton_sparse_mla_workspace),
+        "triton": Backend(
+            prepare="graphsafe.ops.mla.triton:prepare_sparse_mla",
+            supports="graphsafe.ops.mla.triton:supports_plain_sparse_mla",
+            workspace=triton_sparse_mla_workspace,
+        ),
         "aiter": Backend(
             prepare="graphsafe.ops.mla.aiter:prepare_sparse_mla",
             supports="graphsafe.ops.mla.aiter:sparse_mla_supports",
@@ -140,7 +146,15 @@ def mla_decode(
         ),
     },
 )
-def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+def sparse_mla(
+    q: Tensor,
+    kv_cache: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    kv_lora_rank: int,
+    attn_sink: Optional[Tensor] = None,
+    topk_length: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     """Sparse absorbed-MLA attention: each query token attends to its own K selected cache slots.
 
     For token t and head h, over the entries `j` with a valid slot `s = indices[t, j]`
@@ -174,9 +188,12 @@ def sparse_mla(q: Tensor, kv_cache: Tensor, indices: Tensor, sm_scale: float, kv
         indices: `[T, K]` int32 cache slots (`block * block_size + offset`), `-1` = none,
             in any order; a slot outside `[0, num_blocks * block_size)` acts as -1. Last
             dim contiguous. The debug switch (`graphsafe.debug_checks`) checks that every
-            entry is in `[0, num_blocks * block_size)` or -1.
+            entry read is in `[0, num_blocks * block_size)` or -1.
         sm_scale: multiplies `q . k` before the softmax.
         kv_lora_rank: R, the value width: `0 < R <= R + P`.
+        attn_sink: `[H]` float32 or None (above).
+        topk_length: `[T]` int32 or None (above); the debug switch checks `0 <=
+            topk_length[t] <= K`.
 
     Returns:
         out: `[T, H, R]` in q's dtype, contiguous.

@@ -146,9 +146,11 @@ def mla_decode_supports(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_ra
     return _usable("mla_decode", q, kv_cache, kv_lora_rank, width)
 
 
-def sparse_mla_supports(q, kv_cache, indices, sm_scale, kv_lora_rank) -> bool:
-    """As `mla_decode_supports`, for `sparse_mla` (`T * K` below 2**31)."""
-    return _usable("sparse_mla", q, kv_cache, kv_lora_rank, indices.shape[1])
+def sparse_mla_supports(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None) -> bool:
+    """As `mla_decode_supports`, for `sparse_mla` (`T * K` below 2**31), without an
+    attention sink or `topk_length` (not adapted: Triton serves them)."""
+    return attn_sink is None and topk_length is None and _usable("sparse_mla", q, kv_cache, kv_lora_rank,
+                                                                  indices.shape[1])
 
 
 def num_kv_splits(rows: int, device: torch.device | str | None) -> int:
@@ -259,7 +261,7 @@ def prepare_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_ran
     return run
 
 
-def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
+def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None):
     """The aiter runner of `sparse_mla` for calls with this signature (one
     `sparse_mla_supports` accepts), as `prepare_mla_decode`."""
     rows, heads, _ = q.shape
@@ -286,7 +288,8 @@ def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
     return prepare_mla_decode(*args)(*args)
 
 
-def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
-    """aiter's `sparse_mla` (a signature `sparse_mla_supports` accepts), prepared afresh."""
+def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None):
+    """aiter's `sparse_mla` (a signature `sparse_mla_supports` accepts, so no sink or
+    `topk_length`), prepared afresh."""
     args = (q, kv_cache, indices, sm_scale, kv_lora_rank)
     return prepare_sparse_mla(*args)(*args)

@@ -7,7 +7,9 @@ switch on, any id the op reads that is neither in range nor the padding value -1
 
 from __future__ import annotations
 
-from graphsafe.debug import ids_in_range, table_entries_read, values_at_most
+import torch
+
+from graphsafe.debug import ids_in_range, table_entries_read, values_at_least, values_at_most
 
 
 def debug_check_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank) -> None:
@@ -23,7 +25,15 @@ def debug_check_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora
     ids_in_range(op, "block_table", block_table, num_blocks, used=used, what="block ids")
 
 
-def debug_check_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank) -> None:
-    """Every entry of `indices` in `[0, num_blocks * block_size)` or -1."""
+def debug_check_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None) -> None:
+    """Every entry of `indices` the op reads (all, or those left of `topk_length[t]`) in
+    `[0, num_blocks * block_size)` or -1; `topk_length` within `[0, K]`."""
+    op = "sparse_mla"
     num_blocks, block_size = kv_cache.shape[:2]
-    ids_in_range("sparse_mla", "indices", indices, num_blocks * block_size, what="cache slots")
+    used = None
+    if topk_length is not None:
+        values_at_least(op, "topk_length", topk_length, 0, "a number of entries")
+        values_at_most(op, "topk_length", topk_length, indices.shape[1], "K, the entries of a row of indices")
+        columns = torch.arange(indices.shape[1], device=indices.device)
+        used = columns[None, :] < topk_length.detach().long()[:, None]
+    ids_in_range(op, "indices", indices, num_blocks * block_size, used=used, what="cache slots")

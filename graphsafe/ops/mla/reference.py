@@ -17,13 +17,16 @@ import torch
 from graphsafe.ops.fp8_ds_mla import dequantize_records
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale: float, kv_lora_rank: int):
+def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale: float, kv_lora_rank: int,
+           attn_sink: torch.Tensor | None = None):
     """Absorbed MLA attention of each query row over its own gathered keys.
 
     q `[N, H, D]`, keys `[N, L, D]` (the cached rows; a row's value is its first
     `kv_lora_rank` entries), valid bool `[N, L]`; rows where `valid` is False never
     influence the result, whatever they hold. Returns out `[N, H, R]` in q's dtype and
     the natural-log LSE f32 `[N, H]`; a row without valid keys gets 0 and -inf.
+    `attn_sink` (`[H]` float32, FlashMLA's): out is scaled by `exp(lse) / (exp(lse) +
+    exp(sink))` = `sigmoid(lse - sink)` in float32 before its rounding; lse stays.
 
     The arithmetic of the kernels, so that non-finite inputs give the same places:
     `m = max_j s_j`, `p_j = exp(s_j - m)`, `l = sum_j p_j`, `out = sum_j (p_j / l) v_j`,
@@ -47,6 +50,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale: f
     probs = probs / torch.where(empty, 1.0, total)[..., None]
     out = torch.einsum("nhl,nlr->nhr", probs, kf[..., :kv_lora_rank])
     lse = torch.where(empty, float("-inf"), m + torch.log(total))
+    if attn_sink is not None:
+        # +inf sink: 0, -inf: 1, NaN: NaN; a row without a key stays 0 (never -inf - -inf).
+        kept = torch.where(empty, 0.0, torch.sigmoid(lse - attn_sink.float()[None, :]))
+        out = out * kept[..., None]
     return _dense(out, q.dtype), _dense(lse, torch.float32)
 
 
@@ -68,12 +75,16 @@ def decode_keys(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: tor
     return kv_cache[blocks, (pos % block_size)[None, :]], valid
 
 
-def sparse_keys(kv_cache: torch.Tensor, indices: torch.Tensor):
+def sparse_keys(kv_cache: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None = None):
     """The key rows `[T, K, D]` of each token's slots and which of them hold a key (slot in
-    `[0, num_blocks * block_size)`; -1, the documented padding, and any other slot do not)."""
+    `[0, num_blocks * block_size)`; -1, the documented padding, and any other slot do not;
+    with `topk_length`, entry j of token t only when `j < topk_length[t]`)."""
     num_blocks, block_size = kv_cache.shape[:2]
     slots = indices.long()
     valid = (slots >= 0) & (slots < num_blocks * block_size)
+    if topk_length is not None:
+        columns = torch.arange(indices.shape[1], device=indices.device)
+        valid = valid & (columns[None, :] < topk_length.long()[:, None])
     slots = torch.where(valid, slots, 0)
     return kv_cache[slots // block_size, slots % block_size], valid
 
@@ -93,6 +104,6 @@ def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
     return attend(q, key_rows(keys, valid, kv_lora_rank), valid, sm_scale, kv_lora_rank)
 
 
-def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank):
-    keys, valid = sparse_keys(kv_cache, indices)
-    return attend(q, key_rows(keys, valid, kv_lora_rank), valid, sm_scale, kv_lora_rank)
+def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None):
+    keys, valid = sparse_keys(kv_cache, indices, topk_length)
+    return attend(q, key_rows(keys, valid, kv_lora_rank), valid, sm_scale, kv_lora_rank, attn_sink)

@@ -639,7 +639,13 @@ def prepare_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_ran
     return run
 
 
-def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, *, config=None, num_splits=None):
+def supports_plain_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None) -> bool:
+    """Until the kernels take them: no attention sink, no `topk_length`."""
+    return attn_sink is None and topk_length is None
+
+
+def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None, *,
+                       config=None, num_splits=None):
     """The Triton runner of `sparse_mla` for calls with the signature of these args;
     `config` / `num_splits` as for `prepare_mla_decode`."""
     attend = _prepare("sparse_mla", q, kv_cache, indices, True, indices.shape[1], sm_scale, kv_lora_rank, config,

@@ -1,4 +1,4 @@
-"""Test cases of `paged_attention_decode` and `flash_attn_varlen`.
+"""Test cases of `paged_attention_decode`, `paged_attention_prefill` and `flash_attn_varlen`.
 
 Host ints (max_seqlen_*, scale, causal, the fp8 mode) come from the params; lengths are
 drawn per seed (unless the params pin them), so two seeds of one params set share a
@@ -64,8 +64,28 @@ def _params_decode():
             "dtype": st.sampled_from(DTYPES),
             "fp8_cache": st.booleans(),
             "strided_cache": st.booleans(),
+            **_variant_params(),
         }
     )
+
+
+def _variant_params() -> dict:
+    """The attention variants: a sliding window, a softcap, sinks (each off half the time)."""
+    from hypothesis import strategies as st
+
+    return {
+        "window_left": st.sampled_from([-1, -1, 0, 2, 5, 13]),
+        "softcap": st.sampled_from([0.0, 0.0, 0.5, 4.0]),
+        "sinks": st.booleans(),
+    }
+
+
+def _variants(p: Params, num_q_heads: int, device, gen) -> tuple:
+    """(window_left, softcap, sinks) of the params; sinks drawn around the scores' scale."""
+    sinks = None
+    if p.get("sinks"):
+        sinks = (torch.randn(num_q_heads, generator=gen) * 2).to(device)
+    return p.get("window_left", -1), p.get("softcap", 0.0), sinks
 
 
 def _decode_cache(shape, dtype, device, gen, strided: bool) -> torch.Tensor:
@@ -99,7 +119,8 @@ def _make_decode(p: Params, device, gen):
         v_scale = (torch.rand(1, generator=gen) * 0.5 + 0.5).to(device)
     else:
         k_scale = v_scale = None
-    return q, k_cache, v_cache, table.int().to(device), lens.int().to(device), d**-0.5, k_scale, v_scale
+    return (q, k_cache, v_cache, table.int().to(device), lens.int().to(device), d**-0.5, k_scale, v_scale,
+            *_variants(p, hq, device, gen))
 
 
 def _compare_decode(expected, actual, exp_args, act_args, params):
@@ -109,19 +130,29 @@ def _compare_decode(expected, actual, exp_args, act_args, params):
     )
 
 
-def _decode_reads(args) -> tuple[torch.Tensor, torch.Tensor]:
-    """(entries [B, MB] of the block table the op reads, cache tokens [nb, bs] it reads)."""
-    k_cache, table, lens = args[1], args[3].cpu().long(), args[4].cpu().long()
+def paged_reads(k_cache, table, lens, first) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entries [B, MB] of the block table read, cache tokens [nb, bs] read) when request
+    b reads its tokens `[first[b], lens[b])` (CPU int64 `lens` clamped, `first`)."""
     nb, bs = k_cache.shape[:2]
     mb = table.shape[1]
-    lens = lens.clamp(0, mb * bs)
-    entry_read = torch.arange(mb)[None, :] < (lens[:, None] + bs - 1) // bs
+    blocks = torch.arange(mb)[None, :]
+    entry_read = (blocks < (lens[:, None] + bs - 1) // bs) & (blocks >= first.clamp(min=0)[:, None] // bs)
     pos = torch.arange(mb * bs)
-    token = (pos[None, :] < lens[:, None]) & ((table >= 0) & (table < nb)).repeat_interleave(bs, dim=1)
+    token = (pos[None, :] < lens[:, None]) & (pos[None, :] >= first[:, None])
+    token = token & ((table >= 0) & (table < nb)).repeat_interleave(bs, dim=1)
     read = torch.zeros(nb * bs, dtype=torch.bool)
     slots = table.clamp(0, nb - 1).repeat_interleave(bs, dim=1) * bs + pos[None, :] % bs
     read[slots[token]] = True
     return entry_read, read.reshape(nb, bs)
+
+
+def _decode_reads(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entries [B, MB] of the block table the op reads, cache tokens [nb, bs] it reads):
+    those of the tokens below seq_lens, from the window's first on."""
+    k_cache, table, lens, window = args[1], args[3].cpu().long(), args[4].cpu().long(), args[8]
+    lens = lens.clamp(0, table.shape[1] * k_cache.shape[1])
+    first = lens - 1 - window if window >= 0 else torch.zeros_like(lens)
+    return paged_reads(k_cache, table, lens, first)
 
 
 def _unread_decode(p: Params, args: Args):
@@ -187,12 +218,16 @@ def _nonfinite_decode(p: Params, args: Args, gen):
 EXAMPLE_DECODE: Params = {
     "B": 3, "Hk": 2, "group": 4, "D": 32, "Dv": None, "block_size": 4, "max_blocks": 4,
     "dtype": torch.float16, "fp8_cache": False, "strided_cache": False,
+    "window_left": -1, "softcap": 0.0, "sinks": False,
 }
 
 
 def _bad_decode(device, gen):
-    q, kc, vc, table, lens, scale, _, _ = _make_decode(EXAMPLE_DECODE, device, gen)
+    q, kc, vc, table, lens, scale = _make_decode(EXAMPLE_DECODE, device, gen)[:6]
+    base = (q, kc, vc, table, lens, scale)
+    sinks = torch.zeros(q.shape[1], device=device)
     return [
+        *variant_bad_inputs((*base, None, None), sinks),
         BadInput("q float32", (q.float(), kc, vc, table, lens, scale), "q", "dtype"),
         BadInput("q 2-D", (q[0], kc, vc, table, lens, scale), "q", "3-D"),
         BadInput("k_cache with other head dim", (q, kc[..., 1:], vc, table, lens, scale), "k_cache", r"D\]"),
@@ -203,6 +238,18 @@ def _bad_decode(device, gen):
         BadInput(
             "fp8 caches without k_scale", (q, kc.to(FP8), vc.to(FP8), table, lens, scale), "k_scale", "float32"
         ),
+    ]
+
+
+def variant_bad_inputs(pre: Args, sinks: torch.Tensor) -> list[BadInput]:
+    """The variants refused: `pre` are the arguments before `window_left`, `sinks` a valid
+    sinks tensor."""
+    return [
+        BadInput("window_left below -1", (*pre, -2), "window_left", ">= -1"),
+        BadInput("negative softcap", (*pre, -1, -1.0), "softcap", ">= 0"),
+        BadInput("infinite softcap", (*pre, -1, float("inf")), "softcap", "finite"),
+        BadInput("sinks float16", (*pre, -1, 0.0, sinks.half()), "sinks", "dtype"),
+        BadInput("sinks of other heads", (*pre, -1, 0.0, sinks[:-1]), "sinks", r"\[Hq\]"),
     ]
 
 
@@ -224,6 +271,11 @@ register_case(
             {**EXAMPLE_DECODE, "B": 1, "Hk": 1, "seq_lens": [128], "block_size": 8, "max_blocks": 16},  # >1 split
             {**EXAMPLE_DECODE, "fp8_cache": True, "Dv": 16, "strided_cache": True},
             {**EXAMPLE_DECODE, "B": 2, "Hk": 1, "group": 8, "D": 64, "block_size": 16, "max_blocks": 2},
+            # Variants: a window inside one block and across several (with > 1 split), softcap, sinks.
+            {**EXAMPLE_DECODE, "window_left": 0, "sinks": True},
+            {**EXAMPLE_DECODE, "B": 1, "Hk": 1, "seq_lens": [128], "block_size": 8, "max_blocks": 16,
+             "window_left": 37, "softcap": 4.0, "sinks": True},
+            {**EXAMPLE_DECODE, "seq_lens": [0, 5, 16], "window_left": 6, "fp8_cache": True, "softcap": 0.5},
         ),
         gpu_examples=(
             # Llama-3-8B: Hq=32, Hk=8, D=128, block 16, ctx up to 4096 / 32768.
@@ -237,6 +289,13 @@ register_case(
              "dtype": torch.float16, "fp8_cache": False, "strided_cache": True},
             {"B": 8, "Hk": 32, "group": 1, "D": 128, "Dv": None, "block_size": 16, "max_blocks": 64,
              "dtype": torch.float16, "fp8_cache": False, "strided_cache": False},
+            # gpt-oss-120b (TP1): 64/8 heads, D 64, sinks; its sliding layers see 128 tokens.
+            {"B": 32, "Hk": 8, "group": 8, "D": 64, "Dv": None, "block_size": 16, "max_blocks": 256,
+             "dtype": torch.bfloat16, "fp8_cache": False, "strided_cache": False, "window_left": 127, "sinks": True},
+            # Gemma-2-9B: 16/8 heads, D 256, softcap 50, a 4096-token window.
+            {"B": 16, "Hk": 8, "group": 2, "D": 256, "Dv": None, "block_size": 16, "max_blocks": 512,
+             "dtype": torch.bfloat16, "fp8_cache": False, "strided_cache": False, "window_left": 4095,
+             "softcap": 50.0},
         ),
     )
 )
@@ -262,6 +321,7 @@ def _params_varlen():
             "descale": st.sampled_from(["tensor", "per_seq", "none"]),
             "pad_q": st.integers(0, 3),
             "pad_k": st.integers(0, 2),
+            **_variant_params(),
         }
     )
 
@@ -311,7 +371,8 @@ def _make_varlen(p: Params, device, gen):
         q, k, v = (randn(s, p["dtype"], device, gen) for s in ((tq, hq, d), (tk, hk, d), (tk, hk, dv)))
         qd = kd = vd = None
         mode = p["mode"]
-    return (q, k, v, _cu(lens_q, device), _cu(lens_k, device), max_q, max_k, d**-0.5, p["causal"], qd, kd, vd, mode)
+    return (q, k, v, _cu(lens_q, device), _cu(lens_k, device), max_q, max_k, d**-0.5, p["causal"], qd, kd, vd, mode,
+            *_variants(p, hq, device, gen))
 
 
 def varlen_uses_fp8_products(args) -> bool:
@@ -345,6 +406,17 @@ def _rows_in(bounds: torch.Tensor, total: int, keep: torch.Tensor | None = None)
     return inside.any(dim=1)
 
 
+def _keys_seen(cq: torch.Tensor, ck: torch.Tensor, total_k: int, window_left: int) -> torch.Tensor:
+    """[Tk] bool: key rows some query row of their sequence sees (the sequence has a
+    query, and under a window the key is not before the first query row's window)."""
+    lens_q, lens_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    rows = torch.arange(total_k)[:, None]
+    inside = (rows >= ck[None, :-1]) & (rows < ck[None, 1:]) & (lens_q > 0)[None, :]
+    if window_left >= 0:
+        inside = inside & (rows - ck[None, :-1] >= (lens_k - lens_q - window_left)[None, :])
+    return inside.any(dim=1)
+
+
 def _unread_varlen(p: Params, args: Args):
     """Query rows outside every sequence; key/value rows outside every sequence or of a
     sequence without queries; per-sequence descales of a sequence without queries. With
@@ -357,7 +429,7 @@ def _unread_varlen(p: Params, args: Args):
     marks = []
     if not quantize_inputs(args[12], q.dtype, q.device):
         q_rows = ~_rows_in(cq, q.shape[0])
-        k_rows = ~_rows_in(ck, k.shape[0], has_queries)
+        k_rows = ~_keys_seen(cq, ck, k.shape[0], args[13])
         marks += [(0, q_rows[:, None, None].expand(q.shape)), (1, k_rows[:, None, None].expand(k.shape)),
                   (2, k_rows[:, None, None].expand(v.shape))]
     for index in (9, 10, 11):
@@ -398,13 +470,16 @@ def _nonfinite_varlen(p: Params, args: Args, gen):
     lens_q, lens_k = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
     has_queries = lens_q > 0
     specials = (float("nan"),) if q.dtype == FP8 else (float("nan"), float("inf"), float("-inf"))
-    # Keys every query row of their sequence sees: all, or under causal j <= len_k - len_q.
+    # Keys every query row of their sequence sees: all, or under causal j <= len_k - len_q,
+    # and under a window j >= len_k - 1 - window_left (the last row's window).
     rows = torch.arange(k.shape[0])[:, None]
     inside = (rows >= ck[None, :-1]) & (rows < ck[None, 1:]) & has_queries[None, :]
     if args[8]:
         inside = inside & (rows - ck[None, :-1] <= (lens_k - lens_q)[None, :])
+    if args[13] >= 0:
+        inside = inside & (rows - ck[None, :-1] >= (lens_k - 1 - args[13])[None, :])
     seen_by_all = inside.any(dim=1)
-    choices = ((q, _rows_in(cq, q.shape[0])), (k, _rows_in(ck, k.shape[0], has_queries)), (v, seen_by_all))
+    choices = ((q, _rows_in(cq, q.shape[0])), (k, _keys_seen(cq, ck, k.shape[0], args[13])), (v, seen_by_all))
     if q.dtype == FP8 and triton_interpreter_enabled():
         # The interpreter casts an fp8 NaN to 480: a NaN descale instead (where given).
         return (*args[:9], *_nan_descale(args[9:12], has_queries, gen), *args[12:])
@@ -444,7 +519,7 @@ def _nan_descale(descales, has_queries: torch.Tensor, gen) -> tuple:
 EXAMPLE_VARLEN: Params = {
     "B": 3, "max_q": 20, "max_k": 33, "self_attn": False, "Hk": 2, "group": 2, "D": 32, "Dv": None,
     "causal": True, "dtype": torch.float16, "mode": "off", "descale": "tensor", "pad_q": 2, "pad_k": 1,
-    "lens_q": [5, 0, 20], "lens_k": [9, 3, 17],
+    "lens_q": [5, 0, 20], "lens_k": [9, 3, 17], "window_left": -1, "softcap": 0.0, "sinks": False,
 }
 
 
@@ -473,6 +548,7 @@ def _bad_varlen(device, gen):
             (q.to(FP8), k.to(FP8), v.to(FP8), *base[3:], None, torch.ones(2, 2, 2, device=device), None, "auto"),
             "k_descale", r"\[B, Hk\]",
         ),
+        *variant_bad_inputs((*base, None, None, None, "off"), torch.zeros(q.shape[1], device=device)),
     ]
 
 
@@ -499,6 +575,11 @@ register_case(
             {**EXAMPLE_VARLEN, "mode": "fp8_inputs", "descale": "per_seq"},
             {**EXAMPLE_VARLEN, "B": 2, "Hk": 1, "group": 2, "D": 192, "Dv": 128, "max_q": 9, "max_k": 17,
              "lens_q": [9, 4], "lens_k": [17, 4]},  # MLA prefill head dims
+            # Variants: windows narrower and wider than a tile, causal or not, with softcap, sinks, fp8.
+            {**EXAMPLE_VARLEN, "window_left": 3, "sinks": True},
+            {**EXAMPLE_VARLEN, "window_left": 20, "causal": False, "softcap": 4.0},
+            {**EXAMPLE_VARLEN, "window_left": 0, "mode": "on", "sinks": True, "softcap": 0.5},
+            {**EXAMPLE_VARLEN, "window_left": 5, "mode": "fp8_inputs", "descale": "per_seq", "sinks": True},
         ),
         gpu_examples=(
             # Llama-3-8B GQA, causal self-attention; "auto" takes the fp8 path on H100/H200.
@@ -513,6 +594,230 @@ register_case(
              "mode": "fp8_inputs", "descale": "per_seq"},
             {**_GPU_VARLEN, "B": 8, "max_q": 256, "max_k": 256, "Hk": 16, "group": 1, "D": 64, "causal": False,
              "mode": "off", "dtype": torch.float16},
+            # gpt-oss sliding layers (window 128, sinks) and Gemma-2 (softcap 50, window 4096).
+            {**_GPU_VARLEN, "B": 4, "max_q": 1024, "max_k": 1024, "Hk": 8, "group": 8, "D": 64, "causal": True,
+             "mode": "off", "window_left": 127, "sinks": True},
+            {**_GPU_VARLEN, "B": 2, "max_q": 2048, "max_k": 2048, "Hk": 8, "group": 2, "D": 256, "causal": True,
+             "mode": "off", "window_left": 1023, "softcap": 50.0},
+            {**_LLAMA_VARLEN, "mode": "auto", "window_left": 255, "sinks": True},
+        ),
+    )
+)
+
+
+# -- paged_attention_prefill ------------------------------------------------------------
+def _params_paged_prefill():
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries(
+        {
+            "B": st.integers(0, 3),
+            "max_q": st.integers(0, 20),
+            "Hk": st.sampled_from([1, 2]),
+            "group": st.sampled_from([1, 2, 4]),
+            "D": st.sampled_from([16, 32]),
+            "Dv": st.sampled_from([None, 16]),
+            "block_size": st.sampled_from([1, 4, 16]),
+            "max_blocks": st.integers(1, 5),
+            "causal": st.booleans(),
+            "dtype": st.sampled_from(DTYPES),
+            "fp8_cache": st.booleans(),
+            "strided_cache": st.booleans(),
+            "pad_q": st.integers(0, 3),
+            **_variant_params(),
+        }
+    )
+
+
+def _make_paged_prefill(p: Params, device, gen):
+    b, hk, group, d, bs, mb = p["B"], p["Hk"], p["group"], p["D"], p["block_size"], p["max_blocks"]
+    dv = p["Dv"] or d
+    hq = hk * group
+    nb = b * mb + 1
+    cache_dtype = FP8 if p["fp8_cache"] else p["dtype"]
+    lens_q = _lengths(p, "lens_q", p["max_q"], gen)
+    if "seq_lens" in p:
+        lens_k = torch.tensor(p["seq_lens"], dtype=torch.int64)
+    else:
+        # Mostly a cached prefix plus the new tokens; sometimes fewer keys than queries.
+        lens_k = (lens_q + torch.randint(0, mb * bs + 1, (b,), generator=gen)).clamp(max=mb * bs)
+    tq = b * p["max_q"] + p["pad_q"]
+    q = randn((tq, hq, d), p["dtype"], device, gen)
+    k_cache = _decode_cache((nb, bs, hk, d), cache_dtype, device, gen, p["strided_cache"])
+    v_cache = _decode_cache((nb, bs, hk, dv), cache_dtype, device, gen, p["strided_cache"])
+    table = torch.randperm(nb, generator=gen)[: b * mb].reshape(b, mb)
+    unused = torch.arange(mb)[None, :] >= (lens_k[:, None] + bs - 1) // bs
+    table = torch.where(unused, torch.randint(-4, 4 * nb, (b, mb), generator=gen), table)
+    if p["fp8_cache"]:
+        k_scale = (torch.rand(1, generator=gen) * 0.5 + 0.5).to(device)
+        v_scale = (torch.rand(1, generator=gen) * 0.5 + 0.5).to(device)
+    else:
+        k_scale = v_scale = None
+    return (q, k_cache, v_cache, table.int().to(device), lens_k.int().to(device), _cu(lens_q, device), p["max_q"],
+            d**-0.5, p["causal"], k_scale, v_scale, *_variants(p, hq, device, gen))
+
+
+def _compare_paged_prefill(expected, actual, exp_args, act_args, params):
+    attention_compare(expected, actual, _maxabs(exp_args[2], exp_args[10]), exp_args[0].dtype, False, 0,
+                      "paged_attention_prefill output")
+
+
+def _prefill_lengths(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query bounds as the op uses them, query lengths, clamped key lengths), CPU int64."""
+    from graphsafe.ops.attention.reference import sequence_bounds
+
+    k_cache, table = args[1], args[3]
+    cq = sequence_bounds(args[5].cpu(), args[0].shape[0])
+    lens_k = args[4].cpu().long().clamp(0, table.shape[1] * k_cache.shape[1])
+    return cq, cq[1:] - cq[:-1], lens_k
+
+
+def _prefill_reads(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block-table entries read, cache tokens read): a sequence with queries reads its
+    tokens below seq_lens from its first query row's window on."""
+    _, lens_q, lens_k = _prefill_lengths(args)
+    window = args[11]
+    first = lens_k - lens_q - window if window >= 0 else torch.zeros_like(lens_k)
+    return paged_reads(args[1], args[3].cpu().long(), torch.where(lens_q > 0, lens_k, 0), first)
+
+
+def _unread_paged_prefill(p: Params, args: Args):
+    entry_read, token_read = _prefill_reads(args)
+    cq, _, _ = _prefill_lengths(args)
+    q, k_cache, v_cache = args[:3]
+    return [
+        (0, (~_rows_in(cq, q.shape[0]))[:, None, None].expand(q.shape)),
+        (1, (~token_read)[:, :, None, None].expand(k_cache.shape)),
+        (2, (~token_read)[:, :, None, None].expand(v_cache.shape)),
+        (3, ~entry_read),
+    ]
+
+
+def _out_of_range_paged_prefill(p: Params, args: Args, gen):
+    """Read block-table entries -> 10**6, -5, -2, num_blocks (padded: -1); a zero
+    `seq_lens` -> -5 (padded: 0); cu_seqlens_q[B] -> Tq + 10**6 (padded: Tq)."""
+    table, lens, cu_q = args[3], args[4], args[5]
+    batch = cu_q.shape[0] - 1
+    if batch == 0:
+        return None
+    entry_read, _ = _prefill_reads(args)
+    bad_table, pad_table = table.clone(), table.clone()
+    spots = entry_read.nonzero()
+    if len(spots):
+        spots = spots[torch.randperm(len(spots), generator=gen)[:4]]
+        values = torch.tensor([10**6, -5, -2, args[1].shape[0]], dtype=torch.int32)[: len(spots)]
+        bad_table[spots[:, 0], spots[:, 1]] = values.to(table.device)
+        pad_table[spots[:, 0], spots[:, 1]] = -1
+    bad_lens, pad_lens = lens.clone(), lens.clone()
+    empty = (lens.cpu() == 0).nonzero().flatten()
+    if len(empty):
+        bad_lens[int(empty[0])] = -5
+    bad_cu, pad_cu = cu_q.clone(), cu_q.clone()
+    bad_cu[batch], pad_cu[batch] = args[0].shape[0] + 10**6, args[0].shape[0]
+    max_q = max(args[6], int((pad_cu[1:] - pad_cu[:-1]).max()))
+    rest = args[7:]
+    return ((*args[:3], bad_table, bad_lens, bad_cu, max_q, *rest),
+            (*args[:3], pad_table, pad_lens, pad_cu, max_q, *rest))
+
+
+def _nonfinite_paged_prefill(p: Params, args: Args, gen):
+    """NaN, +inf, -inf in query rows of sequences, in keys of tokens read, and in values
+    of tokens every query row of their sequence sees (fp8 caches: NaN only)."""
+    from graphsafe.testing.contract import clone_tensor
+
+    q, k_cache, v_cache = (clone_tensor(x) for x in args[:3])
+    cq, lens_q, lens_k = _prefill_lengths(args)
+    _, token_read = _prefill_reads(args)
+    table, bs = args[3].cpu().long(), k_cache.shape[1]
+    specials = (float("nan"), float("inf"), float("-inf"))
+    rows = _rows_in(cq, q.shape[0]).nonzero().flatten()
+    for value in specials[: min(2, len(rows))]:
+        t = int(rows[int(torch.randint(0, len(rows), (1,), generator=gen))])
+        q[t, int(torch.randint(0, q.shape[1], (1,), generator=gen)), int(torch.randint(0, q.shape[2], (1,),
+                                                                                         generator=gen))] = value
+    # Tokens every row sees: from the last row's window start to the first row's diagonal.
+    pos = torch.arange(table.shape[1] * bs)[None, :]
+    seen = (pos < lens_k[:, None]) & (lens_q > 0)[:, None]
+    if args[8]:
+        seen = seen & (pos <= (lens_k - lens_q)[:, None])
+    if args[11] >= 0:
+        seen = seen & (pos >= (lens_k - 1 - args[11])[:, None])
+    seen = seen & ((table >= 0) & (table < k_cache.shape[0])).repeat_interleave(bs, dim=1)
+    slots = table.clamp(0, k_cache.shape[0] - 1).repeat_interleave(bs, dim=1) * bs + pos % bs
+    for cache, chosen, values in ((k_cache, token_read.reshape(-1).nonzero().flatten(), specials[:1]),
+                                  (v_cache, slots[seen].unique(), specials)):
+        for value in values:
+            if not len(chosen):
+                break
+            slot = int(chosen[int(torch.randint(0, len(chosen), (1,), generator=gen))])
+            head = int(torch.randint(0, cache.shape[2], (1,), generator=gen))
+            col = int(torch.randint(0, cache.shape[3], (1,), generator=gen))
+            if cache.dtype != FP8:
+                cache[slot // bs, slot % bs, head, col] = value
+            elif not triton_interpreter_enabled():  # (its fp8 -> half cast turns NaN into 480)
+                cache[slot // bs, slot % bs, head, col] = float("nan")
+    return (q, k_cache, v_cache, *args[3:])
+
+
+EXAMPLE_PAGED_PREFILL: Params = {
+    "B": 3, "max_q": 12, "Hk": 2, "group": 2, "D": 32, "Dv": None, "block_size": 4, "max_blocks": 6,
+    "causal": True, "dtype": torch.float16, "fp8_cache": False, "strided_cache": False, "pad_q": 2,
+    "lens_q": [5, 0, 12], "seq_lens": [9, 3, 21], "window_left": -1, "softcap": 0.0, "sinks": False,
+}
+
+
+def _bad_paged_prefill(device, gen):
+    args = _make_paged_prefill(EXAMPLE_PAGED_PREFILL, device, gen)
+    q, kc, vc, table, lens, cu_q, max_q, scale, causal = args[:9]
+    base = (q, kc, vc, table, lens, cu_q, max_q, scale, causal)
+    return [
+        BadInput("q float32", (q.float(), *base[1:]), "q", "dtype"),
+        BadInput("k_cache with other head dim", (q, kc[..., 1:], *base[2:]), "k_cache", r"D\]"),
+        BadInput("Hq not a multiple of Hk", (q[:, :3], *base[1:]), "k_cache", "divides Hq"),
+        BadInput("block_table of other B", (q, kc, vc, table[1:], *base[4:]), "block_table", r"\[B, max_blocks"),
+        BadInput("seq_lens int64", (q, kc, vc, table, lens.long(), *base[5:]), "seq_lens", "dtype"),
+        BadInput("cu_seqlens_q strided", (*base[:5], torch.stack([cu_q, cu_q], 1)[:, 0], *base[6:]), "cu_seqlens_q",
+                 "contiguous"),
+        BadInput("negative max_seqlen_q", (*base[:6], -1, *base[7:]), "max_seqlen_q", ">= 0"),
+        BadInput("fp8 caches without k_scale", (q, kc.to(FP8), vc.to(FP8), *base[3:]), "k_scale", "float32"),
+        *variant_bad_inputs((*base, None, None), torch.zeros(q.shape[1], device=device)),
+    ]
+
+
+_GPU_PAGED = {"Dv": None, "block_size": 16, "pad_q": 5, "dtype": torch.bfloat16, "fp8_cache": False,
+              "strided_cache": False, "causal": True}
+
+register_case(
+    OpCase(
+        op="paged_attention_prefill",
+        params=_params_paged_prefill,
+        example=EXAMPLE_PAGED_PREFILL,
+        make=_make_paged_prefill,
+        compare=_compare_paged_prefill,
+        bad_inputs=_bad_paged_prefill,
+        unread=_unread_paged_prefill,
+        out_of_range=_out_of_range_paged_prefill,
+        nonfinite=_nonfinite_paged_prefill,
+        edge_cases=(
+            {**EXAMPLE_PAGED_PREFILL, "B": 0, "lens_q": [], "seq_lens": []},
+            {**EXAMPLE_PAGED_PREFILL, "lens_q": [0, 0, 0], "seq_lens": [0, 4, 0]},
+            {**EXAMPLE_PAGED_PREFILL, "lens_q": [1, 1, 1], "seq_lens": [1, 7, 24]},  # decode steps
+            {**EXAMPLE_PAGED_PREFILL, "lens_q": [5, 3, 12], "seq_lens": [2, 3, 24], "causal": False},
+            {**EXAMPLE_PAGED_PREFILL, "block_size": 1, "max_blocks": 24, "fp8_cache": True, "Dv": 16,
+             "strided_cache": True},
+            {**EXAMPLE_PAGED_PREFILL, "window_left": 3, "sinks": True, "softcap": 4.0},
+            {**EXAMPLE_PAGED_PREFILL, "window_left": 0, "causal": False, "block_size": 16, "max_blocks": 2},
+        ),
+        gpu_examples=(
+            # Llama-3-8B chunked prefill: 512-token chunks after cached prefixes, up to 4096.
+            {**_GPU_PAGED, "B": 4, "max_q": 512, "Hk": 8, "group": 4, "D": 128, "max_blocks": 256},
+            # A mixed batch: decodes and short chunks over long contexts, fp8 cache.
+            {**_GPU_PAGED, "B": 16, "max_q": 64, "Hk": 8, "group": 4, "D": 128, "max_blocks": 512, "fp8_cache": True},
+            # gpt-oss sliding layers (sinks, window 128) and Gemma-2 (softcap 50, window 4096).
+            {**_GPU_PAGED, "B": 4, "max_q": 256, "Hk": 8, "group": 8, "D": 64, "max_blocks": 128,
+             "window_left": 127, "sinks": True},
+            {**_GPU_PAGED, "B": 2, "max_q": 512, "Hk": 8, "group": 2, "D": 256, "max_blocks": 384,
+             "window_left": 4095, "softcap": 50.0, "strided_cache": True},
         ),
     )
 )

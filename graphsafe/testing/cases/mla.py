@@ -400,6 +400,8 @@ def _params_sparse(fp8_only: bool = False):
         "dtype": st.sampled_from(DTYPES),
         "invalid": st.sampled_from([0.0, 0.25, 0.25, 1.0]),
         "strided": st.booleans(),
+        "attn_sink": st.booleans(),
+        "topk_length": st.booleans(),
     })
 
 
@@ -411,12 +413,14 @@ def make_indices(t: int, k: int, num_slots: int, invalid: float, gen) -> torch.T
     return torch.where(draw < invalid, -1, slots).to(torch.int32)
 
 
-def sparse_reads(kv_cache: torch.Tensor, indices: torch.Tensor):
-    """What `sparse_mla` reads: (entries naming a cache slot [T, K], cache rows some entry
-    names [num_blocks, block_size]); on the CPU."""
+def sparse_reads(kv_cache: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None = None):
+    """What `sparse_mla` reads: (entries naming a cache slot [T, K] (left of
+    `topk_length`), cache rows some such entry names [num_blocks, block_size]); on the CPU."""
     nb, bs = kv_cache.shape[:2]
     slots = indices.cpu().long()
     keys = (slots >= 0) & (slots < nb * bs)
+    if topk_length is not None:
+        keys = keys & (torch.arange(slots.shape[1])[None, :] < topk_length.cpu().long()[:, None])
     rows = torch.zeros(nb * bs, dtype=torch.bool)
     rows[slots[keys]] = True
     return keys, rows.view(nb, bs)
@@ -428,38 +432,58 @@ def _make_sparse(p: Params, device, gen):
     q = _q((t, h, d), p["dtype"], device, gen, p["strided"])
     kv_cache = _kv_cache(p, nb, device, gen)
     indices = make_indices(t, k, nb * bs, p["invalid"], gen)
-    return q, kv_cache, indices.to(device), sm_scale_of(p), r
+    # FlashMLA's options: sinks around the lse's scale; lengths in [0, K].
+    sink = (torch.randn(h, generator=gen) * 2).to(device) if p.get("attn_sink") else None
+    length = torch.randint(0, k + 1, (t,), generator=gen).int().to(device) if p.get("topk_length") else None
+    return q, kv_cache, indices.to(device), sm_scale_of(p), r, sink, length
 
 
 def _unread_sparse(p: Params, args):
-    """Cache rows no entry names, and the q rows of tokens without a valid entry."""
+    """Cache rows no entry read names, the q rows of tokens without a valid entry read,
+    and the entries right of `topk_length`."""
     q, kv_cache, indices = args[:3]
-    keys, rows = sparse_reads(kv_cache, indices)
+    keys, rows = sparse_reads(kv_cache, indices, args[6])
     q_unread = ~keys.any(dim=1)[:, None, None].expand(q.shape)
-    return [(0, q_unread), (1, ~rows[..., None].expand(kv_cache.shape))]
+    marks = [(0, q_unread), (1, ~rows[..., None].expand(kv_cache.shape))]
+    if args[6] is not None:
+        columns = torch.arange(indices.shape[1])[None, :]
+        marks.append((2, columns >= args[6].cpu().long()[:, None]))
+    return marks
 
 
 def _out_of_range_sparse(p: Params, args, gen):
-    """Bad slots at some entries (every entry is read), and -1 there."""
-    q, kv_cache, indices, scale, r = args
+    """Bad slots at some entries read, and -1 there; with `topk_length`, a length above K
+    (K + 5; padded K) and a negative one (-3; padded 0)."""
+    q, kv_cache, indices, scale, r, sink, length = args
     if indices.numel() == 0:
         return None
     read = torch.ones(indices.shape, dtype=torch.bool)
+    if length is not None:
+        read = torch.arange(indices.shape[1])[None, :] < length.cpu().long()[:, None]
+        if not read.any():
+            read[0] = True  # (ids only; the lengths below still go out of range)
     bad, padded = _out_of_range_ids(indices, read, kv_cache.shape[0] * kv_cache.shape[1], gen)
-    return (q, kv_cache, bad, scale, r), (q, kv_cache, padded, scale, r)
+    bad_length = padded_length = length
+    if length is not None:
+        bad_length, padded_length = length.clone(), length.clone()
+        row = int(torch.randint(0, length.shape[0], (1,), generator=gen))
+        bad_length[row], padded_length[row] = indices.shape[1] + 5, indices.shape[1]
+        if length.shape[0] > 1:
+            bad_length[(row + 1) % length.shape[0]], padded_length[(row + 1) % length.shape[0]] = -3, 0
+    return (q, kv_cache, bad, scale, r, sink, bad_length), (q, kv_cache, padded, scale, r, sink, padded_length)
 
 
 def _nonfinite_sparse(p: Params, args, gen):
-    q, kv_cache, indices, scale, r = args
-    keys, rows = sparse_reads(kv_cache, indices)
+    q, kv_cache, indices, scale, r = args[:5]
+    keys, rows = sparse_reads(kv_cache, indices, args[6])
     q_read = keys.any(dim=1)[:, None].expand(q.shape[:2])
     q, kv_cache = _nonfinite(q, kv_cache, q_read, rows, gen, r)
-    return q, kv_cache, indices, scale, r
+    return (q, kv_cache, indices, scale, r, *args[5:])
 
 
 EXAMPLE_SPARSE: Params = {
     "T": 3, "H": 4, "R": 32, "P": 16, "block_size": 4, "num_blocks": 5, "K": 40,
-    "dtype": torch.float16, "invalid": 0.25, "strided": False,
+    "dtype": torch.float16, "invalid": 0.25, "strided": False, "attn_sink": False, "topk_length": False,
 }
 
 
@@ -467,9 +491,15 @@ EXAMPLE_SPARSE_FP8_DS: Params = {**EXAMPLE_SPARSE, "R": 128, "P": 16, "dtype": t
 
 
 def _bad_sparse(device, gen):
-    q, kv, idx, scale, r = _make_sparse(EXAMPLE_SPARSE, device, gen)
-    q8, kv8, idx8, _, r8 = _make_sparse(EXAMPLE_SPARSE_FP8_DS, device, gen)
+    q, kv, idx, scale, r = _make_sparse(EXAMPLE_SPARSE, device, gen)[:5]
+    q8, kv8, idx8, _, r8 = _make_sparse(EXAMPLE_SPARSE_FP8_DS, device, gen)[:5]
+    sink = torch.zeros(q.shape[1], device=device)
+    length = torch.zeros(q.shape[0], dtype=torch.int32, device=device)
     return [
+        BadInput("attn_sink float16", (q, kv, idx, scale, r, sink.half()), "attn_sink", "dtype"),
+        BadInput("attn_sink of other H", (q, kv, idx, scale, r, sink[1:]), "attn_sink", r"\[H\]"),
+        BadInput("topk_length int64", (q, kv, idx, scale, r, None, length.long()), "topk_length", "dtype"),
+        BadInput("topk_length of other T", (q, kv, idx, scale, r, None, length[1:]), "topk_length", r"\[T\]"),
         BadInput("q of dtype int32", (q.int(), kv, idx, scale, r), "q", "dtype"),
         BadInput("kv_cache 4-D", (q, kv[None], idx, scale, r), "kv_cache", "3-D"),
         BadInput("kv_cache of other width", (q, kv[..., :-2], idx, scale, r), "kv_cache", r"R \+ P"),
@@ -506,6 +536,9 @@ register_case(
             {**EXAMPLE_SPARSE_FP8_DS, "P": 32, "H": 16, "block_size": 16, "num_blocks": 3, "invalid": 0.0,
              "strided": True},
             {**EXAMPLE_SPARSE_FP8_DS, "R": 256, "T": 2, "H": 3, "block_size": 1, "num_blocks": 30, "strided": True},
+            {**EXAMPLE_SPARSE, "attn_sink": True, "topk_length": True},
+            {**EXAMPLE_SPARSE, "H": 16, "K": 70, "invalid": 0.0, "attn_sink": True},
+            {**EXAMPLE_SPARSE_FP8_DS, "topk_length": True, "attn_sink": True},
         ),
         gpu_examples=(
             {**DEEPSEEK, "T": 64, "H": 16, "block_size": 64, "num_blocks": 2048, "K": 2048, "dtype": torch.bfloat16, "invalid": 0.0, "strided": False},
@@ -516,6 +549,13 @@ register_case(
              "invalid": 0.25, "strided": True, "cache": FP8_DS},
             {**DEEPSEEK, "T": 16, "H": 128, "block_size": 64, "num_blocks": 512, "K": 2048, "dtype": torch.bfloat16,
              "invalid": 0.0, "strided": False, "cache": FP8_DS},
+            # FlashMLA's sink and per-token lengths, at both head counts (Gluon takes H = 128).
+            {**DEEPSEEK, "T": 64, "H": 16, "block_size": 64, "num_blocks": 2048, "K": 2048, "dtype": torch.bfloat16,
+             "invalid": 0.0, "strided": False, "attn_sink": True, "topk_length": True},
+            {**DEEPSEEK, "T": 16, "H": 128, "block_size": 64, "num_blocks": 512, "K": 2048, "dtype": torch.bfloat16,
+             "invalid": 0.0, "strided": False, "attn_sink": True, "topk_length": True},
+            {**DEEPSEEK, "T": 16, "H": 128, "block_size": 64, "num_blocks": 512, "K": 2048, "dtype": torch.bfloat16,
+             "invalid": 0.0, "strided": False, "cache": FP8_DS, "topk_length": True},
         ),
     )
 )
