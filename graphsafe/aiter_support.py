@@ -43,7 +43,10 @@ CAPABILITIES: dict[str, Capability] = {
         "lse=1 bf16 kernel, which gfx942's `hsa/gfx942/mla/mla_asm.csv` does not list "
         "(`get_heuristic_kernel_mla` raises); one split skips the LSE store",
     ),
-    "sparse_mla": Capability(ARCHS, "as mla_decode", "as mla_decode"),
+    "sparse_mla": Capability(
+        ARCHS, "as mla_decode; without `attn_sink` or `topk_length` (not adapted: Triton serves them)",
+        "as mla_decode",
+    ),
     "paged_attention_decode": Capability(
         (),
         "",
@@ -53,9 +56,17 @@ CAPABILITIES: dict[str, Capability] = {
     ),
     "flash_attn_varlen": Capability(
         ARCHS,
-        "bf16/fp16, `fp8=\"off\"`; at least one sequence",
+        "bf16/fp16, `fp8=\"off\"`; at least one sequence; no sliding window, softcap or sinks (not adapted: "
+        "Triton serves them)",
         "`aiter.flash_attn_varlen_func` (fmha v3 asm or CK). It uses `cu_seqlens` as given, so they are "
         "first clamped to graphsafe's contract. fp8 goes to Triton: aiter's fp8 type is e4m3fnuz on gfx942",
+    ),
+    "paged_attention_prefill": Capability(
+        (),
+        "",
+        "not adapted: aiter's paged prefill (`flash_attn_varlen_func` with `block_table`, "
+        "`mha_batch_prefill`) has not been read against graphsafe's contract (padding block ids, unread "
+        "cache rows, NaN placement)",
     ),
     "fp8_mqa_logits": Capability(
         ("gfx950",),

@@ -258,3 +258,19 @@ def test_bench_runs_the_fp8_ds_mla_rows_on_the_cpu(tmp_path):
     assert {r.case for r in fp8} == {"mla_decode", "sparse_mla"} and len(fp8) == len(rows) / 2
     for row in rows:
         assert row.error is None and row.gbps > 0, row
+
+
+def test_variant_rows_pair_each_variant_with_the_plain_shape_and_count_only_the_window():
+    """attention_variants yields, per op, the shape without the variants and then with
+    them; the window cuts the bytes (decode: keys read) and the FLOPs (prefill: pairs)."""
+    case = harness.load_cases()["attention_variants"]
+    problems = list(case.fn(torch.device("cpu"), case.shapes.cpu))
+    pairs = list(zip(problems[:-1:2], problems[1:-1:2]))
+    assert [plain.case for plain, _ in pairs] == ["paged_attention_decode", "flash_attn_varlen",
+                                                  "paged_attention_prefill"]
+    for plain, variant in pairs:
+        assert "window=-1" in plain.shape and "window=15" in variant.shape, (plain.shape, variant.shape)
+        assert variant.flops < plain.flops
+    decode_plain, decode_window = pairs[0]
+    assert decode_window.bytes < decode_plain.bytes
+    assert problems[-1].case == "sparse_mla" and "topk_length" in problems[-1].shape

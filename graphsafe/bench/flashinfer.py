@@ -136,23 +136,37 @@ def mla_decode_peers(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank,
     return _variants(device, variants, compare)
 
 
-def paged_decode_peers(q, k_cache, v_cache, block_table, seq_lens, scale, graphsafe_out) -> tuple[dict, str]:
-    """`BatchDecodeWithPagedKVCacheWrapper`: its decode kernel, and tensor cores (fa2)."""
+def _page_csr(block_table: torch.Tensor, seq_lens: torch.Tensor, page: int):
+    """FlashInfer's paged layout of graphsafe's block table: (indptr, the pages each
+    request uses in order, the keys in each request's last page)."""
+    pages = (seq_lens.long() + page - 1) // page
+    indptr = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).to(torch.int32)
+    used = torch.arange(block_table.shape[1], device=block_table.device) < pages[:, None]
+    last = (seq_lens.long() - (pages - 1) * page).clamp(1, page).to(torch.int32)
+    return indptr, block_table[used].contiguous(), last
+
+
+def _soft_cap(softcap: float) -> float | None:
+    return softcap if softcap > 0 else None
+
+
+def paged_decode_peers(q, k_cache, v_cache, block_table, seq_lens, scale, graphsafe_out, window_left: int = -1,
+                       softcap: float = 0.0) -> tuple[dict, str]:
+    """`BatchDecodeWithPagedKVCacheWrapper`: its decode kernel, and tensor cores (fa2);
+    with graphsafe's sliding window / softcap where given (FlashInfer's `window_left`,
+    `logits_soft_cap`)."""
     fi = _module()
     device = q.device
     b, hq, d = q.shape
     page, hk = k_cache.shape[1], k_cache.shape[2]
+    window, capped = window_left >= 0, softcap > 0
 
     def make(**kw):
         def plan():
-            # The pages each request uses, in order, and the keys in its last one.
-            pages = (seq_lens.long() + page - 1) // page
-            indptr = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).to(torch.int32)
-            used = torch.arange(block_table.shape[1], device=device) < pages[:, None]
-            last = (seq_lens.long() - (pages - 1) * page).clamp(1, page).to(torch.int32)
+            indptr, indices, last = _page_csr(block_table, seq_lens, page)
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(_workspace(device), "NHD", **kw)
-            wrapper.plan(indptr, block_table[used].contiguous(), last, hq, hk, d, page,
-                         q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale)
+            wrapper.plan(indptr, indices, last, hq, hk, d, page, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+                         sm_scale=scale, window_left=window_left, logits_soft_cap=_soft_cap(softcap))
             return lambda: wrapper.run(q, (k_cache, v_cache))
 
         return plan
@@ -160,13 +174,13 @@ def paged_decode_peers(q, k_cache, v_cache, block_table, seq_lens, scale, graphs
     def decode_spec():
         from flashinfer.jit.attention import modules
 
-        return modules.gen_batch_decode_module(BF16, BF16, BF16, torch.int32, d, d, 0, False, False)
+        return modules.gen_batch_decode_module(BF16, BF16, BF16, torch.int32, d, d, 0, window, capped)
 
     def prefill_spec():
         from flashinfer.jit.attention import modules
 
         return modules._gen_batch_prefill_primary_module("fa2", BF16, BF16, BF16, torch.int32, d, d, 0,
-                                                          False, False, False)
+                                                          window, capped, False)
 
     variants = [
         (f"{PREFIX} decode", decode_spec, make(use_tensor_cores=False)),
@@ -175,8 +189,48 @@ def paged_decode_peers(q, k_cache, v_cache, block_table, seq_lens, scale, graphs
     return _variants(device, variants, lambda o: f"max |out - graphsafe| {_max_diff(o, graphsafe_out):.3g}")
 
 
-def ragged_prefill_peers(q, k, v, cu_seqlens, scale, causal, graphsafe_out) -> tuple[dict, str]:
-    """`BatchPrefillWithRaggedKVCacheWrapper` fa3 and fa2 (one cu_seqlens for q and k)."""
+def _prefill_spec(backend: str, d: int, dv: int, window: bool, capped: bool):
+    def name():
+        from flashinfer.jit.attention import modules
+
+        if backend == "fa2":
+            return modules._gen_batch_prefill_primary_module("fa2", BF16, BF16, BF16, torch.int32, d, dv, 0,
+                                                              window, capped, False)
+        return modules.gen_batch_prefill_module("fa3", BF16, BF16, BF16, torch.int32, d, dv, 0, window, capped,
+                                                False)
+
+    return name
+
+
+def paged_prefill_peers(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, causal, graphsafe_out,
+                        window_left: int = -1, softcap: float = 0.0) -> tuple[dict, str]:
+    """`BatchPrefillWithPagedKVCacheWrapper` fa3 and fa2 over the same pages (the used
+    pages of each sequence as CSR), with the sliding window / softcap where given."""
+    fi = _module()
+    device = q.device
+    hq, d = q.shape[1], q.shape[2]
+    page, hk, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+
+    def make(backend: str):
+        def plan():
+            indptr, indices, last = _page_csr(block_table, seq_lens, page)
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(_workspace(device), "NHD", backend=backend)
+            wrapper.plan(cu_seqlens_q, indptr, indices, last, hq, hk, d, page, head_dim_vo=dv, causal=causal,
+                         sm_scale=scale, window_left=window_left, logits_soft_cap=_soft_cap(softcap),
+                         q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+            return lambda: wrapper.run(q, (k_cache, v_cache))
+
+        return plan
+
+    variants = [(f"{PREFIX} paged prefill {backend}", _prefill_spec(backend, d, dv, window_left >= 0, softcap > 0),
+                 make(backend)) for backend in ("fa3", "fa2")]
+    return _variants(device, variants, lambda o: f"max |out - graphsafe| {_max_diff(o, graphsafe_out):.3g}")
+
+
+def ragged_prefill_peers(q, k, v, cu_seqlens, scale, causal, graphsafe_out, window_left: int = -1,
+                         softcap: float = 0.0) -> tuple[dict, str]:
+    """`BatchPrefillWithRaggedKVCacheWrapper` fa3 and fa2 (one cu_seqlens for q and k),
+    with the sliding window / softcap where given."""
     fi = _module()
     device = q.device
     hq, d = q.shape[1], q.shape[2]
@@ -186,24 +240,14 @@ def ragged_prefill_peers(q, k, v, cu_seqlens, scale, causal, graphsafe_out) -> t
         def plan():
             wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), "NHD", backend=backend)
             wrapper.plan(cu_seqlens, cu_seqlens, hq, hk, d, head_dim_vo=dv, causal=causal, sm_scale=scale,
-                         q_data_type=q.dtype, kv_data_type=k.dtype)
+                         window_left=window_left, logits_soft_cap=_soft_cap(softcap), q_data_type=q.dtype,
+                         kv_data_type=k.dtype)
             return lambda: wrapper.run(q, k, v)
 
         return plan
 
-    def spec(backend: str):
-        def name():
-            from flashinfer.jit.attention import modules
-
-            if backend == "fa2":
-                return modules._gen_batch_prefill_primary_module("fa2", BF16, BF16, BF16, torch.int32, d,
-                                                                  dv, 0, False, False, False)
-            return modules.gen_batch_prefill_module("fa3", BF16, BF16, BF16, torch.int32, d, dv, 0, False,
-                                                    False, False)
-
-        return name
-
-    variants = [(f"{PREFIX} ragged prefill {backend}", spec(backend), make(backend)) for backend in ("fa3", "fa2")]
+    variants = [(f"{PREFIX} ragged prefill {backend}", _prefill_spec(backend, d, dv, window_left >= 0, softcap > 0),
+                 make(backend)) for backend in ("fa3", "fa2")]
     return _variants(device, variants, lambda o: f"max |out - graphsafe| {_max_diff(o, graphsafe_out):.3g}")
 
 

@@ -228,3 +228,177 @@ def flash_attn_varlen(device: torch.device, shapes: tuple):
                            "one pass, k and V^T written once, q quantised per tile in the kernel); "
                            "'quantisation launches only' times that prefix alone (its TFLOP/s is meaningless)")
         del q, k, v, args
+
+
+# -- paged prefill ------------------------------------------------------------------------
+# (sequences, new tokens each, keys each with the new ones) at Llama-3-8B shapes, block 16:
+# by default chunked prefill (512-token chunks after 3.5K cached tokens).
+PAGED_PREFILL_SHAPES = Shapes(
+    default=((8, 512, 4096),),
+    full=((8, 512, 4096), (4, 2048, 2048), (32, 128, 8192), (64, 16, 4096)),
+    cpu=((2, 16, 64),),
+)
+
+
+def _paged_prefill_inputs(b: int, n: int, ctx: int, device, hk=8, group=4, d=128, block_size=16,
+                          dtype=torch.bfloat16, causal=True, window_left=-1, softcap=0.0, sinks=False):
+    q, k_cache, v_cache, table, lens, scale = _decode_inputs(b, ctx, device, hk, group, d, block_size, dtype)
+    gen = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn((b * n, hk * group, d), device=device, dtype=dtype, generator=gen)
+    cu = torch.arange(b + 1, device=device, dtype=torch.int32) * n
+    sink = torch.randn(hk * group, device=device, generator=gen) if sinks else None
+    return q, k_cache, v_cache, table, lens, cu, n, scale, causal, None, None, window_left, softcap, sink
+
+
+def _visible_pairs(b: int, n: int, ctx: int, window_left: int) -> int:
+    """(query, key) pairs a causal prefill of n queries over ctx keys computes, per head."""
+    positions = torch.arange(ctx - n, ctx, dtype=torch.int64)
+    first = (positions - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(positions)
+    return b * int((positions + 1 - first).sum())
+
+
+def _gathered_varlen(args):
+    """What a user without the op runs: gather each sequence's K/V out of the cache, then
+    `flash_attn_varlen` over the packed copy (both inside the timing)."""
+    from graphsafe import flash_attn_varlen
+
+    q, k_cache, v_cache, table, lens, cu, n, scale, causal = args[:9]
+    b, ctx = table.shape[0], table.shape[1] * k_cache.shape[1]
+    cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * ctx
+
+    def run():
+        k = k_cache[table.long()].reshape(b * ctx, *k_cache.shape[2:])
+        v = v_cache[table.long()].reshape(b * ctx, *v_cache.shape[2:])
+        return flash_attn_varlen(q, k, v, cu, cu_k, n, ctx, scale, causal, None, None, None, "off", *args[11:])
+
+    return run
+
+
+def _paged_prefill_problem(spec, args, device, label: str) -> Problem:
+    q, k_cache, v_cache, table, lens, cu, n, scale, causal = args[:9]
+    window_left, softcap, sinks = args[11:]
+    b, ctx = table.shape[0], table.shape[1] * k_cache.shape[1]
+    hq, hk, d, dv = q.shape[1], k_cache.shape[2], q.shape[2], v_cache.shape[3]
+    impls, note = _graphsafe_only(spec, args, device, b * hq * n * ctx * 4 * 3)
+    impls["graphsafe gather + flash_attn_varlen"] = _gathered_varlen(args)
+    fi_impls, fi_note = {}, "flashinfer: no sinks in its paged prefill wrapper" if sinks is not None else ""
+    if sinks is None:
+        fi_impls, fi_note = flashinfer.paged_prefill_peers(*args[:6], scale, causal, spec.public(*args),
+                                                           window_left, softcap)
+    impls.update(fi_impls)
+    first = max(0, ctx - n - window_left) if window_left >= 0 else 0
+    flops = 2 * _visible_pairs(b, n, ctx, window_left) * hq * (d + dv)
+    kv_bytes = b * (ctx - first) * hk * (d + dv) * k_cache.element_size()
+    return Problem(case=spec.name, shape=label, impls=impls, bytes=kv_bytes + nbytes(q, table, lens, cu) + nbytes(q),
+                   flops=flops, bound="compute", peak_dtype=torch.bfloat16,
+                   note="; ".join(x for x in (note, fi_note) if x))
+
+
+@bench_case("paged_attention_prefill", PAGED_PREFILL_SHAPES)
+def paged_attention_prefill(device: torch.device, shapes: tuple):
+    """Causal prefill chunks over the paged cache: against the gather + varlen workaround,
+    the reference and FlashInfer's paged prefill."""
+    spec = get_op("paged_attention_prefill")
+    for b, n, ctx in shapes:
+        args = _paged_prefill_inputs(b, n, ctx, device)
+        yield _paged_prefill_problem(spec, args, device, f"{b}x{n} new over ctx={ctx} Hq=32 Hk=8 D=128 bs=16 bf16")
+        del args
+
+
+# -- the attention variants ---------------------------------------------------------------
+# gpt-oss-120b (TP1): Hq 64, Hk 8, D 64, sinks on every layer, a 128-token window on half of
+# them; Gemma-2-9B: Hq 16, Hk 8, D 256, logit softcap 50. Each variant row next to the same
+# shape without it (the default path), so the variant's cost or saving shows.
+VARIANT_SHAPES = Shapes(default=("gpt-oss",), full=("gpt-oss", "gemma-2"), cpu=("tiny",))
+_VARIANT_MODELS = {  # hk, group, d, window_left, softcap, (decode B, ctx), (prefill seqs, tokens)
+    "gpt-oss": (8, 8, 64, 127, 0.0, (64, 8192), (8, 4096)),
+    "gemma-2": (8, 2, 256, 4095, 50.0, (64, 8192), (4, 4096)),
+    "tiny": (2, 2, 32, 15, 5.0, (2, 128), (2, 64)),
+}
+
+
+def _decode_variant_problem(spec, device, model: str, window_left: int, softcap: float, sinks: bool) -> Problem:
+    hk, group, d = _VARIANT_MODELS[model][:3]
+    b, ctx = _VARIANT_MODELS[model][5]
+    q, k_cache, v_cache, table, lens, scale = _decode_inputs(b, ctx, device, hk, group, d)
+    sink = torch.randn(hk * group, device=device) if sinks else None
+    args = (q, k_cache, v_cache, table, lens, scale, None, None, window_left, softcap, sink)
+    impls, note = _graphsafe_only(spec, args, device, 2 * b * ctx * hk * 2 * d * 4)
+    keys = min(ctx, window_left + 1) if window_left >= 0 else ctx
+    fi_note = "flashinfer: no sinks in its decode wrapper"
+    if not sinks:
+        fi_impls, fi_note = flashinfer.paged_decode_peers(*args[:6], spec.public(*args), window_left, softcap)
+        impls.update(fi_impls)
+    label = (f"{model} B={b} ctx={ctx} Hq={hk * group} Hk={hk} D={d} window={window_left} softcap={softcap:g} "
+             f"sinks={'yes' if sinks else 'no'}")
+    return Problem(case=spec.name, shape=label, impls=impls,
+                   bytes=b * keys * hk * 2 * d * k_cache.element_size() + nbytes(q, table, lens) + nbytes(q),
+                   flops=4 * b * hk * group * keys * d, note="; ".join(x for x in (note, fi_note) if x))
+
+
+def _varlen_variant_problem(spec, device, model: str, window_left: int, softcap: float, sinks: bool) -> Problem:
+    hk, group, d = _VARIANT_MODELS[model][:3]
+    seqs, n = _VARIANT_MODELS[model][6]
+    hq = hk * group
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn((seqs * n, hq, d), device=device, dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn((seqs * n, hk, d), device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    cu = torch.arange(seqs + 1, device=device, dtype=torch.int32) * n
+    sink = torch.randn(hq, device=device, generator=gen) if sinks else None
+    args = (q, k, v, cu, cu, n, n, d**-0.5, True, None, None, None, "off", window_left, softcap, sink)
+    impls, note = _graphsafe_only(spec, args, device, seqs * hq * n * n * 4 * 3)
+    fi_note = "flashinfer: no sinks in its ragged prefill wrapper"
+    if not sinks:
+        fi_impls, fi_note = flashinfer.ragged_prefill_peers(q, k, v, cu, d**-0.5, True, spec.public(*args),
+                                                            window_left, softcap)
+        impls.update(fi_impls)
+    flops = 2 * _visible_pairs(seqs, n, n, window_left) * hq * 2 * d
+    label = (f"{model} {seqs}x{n} Hq={hq} Hk={hk} D={d} causal window={window_left} softcap={softcap:g} "
+             f"sinks={'yes' if sinks else 'no'}")
+    return Problem(case=spec.name, shape=label, impls=impls, bytes=nbytes(q, k, v) + nbytes(q), flops=flops,
+                   bound="compute", note="; ".join(x for x in (note, fi_note) if x))
+
+
+def _sparse_options_problem(device) -> Problem:
+    """DeepSeek-V3.2 sparse decode at T = 128, H = 128, K = 2048 with FlashMLA's options:
+    a sink per head and per-token lengths drawn in [K/2, K] (bytes count the keys read)."""
+    from graphsafe.bench.cases.mla import sparse_inputs
+
+    spec = get_op("sparse_mla")
+    tokens, heads, topk = (128, 128, 2048) if device.type == "cuda" else (4, 16, 64)
+    q, kv_cache, indices, scale, rank = sparse_inputs(tokens, heads, topk, device, region=4 * topk)
+    gen = torch.Generator(device=device).manual_seed(2)
+    length = torch.randint(topk // 2, topk + 1, (tokens,), device=device, generator=gen, dtype=torch.int32)
+    sink = torch.randn(heads, device=device, generator=gen)
+    args = (q, kv_cache, indices, scale, rank, sink, length)
+    keys = int(length.sum())
+    row = kv_cache.shape[-1] * kv_cache.element_size()
+    return Problem(case=spec.name, shape=f"T={tokens} H={heads} K={topk} attn_sink + topk_length in [K/2, K]",
+                   impls=op_peers(spec, args, device), bytes=keys * row + nbytes(q, indices) + nbytes(q),
+                   flops=2 * heads * keys * (q.shape[-1] + rank))
+
+
+@bench_case("attention_variants", VARIANT_SHAPES)
+def attention_variants(device: torch.device, shapes: tuple):
+    """Sliding window, softcap and sinks on paged decode, varlen and paged prefill, each next
+    to the same shape without them; sparse_mla with attn_sink and topk_length."""
+    decode, varlen, paged = (get_op(n) for n in ("paged_attention_decode", "flash_attn_varlen",
+                                                   "paged_attention_prefill"))
+    for model in shapes:
+        window_left, softcap = _VARIANT_MODELS[model][3:5]
+        sinks = model != "gemma-2"
+        plain = dict(window_left=-1, softcap=0.0, sinks=False)
+        variant = dict(window_left=window_left, softcap=softcap, sinks=sinks)
+        for options in (plain, variant):
+            yield _decode_variant_problem(decode, device, model, **options)
+        for options in (plain, variant):
+            yield _varlen_variant_problem(varlen, device, model, **options)
+        hk, group, d = _VARIANT_MODELS[model][:3]
+        b, n = (8, 512) if device.type == "cuda" else (2, 16)
+        ctx = 4096 if device.type == "cuda" else 64
+        for options in (plain, variant):
+            args = _paged_prefill_inputs(b, n, ctx, device, hk, group, d, **options)
+            yield _paged_prefill_problem(paged, args, device, f"{model} {b}x{n} new over ctx={ctx} Hq={hk * group} "
+                                         f"Hk={hk} D={d} window={args[11]} softcap={args[12]:g} "
+                                         f"sinks={'yes' if args[13] is not None else 'no'}")
+    yield _sparse_options_problem(device)
