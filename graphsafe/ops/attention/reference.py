@@ -36,7 +36,8 @@ def _masked_softmax_apply(
     denom = p.sum(dim=-1, keepdim=True)
     if sinks is not None:
         denom = torch.where(allowed.any(dim=-1, keepdim=True), denom + torch.exp(sinks - row_max), denom)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    # (A NaN normaliser, from a NaN score or sink, keeps the row NaN.)
+    p = p / torch.where(denom == 0, torch.ones_like(denom), denom)
     return torch.einsum(equation, p, values)
 
 
