@@ -287,6 +287,7 @@ def flash_attn_varlen(
     debug_check="graphsafe.ops.attention.debug:debug_check_paged_attention_prefill",
     backends={
         "reference": "graphsafe.ops.attention.reference:paged_attention_prefill",
+        "triton": Backend(prepare="graphsafe.ops.attention.triton_paged:prepare_paged_attention_prefill"),
     },
 )
 def paged_attention_prefill(
