@@ -220,6 +220,10 @@ def bind_paged_prefill(
     num_q_blocks = triton.cdiv(max_seqlen_q, block_q)
     if num_seqs == 0 or num_q_blocks == 0 or tq == 0 or hq == 0:
         return None
+    kv_fp8 = k_cache.dtype.itemsize == 1
+    # fp8 caches: head tiles of at least 32 columns. Triton 3.6 on sm_90 reads shared memory
+    # out of bounds (compute-sanitizer) for a [64, 16] fp8 V tile converted for the P.V dot.
+    least = 32 if kv_fp8 else 16
     if softcap > 0:
         qk_scale, cap = scale / softcap, softcap * LOG2E
     else:
@@ -233,7 +237,8 @@ def bind_paged_prefill(
         block_table.stride(0), block_table.stride(1), seq_lens.stride(0), hq * dv, dv,  # out is contiguous
         tq, block_table.shape[1] * block_size, num_blocks, hk, num_q_blocks, qk_scale, cap, window_left,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
-        D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        D=d, BLOCK_D=max(least, triton.next_power_of_2(d)),
+        DV=dv, BLOCK_DV=max(least, triton.next_power_of_2(dv)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, CAUSAL=causal, WINDOW=window_left >= 0, SOFTCAP=softcap > 0,
-        HAS_SINKS=has_sinks, KV_FP8=k_cache.dtype.itemsize == 1, num_warps=num_warps, num_stages=num_stages,
+        HAS_SINKS=has_sinks, KV_FP8=kv_fp8, num_warps=num_warps, num_stages=num_stages,
     )
