@@ -692,3 +692,88 @@ def test_fp8_probe_kernel_logic_in_the_interpreter():
     from graphsafe.ops.attention._triton_quant import run_fp8_probe
 
     assert run_fp8_probe(torch.device("cpu"))
+
+
+# -- decode variants on the Triton kernel ------------------------------------------------------
+def _variant_inputs(seq_lens, seed, **params):
+    """Decode inputs (float16, 2 KV heads of 4 query heads, block size 4) as a mutable list."""
+    case = case_for("paged_attention_decode")
+    max_blocks = params.pop("max_blocks", 8)
+    return list(case.inputs({**case.example, "B": len(seq_lens), "seq_lens": seq_lens, "max_blocks": max_blocks,
+                             **params}, "cpu", seed))
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_kernel_sink_infinities(splits):
+    """A sink of -inf changes nothing (bit for bit), +inf gives 0, NaN gives NaN, per
+    head; a request without a key stays 0 whatever the sink."""
+    args = _variant_inputs([0, 5, 27], 11)
+    decode = _triton().paged_attention_decode
+    plain = decode(*args, num_splits=splits)
+    hq = args[0].shape[1]
+    args[10] = torch.full((hq,), float("-inf"))
+    assert torch.equal(decode(*args, num_splits=splits), plain)
+    args[10] = torch.tensor([float("inf"), float("nan")] * (hq // 2))
+    out = decode(*args, num_splits=splits)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(out[1:, 0::2], torch.zeros_like(out[1:, 0::2]))
+    assert out[1:, 1::2].isnan().all()
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 4, 7])
+def test_decode_kernel_window_never_reads_before_it(splits):
+    """A window of 10 keys at the end of 29 and 61 tokens: with several splits (where
+    splits over [0, len) would lie wholly before the window), block-table entries of
+    blocks before the window hold junk ids and tokens before it NaN: the output is bit
+    for bit the clean call's and matches the reference."""
+    from graphsafe.testing.contract import poisoned
+
+    case = case_for("paged_attention_decode")
+    params = {**case.example, "B": 2, "seq_lens": [29, 61], "max_blocks": 16, "window_left": 9, "sinks": True}
+    args = case.inputs(params, "cpu", 3)
+    marks = case.unread(params, args)
+    dirty = list(poisoned(args, marks))
+    table_before = marks[2][1] & (torch.arange(16)[None, :] < torch.tensor([[4], [12]]))
+    assert table_before.sum() == 4 + 12  # entries wholly before the window are among those poisoned
+    dirty[3] = torch.where(table_before, torch.tensor([-1, 10**6, 0], dtype=torch.int32).repeat(7)[:16], args[3])
+    clean = _triton().paged_attention_decode(*args, num_splits=splits)
+    assert torch.equal(_triton().paged_attention_decode(*dirty, num_splits=splits), clean)
+    expected = reference.paged_attention_decode(*args)
+    attention_compare(expected, clean, args[2].abs().max().item(), torch.float16, False, 0, f"window, {splits} splits")
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", [{"window_left": 5}, {"softcap": 0.5}, {"sinks": True},
+                                     {"window_left": 13, "softcap": 4.0, "sinks": True}])
+def test_decode_kernel_split_counts_agree_on_variants(variant):
+    """One split (sinks in the decode epilogue) and several (sinks in the combine) give
+    the reference's result, also with empty splits and an empty request."""
+    args = _variant_inputs([0, 3, 22, 32], 4, **variant)
+    expected = reference.paged_attention_decode(*args)
+    vmax = args[2].abs().max().item()
+    for splits in (1, 2, 5, 9):
+        actual = _triton().paged_attention_decode(*args, num_splits=splits)
+        assert torch.equal(actual[0], torch.zeros_like(actual[0]))
+        attention_compare(expected, actual, vmax, torch.float16, False, 0, f"{variant}, {splits} splits")
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_kernel_softcap_of_infinite_scores(splits):
+    """Softcap maps +-inf scores to +-c: a query with +inf in one component over keys
+    whose component is positive (+inf scores) or negative (-inf) gives finite weights,
+    the reference's; without the softcap the +inf scores make the row NaN."""
+    args = _variant_inputs([7, 20], 8, softcap=2.0)
+    q, k_cache = args[0].clone(), args[1].clone()
+    q[:, :, 0] = float("inf")
+    k_cache[..., 0] = k_cache[..., 0].abs() + 0.1
+    k_cache[::2, :, :, 0] = -k_cache[::2, :, :, 0]  # every other block: -inf scores
+    args[0], args[1] = q, k_cache
+    out = _triton().paged_attention_decode(*args, num_splits=splits)
+    assert torch.isfinite(out).all()
+    expected = reference.paged_attention_decode(*args)
+    attention_compare(expected, out, args[2].abs().max().item(), torch.float16, False, 0, f"softcap, {splits} splits")
+    args[9] = 0.0
+    assert _triton().paged_attention_decode(*args, num_splits=splits).isnan().any()

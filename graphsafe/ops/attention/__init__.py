@@ -70,7 +70,6 @@ def flash_attn_varlen_workspace(
         "triton": Backend(
             "graphsafe.ops.attention.triton:paged_attention_decode",
             prepare="graphsafe.ops.attention.triton:prepare_paged_attention_decode",
-            supports="graphsafe.ops.attention.triton:supports_plain_decode",
             workspace=decode_workspace_specs,
         ),
     },

@@ -8,6 +8,12 @@ the device) evenly among the splits; the split count itself is fixed from shapes
 host (split_kv.py). With one split the kernel writes the output; otherwise it writes a
 normalised partial output and its log2-sum-exp, and `_combine_kernel` merges them.
 `bind_paged_decode` and `bind_combine` bind the two launches to a call signature.
+
+The variants are constexpr switches, so the default path compiles as before:
+HAS_WINDOW (a request's keys start at `max(0, len - 1 - window_left)`, and its splits
+divide that range, so nothing before the window is read), SOFTCAP (`c * tanh(s / c)`
+on the scores) and HAS_SINKS (the sink joins the normaliser where the output is made:
+in the decode kernel's epilogue with one split, in the combine kernel with several).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import triton.language as tl
 from graphsafe.launch import Launch, bind
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # kernels may only read constexpr globals
 
 
 @triton.jit
@@ -36,15 +43,25 @@ def _ids_in_range(table_row, stride_tm, start, end, block_size, num_blocks, CHUN
 
 
 @triton.jit
+def _softcapped(s, cap_log2, cap_rate):
+    """`c * tanh(s / c)` of scores `s` in log2 units (`s = t * log2(e)`), in log2 units:
+    `cap_log2 = c * log2(e)`, `cap_rate = -2 / c`. tanh(x) = sign(x) (1 - e) / (1 + e)
+    with e = exp(-2|x|) <= 1: +-inf gives +-c, NaN stays NaN, nothing overflows."""
+    e = tl.exp2(tl.abs(s) * cap_rate)
+    t = (1.0 - e) / (1.0 + e)
+    return cap_log2 * tl.where(s < 0.0, -t, t)
+
+
+@triton.jit
 def _attend_tiles(
     q, k_head, v_head, table_row, start, end, stride_kb, stride_kt, stride_vb, stride_vt, stride_tm,
-    block_size, num_blocks, qk_scale, offs_d, offs_dv, d_mask, dv_mask,
+    block_size, num_blocks, qk_scale, cap_log2, cap_rate, offs_d, offs_dv, d_mask, dv_mask,
     BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-    CHECK_IDS: tl.constexpr,
+    CHECK_IDS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Online softmax over key positions [start, end): (m, l, acc) in log2 units.
     CHECK_IDS: mask tokens of padding blocks (ids outside [0, num_blocks)); without it
-    every id must be valid (`_ids_in_range`)."""
+    every id must be valid (`_ids_in_range`). SOFTCAP: cap the scores (`_softcapped`)."""
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
@@ -70,6 +87,8 @@ def _attend_tiles(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale
+        if SOFTCAP:  # before the mask: a masked key stays -inf, not -c
+            s = _softcapped(s, cap_log2, cap_rate)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet (padding blocks)
@@ -82,27 +101,42 @@ def _attend_tiles(
 
 
 @triton.jit
+def _with_sink(l_i, m_i, has_keys, sinks_ptr, heads, g_mask, stride_sinks):
+    """The normaliser `l` (log2 units, max `m`) with the heads' sinks added, `+ 2^(sink *
+    log2(e) - m)`, where the row has a key (one without any stays 0, whatever the sink)."""
+    sink = tl.load(sinks_ptr + heads * stride_sinks, mask=g_mask & has_keys, other=float("-inf"))
+    return l_i + tl.exp2(sink * _LOG2E - tl.where(has_keys, m_i, 0.0))
+
+
+@triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    stride_tb, stride_tm, stride_lens,
+    stride_tb, stride_tm, stride_lens, stride_sinks,
     stride_ob, stride_oh,
-    max_len, block_size, num_blocks, qk_scale,
+    max_len, block_size, num_blocks, qk_scale, window_left, cap_log2, cap_rate,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_FP8: tl.constexpr, CHECK_IDS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     length = tl.minimum(tl.maximum(tl.load(lens_ptr + b * stride_lens), 0), max_len)
+    span = length
+    if HAS_WINDOW:  # keys [first, length): the splits share the window, not [0, length)
+        first = tl.maximum(length - 1 - window_left, 0)
+        span = length - first
     # This request's share, in whole tiles: splits past its end are empty.
-    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
+    if HAS_WINDOW:
+        start += first
     end = tl.minimum(start + chunk, length)
 
     table_row = table_ptr + b * stride_tb
@@ -132,13 +166,15 @@ def _paged_decode_kernel(
     v_head = v_ptr + kv_head * stride_vh
     m_i, l_i, acc = _attend_tiles(
         q, k_head, v_head, table_row, start, tl.where(mine, end, start), stride_kb, stride_kt, stride_vb, stride_vt,
-        stride_tm, block_size, num_blocks, qk_scale, offs_d, offs_dv, d_mask, dv_mask,
-        BLOCK_G, BLOCK_DV, BLOCK_N, KV_FP8, CHECK_IDS,
+        stride_tm, block_size, num_blocks, qk_scale, cap_log2, cap_rate, offs_d, offs_dv, d_mask, dv_mask,
+        BLOCK_G, BLOCK_DV, BLOCK_N, KV_FP8, CHECK_IDS, SOFTCAP,
     )
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
     has_keys = l_i > 0.0
+    if HAS_SINKS:  # (bound only with one split: partials stay sink-free for the combine)
+        l_i = _with_sink(l_i, m_i, has_keys, sinks_ptr, heads, g_mask, stride_sinks)
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
         out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
@@ -154,8 +190,9 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, num_q_heads, stride_ob, stride_oh,
+    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_q_heads, stride_sinks, stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -169,39 +206,52 @@ def _combine_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight is 0, out 0
     w = tl.exp2(lse - m)
     denom = tl.sum(w, axis=0)
+    has_keys = denom > 0.0
+    if HAS_SINKS:
+        # Against the largest lse, not the largest score: the ratio is the same. A row
+        # without a key (denom 0) stays 0 whatever the sink; a NaN sink gives NaN.
+        sink = tl.load(sinks_ptr + head * stride_sinks)
+        denom += tl.where(has_keys, tl.exp2(sink * _LOG2E - m), 0.0)
     o = tl.load(
         part_o_ptr + (row * NUM_SPLITS + offs_s)[:, None] * DV + offs_dv[None, :],
         mask=s_mask[:, None] & dv_mask[None, :], other=0.0,
     )
-    out = tl.sum(o * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(has_keys, denom, 1.0)
     tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty), mask=dv_mask)
 
 
 def bind_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, num_splits: int, config: tuple[int, int, int],
+    scale: float, num_splits: int, config: tuple[int, int, int], window_left: int = -1, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> Launch:
-    """The decode kernel bound to these inputs' shapes and strides, into a contiguous
-    `[B, Hq, Dv]` output: `launch(q, k_cache, v_cache, block_table, seq_lens, k_scale,
-    v_scale, out, part_o, part_lse)`. bf16/fp16 caches read no scales, and one split
-    writes no partials: pass any tensor of the device there (e.g. q, out). Two launches
-    of the kernel, without and with the per-token id check (see the kernel)."""
+    """The decode kernel bound to these inputs' shapes and strides and to the variants
+    (`window_left`, `softcap`, whether there are `sinks`), into a contiguous `[B, Hq, Dv]`
+    output: `launch(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sinks,
+    out, part_o, part_lse)`. bf16/fp16 caches read no scales, a call without sinks reads
+    none, and one split writes no partials: pass any tensor of the device there (e.g. q,
+    out). With several splits the partials leave the sinks out (the combine adds them).
+    Two launches of the kernel, without and with the per-token id check (see the kernel)."""
     b, hq, d = q.shape
     _, block_size, hk, dv = v_cache.shape
     group = hq // hk
     block_n, num_warps, num_stages = config
+    # softcap c in log2 units: c * log2(e), and tanh's exp(-2|x|) = exp2(|s| * -2 / c).
+    cap_log2, cap_rate = (softcap * LOG2E, -2.0 / softcap) if softcap > 0 else (0.0, 0.0)
     unchecked, checked = (bind(
         _paged_decode_kernel, (b, hk, num_splits),
-        q, k_cache, v_cache, block_table, seq_lens, q, q, q, q, q,  # scales, out, partials: placeholders
+        q, k_cache, v_cache, block_table, seq_lens, q, q, q, q, q, q,  # scales, sinks, out, partials: placeholders
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), block_table.stride(1), seq_lens.stride(0),
+        block_table.stride(0), block_table.stride(1), seq_lens.stride(0), 0 if sinks is None else sinks.stride(0),
         hq * dv, dv,  # the output's strides
-        block_table.shape[1] * block_size, block_size, k_cache.shape[0], scale * LOG2E,
+        block_table.shape[1] * block_size, block_size, k_cache.shape[0], scale * LOG2E, max(window_left, 0),
+        cap_log2, cap_rate,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_FP8=k_cache.dtype.itemsize == 1, CHECK_IDS=check,
+        HAS_WINDOW=window_left >= 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None and num_splits == 1,
         num_warps=num_warps, num_stages=num_stages,
     ) for check in (False, True))
 
@@ -212,13 +262,19 @@ def bind_paged_decode(
     return launch
 
 
-def bind_combine(like: torch.Tensor, batch: int, num_q_heads: int, head_dim_v: int, num_splits: int) -> Launch:
+def bind_combine(
+    like: torch.Tensor, batch: int, num_q_heads: int, head_dim_v: int, num_splits: int,
+    sinks: torch.Tensor | None = None,
+) -> Launch:
     """The combine kernel bound for `num_splits` partials per (request, query head):
-    `launch(part_o, part_lse, out)`, out contiguous `[B, Hq, Dv]`. `like`: any tensor of
+    `launch(part_o, part_lse, sinks, out)`, out contiguous `[B, Hq, Dv]`; with `sinks`
+    (bound here by stride) each head's sink joins the normaliser once, without them the
+    `sinks` argument is not read (pass any tensor of the device). `like`: any tensor of
     the device (placeholder for the tensor arguments)."""
     return bind(
         _combine_kernel, (batch, num_q_heads),
-        like, like, like, num_q_heads, num_q_heads * head_dim_v, head_dim_v,
+        like, like, like, like, num_q_heads, 0 if sinks is None else sinks.stride(0),
+        num_q_heads * head_dim_v, head_dim_v,
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-        DV=head_dim_v, BLOCK_DV=triton.next_power_of_2(head_dim_v), num_warps=4,
+        DV=head_dim_v, BLOCK_DV=triton.next_power_of_2(head_dim_v), HAS_SINKS=sinks is not None, num_warps=4,
     )

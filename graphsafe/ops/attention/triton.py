@@ -46,13 +46,6 @@ def _hopper_or_newer(device: torch.device) -> bool:
     return cc is not None and cc >= (9, 0)
 
 
-def supports_plain_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
-                          window_left=-1, softcap=0.0, sinks=None) -> bool:
-    """Until the kernel takes them: no sliding window, softcap or sinks (the registry
-    hands such calls to the reference)."""
-    return window_left == -1 and softcap == 0.0 and sinks is None
-
-
 def supports_plain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                           q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0,
                           sinks=None) -> bool:
@@ -74,8 +67,9 @@ def prepare_paged_attention_decode(
 ):
     """The runner of this call signature: the split plan, the decode launch and (with
     more than one split) the combine launch and the partials' workspace specs, fixed
-    here. A call makes 1 launch, or 2 with splits. `num_splits` (tests only) overrides
-    the shape-based plan."""
+    here, with the variants (`window_left`, `softcap`, whether there are `sinks`: host
+    arguments of the signature) bound into them. A call makes 1 launch, or 2 with
+    splits. `num_splits` (tests only) overrides the shape-based plan."""
     b, hq, _ = q.shape
     _, block_size, hk, dv = v_cache.shape
     shape, dtype, device = (b, hq, dv), q.dtype, q.device
@@ -91,20 +85,23 @@ def prepare_paged_attention_decode(
     if num_splits is None:
         num_splits = plan_decode_splits(b, hk, block_table.shape[1], block_size, device)
     kv_fp8 = k_cache.dtype.itemsize == 1
-    decode = bind_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, decode_config(device))
+    decode = bind_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, decode_config(device),
+                               window_left, softcap, sinks)
     if num_splits == 1:
         def run(q, k_cache, v_cache, block_table, seq_lens, scale,
                   k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
             out = new_out()
             if not kv_fp8:
                 k_scale = v_scale = q  # bf16/fp16 caches read no scale: placeholders
-            decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, out, out, out)
+            if sinks is None:
+                sinks = q  # not read: a placeholder
+            decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sinks, out, out, out)
             return out
 
         return run
 
     specs = (((b, hq, num_splits, dv), torch.float32), ((b, hq, num_splits), torch.float32))
-    combine = bind_combine(q, b, hq, dv, num_splits)
+    combine = bind_combine(q, b, hq, dv, num_splits, sinks)
 
     def run_split(q, k_cache, v_cache, block_table, seq_lens, scale,
                   k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
@@ -112,8 +109,10 @@ def prepare_paged_attention_decode(
         part_o, part_lse = current_workspace_manager(device).get_simultaneous(*specs, owner=DECODE_OWNER)
         if not kv_fp8:
             k_scale = v_scale = q
-        decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, out, part_o, part_lse)
-        combine(part_o, part_lse, out)
+        if sinks is None:
+            sinks = part_lse  # not read: a placeholder
+        decode(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sinks, out, part_o, part_lse)
+        combine(part_o, part_lse, sinks, out)
         return out
 
     return run_split
