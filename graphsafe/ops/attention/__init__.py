@@ -170,7 +170,6 @@ def paged_attention_decode(
         "triton": Backend(
             "graphsafe.ops.attention.triton:flash_attn_varlen",
             prepare="graphsafe.ops.attention.triton:prepare_flash_attn_varlen",
-            supports="graphsafe.ops.attention.triton:supports_plain_varlen",
             workspace="graphsafe.ops.attention.triton:flash_attn_varlen_workspace",
         ),
         "aiter": Backend(

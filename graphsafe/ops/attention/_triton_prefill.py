@@ -28,6 +28,21 @@ the sequence in registers, so a neighbour's NaN never meets a p = 0.
 Softmax arithmetic per score: the row max is taken over the raw q.k (qk_scale > 0: the
 kernel moves a negative scale's sign into q), the exponent is one FMA, the fp8 P cast
 needs no multiply, and acc is rescaled and then accumulated in place by the MMA.
+
+Variants, each a constexpr switch (off: the code above, unchanged):
+* WINDOW_LEFT >= 0 (sliding window): row i sees frame keys n >= i + diag - WINDOW_LEFT.
+  The key loop starts at the block of the first key the query block's first row sees
+  (earlier blocks are never loaded) and runs in three phases: blocks the window's lower
+  edge cuts through the query block (masked; their loads stop below that first key, so
+  keys no row of the block sees never enter the arithmetic, not even as 0 * NaN), blocks
+  every row sees (unmasked), then the diagonal/tail blocks (masked).
+* SOFTCAP > 0 (the cap in log2 units, softcap * log2(e)): scores become
+  SOFTCAP * tanh(t / SOFTCAP) of the log2-unit score t, tanh as 1 - 2 / (e^2x + 1)
+  (+-inf give +-1, NaN stays NaN), before masking; the row max is then taken over the
+  capped scores.
+* HAS_SINKS: the sink logit of the query head joins the normaliser once, after the key
+  loop, against the final row max: l += 2^(sink * log2(e) - m) (times P_SCALE for fp8,
+  like the rest of l).
 """
 
 from __future__ import annotations
@@ -46,6 +61,7 @@ KV_ALIGN = 16
 _P_LOG2 = tl.constexpr(int(P_SCALE).bit_length() - 1)  # exp2 shift: P_SCALE = 2^_P_LOG2
 assert 2.0**_P_LOG2.value == P_SCALE
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # smallest normal float32
+_LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -75,24 +91,45 @@ def _load_kt(base, rel_n, offs_d, stride_kt, n_mask, D: tl.constexpr, NMASK: tl.
 
 
 @triton.jit
+def _zero_keys(v, n_mask, offs_n, lead):
+    """v (fp8) with the rows of keys outside `n_mask` or before `lead` zeroed, bitwise
+    (no arithmetic on fp8)."""
+    v_bits = v.to(tl.int8, bitcast=True)
+    token_ok = n_mask & (offs_n >= lead)
+    return tl.where(token_ok[:, None], v_bits, tl.zeros_like(v_bits)).to(v.dtype, bitcast=True)
+
+
+@triton.jit
 def _key_block(
-    acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, lead, k_hi, diag, qk_scale,
+    acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, lead, k_hi, diag, key_lo, qk_scale,
     stride_kt, stride_vt, stride_vd,
     D: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr, EMULATE: tl.constexpr,
-    KV_ALIGN: tl.constexpr,
+    KV_ALIGN: tl.constexpr, WINDOW_LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Keys [start_n, start_n + BLOCK_N) of the (aligned) key frame, at pointers k_blk,
-    v_blk, into the online softmax. MASKED blocks hide keys outside [lead, k_hi) and,
-    when CAUSAL, keys past row i's diagonal (n > i + diag)."""
+    v_blk, into the online softmax. MASKED blocks hide keys outside [lead, k_hi), when
+    CAUSAL keys past row i's diagonal (n > i + diag) and, with a window (WINDOW_LEFT >= 0),
+    keys before row i's window (n < i + diag - WINDOW_LEFT); they load no key below
+    `key_lo` (the first key the query block's first row sees; window only). With SOFTCAP,
+    `qk_scale` is the tanh argument's scale (see the kernel) and scores are capped before
+    the mask."""
     rel_n = tl.arange(0, BLOCK_N)
     offs_n = start_n + rel_n
     n_mask = offs_n < k_hi
+    if WINDOW_LEFT >= 0:
+        if MASKED:
+            n_mask = n_mask & (offs_n >= key_lo)
     offs_da = tl.arange(0, BLOCK_DA)
     s = tl.dot(q_a, _load_kt(k_blk, rel_n, offs_da, stride_kt, n_mask, D, MASKED, BLOCK_DA > D))
     if BLOCK_DB > 0:
         offs_db = BLOCK_DA + tl.arange(0, BLOCK_DB)
         s = tl.dot(q_b, _load_kt(k_blk, rel_n, offs_db, stride_kt, n_mask, D, MASKED, BLOCK_DA + BLOCK_DB > D), s)
+    if SOFTCAP > 0:
+        # The capped score in log2 units, SOFTCAP * tanh(t / SOFTCAP) with tanh(x) =
+        # 1 - 2 / (2^(x * 2 log2(e)) + 1) (qk_scale folds that factor in): the scale is
+        # spent here, and a masked key's -inf comes after the cap.
+        s = SOFTCAP * (1.0 - 2.0 / (tl.exp2(s * qk_scale) + 1.0))
     # qk_scale > 0 (the kernel folded any sign into q): the row max of the raw scores
     # scaled is the max of the scaled scores, and the exponent is one FMA per score.
     if MASKED:
@@ -101,17 +138,25 @@ def _key_block(
             visible = visible & (offs_n[None, :] >= lead)
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
+        if WINDOW_LEFT >= 0:
+            visible = visible & (offs_n[None, :] >= offs_m[:, None] + (diag - WINDOW_LEFT))
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    if SOFTCAP > 0:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
     else:
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    if MASKED:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    else:
         m_ref = m_new
     alpha = tl.exp2(m_i - m_ref)
     if FP8:
         # p * P_SCALE straight from the exponent: P's fp8 operand without a multiply.
         m_ref = m_ref - _P_LOG2
-    p = tl.exp2(s * qk_scale - m_ref[:, None])
+    if SOFTCAP > 0:
+        p = tl.exp2(s - m_ref[:, None])
+    else:
+        p = tl.exp2(s * qk_scale - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -124,10 +169,10 @@ def _key_block(
             # 0 * NaN is not 0, and a neighbour's NaN must not reach this sequence.
             group_ok = (offs_n // KV_ALIGN) * KV_ALIGN < k_hi
             v = tl.load(v_ptrs, mask=group_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            if (lead > 0) | (k_hi % KV_ALIGN != 0):  # (sequences on group bounds skip this)
-                v_bits = v.to(tl.int8, bitcast=True)
-                token_ok = n_mask & (offs_n >= lead)
-                v = tl.where(token_ok[:, None], v_bits, tl.zeros_like(v_bits)).to(v.dtype, bitcast=True)
+            if WINDOW_LEFT >= 0:  # key_lo cuts groups anywhere
+                v = _zero_keys(v, n_mask, offs_n, lead)
+            elif (lead > 0) | (k_hi % KV_ALIGN != 0):  # (sequences on group bounds skip this)
+                v = _zero_keys(v, n_mask, offs_n, lead)
         else:
             v = tl.load(v_ptrs, mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
     elif BLOCK_DV > DV:
@@ -146,18 +191,21 @@ def _key_block(
 
 @triton.jit
 def _varlen_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, sinks_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh,
     stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h,
     qk_scale, num_q_heads, num_m_blocks, total_q, total_k,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FP8: tl.constexpr, HAS_DESCALE: tl.constexpr, Q_QUANT: tl.constexpr,
-    EMULATE: tl.constexpr, KV_ALIGN: tl.constexpr,
+    EMULATE: tl.constexpr, KV_ALIGN: tl.constexpr, WINDOW_LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Q_QUANT: q is bf16/fp16 and `qd_ptr` holds its amax; the program quantises its own
     query tile once, before the key loop (saving a pass over q, the largest input under
-    GQA). KV_ALIGN: see the module docstring (1: keys from k_start itself)."""
+    GQA). KV_ALIGN: see the module docstring (1: keys from k_start itself). Variants
+    (module docstring): WINDOW_LEFT (-1: none), SOFTCAP (in log2 units; 0: none),
+    HAS_SINKS (`sinks_ptr` [Hq] float32; else a placeholder never read)."""
     pid = tl.program_id(0)
     seq_head = pid // num_m_blocks
     m_block = num_m_blocks - 1 - pid % num_m_blocks  # heaviest causal block first
@@ -206,6 +254,8 @@ def _varlen_fwd_kernel(
         q_b = _negate_if(q_b, qk_scale < 0, FP8)
     # (A NaN descale stays NaN: every score NaN, as in the reference.)
     qk_scale = tl.maximum(tl.abs(qk_scale), _FLT_MIN, propagate_nan=tl.PropagateNan.ALL)
+    if SOFTCAP > 0:
+        qk_scale = qk_scale * (2 * _LOG2E / SOFTCAP)  # the tanh's exp2 argument per raw score
     k_base = k_ptr + kv0.to(tl.int64) * stride_kt + kv_head * stride_kh
     v_base = v_ptr + kv0.to(tl.int64) * stride_vt + kv_head * stride_vh
 
@@ -226,45 +276,81 @@ def _varlen_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    # Block 0 holds keys of the previous sequence when lead > 0: masked, before the
-    # unmasked run (when it is not a masked tail block anyway).
-    lead_block = (lead > 0) & (full_end > 0)
-    lo = tl.where(lead_block, BLOCK_N, 0)
-    if KV_ALIGN > 1:
-        if lead_block:
+    if WINDOW_LEFT >= 0:
+        # Row i sees n >= i + diag - WINDOW_LEFT. key_lo: the first key (of the sequence)
+        # row m0 sees; blocks before its block are skipped, never loaded. From `lo` on,
+        # every (computed) row's window and the sequence hold the whole block (the lead
+        # keys sit in block 0, so lead > 0 puts lo at BLOCK_N or later): blocks before lo
+        # are the window's masked edge.
+        key_lo = tl.maximum(m0 + diag - WINDOW_LEFT, lead)
+        m_last = tl.minimum(m0 + BLOCK_M, q_len) - 1
+        lo = tl.cdiv(tl.maximum(m_last + diag - WINDOW_LEFT, lead), BLOCK_N) * BLOCK_N
+        first = (key_lo // BLOCK_N) * BLOCK_N
+        k_blk = k_base + first.to(tl.int64) * stride_kt
+        v_blk = v_base + first.to(tl.int64) * stride_vt
+        for start_n in range(first, tl.minimum(lo, hi), BLOCK_N):
             acc, l_i, m_i = _key_block(
-                acc, l_i, m_i, q_a, q_b, k_base, v_base, 0, offs_m, lead, k_hi, diag, qk_scale,
+                acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, lead, k_hi, diag, key_lo, qk_scale,
                 stride_kt, stride_vt, stride_vd, D, BLOCK_DA, BLOCK_DB, DV, BLOCK_DV, BLOCK_N,
-                True, CAUSAL, FP8, EMULATE, KV_ALIGN,
+                True, CAUSAL, FP8, EMULATE, KV_ALIGN, WINDOW_LEFT, SOFTCAP,
             )
-    # Block pointers advance in 64-bit (long sequences overflow int32 offsets); the
-    # masked phase continues where the unmasked one stopped (full_end is block aligned,
-    # and lo <= full_end: a lead block implies full_end >= BLOCK_N).
-    k_blk = k_base + lo * stride_kt
-    v_blk = v_base + lo * stride_vt
+            k_blk += BLOCK_N * stride_kt
+            v_blk += BLOCK_N * stride_vt
+        # The unmasked run starts at lo (empty when lo >= full_end); the masked tail
+        # right after it.
+        k_blk = k_base + lo.to(tl.int64) * stride_kt
+        v_blk = v_base + lo.to(tl.int64) * stride_vt
+        tail = tl.maximum(full_end, lo)
+    else:
+        key_lo = lead  # (not read without a window)
+        # Block 0 holds keys of the previous sequence when lead > 0: masked, before the
+        # unmasked run (when it is not a masked tail block anyway).
+        lead_block = (lead > 0) & (full_end > 0)
+        lo = tl.where(lead_block, BLOCK_N, 0)
+        if KV_ALIGN > 1:
+            if lead_block:
+                acc, l_i, m_i = _key_block(
+                    acc, l_i, m_i, q_a, q_b, k_base, v_base, 0, offs_m, lead, k_hi, diag, key_lo, qk_scale,
+                    stride_kt, stride_vt, stride_vd, D, BLOCK_DA, BLOCK_DB, DV, BLOCK_DV, BLOCK_N,
+                    True, CAUSAL, FP8, EMULATE, KV_ALIGN, WINDOW_LEFT, SOFTCAP,
+                )
+        # Block pointers advance in 64-bit (long sequences overflow int32 offsets); the
+        # masked phase continues where the unmasked one stopped (full_end is block aligned,
+        # and lo <= full_end: a lead block implies full_end >= BLOCK_N).
+        k_blk = k_base + lo * stride_kt
+        v_blk = v_base + lo * stride_vt
+        tail = full_end
     for start_n in range(lo, full_end, BLOCK_N):
         acc, l_i, m_i = _key_block(
-            acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, lead, k_hi, diag, qk_scale,
+            acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, lead, k_hi, diag, key_lo, qk_scale,
             stride_kt, stride_vt, stride_vd, D, BLOCK_DA, BLOCK_DB, DV, BLOCK_DV, BLOCK_N,
-            False, CAUSAL, FP8, EMULATE, KV_ALIGN,
+            False, CAUSAL, FP8, EMULATE, KV_ALIGN, WINDOW_LEFT, SOFTCAP,
         )
         k_blk += BLOCK_N * stride_kt
         v_blk += BLOCK_N * stride_vt
-    for start_n in range(full_end, hi, BLOCK_N):
+    for start_n in range(tail, hi, BLOCK_N):
         acc, l_i, m_i = _key_block(
-            acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, lead, k_hi, diag, qk_scale,
+            acc, l_i, m_i, q_a, q_b, k_blk, v_blk, start_n, offs_m, lead, k_hi, diag, key_lo, qk_scale,
             stride_kt, stride_vt, stride_vd, D, BLOCK_DA, BLOCK_DB, DV, BLOCK_DV, BLOCK_N,
-            True, CAUSAL, FP8, EMULATE, KV_ALIGN,
+            True, CAUSAL, FP8, EMULATE, KV_ALIGN, WINDOW_LEFT, SOFTCAP,
         )
         k_blk += BLOCK_N * stride_kt
         v_blk += BLOCK_N * stride_vt
 
+    if HAS_SINKS:
+        # The sink joins the normaliser once, against the final row max (0 for a row
+        # whose scores are all -inf, as in the reference), in l's units (fp8: P_SCALE).
+        sink = tl.load(sinks_ptr + head) * _LOG2E
+        if FP8:
+            sink = sink + _P_LOG2
+        l_i = l_i + tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     norm = tl.where(l_i == 0.0, 1.0, l_i)  # a NaN sum (NaN scores) keeps the row NaN
     if HAS_DESCALE:
         acc = acc * tl.load(vd_ptr + b * stride_vd_b + kv_head * stride_vd_h)
     o = acc / norm[:, None]
     # A row that sees no key is 0, decided from indices (a value it does not see may be
-    # NaN in a block it shares with rows that see it: p = 0 times NaN).
+    # NaN in a block it shares with rows that see it: p = 0 times NaN). A window never
+    # empties a row: its own diagonal key (or, without causal, the last key) is inside.
     if CAUSAL:
         row_sees = (k_len > 0) & (offs_m + (k_len - q_len) >= 0)
     else:
@@ -288,11 +374,15 @@ def bind_varlen(
     q: torch.Tensor, num_seqs: int, num_kv_heads: int, head_dim_v: int,
     k_strides: tuple[int, int], v_strides: tuple[int, int, int], max_seqlen_q: int, scale: float, causal: bool,
     descale_strides: tuple[tuple[int, int], ...] | None, fp8: bool, config: tuple[int, int, int, int],
-    emulate: bool, num_k_rows: int, q_quant: bool = False,
+    emulate: bool, num_k_rows: int, q_quant: bool = False, window_left: int = -1, softcap: float = 0.0,
+    has_sinks: bool = False,
 ) -> Launch | None:
     """The forward kernel bound to q's shape and strides and the rest of the call's
-    shape: `launch(q, k, v, out, cu_q, cu_k, q_descale, k_descale, v_descale)` into a
-    contiguous `out` [Tq, Hq, Dv] (the caller zeroes its tail: `bind_prepare`).
+    shape: `launch(q, k, v, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks)` into
+    a contiguous `out` [Tq, Hq, Dv] (the caller zeroes its tail: `bind_prepare`).
+    `window_left`, `softcap`, `has_sinks`: the op's variants (constexprs; without
+    `has_sinks` pass any tensor of the device for `sinks`). A window of `num_k_rows` keys
+    or more holds every key of every sequence (none is longer): it compiles as no window.
     `k_strides` (t, h) of k; `v_strides` (t, h, d) of v (of V^T for fp8).
     `descale_strides`: None (no descales: pass any tensor of the device for them) or
     three (stride_b, stride_h). `q_quant`: q is bf16/fp16 and `q_descale` points at its
@@ -306,14 +396,16 @@ def bind_varlen(
     block_da, block_db = _split_head_dim(d, 32 if fp8 else 16)
     (sqb, sqh), (skb, skh), (svb, svh) = descale_strides or ((0, 0),) * 3
     vt, vh, vdd = v_strides
+    window_left = window_left if window_left < num_k_rows else -1
     return bind(
         _varlen_fwd_kernel, (num_m_blocks * num_seqs * hq,),
-        q, q, q, q, q, q, q, q, q,  # placeholders: only their device is read
+        q, q, q, q, q, q, q, q, q, q,  # placeholders: only their device is read
         q.stride(0), q.stride(1), k_strides[0], k_strides[1], vt, vh, vdd, hq * head_dim_v, head_dim_v,
         sqb, sqh, skb, skh, svb, svh,
         scale * LOG2E, hq, num_m_blocks, q.shape[0], num_k_rows,
         GROUP=hq // num_kv_heads, D=d, BLOCK_DA=block_da, BLOCK_DB=block_db,
         DV=head_dim_v, BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, FP8=fp8, HAS_DESCALE=descale_strides is not None, Q_QUANT=q_quant, EMULATE=emulate,
-        KV_ALIGN=KV_ALIGN if fp8 else 1, num_warps=num_warps, num_stages=num_stages,
+        KV_ALIGN=KV_ALIGN if fp8 else 1, WINDOW_LEFT=window_left, SOFTCAP=softcap * LOG2E, HAS_SINKS=has_sinks,
+        num_warps=num_warps, num_stages=num_stages,
     )

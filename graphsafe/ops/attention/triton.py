@@ -46,13 +46,6 @@ def _hopper_or_newer(device: torch.device) -> bool:
     return cc is not None and cc >= (9, 0)
 
 
-def supports_plain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                          q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0,
-                          sinks=None) -> bool:
-    """Until the kernels take them: no sliding window, softcap or sinks."""
-    return window_left == -1 and softcap == 0.0 and sinks is None
-
-
 # -- paged decode -------------------------------------------------------------------------
 def decode_config(device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). 3 stages keep ~3 K/V tiles in flight per program."""
@@ -221,8 +214,10 @@ def prepare_flash_attn_varlen(
     per-device probe), with the tile config, the workspace specs and every launch.
     A call makes 2 launches (zero the output tail, attention) on the bf16/fp16 path,
     4 quantising bf16/fp16 inputs (reset + tail, amax, k and V^T, attention) and 3 on
-    fp8 inputs (reset + tail, V^T, attention). `config` (tests and benchmarks only)
-    overrides (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    fp8 inputs (reset + tail, V^T, attention). The variants (window, softcap, whether
+    there are sinks) are constexprs of the attention launch; `sinks` itself is a tensor
+    argument per call. `config` (tests and benchmarks only) overrides (BLOCK_M, BLOCK_N,
+    num_warps, num_stages)."""
     device = q.device
     tq, hq, d = q.shape
     tk, hk, dv = v.shape
@@ -244,12 +239,13 @@ def prepare_flash_attn_varlen(
     config = config or varlen_config(device, d, dv, use_fp8, max_seqlen_q)
     num_seqs = cu_seqlens_q.shape[0] - 1
     emulate = EMULATE_FP8_CAST and device.type == "cpu"
+    variants = {"window_left": window_left, "softcap": softcap, "has_sinks": sinks is not None}
 
     if not use_fp8:
         zero_tail = bind_prepare(q, num_seqs, tq, hq * dv, False)  # not None: out has elements
         attend = bind_varlen(
             q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1), v.stride(2)),
-            max_seqlen_q, scale, causal, None, False, config, emulate, tk,
+            max_seqlen_q, scale, causal, None, False, config, emulate, tk, **variants,
         )
 
         def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
@@ -257,8 +253,8 @@ def prepare_flash_attn_varlen(
                 window_left=-1, softcap=0.0, sinks=None):
             out = new_out()
             zero_tail(out, cu_seqlens_q, out)
-            if attend is not None:
-                attend(q, k, v, out, cu_seqlens_q, cu_seqlens_k, q, q, q)  # no descales: placeholders
+            if attend is not None:  # no descales (nor sinks): placeholders
+                attend(q, k, v, out, cu_seqlens_q, cu_seqlens_k, q, q, q, q if sinks is None else sinks)
             return out
 
         return run
@@ -273,7 +269,7 @@ def prepare_flash_attn_varlen(
         # k8 is contiguous; every descale is a [1] scale slot.
         attend = bind_varlen(
             q, num_seqs, hk, dv, (hk * d, d), vt_strides, max_seqlen_q, scale, causal, ((0, 0),) * 3, True,
-            config, emulate, tk, q_quant=True,
+            config, emulate, tk, q_quant=True, **variants,
         )
 
         def run_quantised(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
@@ -285,7 +281,8 @@ def prepare_flash_attn_varlen(
             if attend is not None:
                 # The attention kernel quantises q itself, from its amax (slot 0: `scales`).
                 attend(q, k8, vt, out, cu_seqlens_q, cu_seqlens_k,
-                       scales, scales[DESCALE_K : DESCALE_K + 1], scales[DESCALE_V : DESCALE_V + 1])
+                       scales, scales[DESCALE_K : DESCALE_K + 1], scales[DESCALE_V : DESCALE_V + 1],
+                       q if sinks is None else sinks)
             return out
 
         return run_quantised
@@ -293,6 +290,7 @@ def prepare_flash_attn_varlen(
     attend = bind_varlen(
         q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), vt_strides, max_seqlen_q, scale, causal,
         tuple(_descale_strides(x) for x in (q_descale, k_descale, v_descale)), True, config, emulate, tk,
+        **variants,
     )
     needs_one = q_descale is None or k_descale is None or v_descale is None
 
@@ -307,7 +305,8 @@ def prepare_flash_attn_varlen(
             attend(q, k, vt, out, cu_seqlens_q, cu_seqlens_k,
                    one if q_descale is None else q_descale,
                    one if k_descale is None else k_descale,
-                   one if v_descale is None else v_descale)
+                   one if v_descale is None else v_descale,
+                   q if sinks is None else sinks)
         return out
 
     return run_fp8_inputs
