@@ -1103,3 +1103,170 @@ def test_fp8_ds_config_changes_only_the_stages(monkeypatch):
             base.block_h, base.block_n, base.ctas_per_sm, base.value_chunks)
         assert fp8.num_stages == (3 if heads <= 16 else base.num_stages)
     assert splits.fp8_ds_kernel_config(16, CPU) == splits.kernel_config(16, "cpu")
+
+
+# -- sparse_mla's FlashMLA options: attn_sink and topk_length -------------------------------
+def _sparse_option_args(seed: int = 8, **over):
+    """A plain sparse call (fp16; 4 tokens, K = 100 over 8 blocks of 4) whose token 1 has no valid entry."""
+    params = {**cases.EXAMPLE_SPARSE, "T": 4, "K": 100, "num_blocks": 8, "invalid": 0.25, **over}
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, seed)[:5]
+    idx[1] = -1
+    return q, kv, idx, scale, r
+
+
+@pytest.mark.parametrize("backend,num_splits", RUNS)
+def test_attn_sink_scales_out_by_the_sigmoid_and_leaves_lse(backend, num_splits):
+    """Per head: a +inf sink gives out 0, -inf leaves out bit-equal to no sink, NaN gives
+    NaN, a finite one scales out by sigmoid(lse - sink); lse is bit-equal to no sink, and
+    the token without a key keeps out 0 and lse -inf whatever the sink."""
+    q, kv, idx, scale, r = _sparse_option_args()
+    plain_out, plain_lse = _run(backend, num_splits, "sparse_mla", (q, kv, idx, scale, r))
+    sink = torch.tensor([INF, -INF, NAN, 0.5])
+    out, lse = _run(backend, num_splits, "sparse_mla", (q, kv, idx, scale, r, sink))
+    assert torch.equal(lse, plain_lse) and torch.isneginf(lse[1]).all() and torch.isfinite(lse[[0, 2, 3]]).all()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keyed = [0, 2, 3]
+    assert torch.equal(out[keyed, 0], torch.zeros_like(out[keyed, 0]))
+    C.assert_bits_equal((out[:, 1],), (plain_out[:, 1],), "out under a -inf sink")
+    assert out[keyed, 2].isnan().all()
+    kept = torch.sigmoid(plain_lse[:, 3] - 0.5)
+    torch.testing.assert_close(out[:, 3].float(), plain_out[:, 3].float() * kept[:, None], rtol=2e-3, atol=2e-3)
+    assert (kept[keyed] < 0.99).all() and (kept[keyed] > 0.01).all(), "a sink that matters"
+
+
+@pytest.mark.parametrize("backend,num_splits", RUNS)
+def test_topk_length_zero_gives_zero_and_minus_inf_whatever_the_sink(backend, num_splits):
+    q, kv, idx, scale, r = _sparse_option_args(invalid=0.0)
+    length = torch.zeros(q.shape[0], dtype=torch.int32)
+    sink = torch.tensor([INF, -INF, NAN, 0.5])
+    for options in ((None, length), (sink, length)):
+        out, lse = _run(backend, num_splits, "sparse_mla", (q, kv, idx, scale, r, *options))
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 7])
+def test_triton_topk_length_with_forced_splits_equals_the_entries_cut(num_splits):
+    """Lengths at and past the edges of the interpreter's 16-key tiles and of the splits
+    (0, 1, 16, 17, 33, 64, K), against the reference over the indices with every entry
+    right of the length -1 (another path of the spec), with and without a sink."""
+    q, kv, idx, scale, r = _sparse_option_args(T=7, K=100)
+    idx[1] = torch.randint(0, kv.shape[0] * kv.shape[1], (idx.shape[1],), generator=torch.Generator().manual_seed(3))
+    length = torch.tensor([0, 1, 16, 17, 33, 64, 100], dtype=torch.int32)
+    cut = torch.where(torch.arange(idx.shape[1])[None, :] < length[:, None].long(), idx, -1)
+    sink = torch.tensor([0.0, 1.0, -2.0, 3.0])
+    for options in ((None, length), (sink, length)):
+        expected = ref.sparse_mla(q, kv, cut, scale, r, options[0])
+        out, lse = tri.sparse_mla(q, kv, idx, scale, r, *options, num_splits=num_splits)
+        _check(expected, (out, lse))
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+
+
+@pytest.mark.parametrize("backend,num_splits", RUNS)
+def test_entries_right_of_topk_length_are_never_read(backend, num_splits):
+    """Entries right of a token's topk_length holding int-min, int-max, -7 or slots of a
+    NaN block, and the q rows of tokens of length 0 NaN, change no output bit."""
+    q, kv, idx, scale, r = _sparse_option_args(invalid=0.0)
+    kv = _with_unread_block_0(kv)
+    idx = idx + kv.shape[1]  # no entry names block 0
+    idx[1] = 5
+    length = torch.tensor([5, 0, 64, 97], dtype=torch.int32)
+    right = torch.arange(idx.shape[1])[None, :] >= length[:, None].long()
+    sink = torch.tensor([0.0, 1.0, -2.0, 3.0])
+    clean = _run(backend, num_splits, "sparse_mla", (q, kv, torch.where(right, -1, idx), scale, r, sink, length))
+    bad = torch.tensor([-(2**31), 2**31 - 1, -7, 0, 1], dtype=torch.int32)  # slots 0, 1: block 0
+    dirty_idx = torch.where(right, bad[torch.arange(idx.numel()) % bad.numel()].view(idx.shape), idx)
+    dirty_kv, dirty_q = kv.clone(), q.clone()
+    dirty_kv[0] = NAN
+    dirty_q[1] = NAN
+    out, lse = _run(backend, num_splits, "sparse_mla", (dirty_q, dirty_kv, dirty_idx, scale, r, sink, length))
+    _bits_equal(clean, (out, lse))
+    _check(ref.sparse_mla(q, kv, idx, scale, r, sink, length), (out, lse))
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+# sparse_mla with both options as the launcher binds them at DeepSeek dims (CPU tensors
+# stand in for CUDA ones): the Triton kernel at 16 and 128 heads, with one split (the sink
+# in its epilogue) and two (the sink in the combine).
+_OPTIONS_COMPILE_SCRIPT = _RECORD_LAUNCHES + _SPECIALISE + r"""
+for heads in (16, 128):
+    cfg = splits.kernel_config(heads, "cuda")
+    q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
+    kv = torch.randn(64, 64, 576, dtype=torch.bfloat16)
+    idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
+    sink, length = torch.randn(heads), torch.full((2,), 1000, dtype=torch.int32)
+    for num_splits in (1, 2):
+        tri.sparse_mla(q, kv, idx, 0.04, 512, sink, length, config=cfg, num_splits=num_splits)
+assert len(launches) == 6, len(launches)  # per head count: attention; attention and combine
+for fn, args, kw in launches:
+    assert kw["HAS_SINK"] and (fn is tri._combine_kernel or kw["TOPK_LENGTH"]), kw
+    opts = {"num_warps": kw.pop("num_warps"), "num_stages": kw.pop("num_stages", 2)}
+    if kw.get("BLOCK_H") == 64:  # recorded on CPU tensors: what a CUDA tensor turns on
+        kw["PREFETCH"] = splits.kernel_config(128, "cuda").l2_prefetch
+    k = triton.compile(specialise(fn, args, kw), target=GPUTarget("cuda", 90, 32), options=opts)
+    print("compiled", fn.__name__, kw.get("BLOCK_H"), kw.get("SPLIT"), "shared", k.metadata.shared)
+    if fn is tri._mla_attn_kernel and kw["BLOCK_H"] == 64:
+        assert "wgmma.mma_async" in k.asm["ptx"], "64-head tiles must use wgmma"
+        assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+print("OK")
+"""
+
+
+def test_sparse_option_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
+    """The attention kernel with `topk_length` and the sink (one split), and with a split
+    plan and the sink's combine, compile for sm_90 at 16 and 128 heads; the 64-head tiles
+    on wgmma within Hopper's shared memory."""
+    out = compile_for_sm90(_OPTIONS_COMPILE_SCRIPT, timeout=900)
+    assert out.count("compiled _mla_attn_kernel") == 4 and out.count("compiled _combine_kernel") == 2, out
+
+
+# The Gluon kernel with both options (64-head tiles, bf16): one split (the sink in its
+# epilogue) and four (partials; the combine applies the sink).
+_GLUON_OPTIONS_COMPILE_SCRIPT = _RECORD_LAUNCHES + r"""
+try:
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy, warpgroup_mma
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+import re
+from graphsafe.ops.mla import _gluon_hopper as G
+tri.warpgroup_split_fits = lambda *a: True
+""" + _SPECIALISE + r"""
+cfg = splits.kernel_config(128, "cuda")
+q = torch.randn(2, 128, 576, dtype=torch.bfloat16)
+kv = torch.randn(64, 64, 576, dtype=torch.bfloat16)
+idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
+sink, length = torch.randn(128), torch.full((2,), 1000, dtype=torch.int32)
+for num_splits in (1, 4):
+    tri.sparse_mla(q, kv, idx, 0.04, 512, sink, length, config=cfg, num_splits=num_splits)
+gluon = [(args, kw) for fn, args, kw in launches if fn is G.mla_attn_wgmma_kernel]
+assert len(gluon) == 2 and all(kw["HAS_SINK"] and kw["TOPK_LENGTH"] for _, kw in gluon), gluon
+for args, kw in gluon:
+    warps = kw.pop("num_warps")
+    k = triton.compile(specialise(G.mla_attn_wgmma_kernel, args, kw, GluonASTSource), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    shapes = {}
+    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"]):
+        shapes[m] = shapes.get(m, 0) + 1
+    print("compiled SPLIT", kw["SPLIT"], "shared", k.metadata.shared, shapes)
+    assert shapes == {"m64n32k16": 36, "m64n256k16": 4}, shapes  # no duplicated q.k, as without the options
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+print("OK")
+"""
+
+
+def test_warpgroup_split_kernel_with_sparse_options_compiles_for_sm90_without_a_gpu(compile_for_sm90):
+    """The Gluon kernel with `topk_length` and the sink, with and without splits, compiles
+    for sm_90 with the same warpgroup split of the wgmmas, within Hopper's shared memory."""
+    out = compile_for_sm90(_GLUON_OPTIONS_COMPILE_SCRIPT)
+    assert out.count("compiled SPLIT") == 2, out
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_attn_sink_of_any_stride(num_splits):
+    """A sink view of stride 2 and an expanded one (stride 0) read as their values: bit-equal
+    to the same values contiguous, and the reference's result."""
+    q, kv, idx, scale, r = _sparse_option_args()
+    for sink in (torch.tensor([9.0, 0.5, 9.0, -1.0, 9.0, 2.0, 9.0, 3.0])[1::2], torch.tensor(1.5).expand(4)):
+        out, lse = tri.sparse_mla(q, kv, idx, scale, r, sink, num_splits=num_splits)
+        _bits_equal(tri.sparse_mla(q, kv, idx, scale, r, sink.contiguous(), num_splits=num_splits), (out, lse))
+        _check(ref.sparse_mla(q, kv, idx, scale, r, sink), (out, lse))

@@ -334,3 +334,61 @@ def test_many_head_decode_compute_floor():
     flops = 2 * 64 * 128 * 8192 * (D + R)
     ratio = flops / (ms / 1e3) / measure_matmul_peak(CUDA)
     assert ratio > 0.2, f"mla_decode B=64 H=128 ctx=8192: {ms:.3f} ms, {100 * ratio:.0f}% of matmul peak"
+
+
+# -- sparse_mla's FlashMLA options ----------------------------------------------------------
+def _sparse_options(tokens: int, heads: int, topk: int, seed: int):
+    """A sink per head around the lse's scale (about log(topk) for these scores; +inf and
+    -inf at heads 0 and 1) and per-token lengths (0, K, 1, 700, then random in [0, K])."""
+    gen = torch.Generator().manual_seed(seed)
+    sink = torch.randn(heads, generator=gen) * 2 + float(torch.log(torch.tensor(float(topk))))
+    sink[0], sink[1] = float("inf"), float("-inf")
+    length = torch.randint(0, topk + 1, (tokens,), generator=gen, dtype=torch.int32)
+    length[:4] = torch.tensor([0, topk, 1, 700])
+    return sink.to(CUDA), length.to(CUDA)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_sparse_options_match_reference(heads, num_splits):
+    """attn_sink and topk_length at DeepSeek shapes, bf16: the Triton kernel at 16 heads,
+    the Gluon kernel at 128 on sm_90 (the Triton one elsewhere), its epilogue applying the
+    sink with one split and the combine with several; the Triton backend serves them."""
+    q, kv, idx, scale, r = sparse_inputs(32, heads, 2048, CUDA, seed=31)
+    idx[4] = -1  # a token without a valid entry, whatever its length
+    idx[5, 100:] = -1
+    sink, length = _sparse_options(32, heads, 2048, 31)
+    args = (q, kv, idx, scale, r, sink, length)
+    assert graphsafe.get_op("sparse_mla").serving_backend("cuda", *args) == "triton"
+    cfg, _ = splits.plan_launch(32, heads, 2048, CUDA)
+    gluon = torch.version.hip is None and torch.cuda.get_device_capability(CUDA) == (9, 0) and heads == 128
+    assert tri.warpgroup_split_applies(q, kv, cfg, r, q.shape[-1] - r) == gluon
+    out, lse = tri.sparse_mla(*args, num_splits=num_splits)
+    _close(ref.sparse_mla(*args), (out, lse))
+    assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))  # a +inf sink
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()  # length 0
+    plain = tri.sparse_mla(q, kv, idx, scale, r, None, length, num_splits=num_splits)
+    assert torch.equal(lse, plain[1]) and torch.equal(out[:, 1], plain[0][:, 1])  # lse stays; a -inf sink
+    assert not tri._GLUON_FAILED, tri._GLUON_FAILED
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_sparse_graph_with_options_replays_with_new_lengths_and_sinks(heads):
+    tokens, topk = 24, 2048
+    q, kv, idx, scale, r = sparse_inputs(tokens, heads, topk, CUDA, seed=32)
+    sink, length = _sparse_options(tokens, heads, topk, 32)
+    ws = current_workspace_manager(CUDA)
+    ws.reserve(*sparse_mla_workspace_specs(tokens, heads, r, topk, device=CUDA))
+    with ws.locked():
+        def step(q, kv, idx, sink, length):
+            return graphsafe.sparse_mla(q, kv, idx, scale, r, sink, length)
+
+        graph, (out, lse) = _capture(step, (q, kv, idx, sink, length))
+        for seed in (33, 34):
+            new_sink, new_length = _sparse_options(tokens, heads, topk, seed)
+            sink.copy_(new_sink)
+            length.copy_(new_length.flip(0))
+            graph.replay()
+            torch.cuda.synchronize()
+            _close(ref.sparse_mla(q, kv, idx, scale, r, sink, length), (out, lse))
+    del graph

@@ -136,7 +136,6 @@ def mla_decode(
         "reference": "graphsafe.ops.mla.reference:sparse_mla",
         "triton": Backend(
             prepare="graphsafe.ops.mla.triton:prepare_sparse_mla",
-            supports="graphsafe.ops.mla.triton:supports_plain_sparse_mla",
             workspace=triton_sparse_mla_workspace,
         ),
         "aiter": Backend(

@@ -27,6 +27,10 @@ Data flow per key tile (BLOCK_N = 64 keys, 8 warps):
   key rows in shared memory.
 Shared memory: q 72 KiB + 2 stages of keys 144 KiB + p 8 KiB = 224 KiB (Hopper: 227 KiB).
 
+`sparse_mla`'s options as in triton.py's kernel (constexprs): `topk_length` (TOPK_LENGTH)
+ends a token's keys as `seq_lens` ends a request's; the attention sink (HAS_SINK) joins
+the final out's denominator in the epilogue with one split (with several, the combine).
+
 Only imported where Gluon exists (Triton >= 3.4); the caller (triton.py) chooses this
 kernel on sm_90 for R = 512, P = 64 and 16-bit dtypes, and keeps the Triton kernel for
 everything else (other GPUs, ROCm, the CPU interpreter, which cannot run Gluon).
@@ -103,6 +107,14 @@ def _block_ids_in_range(map_row, start, end, num_blocks, BLOCK_SIZE: gl.constexp
 
 
 @gluon.jit
+def _with_sink(l, m, no_key, sink):
+    """The softmax denominator with the attention sink (triton.py's `_with_sink`, written
+    again: a Gluon kernel cannot call a `triton.jit` helper): `l + 2^(sink * log2(e) - m)`
+    in base 2, so that `acc / it = (acc / l) * sigmoid(lse - sink)`; 1 for a row without a key."""
+    return gl.where(no_key, 1.0, l + gl.exp2(sink * 1.4426950408889634 - m))
+
+
+@gluon.jit
 def _key_rows(map_row, n0, end, num_slots, stride_kb, stride_kt,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr):
     """Element offsets of the cache rows of key positions n0 ... n0 + BLOCK_N - 1, and which exist.
@@ -127,15 +139,15 @@ def _copy_rows(base, rows, valid, nope_smem, pe_smem, R: gl.constexpr, P: gl.con
 
 @gluon.jit
 def mla_attn_wgmma_kernel(
-    q_ptr, kv_ptr, map_ptr, lens_ptr,
+    q_ptr, kv_ptr, map_ptr, lens_ptr, sink_ptr,
     out_ptr, lse_ptr, pout_ptr, plse_ptr,
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
     num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity, num_slots,
     stride_qr, stride_qh, stride_kb, stride_kt, stride_map,
-    stride_or, stride_oh, stride_lr,
+    stride_or, stride_oh, stride_lr, stride_sink,
     R: gl.constexpr, P: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
-    CHECK_IDS: gl.constexpr,
+    CHECK_IDS: gl.constexpr, TOPK_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr,
 ):
     dtype: gl.constexpr = kv_ptr.dtype.element_ty
     # Copies: 16 bytes per thread, a warp covers 4 rows x 64 columns (four 128-byte lines).
@@ -169,8 +181,9 @@ def mla_attn_wgmma_kernel(
     end = gl.minimum(start + tokens_per_split, kv_capacity)
     map_row = map_ptr + row * stride_map
     store_heads = num_heads
-    if not SPARSE:
+    if not SPARSE or TOPK_LENGTH:  # the request's length, or the token's topk_length: nothing past it is read
         end = gl.minimum(end, gl.maximum(gl.load(lens_ptr + row), 0))
+    if not SPARSE:
         # Padding blocks: as triton.py's kernel, a dense call launches this kernel without
         # and with the per-key id check (CHECK_IDS); a program scans its split's ids and
         # runs (copies q, walks its keys, stores) in the launch that matches (reloading
@@ -257,11 +270,15 @@ def mla_attn_wgmma_kernel(
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
     lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    o = acc / gl.convert_layout(l_safe, O_ROW)[:, None]
+    heads_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=S_ROW)
+    l_out = l_safe
+    if HAS_SINK and not SPLIT:  # the final out (with splits, _combine_kernel applies the sink)
+        sink = gl.load(sink_ptr + heads_s * stride_sink, mask=heads_s < store_heads, other=0.0)
+        l_out = _with_sink(l_i, m_i, no_key, sink)
+    o = acc / gl.convert_layout(l_out, O_ROW)[:, None]
     heads_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROW)
     cols = gl.arange(0, R, layout=O_COL)
     o_mask = (heads_o < store_heads)[:, None]  # the other launch stores this program's rows (dense)
-    heads_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=S_ROW)
     if SPLIT:
         part = (row * num_splits + split) * num_heads
         gl.store(pout_ptr + (part + heads_o.to(gl.int64))[:, None] * R + cols[None, :], o, mask=o_mask)

@@ -40,6 +40,15 @@ CUDA graph is right for every replay. The cache's block size is a compile-time c
 (a shift, not an integer division, per key row); 64-head tiles on NVIDIA also prefetch
 the next key tile into L2 while the current one is scored (`KernelConfig.l2_prefetch`).
 
+`sparse_mla`'s FlashMLA options are constexprs (a call without them compiles as before).
+`topk_length` (TOPK_LENGTH) comes in the lengths slot, which a sparse call reads only
+then: a token's key loop ends at its length, as a dense request's ends at `seq_lens`, so
+the entries right of it are never read and a split past it runs no iteration. The
+attention sink (HAS_SINK) scales out where the final out is written, by
+`sigmoid(lse - sink)` as the denominator term `exp(sink - max)`: in the attention
+kernel's epilogue with one split, in `_combine_kernel` (once, against the global max)
+with several; the lse is returned without it.
+
 On sm_90 the 64-head tiles run `_gluon_hopper.mla_attn_wgmma_kernel` instead (same grid,
 plan and partials; `warpgroup_split_applies` says where): Triton's layouts make both
 warpgroups compute the whole q.k score tile of this kernel, the Gluon kernel splits it.
@@ -171,18 +180,28 @@ def _load_latent(rows, cols, row_mask, col_mask, FIRST: tl.constexpr, BLOCK_C: t
 
 
 @triton.jit
+def _with_sink(l, m, no_key, sink):
+    """The softmax denominator with the attention sink, in base 2 (`m` the running max of
+    the base-2 scores, `l = sum_j 2^(s_j - m)`): `l + 2^(sink * log2(e) - m)`, so that
+    `acc / it = (acc / l) * sigmoid(lse - sink)`, as the reference scales out. A +inf sink
+    gives inf (out 0), a -inf one adds exactly 0 (out bit-equal to no sink), NaN gives
+    NaN; 1 for a row without a key (its out stays 0 whatever the sink, never -inf - -inf)."""
+    return tl.where(no_key, 1.0, l + tl.exp2(sink * 1.4426950408889634 - m))
+
+
+@triton.jit
 def _mla_attn_kernel(
-    q_ptr, kv_ptr, map_ptr, lens_ptr,
+    q_ptr, kv_ptr, map_ptr, lens_ptr, sink_ptr,
     out_ptr, lse_ptr, pout_ptr, plse_ptr,
     qk_scale,  # sm_scale * log2(e): the softmax runs in base 2
     num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity, num_slots,
     stride_qr, stride_qh, stride_kb, stride_kt, stride_map,
-    stride_or, stride_oh, stride_lr,
+    stride_or, stride_oh, stride_lr, stride_sink,
     R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
     PREFETCH: tl.constexpr, LINES: tl.constexpr, CHECK_IDS: tl.constexpr,
-    FP8_DS: tl.constexpr, FP8_NATIVE: tl.constexpr,
+    FP8_DS: tl.constexpr, FP8_NATIVE: tl.constexpr, TOPK_LENGTH: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     # Head tile varies fastest: the tiles of one (query, split) read the same rows
     # back to back, the second from L2.
@@ -193,9 +212,10 @@ def _mla_attn_kernel(
 
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, kv_capacity)
-    if not SPARSE:
-        # Positions past the request's length hold no key: the loop stops there, so a
-        # split past the end runs zero iterations (a neutral partial).
+    if not SPARSE or TOPK_LENGTH:
+        # Positions past the request's length (dense) or entries right of the token's
+        # topk_length (sparse) hold no key and are never read: the loop stops there, so
+        # a split past the end runs zero iterations (a neutral partial).
         end = tl.minimum(end, tl.maximum(tl.load(lens_ptr + row), 0))
     num_blocks = num_slots // BLOCK_SIZE
     map_row = map_ptr + row * stride_map
@@ -319,23 +339,28 @@ def _mla_attn_kernel(
             tl.store(o_rows[:, None] + c1[None, :], acc1 / l_safe[:, None], mask=hmask[:, None] & c1_mask[None, :])
         tl.store(plse_ptr + part, lse, mask=hmask)
     else:
+        l_out = l_safe
+        if HAS_SINK:
+            l_out = _with_sink(l_i, m_i, no_key, tl.load(sink_ptr + heads * stride_sink, mask=hmask, other=0.0))
         o_rows = out_ptr + row * stride_or + heads.to(tl.int64) * stride_oh
         o_ty = out_ptr.dtype.element_ty
-        o0 = (acc0 / l_safe[:, None]).to(o_ty)
+        o0 = (acc0 / l_out[:, None]).to(o_ty)
         tl.store(o_rows[:, None] + c0[None, :], o0, mask=hmask[:, None] & c0_mask[None, :])
         if CHUNKS == 2:
-            o1 = (acc1 / l_safe[:, None]).to(o_ty)
+            o1 = (acc1 / l_out[:, None]).to(o_ty)
             tl.store(o_rows[:, None] + c1[None, :], o1, mask=hmask[:, None] & c1_mask[None, :])
         tl.store(lse_ptr + row * stride_lr + heads, lse, mask=hmask)
 
 
 @triton.jit
 def _combine_kernel(
-    pout_ptr, plse_ptr, out_ptr, lse_ptr,
-    num_heads, num_splits, r_chunks, stride_or, stride_oh, stride_lr,
-    R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    pout_ptr, plse_ptr, sink_ptr, out_ptr, lse_ptr,
+    num_heads, num_splits, r_chunks, stride_or, stride_oh, stride_lr, stride_sink,
+    R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """out[row, h] = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s (natural log).
+    With the attention sink (HAS_SINK), out is scaled by `sigmoid(lse - sink[h])`: its
+    term `exp(sink - m)` joins the denominator once, against the global max m; lse stays.
 
     One program per (row, head, chunk of BLOCK_R columns): a batch of one request still
     spreads the partials' read over many SMs."""
@@ -353,7 +378,10 @@ def _combine_kernel(
     total = tl.sum(w, 0)
     no_key = total == 0.0  # a NaN total (a NaN partial) keeps out and lse NaN
     total_safe = tl.where(no_key, 1.0, total)
-    scale = w / total_safe
+    denominator = total_safe
+    if HAS_SINK:  # +inf: out 0, -inf: out unchanged, NaN: NaN; a row without a key stays 0
+        denominator = tl.where(no_key, 1.0, total + tl.exp(tl.load(sink_ptr + h * stride_sink) - m_use))
+    scale = w / denominator
     rr = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rr < R
     vals = tl.load(pout_ptr + part[:, None] * R + rr[None, :], mask=smask[:, None] & rmask[None, :], other=0.0)
@@ -376,7 +404,7 @@ _STAGES: dict[tuple, int] = {}
 
 def _triton_launch(grid, args, constexprs, cfg: KernelConfig, where: tuple) -> Launch:
     """The Triton attention kernel bound to one signature (`graphsafe.launch.bind`), called
-    with its 8 tensors. The kernel compiles at the first call of a binding (and at a call
+    with its 9 tensors. The kernel compiles at the first call of a binding (and at a call
     whose pointers Triton specialises differently): where the compiled kernel needs more
     shared memory than the device has (`OutOfResources`, raised before anything is
     launched), it is bound again with one pipeline stage fewer and launched, down to one
@@ -471,7 +499,7 @@ def _gluon_failed(key: tuple, exc: BaseException) -> None:
 
 def _attention_launch(grid, args, gluon_constexprs, triton_constexprs, cfg: KernelConfig, where: tuple,
                       gluon: bool) -> Launch:
-    """The attention kernel's launch, called with its 8 tensors: the Triton kernel, or
+    """The attention kernel's launch, called with its 9 tensors: the Triton kernel, or
     where `gluon` (the signature part of `warpgroup_split_applies`) the Gluon kernel for
     calls whose q and cache are 16-byte aligned, the Triton kernel (bound on first need)
     for the others and for good once the Gluon kernel fails to compile (a failed compile
@@ -509,15 +537,16 @@ def _offset_checked(op: str, attention: Launch) -> Launch:
     return run
 
 
-def _combine_launch(rows: int, num_heads: int, r: int, num_splits: int, args: tuple) -> Launch:
-    """`_combine_kernel` bound to one signature; called with (pout, plse, out, lse)."""
+def _combine_launch(rows: int, num_heads: int, r: int, num_splits: int, args: tuple, sink_stride: int | None) -> Launch:
+    """`_combine_kernel` bound to one signature (`sink_stride`: the attention sink's, None
+    without one); called with (pout, plse, sink, out, lse), the sink never read without it."""
     block_s = _pow2(num_splits, 2)
     block_r = min(_pow2(r), max(32, 4096 // block_s))
     r_chunks = triton.cdiv(r, block_r)
     return bind(
         _combine_kernel, (rows * num_heads * r_chunks,),
-        *args, num_heads, num_splits, r_chunks, num_heads * r, r, num_heads,
-        R=r, BLOCK_S=block_s, BLOCK_R=block_r, num_warps=4,
+        *args, num_heads, num_splits, r_chunks, num_heads * r, r, num_heads, sink_stride or 0,
+        R=r, BLOCK_S=block_s, BLOCK_R=block_r, HAS_SINK=sink_stride is not None, num_warps=4,
     )
 
 
@@ -538,19 +567,25 @@ def _prepare(
     kv_lora_rank: int,
     config: KernelConfig | None,
     num_splits: int | None,
+    topk_length: bool = False,
+    sink_stride: int | None = None,
 ):
-    """`attend(q, kv_cache, key_map, lens) -> (out, lse)` for calls with the signature of
-    these args: plan, config, grid, workspace specs, constexprs and the bound launches
+    """`attend(q, kv_cache, key_map, lens, sink) -> (out, lse)` for calls with the signature
+    of these args: plan, config, grid, workspace specs, constexprs and the bound launches
     are fixed here; a call allocates the outputs, takes the partials from the workspace
-    and launches. Holds no tensor of the call."""
+    and launches. Holds no tensor of the call. `lens` cuts each row's keys (dense: the
+    sequence lengths; sparse: read only with `topk_length`, the entries each token
+    uses); `sink` is the `[H]` attention sink, read only where `sink_stride` (its stride)
+    is not None (a placeholder tensor otherwise)."""
     rows, num_heads, head_dim = q.shape
     r, p = kv_lora_rank, head_dim - kv_lora_rank
     device, dtype = q.device, q.dtype
     fp8_ds = is_fp8_ds_mla(kv_cache, r, head_dim)
+    sink = sink_stride is not None
     new_out = output_allocator((rows, num_heads, r), dtype, device)
     new_lse = output_allocator((rows, num_heads), torch.float32, device)
     if rows == 0 or num_heads == 0:
-        def nothing(q, kv_cache, key_map, lens):
+        def nothing(q, kv_cache, key_map, lens, sink):
             return new_out(), new_lse()
 
         return nothing
@@ -565,16 +600,17 @@ def _prepare(
     head_tiles = triton.cdiv(num_heads, cfg.block_h)
     dot_f32 = dtype == torch.bfloat16 and device.type == "cpu" and triton_interpreter_enabled()
     grid = (head_tiles * plan.num_splits * rows,)
-    # The tensors (q, the cache, the key map, the lengths, out, lse, the partials) are
-    # placeholders at `bind`, which reads only their device: the runner keeps none of the
-    # call's tensors alive.
+    # The tensors (q, the cache, the key map, the lengths, the sink, out, lse, the
+    # partials) are placeholders at `bind`, which reads only their device: the runner
+    # keeps none of the call's tensors alive.
     ph = _placeholder(device)
     args = (
-        ph, ph, ph, ph, ph, ph, ph, ph,
+        ph, ph, ph, ph, ph, ph, ph, ph, ph,
         float(sm_scale) * LOG2E,
         num_heads, head_tiles, plan.num_splits, plan.tokens_per_split, kv_capacity, nb * bs,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0),
         num_heads * r, r, num_heads,  # out and lse are contiguous
+        sink_stride or 0,
     )
     where = (device, dtype, head_dim, kv_cache.dtype)
 
@@ -582,7 +618,7 @@ def _prepare(
         return _attention_launch(
             grid, args,
             dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
-                 CHECK_IDS=check_ids),
+                 CHECK_IDS=check_ids, TOPK_LENGTH=topk_length, HAS_SINK=sink),
             dict(
                 R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks,
                 BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
@@ -591,7 +627,7 @@ def _prepare(
                 # 16-bit elements, so not for fp8_ds_mla records (no default config prefetches).
                 PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None and not fp8_ds,
                 LINES=_pow2(triton.cdiv(head_dim, 64), 1), CHECK_IDS=check_ids,
-                FP8_DS=fp8_ds, FP8_NATIVE=fp8_ds and has_ocp_e4m3(device),
+                FP8_DS=fp8_ds, FP8_NATIVE=fp8_ds and has_ocp_e4m3(device), TOPK_LENGTH=topk_length, HAS_SINK=sink,
             ),
             cfg, where, warpgroup_split_fits(q, kv_cache, cfg, r, p),
         )
@@ -607,20 +643,20 @@ def _prepare(
 
     if fp8_ds:  # the storage offset is no part of the signature: checked per call
         attention = _offset_checked(op, attention)
-    if not split:
-        def attend(q, kv_cache, key_map, lens):
+    if not split:  # the attention kernel applies the sink
+        def attend(q, kv_cache, key_map, lens, sink):
             out, lse = new_out(), new_lse()
-            attention(q, kv_cache, key_map, lens, out, lse, out, lse)  # partials untouched (SPLIT off)
+            attention(q, kv_cache, key_map, lens, sink, out, lse, out, lse)  # partials untouched (SPLIT off)
             return out, lse
 
         return attend
-    combine = _combine_launch(rows, num_heads, r, plan.num_splits, (ph, ph, ph, ph))
+    combine = _combine_launch(rows, num_heads, r, plan.num_splits, (ph, ph, ph, ph, ph), sink_stride)
 
-    def attend_split(q, kv_cache, key_map, lens):
+    def attend_split(q, kv_cache, key_map, lens, sink):  # the combine applies the sink
         out, lse = new_out(), new_lse()
         pout, plse = current_workspace_manager(device).get_simultaneous(*specs, owner=op)
-        attention(q, kv_cache, key_map, lens, out, lse, pout, plse)
-        combine(pout, plse, out, lse)
+        attention(q, kv_cache, key_map, lens, sink, out, lse, pout, plse)
+        combine(pout, plse, sink, out, lse)
         return out, lse
 
     return attend_split
@@ -634,25 +670,24 @@ def prepare_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_ran
                       num_splits)
 
     def run(q, kv_cache, block_table, seq_lens, *_):
-        return attend(q, kv_cache, block_table, seq_lens)
+        return attend(q, kv_cache, block_table, seq_lens, seq_lens)  # the sink slot is never read (no sink)
 
     return run
 
 
-def supports_plain_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None) -> bool:
-    """Until the kernels take them: no attention sink, no `topk_length`."""
-    return attn_sink is None and topk_length is None
-
-
 def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None, *,
                        config=None, num_splits=None):
-    """The Triton runner of `sparse_mla` for calls with the signature of these args;
-    `config` / `num_splits` as for `prepare_mla_decode`."""
+    """The Triton runner of `sparse_mla` for calls with the signature of these args
+    (`attn_sink` and `topk_length` None or not is part of it); `config` / `num_splits`
+    as for `prepare_mla_decode`."""
     attend = _prepare("sparse_mla", q, kv_cache, indices, True, indices.shape[1], sm_scale, kv_lora_rank, config,
-                      num_splits)
+                      num_splits, topk_length=topk_length is not None,
+                      sink_stride=None if attn_sink is None else attn_sink.stride(0))
 
-    def run(q, kv_cache, indices, *_):
-        return attend(q, kv_cache, indices, indices)  # the lengths slot is never read (SPARSE)
+    def run(q, kv_cache, indices, sm_scale=None, kv_lora_rank=None, attn_sink=None, topk_length=None):
+        # Where an option is None its slot gets `indices`, which the kernels then never read.
+        return attend(q, kv_cache, indices, indices if topk_length is None else topk_length,
+                      indices if attn_sink is None else attn_sink)
 
     return run
 
@@ -665,7 +700,9 @@ def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, co
     return prepared(prepare_mla_decode, *args, config=config, num_splits=num_splits)(*args)
 
 
-def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, *, config=None, num_splits=None):
-    """Sparse absorbed-MLA attention over each token's own cache slots (inputs unchecked)."""
-    args = (q, kv_cache, indices, sm_scale, kv_lora_rank)
+def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None, *, config=None,
+               num_splits=None):
+    """Sparse absorbed-MLA attention over each token's own cache slots, with FlashMLA's
+    optional sink and per-token lengths (inputs unchecked)."""
+    args = (q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink, topk_length)
     return prepared(prepare_sparse_mla, *args, config=config, num_splits=num_splits)(*args)
