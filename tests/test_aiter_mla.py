@@ -57,11 +57,11 @@ def _sparse_args(heads: int, seed: int = 0):
     """Slots -1, -5, 10**6 and num_slots among valid (repeated) ones, and a token without
     a valid slot."""
     p = _sparse_params(heads)
-    q, kv, idx, scale, r = _make("sparse_mla", p, seed)
+    q, kv, idx, scale, r = _make("sparse_mla", p, seed)[:5]
     num_slots = kv.shape[0] * kv.shape[1]
     idx[1, :4] = torch.tensor([-5, 10**6, num_slots, -1], dtype=torch.int32)
     idx[2] = -1
-    return p, (q, kv, idx, scale, r)
+    return p, (q, kv, idx, scale, r, None, None)
 
 
 def _check_against_reference(op: str, params, args) -> None:
@@ -145,7 +145,7 @@ def test_csr_kernels_write_exactly_the_valid_slots(aiter_standin, monkeypatch):
               if 0 <= int(table[b, p // bs]) < nb] for b in range(3)]
     _check_csr(calls[-1], slots, 3)
 
-    q, kv, idx, scale, r = _make("sparse_mla", _sparse_params(16, T=3, K=1500, num_blocks=40), 6)
+    q, kv, idx, scale, r = _make("sparse_mla", _sparse_params(16, T=3, K=1500, num_blocks=40), 6)[:5]
     num_slots = kv.shape[0] * kv.shape[1]
     idx = torch.randint(-3, num_slots + 3, idx.shape, generator=gen).int()
     idx[0, :3] = torch.tensor([10**6, -(2**31), num_slots])

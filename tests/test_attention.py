@@ -93,6 +93,9 @@ def _close(actual, expected64, dtype, what):
     torch.testing.assert_close(actual.double(), expected64, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
 
 
+PLAIN = {"window_left": -1, "softcap": 0.0, "sinks": False}  # no attention variant
+
+
 def _varlen_args(case, params, seed=0):
     return case.inputs(params, "cpu", seed)
 
@@ -101,9 +104,10 @@ def _varlen_args(case, params, seed=0):
 @settings(max_examples=25)
 @given(params=case_for("flash_attn_varlen").params(), seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_varlen_reference_matches_loops(params, seed, dtype):
-    params = {**params, "dtype": dtype, "mode": "off" if params["mode"] != "fp8_inputs" else "fp8_inputs"}
+    # The loops know no variants (tests/test_attention_oracles.py checks those against the models).
+    params = {**params, "dtype": dtype, "mode": "off" if params["mode"] != "fp8_inputs" else "fp8_inputs", **PLAIN}
     args = case_for("flash_attn_varlen").inputs(params, "cpu", seed)
-    q, k, v, cu_q, cu_k, _, _, scale, causal, qd, kd, vd, _ = args
+    q, k, v, cu_q, cu_k, _, _, scale, causal, qd, kd, vd = args[:12]
     out = reference.flash_attn_varlen(*args)
     expected = naive_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, scale, causal, (qd, kd, vd))
     _close(out, expected, out.dtype, f"varlen reference {params}")
@@ -112,9 +116,9 @@ def test_varlen_reference_matches_loops(params, seed, dtype):
 @settings(max_examples=25)
 @given(params=case_for("paged_attention_decode").params(), seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_decode_reference_matches_loops(params, seed, dtype):
-    args = case_for("paged_attention_decode").inputs({**params, "dtype": dtype}, "cpu", seed)
+    args = case_for("paged_attention_decode").inputs({**params, "dtype": dtype, **PLAIN}, "cpu", seed)
     out = reference.paged_attention_decode(*args)
-    q, kc, vc, table, lens, scale, ks, vs = args
+    q, kc, vc, table, lens, scale, ks, vs = args[:8]
     expected = naive_decode(q.float(), kc.float(), vc.float(), table, lens, scale, ks, vs)
     _close(out, expected, dtype, f"decode reference {params}")
 
@@ -176,7 +180,7 @@ def test_public_ops_on_cpu_and_empty_rows_give_zero():
 
 def test_decode_ignores_block_table_tail_and_clamps_lengths():
     case = case_for("paged_attention_decode")
-    q, kc, vc, table, lens, scale, _, _ = case.inputs({**case.example, "seq_lens": [3, 16, 9]}, "cpu", 2)
+    q, kc, vc, table, lens, scale = case.inputs({**case.example, "seq_lens": [3, 16, 9]}, "cpu", 2)[:6]
     base = reference.paged_attention_decode(q, kc, vc, table, lens, scale)
     junk = table.clone()
     junk[0, 1:] = 10**6  # request 0 uses one block of 4 tokens
@@ -261,7 +265,7 @@ def _decode_impl(backend):
 def _decode_inputs(seed=5):
     """3 requests over blocks 1..(nb-1) (block 0 unused), block size 4, 4 blocks each."""
     case = case_for("paged_attention_decode")
-    q, kc, vc, _, _, scale, _, _ = case.inputs({**case.example, "seq_lens": [6, 16, 9]}, "cpu", seed)
+    q, kc, vc, _, _, scale = case.inputs({**case.example, "seq_lens": [6, 16, 9]}, "cpu", seed)[:6]
     table = (torch.randperm(kc.shape[0] - 1, generator=torch.Generator().manual_seed(seed))[:12] + 1)
     return q, kc, vc, table.reshape(3, 4).int(), torch.tensor([6, 16, 9], dtype=torch.int32), scale
 
@@ -639,7 +643,7 @@ def test_fp8_inputs_with_per_sequence_descales():
     params = {**case.example, "mode": "fp8_inputs", "descale": "per_seq"}
     args = case.inputs(params, "cpu", 4)
     expected = reference.flash_attn_varlen(*args)
-    q, k, v, cu_q, cu_k, _, _, scale, causal, qd, kd, vd, _ = args
+    q, k, v, cu_q, cu_k, _, _, scale, causal, qd, kd, vd = args[:12]
     loops = naive_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, scale, causal, (qd, kd, vd))
     _close(expected, loops, torch.bfloat16, "fp8-input reference")
     actual = _triton().flash_attn_varlen(*args)

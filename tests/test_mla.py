@@ -74,13 +74,18 @@ def naive_decode(q, kv_cache, block_table, seq_lens, scale, r):
     )
 
 
-def naive_sparse(q, kv_cache, indices, scale, r):
+def naive_sparse(q, kv_cache, indices, scale, r, attn_sink=None, topk_length=None):
     nb, bs = kv_cache.shape[:2]
     outs, lses = [], []
     for t in range(q.shape[0]):
-        entries = [(s // bs, s % bs) for s in indices[t].tolist() if 0 <= s < nb * bs]
+        used = indices[t].tolist()
+        if topk_length is not None:
+            used = used[: max(0, int(topk_length[t]))]
+        entries = [(s // bs, s % bs) for s in used if 0 <= s < nb * bs]
         rows = _key_rows(kv_cache, entries, r, q.shape[2])
         o, l = _attend_rows(q[t], rows, scale, r)
+        if attn_sink is not None and entries:
+            o = o * torch.sigmoid(l - attn_sink.double())[:, None]
         outs.append(o)
         lses.append(l)
     h = q.shape[1]
@@ -156,7 +161,7 @@ def test_triton_decode_with_value_chunks(dtype, r, p, num_splits):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_sparse_with_value_chunks(dtype):
     params = {**cases.EXAMPLE_SPARSE, "T": 3, "K": 70, "R": 24, "P": 8, "num_blocks": 8, "dtype": dtype, "strided": True}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 4)
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 4)[:5]
     idx[1] = -1
     out, lse = tri.sparse_mla(q, kv, idx, scale, r, config=CHUNKED, num_splits=2)
     _check(ref.sparse_mla(q, kv, idx, scale, r), (out, lse))
@@ -166,7 +171,7 @@ def test_triton_sparse_with_value_chunks(dtype):
 @pytest.mark.parametrize("num_splits", [1, 4, 7])
 def test_triton_sparse_with_forced_splits(num_splits):
     params = {**cases.EXAMPLE_SPARSE, "T": 4, "K": 100, "num_blocks": 8, "dtype": torch.bfloat16, "strided": True}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 3)
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 3)[:5]
     idx[1] = -1  # a token without any key
     idx[2, 30:] = -1  # the later splits of a token hold no key
     out, lse = tri.sparse_mla(q, kv, idx, scale, r, num_splits=num_splits)
@@ -220,7 +225,7 @@ def test_single_key_returns_its_first_R_entries(op, backend):
 def test_lse_is_natural_log_and_merges_disjoint_key_sets(backend):
     """Attention over A u B = LSE-weighted merge of attention over A and over B."""
     params = {**cases.EXAMPLE_SPARSE, "T": 3, "K": 48, "num_blocks": 16, "invalid": 0.0, "dtype": torch.float16}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 5)
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 5)[:5]
     idx = torch.stack([torch.randperm(kv.shape[0] * kv.shape[1])[:48] for _ in range(3)]).int()
     spec = graphsafe.get_op("sparse_mla")
     left, right = idx.clone(), idx.clone()
@@ -303,7 +308,7 @@ def test_nan_in_block_0_and_in_unread_rows_never_reaches_decode_outputs(backend,
 @pytest.mark.parametrize("backend,num_splits", RUNS)
 def test_nan_in_slot_0_and_in_unread_rows_never_reaches_sparse_outputs(backend, num_splits):
     params = {**cases.EXAMPLE_SPARSE, "T": 3, "K": 40, "num_blocks": 8, "invalid": 0.25}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 6)
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 6)[:5]
     kv = _with_unread_block_0(kv)
     idx = torch.where(idx >= 0, idx + kv.shape[1], idx)
     idx[1] = -1  # a token without a key: 0 and -inf whatever q and the cache hold
@@ -528,7 +533,7 @@ def test_triton_fp8_ds_decode_with_value_chunks(r):
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_triton_fp8_ds_sparse_with_forced_splits(num_splits, chunks):
     params = {**cases.EXAMPLE_SPARSE_FP8_DS, "T": 4, "K": 70, "R": 256, "P": 32, "num_blocks": 8, "strided": True}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 3)
+    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 3)[:5]
     idx[1] = -1  # a token without any key
     idx[2, 30:] = -1  # the later splits of a token hold no key
     args = (q, kv, idx, scale, r)
@@ -614,7 +619,7 @@ def test_fp8_ds_cache_checks_name_the_argument(op):
     records' alignment are checked, with the argument named."""
     spec = graphsafe.get_op(op)
     example = cases.EXAMPLE_DECODE_FP8_DS if op == "mla_decode" else cases.EXAMPLE_SPARSE_FP8_DS
-    q, kv, *rest = spec.case.inputs(example, CPU, 0)
+    q, kv, *rest = spec.case.inputs(example, CPU, 0)[:6 if op == "mla_decode" else 5]
     ids, scale, r = rest[:-2], rest[-2], rest[-1]
     spec.public(q, kv, *ids, scale, r)  # the valid call
     gapped = torch.zeros((*kv.shape[:2], kv.shape[2] + 2), dtype=torch.uint8)[..., :-2]  # token stride 166

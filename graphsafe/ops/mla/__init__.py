@@ -172,6 +172,16 @@ def sparse_mla(
     NaN; an entry whose score is -inf has weight 0, yet an infinite value entry
     `k_j[c]` (c < R) of it makes `out[t, h, c]` NaN.
 
+    FlashMLA's two options (each off by default):
+    * `topk_length` (`[T]` int32): token t uses only its first `topk_length[t]` entries
+      (values clamped to `[0, K]`); the entries right of it are never read, nor the
+      cache rows only they name (so they may hold anything, stale slots included).
+    * `attn_sink` (`[H]` float32): head h's sink logit joins the softmax's normaliser
+      and carries no value: `out[t, h]` is scaled by `exp(lse) / (exp(lse) +
+      exp(attn_sink[h]))`, computed as `sigmoid(lse - attn_sink[h])` in float32 before
+      the output's rounding; `lse` is returned without the sink. A sink of +inf gives
+      out 0, -inf no change, NaN NaN; a token without a valid entry stays out 0, lse -inf.
+
     An fp8_ds_mla cache (uint8) is read exactly as `mla_decode` reads it (see there: the
     record's bytes, `k_j = dequantize_records(record, R)`, only the records of valid
     entries read, non-finite values, the kernels' bf16 rounding of the rows and its
