@@ -59,7 +59,7 @@ def test_decode_graph_captured_short_replayed_long():
     reset_workspace_managers()
     case = case_for("paged_attention_decode")
     params = {**LLAMA_DECODE, "B": 8, "max_blocks": 512}  # ctx up to 8192
-    q, kc, vc, table, lens, scale, _, _ = case.inputs({**params, "seq_lens": [1] * 8}, CUDA, seed=1)
+    q, kc, vc, table, lens, scale = case.inputs({**params, "seq_lens": [1] * 8}, CUDA, seed=1)[:6]
     fresh = case.inputs({**params, "seq_lens": [8192, 8191, 1, 0, 4096, 17, 8000, 2]}, CUDA, seed=2)
     b, hq, d = q.shape
     assert plan_decode_splits(b, 8, 512, 16, CUDA) > 1
