@@ -240,3 +240,13 @@ def test_registered_triton_backend_serves_the_variants():
     with graphsafe.use_backend("triton"):
         out = graphsafe.paged_attention_prefill(*args)
     assert torch.equal(out, _kernel(*args))
+
+
+def test_kernel_keeps_max_len_a_runtime_int():
+    """Triton specialises an int argument equal to 1 into a constant; with `max_len` (the
+    block table's capacity in tokens) specialised to 1, the ptxas of Triton 3.6 segfaults
+    on the paged prefill kernel at 3 stages (reproduced for sm_90a; Triton 3.9's ptxas
+    does not). The edge case of one block of one token runs the kernel there on a GPU."""
+    from graphsafe.ops.attention import _triton_paged_prefill as kernels
+
+    assert [p.name for p in kernels._paged_prefill_kernel.params if p.do_not_specialize] == ["max_len"]

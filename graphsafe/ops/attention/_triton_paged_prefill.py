@@ -92,7 +92,10 @@ def _key_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# `max_len` stays a runtime int: Triton specialises an int argument equal to 1 into a
+# constant, and with max_len == 1 (one block of one token per sequence) the ptxas of
+# Triton 3.6 segfaults on this kernel at 3 stages (reproduced for sm_90a on the CPU).
+@triton.jit(do_not_specialize=["max_len"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, cu_q_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr,
     stride_qt, stride_qh,

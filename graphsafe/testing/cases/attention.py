@@ -807,6 +807,9 @@ register_case(
              "strided_cache": True},
             {**EXAMPLE_PAGED_PREFILL, "window_left": 3, "sinks": True, "softcap": 4.0},
             {**EXAMPLE_PAGED_PREFILL, "window_left": 0, "causal": False, "block_size": 16, "max_blocks": 2},
+            # One block of one token: max_len == 1 (Triton 3.6's ptxas crashed on it specialised).
+            {**EXAMPLE_PAGED_PREFILL, "B": 1, "max_q": 1, "block_size": 1, "max_blocks": 1, "causal": False,
+             "pad_q": 1, "lens_q": [1], "seq_lens": [1]},
         ),
         gpu_examples=(
             # Llama-3-8B chunked prefill: 512-token chunks after cached prefixes, up to 4096.
