@@ -251,3 +251,19 @@ def test_varlen_fp8_graph_capture_with_reserved_workspace():
     with no_sync():
         graphsafe.flash_attn_varlen(*fresh)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("op", ["paged_attention_decode", "flash_attn_varlen", "paged_attention_prefill"])
+def test_strided_sinks_are_read_by_their_stride(op):
+    """`sinks` may be any float32 `[Hq]` view: the kernels read it by its stride (an every
+    other element view and a stride-0 expansion give the contiguous copy's result). The
+    CPU interpreter did not show a kernel that ignored the stride: a GPU test."""
+    case = case_for(op)
+    args = list(case.inputs({**case.example, "sinks": True}, CUDA, seed=5))
+    sinks = args[-1]
+    wide = torch.zeros(2 * sinks.numel(), device=CUDA)
+    wide[::2] = sinks
+    expected = getattr(graphsafe, op)(*args)
+    for view, contiguous in ((wide[::2], sinks), (sinks[:1].expand(sinks.numel()), sinks[:1].repeat(sinks.numel()))):
+        reference = expected if contiguous is sinks else getattr(graphsafe, op)(*args[:-1], contiguous)
+        assert torch.equal(getattr(graphsafe, op)(*args[:-1], view), reference), op

@@ -135,3 +135,4 @@ def test_sparse_mla_options_are_flashmlas():
     torch.testing.assert_close(out.float(), plain_out.float() * kept[..., None], atol=1e-3, rtol=1e-3)
     assert (out[:, 1] == 0).all() and torch.equal(out[1:, 2], plain_out[1:, 2])
     assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+

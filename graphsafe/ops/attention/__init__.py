@@ -217,8 +217,9 @@ def flash_attn_varlen(
     (under `causal` too those `j > p`; without `causal` only the left bound applies, as
     FlashAttention's `window_size=(w, -1)`); `softcap` caps every score; `sinks[h]`
     joins the normaliser of every row of head h. Key rows no query row of their
-    sequence sees (before every row's window) are never read (without fp8 quantisation, which reads all); a key row that some rows
-    of a kernel tile see may reach the others as 0 * NaN (as under `causal`).
+    sequence sees (before every row's window) are never read (without fp8 quantisation,
+    which reads all); a key row that some rows of a kernel tile see may reach the others
+    as 0 * NaN (as under `causal`).
 
     Non-finite values (IEEE arithmetic of the formula, the same places on every backend):
     rows outside every sequence never reach an output (without fp8 quantisation, see

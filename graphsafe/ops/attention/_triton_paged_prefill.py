@@ -101,7 +101,7 @@ def _paged_prefill_kernel(
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    stride_tb, stride_tm, stride_lens, stride_ot, stride_oh,
+    stride_tb, stride_tm, stride_lens, stride_sinks, stride_ot, stride_oh,
     total_q, max_len, num_blocks, num_kv_heads, num_q_blocks, qk_scale, cap, window_left,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -185,7 +185,7 @@ def _paged_prefill_kernel(
     if HAS_SINKS:
         # The sink joins the normaliser once, against the running max (0 when no key
         # scored above -inf, as the reference's); it carries no value.
-        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+        sink = tl.load(sinks_ptr + head * stride_sinks, mask=row_ok, other=0.0)
         m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)
         l_i = l_i + tl.exp2(sink * _LOG2E - m_ref)
     norm = tl.where(l_i == 0.0, 1.0, l_i)  # a NaN sum (NaN scores) keeps the row NaN
@@ -204,14 +204,15 @@ def _paged_prefill_kernel(
 
 def bind_paged_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    num_seqs: int, max_seqlen_q: int, scale: float, causal: bool, window_left: int, softcap: float, has_sinks: bool,
+    num_seqs: int, max_seqlen_q: int, scale: float, causal: bool, window_left: int, softcap: float,
+    sinks_stride: int | None,
     config: tuple[int, int, int, int],
 ) -> Launch | None:
     """The kernel bound to these inputs' shapes and strides, into a contiguous
     `[Tq, Hq, Dv]` output: `launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
     k_scale, v_scale, sinks, out)`; it writes every row of every sequence (the caller
     zeroes the rows outside them: `_triton_quant.bind_prepare`). bf16/fp16 caches read no
-    scales and `has_sinks=False` no sinks: pass any tensor of the device there (e.g. q).
+    scales and `sinks_stride=None` (no sinks) none: pass any tensor of the device there (e.g. q).
     `config` is (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages); BLOCK_M is raised to
     the group size when smaller. None when there is nothing to compute."""
     tq, hq, d = q.shape
@@ -237,11 +238,12 @@ def bind_paged_prefill(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), block_table.stride(1), seq_lens.stride(0), hq * dv, dv,  # out is contiguous
+        block_table.stride(0), block_table.stride(1), seq_lens.stride(0), sinks_stride or 0,
+        hq * dv, dv,  # out is contiguous
         tq, block_table.shape[1] * block_size, num_blocks, hk, num_q_blocks, qk_scale, cap, window_left,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         D=d, BLOCK_D=max(least, triton.next_power_of_2(d)),
         DV=dv, BLOCK_DV=max(least, triton.next_power_of_2(dv)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, CAUSAL=causal, WINDOW=window_left >= 0, SOFTCAP=softcap > 0,
-        HAS_SINKS=has_sinks, KV_FP8=kv_fp8, num_warps=num_warps, num_stages=num_stages,
+        HAS_SINKS=sinks_stride is not None, KV_FP8=kv_fp8, num_warps=num_warps, num_stages=num_stages,
     )

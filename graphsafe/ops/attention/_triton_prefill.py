@@ -194,7 +194,7 @@ def _varlen_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, sinks_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh,
     stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h,
-    qk_scale, num_q_heads, num_m_blocks, total_q, total_k,
+    qk_scale, num_q_heads, num_m_blocks, total_q, total_k, stride_sinks,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_DA: tl.constexpr, BLOCK_DB: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, FP8: tl.constexpr, HAS_DESCALE: tl.constexpr, Q_QUANT: tl.constexpr,
@@ -205,7 +205,8 @@ def _varlen_fwd_kernel(
     query tile once, before the key loop (saving a pass over q, the largest input under
     GQA). KV_ALIGN: see the module docstring (1: keys from k_start itself). Variants
     (module docstring): WINDOW_LEFT (-1: none), SOFTCAP (in log2 units; 0: none),
-    HAS_SINKS (`sinks_ptr` [Hq] float32; else a placeholder never read)."""
+    HAS_SINKS (`sinks_ptr` [Hq] float32 with stride `stride_sinks`; else a placeholder
+    never read)."""
     pid = tl.program_id(0)
     seq_head = pid // num_m_blocks
     m_block = num_m_blocks - 1 - pid % num_m_blocks  # heaviest causal block first
@@ -340,7 +341,7 @@ def _varlen_fwd_kernel(
     if HAS_SINKS:
         # The sink joins the normaliser once, against the final row max (0 for a row
         # whose scores are all -inf, as in the reference), in l's units (fp8: P_SCALE).
-        sink = tl.load(sinks_ptr + head) * _LOG2E
+        sink = tl.load(sinks_ptr + head * stride_sinks) * _LOG2E
         if FP8:
             sink = sink + _P_LOG2
         l_i = l_i + tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
@@ -375,13 +376,13 @@ def bind_varlen(
     k_strides: tuple[int, int], v_strides: tuple[int, int, int], max_seqlen_q: int, scale: float, causal: bool,
     descale_strides: tuple[tuple[int, int], ...] | None, fp8: bool, config: tuple[int, int, int, int],
     emulate: bool, num_k_rows: int, q_quant: bool = False, window_left: int = -1, softcap: float = 0.0,
-    has_sinks: bool = False,
+    sinks_stride: int | None = None,
 ) -> Launch | None:
     """The forward kernel bound to q's shape and strides and the rest of the call's
     shape: `launch(q, k, v, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks)` into
     a contiguous `out` [Tq, Hq, Dv] (the caller zeroes its tail: `bind_prepare`).
-    `window_left`, `softcap`, `has_sinks`: the op's variants (constexprs; without
-    `has_sinks` pass any tensor of the device for `sinks`). A window of `num_k_rows` keys
+    `window_left`, `softcap`, `sinks_stride` (None: no sinks): the op's variants
+    (constexprs; without sinks pass any tensor of the device for `sinks`). A window of `num_k_rows` keys
     or more holds every key of every sequence (none is longer): it compiles as no window.
     `k_strides` (t, h) of k; `v_strides` (t, h, d) of v (of V^T for fp8).
     `descale_strides`: None (no descales: pass any tensor of the device for them) or
@@ -402,10 +403,11 @@ def bind_varlen(
         q, q, q, q, q, q, q, q, q, q,  # placeholders: only their device is read
         q.stride(0), q.stride(1), k_strides[0], k_strides[1], vt, vh, vdd, hq * head_dim_v, head_dim_v,
         sqb, sqh, skb, skh, svb, svh,
-        scale * LOG2E, hq, num_m_blocks, q.shape[0], num_k_rows,
+        scale * LOG2E, hq, num_m_blocks, q.shape[0], num_k_rows, sinks_stride or 0,
         GROUP=hq // num_kv_heads, D=d, BLOCK_DA=block_da, BLOCK_DB=block_db,
         DV=head_dim_v, BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, FP8=fp8, HAS_DESCALE=descale_strides is not None, Q_QUANT=q_quant, EMULATE=emulate,
-        KV_ALIGN=KV_ALIGN if fp8 else 1, WINDOW_LEFT=window_left, SOFTCAP=softcap * LOG2E, HAS_SINKS=has_sinks,
+        KV_ALIGN=KV_ALIGN if fp8 else 1, WINDOW_LEFT=window_left, SOFTCAP=softcap * LOG2E,
+        HAS_SINKS=sinks_stride is not None,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -55,8 +55,7 @@ def decode_config(device: torch.device) -> tuple[int, int, int]:
 
 def prepare_paged_attention_decode(
     q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None, window_left=-1, softcap=0.0,
-    sinks=None, *,
-    num_splits=None
+    sinks=None, *, num_splits=None,
 ):
     """The runner of this call signature: the split plan, the decode launch and (with
     more than one split) the combine launch and the partials' workspace specs, fixed
@@ -69,8 +68,8 @@ def prepare_paged_attention_decode(
     new_out = output_allocator(shape, dtype, device)
 
     if b == 0 or hq == 0:
-        def run_empty(q, k_cache, v_cache, block_table, seq_lens, scale,
-                  k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
+        def run_empty(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
+                      window_left=-1, softcap=0.0, sinks=None):
             return new_out()
 
         return run_empty
@@ -81,8 +80,8 @@ def prepare_paged_attention_decode(
     decode = bind_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, decode_config(device),
                                window_left, softcap, sinks)
     if num_splits == 1:
-        def run(q, k_cache, v_cache, block_table, seq_lens, scale,
-                  k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
+        def run(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
+                window_left=-1, softcap=0.0, sinks=None):
             out = new_out()
             if not kv_fp8:
                 k_scale = v_scale = q  # bf16/fp16 caches read no scale: placeholders
@@ -96,8 +95,8 @@ def prepare_paged_attention_decode(
     specs = (((b, hq, num_splits, dv), torch.float32), ((b, hq, num_splits), torch.float32))
     combine = bind_combine(q, b, hq, dv, num_splits, sinks)
 
-    def run_split(q, k_cache, v_cache, block_table, seq_lens, scale,
-                  k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
+    def run_split(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
+                  window_left=-1, softcap=0.0, sinks=None):
         out = new_out()
         part_o, part_lse = current_workspace_manager(device).get_simultaneous(*specs, owner=DECODE_OWNER)
         if not kv_fp8:
@@ -113,8 +112,7 @@ def prepare_paged_attention_decode(
 
 def paged_attention_decode(
     q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None, window_left=-1, softcap=0.0,
-    sinks=None, *,
-    num_splits=None
+    sinks=None, *, num_splits=None,
 ):
     """One call, prepared afresh. `num_splits` (tests only) overrides the shape-based plan."""
     args = (q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, window_left, softcap, sinks)
@@ -231,7 +229,7 @@ def prepare_flash_attn_varlen(
     if tq * hq * dv == 0:
         def run_empty(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                       q_descale=None, k_descale=None, v_descale=None, fp8="off",
-                window_left=-1, softcap=0.0, sinks=None):
+                      window_left=-1, softcap=0.0, sinks=None):
             return new_out()
 
         return run_empty
@@ -239,7 +237,8 @@ def prepare_flash_attn_varlen(
     config = config or varlen_config(device, d, dv, use_fp8, max_seqlen_q)
     num_seqs = cu_seqlens_q.shape[0] - 1
     emulate = EMULATE_FP8_CAST and device.type == "cpu"
-    variants = {"window_left": window_left, "softcap": softcap, "has_sinks": sinks is not None}
+    sinks_stride = None if sinks is None else sinks.stride(0)
+    variants = {"window_left": window_left, "softcap": softcap, "sinks_stride": sinks_stride}
 
     if not use_fp8:
         zero_tail = bind_prepare(q, num_seqs, tq, hq * dv, False)  # not None: out has elements
@@ -274,7 +273,7 @@ def prepare_flash_attn_varlen(
 
         def run_quantised(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                           q_descale=None, k_descale=None, v_descale=None, fp8="off",
-                window_left=-1, softcap=0.0, sinks=None):
+                          window_left=-1, softcap=0.0, sinks=None):
             out = new_out()
             vt, k8, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
             quantise(q, k, v, cu_seqlens_q, out, k8, vt, scales)
@@ -296,7 +295,7 @@ def prepare_flash_attn_varlen(
 
     def run_fp8_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                        q_descale=None, k_descale=None, v_descale=None, fp8="off",
-                window_left=-1, softcap=0.0, sinks=None):
+                       window_left=-1, softcap=0.0, sinks=None):
         out = new_out()
         vt, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
         quantise(q, k, v, cu_seqlens_q, out, None, vt, scales)

@@ -57,9 +57,8 @@ def prepare_paged_attention_prefill(
 
     config = config or paged_prefill_config(device, d, dv, hq // hk, max_seqlen_q)
     attend = bind_paged_prefill(q, k_cache, v_cache, block_table, seq_lens, num_seqs, max_seqlen_q, scale, causal,
-                                window_left, softcap, sinks is not None, config)
+                                window_left, softcap, None if sinks is None else sinks.stride(0), config)
     kv_fp8 = k_cache.dtype.itemsize == 1
-    has_sinks = sinks is not None
 
     def run(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, causal,
             k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
@@ -69,7 +68,7 @@ def prepare_paged_attention_prefill(
             if not kv_fp8:
                 k_scale = v_scale = q  # bf16/fp16 caches read no scale: placeholders
             attend(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale,
-                   sinks if has_sinks else q, out)
+                   q if sinks is None else sinks, out)
         return out
 
     return run
