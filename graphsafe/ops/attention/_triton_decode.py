@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from graphsafe.launch import Launch, bind
+from graphsafe.ops.attention._triton_softcap import tanh_of_exp2
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # kernels may only read constexpr globals
@@ -45,11 +46,8 @@ def _ids_in_range(table_row, stride_tm, start, end, block_size, num_blocks, CHUN
 @triton.jit
 def _softcapped(s, cap_log2, cap_rate):
     """`c * tanh(s / c)` of scores `s` in log2 units (`s = t * log2(e)`), in log2 units:
-    `cap_log2 = c * log2(e)`, `cap_rate = -2 / c`. tanh(x) = sign(x) (1 - e) / (1 + e)
-    with e = exp(-2|x|) <= 1: +-inf gives +-c, NaN stays NaN, nothing overflows."""
-    e = tl.exp2(tl.abs(s) * cap_rate)
-    t = (1.0 - e) / (1.0 + e)
-    return cap_log2 * tl.where(s < 0.0, -t, t)
+    `cap_log2 = c * log2(e)`, `cap_rate = 2 / c` (tanh's exp2 argument per log2-unit score)."""
+    return cap_log2 * tanh_of_exp2(s * cap_rate)
 
 
 @triton.jit
@@ -236,8 +234,8 @@ def bind_paged_decode(
     _, block_size, hk, dv = v_cache.shape
     group = hq // hk
     block_n, num_warps, num_stages = config
-    # softcap c in log2 units: c * log2(e), and tanh's exp(-2|x|) = exp2(|s| * -2 / c).
-    cap_log2, cap_rate = (softcap * LOG2E, -2.0 / softcap) if softcap > 0 else (0.0, 0.0)
+    # softcap c in log2 units: c * log2(e); tanh(t / c) = tanh_of_exp2(s * 2 / c) (s = t log2(e)).
+    cap_log2, cap_rate = (softcap * LOG2E, 2.0 / softcap) if softcap > 0 else (0.0, 0.0)
     unchecked, checked = (bind(
         _paged_decode_kernel, (b, hk, num_splits),
         q, k_cache, v_cache, block_table, seq_lens, q, q, q, q, q, q,  # scales, sinks, out, partials: placeholders

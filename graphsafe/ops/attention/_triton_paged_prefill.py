@@ -23,19 +23,10 @@ import triton.language as tl
 
 from graphsafe.launch import Launch, bind
 from graphsafe.ops.attention._triton_quant import sequence_bounds
+from graphsafe.ops.attention._triton_softcap import tanh_of_exp2
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
-_MINUS_2_LOG2E = tl.constexpr(-2.0 * LOG2E)
-
-
-@triton.jit
-def _tanh(x):
-    """tanh of fp32 x: +-1 at +-inf, NaN at NaN; `(1 - e^-2|x|) / (1 + e^-2|x|)` with the
-    sign of x (no overflow for any x)."""
-    t = tl.exp2(tl.abs(x) * _MINUS_2_LOG2E)
-    y = (1.0 - t) / (1.0 + t)
-    return tl.where(x < 0.0, -y, y)
 
 
 @triton.jit
@@ -67,8 +58,8 @@ def _key_tile(
         kt = kt.to(q.dtype)
     s = tl.dot(q, kt)
     if SOFTCAP:
-        # qk_scale = scale (* k_scale) / softcap, cap = softcap * log2(e).
-        s = cap * _tanh(s * qk_scale)
+        # qk_scale = scale (* k_scale) * 2 log2(e) / softcap, cap = softcap * log2(e).
+        s = cap * tanh_of_exp2(s * qk_scale)
     else:
         s = s * qk_scale
     visible = ok[None, :]
@@ -229,7 +220,7 @@ def bind_paged_prefill(
     # out of bounds (compute-sanitizer) for a [64, 16] fp8 V tile converted for the P.V dot.
     least = 32 if kv_fp8 else 16
     if softcap > 0:
-        qk_scale, cap = scale / softcap, softcap * LOG2E
+        qk_scale, cap = scale * 2 * LOG2E / softcap, softcap * LOG2E
     else:
         qk_scale, cap = scale * LOG2E, 1.0
     return bind(

@@ -53,6 +53,7 @@ import triton.language as tl
 
 from graphsafe.launch import Launch, bind
 from graphsafe.ops.attention._triton_quant import cast_fp8, descale_of, quantize_values, sequence_bounds
+from graphsafe.ops.attention._triton_softcap import tanh_of_exp2
 from graphsafe.ops.attention.fp8_format import P_SCALE
 
 LOG2E = 1.4426950408889634
@@ -129,7 +130,7 @@ def _key_block(
         # The capped score in log2 units, SOFTCAP * tanh(t / SOFTCAP) with tanh(x) =
         # 1 - 2 / (2^(x * 2 log2(e)) + 1) (qk_scale folds that factor in): the scale is
         # spent here, and a masked key's -inf comes after the cap.
-        s = SOFTCAP * (1.0 - 2.0 / (tl.exp2(s * qk_scale) + 1.0))
+        s = SOFTCAP * tanh_of_exp2(s * qk_scale)
     # qk_scale > 0 (the kernel folded any sign into q): the row max of the raw scores
     # scaled is the max of the scaled scores, and the exponent is one FMA per score.
     if MASKED:
