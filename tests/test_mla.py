@@ -884,6 +884,13 @@ def specialise(fn, args, kw, source=None):
             if v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return (source or ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+def wgmma_shapes(kernel):  # {"m64n32k16": count, ...}: the wgmma instructions of the PTX
+    import re
+    shapes = {}
+    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"]):
+        shapes[m] = shapes.get(m, 0) + 1
+    return shapes
 """
 
 # Records the launches the Triton wrappers make at DeepSeek dims with the GPU tile
@@ -999,7 +1006,7 @@ def test_fp8_ds_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
 
 
 _GLUON_COMPILE_SCRIPT = r"""
-import re, sys, types
+import sys, types
 try:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -1042,9 +1049,7 @@ for args, kw in launches:
     warps = kw.pop("num_warps")
     k = triton.compile(specialise(G.mla_attn_wgmma_kernel, args, kw, GluonASTSource), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
-    shapes = {}
-    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"]):
-        shapes[m] = shapes.get(m, 0) + 1
+    shapes = wgmma_shapes(k)
     print("compiled", args[0].dtype, "SPARSE", kw["SPARSE"], "SPLIT", kw["SPLIT"], "CHECK_IDS", kw["CHECK_IDS"],
           "shared", k.metadata.shared, shapes)
     # Per 64 keys each warpgroup scores its 32 keys over 576 columns (36 k-steps of 16) and
@@ -1232,7 +1237,6 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import async_copy, warpgroup_mma
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-import re
 from graphsafe.ops.mla import _gluon_hopper as G
 tri.warpgroup_split_fits = lambda *a: True
 """ + _SPECIALISE + r"""
@@ -1249,9 +1253,7 @@ for args, kw in gluon:
     warps = kw.pop("num_warps")
     k = triton.compile(specialise(G.mla_attn_wgmma_kernel, args, kw, GluonASTSource), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
-    shapes = {}
-    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"]):
-        shapes[m] = shapes.get(m, 0) + 1
+    shapes = wgmma_shapes(k)
     print("compiled SPLIT", kw["SPLIT"], "shared", k.metadata.shared, shapes)
     assert shapes == {"m64n32k16": 36, "m64n256k16": 4}, shapes  # no duplicated q.k, as without the options
     assert k.metadata.shared <= 227 * 1024, k.metadata.shared
