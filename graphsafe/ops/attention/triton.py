@@ -33,6 +33,7 @@ from graphsafe.ops.attention._triton_quant import (
 )
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
 from graphsafe.ops.attention.split_kv import decode_block_n, plan_decode_splits
+from graphsafe.ops.attention.wgmma_varlen import bind_wgmma_varlen, wgmma_varlen_fits
 from graphsafe.workspace import current_workspace_manager
 
 DECODE_OWNER = "paged_attention_decode"
@@ -234,6 +235,7 @@ def prepare_flash_attn_varlen(
 
         return run_empty
 
+    explicit_config = config is not None
     config = config or varlen_config(device, d, dv, use_fp8, max_seqlen_q)
     num_seqs = cu_seqlens_q.shape[0] - 1
     emulate = EMULATE_FP8_CAST and device.type == "cpu"
@@ -246,6 +248,10 @@ def prepare_flash_attn_varlen(
             q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1), v.stride(2)),
             max_seqlen_q, scale, causal, None, False, config, emulate, tk, **variants,
         )
+        has_variant = (0 <= window_left < tk) or softcap != 0.0 or sinks is not None
+        if attend is not None and not explicit_config and wgmma_varlen_fits(q, k, v, max_seqlen_q, scale, has_variant):
+            # sm_90: the Gluon kernel (a config override asks for the Triton kernel's tiles).
+            attend = bind_wgmma_varlen(q, k, v, num_seqs, max_seqlen_q, scale, causal, attend)
 
         def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                 q_descale=None, k_descale=None, v_descale=None, fp8="off",

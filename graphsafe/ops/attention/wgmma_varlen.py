@@ -1,0 +1,106 @@
+"""Where `flash_attn_varlen` runs its sm_90 Gluon kernel (_gluon_prefill.py), and its launch.
+
+The Gluon kernel serves the plain bf16/fp16 call on Hopper: head dims 64 or 128 with
+Dv = D, a positive softmax scale, no variant (window, softcap, sinks), rows the 16-byte
+copies can address. Everything else, and any call whose q, k or v is not 16-byte
+aligned, runs the Triton kernel, as does every call of a signature whose Gluon kernel
+failed to compile (a warning says so once). The decision on shapes, strides, dtype and
+device is made once per signature (`wgmma_varlen_fits`); the alignment per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+import triton
+from triton.runtime import OutOfResources
+
+from graphsafe.launch import Launch, bind
+from graphsafe.ops.mla.splits import max_shared_memory
+
+LOG2E = 1.4426950408889634
+# What a failed Gluon compile raises (RuntimeError: a failed MLIR pass).
+_COMPILE_ERRORS = (OutOfResources, triton.CompilationError, RuntimeError)
+# Signatures (dtype, head dim, tiles, causal) whose Gluon kernel failed to compile.
+_FAILED: set[tuple] = set()
+
+
+@functools.cache
+def _gluon_module():
+    """The kernel's module, or None where this Triton has no Gluon (imported on first use:
+    CPU runs and other GPUs never need it)."""
+    try:
+        from graphsafe.ops.attention import _gluon_prefill
+    except (ImportError, AttributeError):  # no Gluon, or one without the Hopper ops used
+        return None
+    return _gluon_prefill
+
+
+def wgmma_varlen_tiles(max_seqlen_q: int, d: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): 128 query rows (two warpgroups) unless every sequence is
+    short; 128 keys a tile at D = 128, 64 at D = 64 (measured on an H200, 8 x 4096
+    causal, 32/8 heads: D = 128 2.60 ms with 128 keys vs 2.73 with 64; D = 64 1.52 vs
+    1.84 ms)."""
+    return (128 if max_seqlen_q > 64 else 64), (128 if d >= 128 else 64)
+
+
+def wgmma_varlen_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int, scale: float,
+                      variants: bool) -> bool:
+    """Whether this call signature runs the Gluon kernel (alignment aside): an sm_90 CUDA
+    device, q, k, v of one 16-bit dtype with D = Dv in the kernel's head dims, unit
+    strides along D and row strides of whole 16-byte groups (what the copies need and
+    Triton's specialisation proves), a finite positive scale, no variant."""
+    if variants or q.device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    module = _gluon_module()
+    if module is None or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    d, dv = q.shape[2], v.shape[2]
+    if d != dv or d not in module.HEAD_DIMS or not (math.isfinite(scale) and scale > 0):
+        return False
+    if any(x.stride(2) != 1 or x.stride(0) % 8 or x.stride(1) % 8 for x in (q, k, v)):
+        return False
+    smem = max_shared_memory(q.device)
+    return smem is not None and module.shared_memory_bytes(*wgmma_varlen_tiles(max_seqlen_q, d), d) <= smem
+
+
+def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,
+                      scale: float, causal: bool, triton_launch: Launch) -> Launch:
+    """A launch with `triton_launch`'s arguments, `(q, k, v, out, cu_q, cu_k, *rest)` into a
+    contiguous `out` [Tq, Hq, D]: the Gluon kernel (which reads no `rest`: descales and
+    sinks, placeholders here) for 16-byte aligned q, k, v, else `triton_launch`."""
+    module = _gluon_module()
+    tq, hq, d = q.shape
+    tk, hk = k.shape[:2]
+    block_m, block_n = wgmma_varlen_tiles(max_seqlen_q, d)
+    num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
+    key = (q.dtype, d, block_m, block_n, causal)
+    wgmma = None
+    if key not in _FAILED:
+        wgmma = bind(
+            module.varlen_fwd_wgmma_kernel, (num_m_blocks * num_seqs * hq,),
+            q, q, q, q, q, q,  # placeholders: only their device is read
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq * d, d,
+            scale * LOG2E, hq, num_m_blocks, tq, tk,
+            GROUP=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, num_warps=block_m // 16,
+        )
+
+    def launch(q, k, v, out, cu_q, cu_k, *rest):
+        nonlocal wgmma
+        if wgmma is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            try:
+                return wgmma(q, k, v, out, cu_q, cu_k)
+            except _COMPILE_ERRORS as exc:  # nothing ran: the Triton kernel runs the call
+                wgmma = None
+                if key not in _FAILED:
+                    _FAILED.add(key)
+                    warnings.warn(f"graphsafe flash_attn_varlen: the sm_90 Gluon kernel did not compile for {key} "
+                                  f"({exc}); running the Triton kernel", RuntimeWarning, stacklevel=2)
+        triton_launch(q, k, v, out, cu_q, cu_k, *rest)
+
+    return launch
