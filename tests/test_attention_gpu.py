@@ -267,3 +267,132 @@ def test_strided_sinks_are_read_by_their_stride(op):
     for view, contiguous in ((wide[::2], sinks), (sinks[:1].expand(sinks.numel()), sinks[:1].repeat(sinks.numel()))):
         reference = expected if contiguous is sinks else getattr(graphsafe, op)(*args[:-1], contiguous)
         assert torch.equal(getattr(graphsafe, op)(*args[:-1], view), reference), op
+
+
+# -- the sm_90 Gluon kernel of flash_attn_varlen (ops/attention/_gluon_prefill.py) ----------------
+# (lens_q, lens_k, Hq, Hk, D, dtype, causal): one tile; ragged lengths with 1-token sequences;
+# more keys than queries (chunked prefill); more queries than keys (rows that see no key);
+# empty sequences at D = 64; every sequence short (64-row tiles); a long GQA batch (the
+# persistent kernel: ~8 work tiles a program, its K/V ring and q buffers carried across them);
+# many sequences of odd lengths and empty ones at D = 128 (work tiles past their rows skipped).
+WGMMA_VARLEN_CASES = {
+    "one-tile": ([128], [128], 4, 4, 128, torch.bfloat16, True),
+    "ragged-causal": ([300, 1, 77, 1000], [300, 1, 77, 1000], 8, 2, 128, torch.bfloat16, True),
+    "ragged-full-fp16": ([300, 1, 77, 1000], [300, 1, 77, 1000], 8, 2, 128, torch.float16, False),
+    "prefix-keys": ([50, 200, 129], [700, 200, 1029], 4, 1, 128, torch.bfloat16, True),
+    "rows-see-no-key": ([512, 10], [100, 10], 4, 2, 128, torch.bfloat16, True),
+    "empty-seqs-d64": ([0, 64, 0, 200], [0, 64, 5, 200], 4, 2, 64, torch.bfloat16, True),
+    "full-d64-fp16": ([256, 333], [256, 333], 4, 4, 64, torch.float16, False),
+    "short-64-row-tiles": ([60, 40], [60, 400], 8, 8, 128, torch.bfloat16, True),
+    "llama-2x2048": ([2048] * 2, [2048] * 2, 32, 8, 128, torch.bfloat16, True),
+    "many-ragged-d128": ([0, 5, 0, 130, 1, 0, 64, 257, 700, 129, 3, 0], [0, 9, 4, 130, 1, 0, 80, 257, 900, 129, 3, 2],
+                         8, 2, 128, torch.float16, True),
+}
+WGMMA_PAD = 16  # rows past every sequence; NaN in k and v, which no sequence may read
+
+
+def _wgmma_inputs(lens_q, lens_k, hq, hk, d, dtype, seed):
+    """q, k, v ([sum + WGMMA_PAD, H, d], k and v NaN past the last sequence), cu_q, cu_k."""
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    q = torch.randn(sum(lens_q) + WGMMA_PAD, hq, d, device=CUDA, dtype=dtype, generator=gen)
+    k, v = (torch.randn(sum(lens_k) + WGMMA_PAD, hk, d, device=CUDA, dtype=dtype, generator=gen) for _ in range(2))
+    k[sum(lens_k) :] = float("nan")
+    v[sum(lens_k) :] = float("nan")
+    cu_q, cu_k = (torch.tensor([0, *lens], device=CUDA).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
+    return q, k, v, cu_q, cu_k
+
+
+def _float_reference(args):
+    """The reference on float32 copies of q, k, v, cast to their dtype."""
+    q = args[0]
+    floats = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    return reference.flash_attn_varlen(*floats).to(q.dtype)
+
+
+def _max_err(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _skip_unless_wgmma(args):
+    """Skip where the Gluon kernel does not serve the call (not an sm_90 GPU, no Gluon)."""
+    from graphsafe.ops.attention.wgmma_varlen import wgmma_varlen_fits
+
+    q, k, v, _, _, max_seqlen_q, _, scale = args[:8]
+    if not wgmma_varlen_fits(q, k, v, max_seqlen_q, scale, False):
+        pytest.skip("the Gluon varlen kernel serves sm_90 GPUs only")
+
+
+def _assert_gluon_compiled():
+    from graphsafe.ops.attention import wgmma_varlen
+
+    assert not wgmma_varlen._FAILED, f"the Gluon kernel did not compile for {wgmma_varlen._FAILED}: Triton ran"
+
+
+@pytest.mark.parametrize("case", list(WGMMA_VARLEN_CASES))
+def test_varlen_wgmma_kernel_against_reference(case):
+    """The Gluon kernel (the default bf16/fp16 path on sm_90) against the float32 reference:
+    within twice the Triton kernel's error (or 2e-2), no NaN (the NaN rows past the last
+    sequence are never read)."""
+    lens_q, lens_k, hq, hk, d, dtype, causal = WGMMA_VARLEN_CASES[case]
+    q, k, v, cu_q, cu_k = _wgmma_inputs(lens_q, lens_k, hq, hk, d, dtype, seed=25)
+    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), d**-0.5, causal)
+    _skip_unless_wgmma(args)
+    T = _triton()
+    actual = T.flash_attn_varlen(*args)
+    triton_kernel = T.flash_attn_varlen(*args, config=T.varlen_config(CUDA, d, d, False, max(lens_q)))
+    expected = _float_reference(args)
+    torch.cuda.synchronize()
+    _assert_gluon_compiled()
+    err, triton_err = _max_err(actual, expected), _max_err(triton_kernel, expected)
+    print(f"{case}: Gluon max error {err:.3g}, Triton {triton_err:.3g}")
+    assert not actual.isnan().any()
+    assert err <= max(2 * triton_err, 2e-2), (err, triton_err)
+
+
+def test_varlen_wgmma_graph_replay_with_new_lengths():
+    """Captured once (max_seqlen 600), replayed with other cu_seqlens, an empty sequence
+    among them, and new q, k, v: each replay matches the reference."""
+    lens = [500, 300]
+    q, k, v, cu_q, cu_k = _wgmma_inputs(lens, lens, 8, 2, 128, torch.bfloat16, seed=26)
+    args = (q, k, v, cu_q, cu_k, 600, 600, 128**-0.5, True)
+    _skip_unless_wgmma(args)
+    runner = _triton().prepare_flash_attn_varlen(*args)
+    runner(*args)  # warm-up: the kernels compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = runner(*args)
+    _assert_gluon_compiled()
+    gen = torch.Generator(device=CUDA).manual_seed(27)
+    for new_lens in ([600, 200], [100, 600], [600, 0]):
+        cu = torch.tensor([0, new_lens[0], sum(new_lens)], device=CUDA, dtype=torch.int32)
+        cu_q.copy_(cu)
+        cu_k.copy_(cu)
+        for x in (q, k, v):
+            x[: sum(lens)].normal_(generator=gen)  # the NaN rows past 800 stay
+        graph.replay()
+        expected = _float_reference(args)
+        torch.cuda.synchronize()
+        err = _max_err(out, expected)
+        assert not out.isnan().any() and err < 2e-2, (new_lens, err)
+
+
+def test_varlen_wgmma_misaligned_inputs_run_the_triton_kernel():
+    """q as a view at a 1-element (2-byte) offset of a bigger buffer: the call of the Gluon
+    kernel's signature runs the Triton kernel (bit-equal to it on the same input) and
+    matches the aligned call within tolerance."""
+    lens = [300, 1, 77, 1000]
+    q, k, v, cu_q, cu_k = _wgmma_inputs(lens, lens, 8, 2, 128, torch.bfloat16, seed=28)
+    shifted = torch.empty(q.numel() + 1, device=CUDA, dtype=q.dtype)[1:].view(q.shape)
+    shifted.copy_(q)
+    assert shifted.data_ptr() % 16 and shifted.stride() == q.stride()
+    rest = (v, cu_q, cu_k, 1000, 1000, 128**-0.5, True)
+    _skip_unless_wgmma((shifted, k, *rest))
+    T = _triton()
+    aligned = T.flash_attn_varlen(q, k, *rest)
+    misaligned = T.flash_attn_varlen(shifted, k, *rest)
+    triton_kernel = T.flash_attn_varlen(shifted, k, *rest, config=T.varlen_config(CUDA, 128, 128, False, 1000))
+    torch.cuda.synchronize()
+    _assert_gluon_compiled()
+    assert torch.equal(misaligned, triton_kernel), "the misaligned call ran the Triton kernel"
+    assert not misaligned.isnan().any() and _max_err(misaligned, aligned) <= 2e-2

@@ -24,11 +24,13 @@ DECODE_SHAPES = Shapes(
     full=tuple((b, ctx) for b in (1, 64, 128) for ctx in (4096, 32768)),
     cpu=((2, 256),),
 )
-# (sequences, tokens each, Hq, Hk, D, Dv) of the causal prefill problems: GQA, MHA, MLA
-# prefill; by default the GQA one (the NOTES row).
+# (sequences, tokens each, Hq, Hk, D, Dv) of the causal prefill problems: GQA (Llama-3-8B)
+# at 2K, 4K (the NOTES row) and 8K tokens a sequence by default; MHA, MLA prefill and
+# gpt-oss's D = 64 in the full sweep.
+_GQA_VARLEN = ((8, 2048, 32, 8, 128, 128), (8, 4096, 32, 8, 128, 128), (4, 8192, 32, 8, 128, 128))
 VARLEN_SHAPES = Shapes(
-    default=((8, 4096, 32, 8, 128, 128),),
-    full=((8, 4096, 32, 8, 128, 128), (8, 4096, 32, 32, 128, 128), (8, 4096, 16, 16, 192, 128)),
+    default=_GQA_VARLEN,
+    full=(*_GQA_VARLEN, (8, 4096, 32, 32, 128, 128), (8, 4096, 16, 16, 192, 128), (8, 4096, 64, 8, 64, 64)),
     cpu=((2, 128, 4, 2, 64, 64),),
 )
 CPU_NO_COMPILE = "flex_attention left out on the CPU (its compile takes longer than the CPU run)"
@@ -193,10 +195,22 @@ def _fp8_impls(public, q, k, v, cu, n: int, scale: float) -> dict:
     return impls
 
 
+def _with_triton_kernel_row(impls: dict, args: tuple, d: int, dv: int, n: int) -> dict:
+    """`impls` with "graphsafe triton kernel" right after the first (default) row: the
+    bf16/fp16 Triton kernel with its own tiles (the kernel the Gluon one replaces on
+    sm_90; elsewhere the default row runs it too), its runner prepared once as the op's is."""
+    from graphsafe.ops.attention import triton as T
+
+    runner = T.prepare_flash_attn_varlen(*args[:9], config=T.varlen_config(args[0].device, d, dv, False, n))
+    (first, run_first), *rest = impls.items()
+    return {first: run_first, "graphsafe triton kernel": lambda: runner(*args[:9]), **dict(rest)}
+
+
 @bench_case("flash_attn_varlen", VARLEN_SHAPES)
 def flash_attn_varlen(device: torch.device, shapes: tuple):
-    """bf16 against SDPA / flex_attention; and (GPU only: it times the Triton kernels
-    directly) the fp8 path."""
+    """bf16 against SDPA / flex_attention and, on a GPU, the bf16/fp16 Triton kernel with
+    its own tiles (which the default path replaces on sm_90); then (GPU only: it times the
+    Triton kernels directly) the fp8 path."""
     spec = get_op("flash_attn_varlen")
     for seqs, n, hq, hk, d, dv in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
@@ -212,6 +226,8 @@ def flash_attn_varlen(device: torch.device, shapes: tuple):
 
         args = (q, k, v, cu, cu, n, n, scale, True, None, None, None, "off")
         impls, note = _graphsafe_only(spec, args, device, seqs * hq * n * n * 4 * 3)
+        if device.type == "cuda":
+            impls = _with_triton_kernel_row(impls, args, d, dv, n)
         fi_impls, fi_note = flashinfer.ragged_prefill_peers(q, k, v, cu, scale, True, spec.public(*args))
         impls.update(fi_impls)
         peers, peer_note = _varlen_peers(q, k, v, seqs, n, scale, device)

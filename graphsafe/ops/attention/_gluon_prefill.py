@@ -1,36 +1,40 @@
-"""Hopper (sm_90) kernel of `flash_attn_varlen` in Gluon: bf16/fp16, wgmma with the two
+"""Hopper (sm_90) kernels of `flash_attn_varlen` in Gluon: bf16/fp16, wgmma with the two
 products of a key tile in flight together.
 
-Why a second kernel: Triton's kernel (_triton_prefill.py) waits for each product before
-the next starts: q.k of a tile, its softmax, then p.V, so the tensor cores idle through
-every softmax (337 TFLOP/s on an H200 at 8 x 4096 causal, FlashAttention-3 579). Here the
-q.k of tile j + 1 is issued, and then p.V of tile j, before the softmax of tile j + 1:
-that softmax runs while p.V still computes (FlashAttention-3's intra-warpgroup overlap).
-
-Program = (query block of BLOCK_M rows, sequence, query head): the grid, launch order
-(heaviest causal block first) and semantics of the Triton kernel, which stays the
-kernel of every other case (fp8, the variants, other head dims, other GPUs, the CPU
-interpreter, which cannot run Gluon). BLOCK_M / 16 warps, each warpgroup owning 64 rows.
-
-Data flow:
-- cp.async (16 bytes a thread) copies q once, and K and V tiles [BLOCK_N, D] into two
-  stages each; keys past the sequence (or past the last tile this block reads) are
-  zero-filled, never read. At the top of iteration j the copies of V_j and K_{j+1} are
-  awaited, a CTA barrier publishes them (and frees the stages read in iteration j - 1),
-  and the copies of V_{j+1} and K_{j+2} are issued: one iteration of compute hides them.
-- s = q K^T from shared memory (q [BLOCK_M, D], K-major K^T), f32;
-- online softmax in f32, base 2, one FMA per score (log2(e) folded into qk_scale > 0);
-  masked only in the blocks the causal diagonal or the sequence's end cuts through;
+Why: Triton's kernel (_triton_prefill.py) waits for each product before the next starts:
+q.k of a tile, its softmax, then p.V, so the tensor cores idle through every softmax
+(3.35 ms, 329 TFLOP/s on an H200 at 8 x 4096 causal, 32/8 heads; FlashAttention-3 1.74).
+Here the q.k of tile j + 1 is issued, and then p.V of tile j, before the softmax of tile
+j + 1: that softmax runs while p.V still computes (FlashAttention-3's intra-warpgroup
+overlap). Each warpgroup owns 64 query rows; per key tile it computes
+- s = q K^T from shared memory (q [64, D], K-major K^T), f32;
+- the online softmax in f32, base 2, one FMA per score (log2(e) folded into qk_scale > 0),
+  masked only in the tiles the causal diagonal or the sequence's end cuts through;
 - acc += p V with p in registers (the score tile's layout is the A operand's: no shuffle)
   and V [BLOCK_N, D] from shared memory.
-Shared memory (D = 128, BLOCK_N = 128): q 32 KiB + 2 x (K 32 + V 32) KiB = 160 KiB.
+K and V tiles come by cp.async (16 bytes a thread); keys past the sequence (or past the
+last tile a block reads) are zero-filled, never read.
 
-Semantics as the Triton kernel's (module docstring there): sequence bounds cut at the
-tensors' ends, bottom-right causal alignment, a row that sees no key writes 0, NaN
-scores keep their row NaN, rows outside every sequence are the prepare kernel's.
+Two kernels share that loop (`wgmma_varlen.warp_specialisation` picks):
+- `varlen_fwd_ws_kernel` (128-row blocks at D = 128): persistent (a program per SM walks
+  the work tiles) and warp-specialised: a loader warpgroup copies q and the K/V ring, two
+  consumer warpgroups compute, synchronised by mbarriers only, so the consumers never
+  wait for each other and a program's next tile loads while its current one computes
+  (2.25 ms at the shape above). Shared memory at D = 128: two q buffers [128, D] 64 KiB +
+  2 stages x (K 32 + V 32) KiB = 192 KiB.
+- `varlen_fwd_wgmma_kernel` (64-row blocks, D = 64): one program per (query block,
+  sequence, head), heaviest causal block first; every warp loads and computes, a CTA
+  barrier per tile publishing the copies (2.60 ms at the shape above with 128-row
+  blocks). Shared memory: q + 2 stages of K and V.
 
-Only imported where Gluon exists (Triton >= 3.4); `gluon_varlen_fits` in triton.py says
-where it runs.
+Semantics as the Triton kernel's (module docstring there), which stays the kernel of
+every other case (fp8, the variants, other head dims, other GPUs, the CPU interpreter,
+which cannot run Gluon): sequence bounds cut at the tensors' ends, bottom-right causal
+alignment, a row that sees no key writes 0, NaN scores keep their row NaN, rows outside
+every sequence are the prepare kernel's.
+
+Only imported where Gluon exists (Triton >= 3.4); `wgmma_varlen.wgmma_varlen_fits` says
+where the kernels run.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -54,10 +59,11 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 HEAD_DIMS = (64, 128)  # D (= Dv) this kernel serves
 
 
-def shared_memory_bytes(block_m: int, block_n: int, d: int) -> int:
-    """Shared memory of a launch: q [BLOCK_M, D] and two stages of K and V [BLOCK_N, D],
-    16-bit, plus 1 KiB of Triton's scratch."""
-    return 2 * (block_m + 4 * block_n) * d + 1024
+def shared_memory_bytes(block_m: int, block_n: int, d: int, stages: int = 2, q_buffers: int = 1) -> int:
+    """Shared memory of a launch: `q_buffers` of q [BLOCK_M, D] (the persistent kernel
+    loads the next tile's q into a second one) and `stages` stages of K and V
+    [BLOCK_N, D], 16-bit, plus 1 KiB for Triton's scratch and the mbarriers."""
+    return 2 * (q_buffers * block_m + 2 * stages * block_n) * d + 1024
 
 
 @gluon.jit
@@ -238,3 +244,278 @@ def varlen_fwd_wgmma_kernel(
     out = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
     out = out + (rows.to(gl.int64) * stride_ot)[:, None] + cols[None, :]
     gl.store(out, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+# -- warp-specialised, persistent variant ----------------------------------------------------------
+WS_LOADER_WARPS = gl.constexpr(4)
+
+
+@gluon.jit
+def _ws_tile(tile, num_m_blocks, num_q_heads, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work tile `tile` -> (sequence, query head, kv head, first row). Sequence by sequence;
+    within one, its heaviest query blocks first across all its heads (block index major,
+    descending), so the programs that take a sequence's tiles round-robin get equal shares
+    of its causal work while they read the K/V of that sequence only (L2-resident)."""
+    per_seq = num_m_blocks * num_q_heads
+    b = tile // per_seq
+    r = tile % per_seq
+    head = r % num_q_heads
+    return b, head, head // GROUP, (num_m_blocks - 1 - r // num_q_heads) * BLOCK_M
+
+
+@gluon.jit
+def _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    """(q_start, q_len, k_start, k_len, diag, n_tiles) of a work tile; n_tiles = 0 when the
+    block starts past its sequence's rows (every partition then skips the tile)."""
+    q_start, q_end = _sequence_bounds(cu_q_ptr, b, total_q, 4)
+    q_len = q_end - q_start
+    k_start, k_end = _sequence_bounds(cu_k_ptr, b, total_k, 4)
+    k_len = k_end - k_start
+    diag = k_len - q_len  # row i sees keys n <= i + diag (bottom-right causal)
+    if CAUSAL:
+        hi = gl.maximum(gl.minimum(k_len, m0 + BLOCK_M + diag), 0)
+    else:
+        hi = k_len
+    n_tiles = gl.where(m0 < q_len, gl.cdiv(hi, BLOCK_N), 0)
+    return q_start, q_len, k_start, k_len, diag, n_tiles
+
+
+@gluon.jit
+def _ws_copy_tile(smem, base, row0, row_end, stride, ROWS: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
+    """The loader's copy of rows [row0, row0 + ROWS) into smem [ROWS, D], 32 rows at a time
+    (few live addresses in the loader's small register budget); rows at or past `row_end`
+    zero-filled."""
+    CHUNK: gl.constexpr = 32
+    for r in gl.static_range(0, ROWS, CHUNK):
+        _copy_rows(smem.slice(r, CHUNK), base, row0 + r, row_end, stride, CHUNK, D, LOAD)
+
+
+@gluon.jit
+def _ws_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+               q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+               num_q_heads, num_m_blocks, num_work, total_q, total_k,
+               GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Loader partition (WS_LOADER_WARPS warps). Per work tile of this program: q into
+    buffer (tile count % 2) once both consumers released that buffer, then K_t and V_t of
+    every key tile into ring stage (ring count % STAGES) once both released it. The ring
+    and the q buffers carry on across work tiles, so the next tile's loads overlap this
+    tile's last products. Every loader thread signals a buffer full with
+    `cp.async.mbarrier.arrive.noinc` (the barrier completes when all their copies landed);
+    a fresh barrier passes a wait for parity 1 at once (the first round of each buffer)."""
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+    ring = 0
+    count = 0
+    for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
+        q_start, q_len, k_start, k_len, diag, n_tiles = _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k,
+                                                                    BLOCK_M, BLOCK_N, CAUSAL)
+        if n_tiles > 0:
+            qb = count % 2
+            mbarrier.wait(q_empty.index(qb), ((count // 2) & 1) ^ 1)
+            q_base = q_ptr + q_start.to(gl.int64) * stride_qt + head * stride_qh
+            for w in gl.static_range(2):
+                _ws_copy_tile(q_smem.index(2 * qb + w), q_base, m0 + 64 * w, q_len, stride_qt, 64, D, LOAD)
+            async_copy.mbarrier_arrive(q_full.index(qb), increment_count=False)
+            k_base = k_ptr + k_start.to(gl.int64) * stride_kt + kv_head * stride_kh
+            v_base = v_ptr + k_start.to(gl.int64) * stride_vt + kv_head * stride_vh
+            key_end = gl.minimum(k_len, n_tiles * BLOCK_N)  # no key past the last tile is read
+            for t in range(n_tiles):
+                s = ring % STAGES
+                free_phase = ((ring // STAGES) & 1) ^ 1
+                mbarrier.wait(k_empty.index(s), free_phase)
+                _ws_copy_tile(k_smem.index(s), k_base, t * BLOCK_N, key_end, stride_kt, BLOCK_N, D, LOAD)
+                async_copy.mbarrier_arrive(k_full.index(s), increment_count=False)
+                mbarrier.wait(v_empty.index(s), free_phase)
+                _ws_copy_tile(v_smem.index(s), v_base, t * BLOCK_N, key_end, stride_vt, BLOCK_N, D, LOAD)
+                async_copy.mbarrier_arrive(v_full.index(s), increment_count=False)
+                ring += 1
+            count += 1
+    async_copy.wait_group(0)  # no copy outlives the program
+
+
+@gluon.jit
+def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                 acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, qk_scale,
+                 WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warpgroup's key loop over a work tile's n_tiles (> 0) key tiles, at ring position
+    `ring` and q buffer `count % 2`: (acc, row max, row sum). Releases every buffer it read."""
+    dtype: gl.constexpr = q_smem.dtype
+    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 16])
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
+    S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
+    S_COL: gl.constexpr = gl.SliceLayout(0, S_MMA)
+    O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
+    offs_m = r0 + gl.arange(0, 64, layout=S_ROW)
+    if CAUSAL:
+        full_end = gl.maximum(gl.minimum(k_len, r0 + diag + 1), 0)
+    else:
+        full_end = k_len
+    full_tiles = full_end // BLOCK_N  # key tiles every row of this warpgroup sees: no mask
+    qb = count % 2
+    q_tile = q_smem.index(2 * qb + WG)
+    mbarrier.wait(q_full.index(qb), (count // 2) & 1)
+    s0 = ring % STAGES
+    mbarrier.wait(k_full.index(s0), (ring // STAGES) & 1)
+    fence_async_shared()
+    s = warpgroup_mma(q_tile, k_smem.index(s0).permute((1, 0)),
+                      gl.zeros([64, BLOCK_N], gl.float32, layout=S_MMA), use_acc=False)
+    mbarrier.arrive(k_empty.index(s0))
+    if full_tiles > 0:
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, offs_m, k_len, diag, qk_scale,
+                                           BLOCK_N, S_COL, False, CAUSAL)
+    else:
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, offs_m, k_len, diag, qk_scale,
+                                           BLOCK_N, S_COL, True, CAUSAL)
+    p_op = gl.convert_layout(p.to(dtype), P_OPERAND)
+    for j in range(0, n_tiles - 1):
+        # In: p_op of key tile j (ring position ring + j), acc at its row max.
+        sk = (ring + j + 1) % STAGES
+        sv = (ring + j) % STAGES
+        mbarrier.wait(k_full.index(sk), ((ring + j + 1) // STAGES) & 1)
+        mbarrier.wait(v_full.index(sv), ((ring + j) // STAGES) & 1)
+        fence_async_shared()
+        # q.k of tile j + 1 first, so waiting for it leaves p.V of tile j running through
+        # the softmax below.
+        s = warpgroup_mma(q_tile, k_smem.index(sk).permute((1, 0)),
+                          gl.zeros([64, BLOCK_N], gl.float32, layout=S_MMA), use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(sv), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(sk))
+        if j + 1 < full_tiles:
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (j + 1) * BLOCK_N, offs_m, k_len, diag, qk_scale,
+                                               BLOCK_N, S_COL, False, CAUSAL)
+        else:
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (j + 1) * BLOCK_N, offs_m, k_len, diag, qk_scale,
+                                               BLOCK_N, S_COL, True, CAUSAL)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(sv))
+        acc = acc * gl.convert_layout(alpha, O_ROW)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), P_OPERAND)
+    sv = (ring + n_tiles - 1) % STAGES
+    mbarrier.wait(v_full.index(sv), ((ring + n_tiles - 1) // STAGES) & 1)
+    fence_async_shared()
+    acc = warpgroup_mma(p_op, v_smem.index(sv), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    mbarrier.arrive(v_empty.index(sv))
+    mbarrier.arrive(q_empty.index(qb))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                 out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                 total_q, total_k, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer partition WG (one warpgroup): rows [m0 + 64 WG, m0 + 64 WG + 64) of each
+    work tile, the key loop of `varlen_fwd_wgmma_kernel` on the buffers the loader fills;
+    a buffer is released (one arrive per consumer) once this warpgroup's wgmma read it."""
+    S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 16])
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
+    O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
+    O_COL: gl.constexpr = gl.SliceLayout(0, O_MMA)
+
+    ring = 0
+    count = 0
+    for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
+        q_start, q_len, k_start, k_len, diag, n_tiles = _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k,
+                                                                    BLOCK_M, BLOCK_N, CAUSAL)
+        if m0 < q_len:  # (a block past its sequence's rows has nothing to write)
+            r0 = m0 + 64 * WG
+            m_i = gl.full([64], float("-inf"), gl.float32, layout=S_ROW)
+            l_i = gl.zeros([64], gl.float32, layout=S_ROW)
+            acc = gl.zeros([64, D], gl.float32, layout=O_MMA)
+            if n_tiles > 0:  # (else no row of the block sees a key: it writes 0)
+                acc, m_i, l_i = _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                                             acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, qk_scale,
+                                             WG, D, BLOCK_N, STAGES, CAUSAL)
+                ring += n_tiles
+                count += 1
+            norm = gl.where(l_i == 0.0, 1.0, l_i)  # a NaN sum (NaN scores) keeps the row NaN
+            o = acc / gl.convert_layout(norm, O_ROW)[:, None]
+            rows = r0 + gl.arange(0, 64, layout=O_ROW)
+            if CAUSAL:
+                row_sees = (k_len > 0) & (rows + diag >= 0)
+            else:
+                row_sees = (k_len > 0) & (rows >= 0)
+            o = gl.where(row_sees[:, None], o, 0.0)
+            cols = gl.arange(0, D, layout=O_COL)
+            out = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
+            out = out + (rows.to(gl.int64) * stride_ot)[:, None] + cols[None, :]
+            gl.store(out, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
+def _ws_consumer0(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                  out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                  total_q, total_k, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                 out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                 total_q, total_k, 0, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)
+
+
+@gluon.jit
+def _ws_consumer1(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                  out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                  total_q, total_k, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                 out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                 total_q, total_k, 1, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)
+
+
+@gluon.jit
+def varlen_fwd_ws_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    qk_scale, num_q_heads, num_m_blocks, total_q, total_k, num_seqs,
+    GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    """`varlen_fwd_wgmma_kernel`'s work, persistent and warp-specialised: each program
+    (a few per GPU: launch one per SM) walks the work tiles (query block, sequence, head)
+    pid, pid + grid, ... in three partitions: two consumer warpgroups (64 query rows each;
+    the launch's 4 warps run the first) and a loader warpgroup, synchronised by mbarriers
+    only, so neither consumer waits for the other and the loads of a program's next tile
+    overlap the products of its current one. BLOCK_M is 128; launch with num_warps=4."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [4, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], dtype))
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
+    q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # Full: every loader thread arrives (its copies landed); empty: each consumer once.
+    for i in gl.static_range(2):
+        mbarrier.init(q_full.index(i), count=32 * WS_LOADER_WARPS)
+        mbarrier.init(q_empty.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=32 * WS_LOADER_WARPS)
+        mbarrier.init(v_full.index(i), count=32 * WS_LOADER_WARPS)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    num_work = num_m_blocks * num_seqs * num_q_heads
+    gl.warp_specialize([
+        (_ws_consumer0, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                         total_q, total_k, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        (_ws_consumer1, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                         total_q, total_k, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        (_ws_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                      q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                      stride_vh, num_q_heads, num_m_blocks, num_work, total_q, total_k,
+                      GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+    ], [4, WS_LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])

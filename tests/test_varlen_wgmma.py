@@ -1,0 +1,421 @@
+"""The sm_90 Gluon kernel of `flash_attn_varlen` (ops/attention/_gluon_prefill.py) on the CPU.
+
+Gluon cannot run in Triton's interpreter, so here: its launches, as `prepare_flash_attn_varlen`
+binds them, compile for sm_90 (wgmma shapes and shared memory checked in the PTX); where it
+runs (`wgmma_varlen_fits`, on stand-in sm_90 tensors); the launch's fallback to the Triton
+kernel (misaligned inputs, a failed compile); and when `prepare_flash_attn_varlen` binds
+it at all. Its numerics are checked on the GPU (tests/test_attention_gpu.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import types
+import warnings
+
+import pytest
+import torch
+
+from graphsafe.ops.attention import triton as T
+from graphsafe.ops.attention import wgmma_varlen as W
+
+# -- compiled for sm_90, without a GPU ---------------------------------------------------------
+# The launcher's specialisation of a recorded launch: pointers and ints divisible by 16, ints
+# equal to 1 as constants; and the wgmma instructions of a compiled kernel's PTX.
+# (tests/test_mla.py holds the same text for its scripts.)
+_SPECIALISE = r"""
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+
+def specialise(fn, args, kw, source=None):
+    sig, consts, attrs, pos = {}, {}, {}, iter(args)
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", kw[p.name]
+            continue
+        v = next(pos)
+        if isinstance(v, torch.Tensor):
+            sig[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        elif v == 1:
+            sig[p.name], consts[p.name] = "constexpr", 1
+        else:
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return (source or ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+def wgmma_shapes(kernel):  # {"m64n32k16": count, ...}: the wgmma instructions of the PTX
+    import re
+    shapes = {}
+    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"]):
+        shapes[m] = shapes.get(m, 0) + 1
+    return shapes
+"""
+
+_GLUON_COMPILE_SCRIPT = r"""
+import sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
+    # The Gluon API the kernel's module uses: a Triton without it has no backend for it.
+    from triton.experimental import gluon
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy, warpgroup_mma
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+# Outside the guard: an ImportError of the kernel's own module fails the test.
+from graphsafe.ops.attention import _gluon_prefill as G
+import torch
+from graphsafe.ops.attention import _triton_prefill, _triton_quant, triton as T, wgmma_varlen as W
+
+launches = []
+
+# Record what the launcher binds on an sm_90 device (CPU tensors stand in for CUDA ones);
+# the other launches of the runner (the output tail, the Triton kernel) run nothing.
+def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluon launches
+    def launch(*tensors):  # the call's tensors take the placeholders' places
+        it = iter(tensors)
+        if kernel in (G.varlen_fwd_wgmma_kernel, G.varlen_fwd_ws_kernel):
+            launches.append((kernel, tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), dict(kw)))
+    return launch
+
+for module in (W, _triton_prefill, _triton_quant):
+    module.bind = record
+T.wgmma_varlen_fits = lambda *a: True  # the name prepare_flash_attn_varlen calls
+""" + _SPECIALISE + r"""
+for dtype in (torch.bfloat16, torch.float16):
+    for d in (64, 128):
+        for causal in (True, False):
+            for max_q in (40, 4096):  # 64-row tiles (every sequence short), 128-row tiles
+                q = torch.zeros(2 * max_q, 8, d, dtype=dtype)
+                k, v = (torch.zeros(2 * max_q, 2, d, dtype=dtype) for _ in range(2))
+                cu = torch.tensor([0, max_q, 2 * max_q], dtype=torch.int32)
+                T.flash_attn_varlen(q, k, v, cu, cu, max_q, max_q, d ** -0.5, causal)
+for kernel, args, kw in launches:
+    warps = kw.pop("num_warps")
+    k = triton.compile(specialise(kernel, args, kw, GluonASTSource),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    shapes = wgmma_shapes(k)
+    tiles = (kw["BLOCK_M"], kw["BLOCK_N"])
+    ws = kernel is G.varlen_fwd_ws_kernel
+    print("compiled", args[0].dtype, "D", kw["D"], "tiles", tiles, "CAUSAL", kw["CAUSAL"], "warps", warps,
+          "warp-specialised", ws, "shared", k.metadata.shared, shapes)
+    # 128-row blocks at D = 128 run the warp-specialised kernel (4 warps at launch), the rest
+    # the single-partition one (a warp per 16 rows).
+    assert ws == (tiles[0] == 128 and kw["D"] == 128), (ws, tiles)
+    assert warps == (4 if ws else tiles[0] // 16), warps
+    # Per warpgroup (64 rows) and per BLOCK_N = D keys: q.k takes D / 16 k-steps of n = BLOCK_N
+    # and p.V BLOCK_N / 16 of n = D. Issued: q.k in the prologue, q.k + p.V in the loop and
+    # the last p.V, so 4 x D / 16 instructions, of one shape; the warp-specialised kernel has
+    # that code twice (one consumer partition per warpgroup).
+    n = kw["D"]
+    assert shapes == {f"m64n{n}k16": (2 if ws else 1) * 4 * n // 16}, shapes
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+    # wgmma_varlen_fits decides from this estimate: it must cover what the compiler allocates.
+    need = G.shared_memory_bytes(*tiles, kw["D"], *((kw["STAGES"], 2) if ws else ()))  # ws: two q buffers
+    assert k.metadata.shared <= need, (k.metadata.shared, need, tiles)
+assert len(launches) == 16, len(launches)
+print("OK")
+"""
+
+
+def test_gluon_varlen_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
+    """The Gluon kernel (sm_90 only, never run by the interpreter), launched as
+    `prepare_flash_attn_varlen` launches it for bf16 and fp16, D 64 and 128, causal or not,
+    64- and 128-row tiles, compiles for sm_90 with this Triton: the wgmma shapes and counts
+    of its q.k and p.V products, and shared memory within Hopper's 227 KiB and within the
+    estimate `wgmma_varlen_fits` decides by."""
+    out = compile_for_sm90(_GLUON_COMPILE_SCRIPT, timeout=900)
+    print(out)
+    assert out.count("compiled") == 16, out
+
+
+# -- where the Gluon kernel runs -----------------------------------------------------------------
+def _gluon_module():
+    module = W._gluon_module()
+    if module is None:
+        pytest.skip("this Triton has no Gluon (or not the Hopper ops the kernel uses)")
+    return module
+
+
+SM90_SHARED = 232448  # an H100's / H200's opt-in shared memory per block
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """A stand-in sm_90 CUDA device (CUDA, not HIP; capability, shared memory); returns the
+    monkeypatch to change either."""
+    _gluon_module()
+    monkeypatch.setattr(W.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(W, "max_shared_memory", lambda device: SM90_SHARED)
+    monkeypatch.setattr(W.torch.version, "hip", None)
+    return monkeypatch
+
+
+def _stand_in(dtype, shape, stride=None):
+    """A CUDA tensor's shape, strides and dtype (all `wgmma_varlen_fits` reads), contiguous
+    unless `stride` is given."""
+    if stride is None:
+        stride = (shape[1] * shape[2], shape[2], 1)
+    return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=shape,
+                                 stride=lambda dim=None: stride if dim is None else stride[dim])
+
+
+def _qkv(dtype=torch.bfloat16, d=128, dv=None, k_dtype=None, v_dtype=None, q_stride=None):
+    dv = d if dv is None else dv
+    q = _stand_in(dtype, (300, 8, d), q_stride)
+    k = _stand_in(k_dtype or dtype, (300, 2, d))
+    v = _stand_in(v_dtype or dtype, (300, 2, dv))
+    return q, k, v
+
+
+def _fits(q, k, v, max_seqlen_q=300, scale=0.08, variants=False):
+    return W.wgmma_varlen_fits(q, k, v, max_seqlen_q, scale, variants)
+
+
+@pytest.mark.parametrize("max_seqlen_q", [40, 4096])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_plain_16_bit_calls_fit_on_sm90(sm90, dtype, d, max_seqlen_q):
+    assert _fits(*_qkv(dtype, d), max_seqlen_q)
+
+
+FP8 = torch.float8_e4m3fn
+_DECLINED = {
+    "a variant": lambda: _fits(*_qkv(), variants=True),
+    "D=192/Dv=128": lambda: _fits(*_qkv(d=192, dv=128)),
+    "D=256": lambda: _fits(*_qkv(d=256)),
+    "Dv=64 != D=128": lambda: _fits(*_qkv(d=128, dv=64)),
+    "Dv=128 != D=64": lambda: _fits(*_qkv(d=64, dv=128)),
+    "fp8": lambda: _fits(*_qkv(FP8)),
+    "float32": lambda: _fits(*_qkv(torch.float32)),
+    "k of another dtype": lambda: _fits(*_qkv(torch.bfloat16, k_dtype=torch.float16)),
+    "v of another dtype": lambda: _fits(*_qkv(torch.float16, v_dtype=torch.bfloat16)),
+    "scale 0": lambda: _fits(*_qkv(), scale=0.0),
+    "negative scale": lambda: _fits(*_qkv(), scale=-0.08),
+    "nan scale": lambda: _fits(*_qkv(), scale=math.nan),
+    "inf scale": lambda: _fits(*_qkv(), scale=math.inf),
+    "token stride of 8 k + 4 elements": lambda: _fits(*_qkv(q_stride=(8 * 128 + 4, 128, 1))),
+    "head stride of 8 k + 4 elements": lambda: _fits(*_qkv(q_stride=(8 * 256, 132, 1))),
+    "non-unit last stride": lambda: _fits(*_qkv(q_stride=(8 * 256, 256, 2))),
+}
+
+
+@pytest.mark.parametrize("case", list(_DECLINED))
+def test_other_calls_run_the_triton_kernel_on_sm90(sm90, case):
+    """Each departure from the plain call declines the Gluon kernel, the rest as in
+    test_plain_16_bit_calls_fit_on_sm90."""
+    assert not _DECLINED[case]()
+
+
+def test_strided_rows_of_whole_16_byte_groups_fit(sm90):
+    """A view with padded rows (token and head strides multiples of 8 elements) fits: the
+    strided cases above fail for their stride alone."""
+    assert _fits(*_qkv(q_stride=(8 * 136, 136, 1)))
+
+
+def test_hip_and_other_gpus_run_the_triton_kernel(sm90):
+    q, k, v = _qkv()
+    assert _fits(q, k, v)
+    for capability in ((10, 0), (8, 0), (9, 1)):
+        sm90.setattr(W.torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert not _fits(q, k, v), capability
+    sm90.setattr(W.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    sm90.setattr(W.torch.version, "hip", "6.2")
+    assert not _fits(q, k, v)
+
+
+@pytest.mark.parametrize("max_seqlen_q", [40, 4096])
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_gluon_kernel_needs_its_shared_memory(sm90, d, max_seqlen_q):
+    """Fits exactly when the device offers the launch's shared memory (its tiles follow
+    max_seqlen_q and D; the warp-specialised kernel's stages and two q buffers); not when
+    the device's is unknown."""
+    block_m, block_n = W.wgmma_varlen_tiles(max_seqlen_q, d)
+    ws = W.warp_specialisation(block_m, d)
+    assert (ws is not None) == (block_m == 128 and d == 128)
+    need = _gluon_module().shared_memory_bytes(block_m, block_n, d, *(() if ws is None else (ws[0], 2)))
+    assert need <= SM90_SHARED
+    for smem, fits in ((need, True), (need - 1, False), (None, False)):
+        sm90.setattr(W, "max_shared_memory", lambda device, s=smem: s)
+        assert _fits(*_qkv(d=d), max_seqlen_q) == fits, smem
+
+
+def test_the_gluon_kernel_never_runs_on_the_cpu():
+    """Real CPU tensors (and so the interpreter) always get the Triton kernel."""
+    q = torch.zeros(16, 4, 128, dtype=torch.bfloat16)
+    k = torch.zeros(16, 2, 128, dtype=torch.bfloat16)
+    assert not W.wgmma_varlen_fits(q, k, k, 16, 0.08, False)
+
+
+# -- the launch: the Triton kernel for misaligned calls and failed compiles --------------------
+class _StandInKernel:
+    """Stands in for the Gluon kernel: `graphsafe.launch.bind` binds it (its signature is the
+    real kernel's; CPU tensors: every call is the plain `kernel[grid]` launch), and each
+    launch records its tensors, then raises `error` if given, as a failed compile would."""
+
+    def __init__(self, signature: inspect.Signature, error: Exception | None = None):
+        def fn(*args, **kwargs):
+            pass
+
+        fn.__signature__ = signature
+        self.fn, self.error, self.calls = fn, error, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, **kw):
+            self.calls.append([a for a in args if isinstance(a, torch.Tensor)])
+            if self.error is not None:
+                raise self.error
+
+        return launch
+
+
+class _TritonLaunch:
+    """Stands in for the bound Triton launch: records the tensors of each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *tensors):
+        self.calls.append(tensors)
+
+
+def _bind_stand_ins(monkeypatch, error=None):
+    """(gluon stand-in, bind) with the Gluon module's kernel replaced and no failed key yet;
+    `bind(triton_launch)` binds a bf16 D = 128 causal signature."""
+    real = _gluon_module()
+    gluon = _StandInKernel(inspect.signature(real.varlen_fwd_wgmma_kernel.fn), error)
+    module = types.SimpleNamespace(varlen_fwd_wgmma_kernel=gluon, HEAD_DIMS=real.HEAD_DIMS)
+    monkeypatch.setattr(W, "_gluon_module", lambda: module)
+    monkeypatch.setattr(W, "_FAILED", set())
+    q = torch.zeros(64, 4, 128, dtype=torch.bfloat16)
+    return gluon, lambda triton_launch: W.bind_wgmma_varlen(q, q, q, 2, 32, 0.08, True, triton_launch)
+
+
+def _call_tensors(q_offset=0):
+    """(q, k, v, out, cu_q, cu_k, 4 placeholders) for the bound signature; q a view at
+    element offset `q_offset` of a bigger buffer (offset 1: 2 bytes, not 16-byte aligned)."""
+    buf = torch.zeros(64 * 4 * 128 + 8, dtype=torch.bfloat16)
+    q = buf[q_offset : q_offset + 64 * 4 * 128].view(64, 4, 128)
+    k = torch.zeros(64, 4, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 32, 64], dtype=torch.int32)
+    return (q, k, k, torch.empty_like(k), cu, cu, q, q, q, q)
+
+
+def test_aligned_calls_run_the_gluon_kernel(monkeypatch):
+    gluon, bind = _bind_stand_ins(monkeypatch)
+    triton_launch = _TritonLaunch()
+    call = _call_tensors()
+    bind(triton_launch)(*call)
+    assert len(gluon.calls) == 1 and not triton_launch.calls
+    assert all(a is b for a, b in zip(gluon.calls[0], call[:6], strict=True)), "q, k, v, out, cu_q, cu_k"
+
+
+def test_misaligned_q_runs_the_triton_kernel(monkeypatch):
+    """A q that is not 16-byte aligned runs the Triton launch with every tensor of the
+    call; the Gluon kernel is not tried (nor marked failed)."""
+    gluon, bind = _bind_stand_ins(monkeypatch)
+    triton_launch = _TritonLaunch()
+    call = _call_tensors(q_offset=1)
+    assert call[0].data_ptr() % 16
+    bind(triton_launch)(*call)
+    assert not gluon.calls and len(triton_launch.calls) == 1
+    assert all(a is b for a, b in zip(triton_launch.calls[0], call, strict=True))
+    assert not W._FAILED
+
+
+def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch):
+    """The Gluon kernel compiles at the first call of its binding: a failure there warns
+    once ("did not compile"), launches nothing itself, and the Triton launch runs that
+    call; later calls and a new binding of the same signature go to the Triton launch at
+    once, without a warning."""
+    gluon, bind = _bind_stand_ins(monkeypatch, RuntimeError("PassManager::run failed"))
+    triton_launch = _TritonLaunch()
+    launch = bind(triton_launch)
+    call = _call_tensors()
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        launch(*call)
+    assert (len(gluon.calls), len(triton_launch.calls)) == (1, 1), "the failed compile: Triton ran the call"
+    assert all(a is b for a, b in zip(triton_launch.calls[0], call, strict=True))
+    assert W._FAILED == {(torch.bfloat16, 128, 64, 128, True, None)}  # 64-row tiles: single partition
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch(*call)
+        bind(triton_launch)(*call)  # a new binding of the signature: the Triton kernel at once
+    assert (len(gluon.calls), len(triton_launch.calls)) == (1, 3)
+
+
+# -- which kernel prepare_flash_attn_varlen binds ---------------------------------------------
+def _varlen_args(window_left=-1, softcap=0.0, sinks=None):
+    gen = torch.Generator().manual_seed(0)
+    # float16: the interpreter computes bf16 dots wrongly; the choice does not depend on it.
+    q = torch.randn(24, 4, 64, generator=gen).half()
+    k, v = (torch.randn(24, 2, 64, generator=gen).half() for _ in range(2))
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+    return (q, k, v, cu, cu, 14, 14, 0.125, True, None, None, None, "off", window_left, softcap, sinks)
+
+
+@pytest.fixture
+def binds(monkeypatch):
+    """Stand-ins on the triton module: `wgmma_varlen_fits` holds for every plain call (as on
+    sm_90; variants declined, as the real one does) and `bind_wgmma_varlen` records its
+    binding and wraps the Triton launch. Returns (fits calls, bindings, Gluon launches)."""
+    fits_calls, bindings, launches = [], [], []
+
+    def fits(q, k, v, max_seqlen_q, scale, variants):
+        fits_calls.append(variants)
+        return not variants
+
+    def bind(q, k, v, num_seqs, max_seqlen_q, scale, causal, triton_launch):
+        bindings.append((num_seqs, max_seqlen_q, scale, causal))
+
+        def launch(*tensors):
+            launches.append(tensors)
+            triton_launch(*tensors)
+
+        return launch
+
+    monkeypatch.setattr(T, "wgmma_varlen_fits", fits)
+    monkeypatch.setattr(T, "bind_wgmma_varlen", bind)
+    return fits_calls, bindings, launches
+
+
+def test_plain_calls_bind_and_run_the_gluon_launch(binds):
+    """Control for the cases below: the default plain call binds the Gluon launch with the
+    call's sequences, max_seqlen_q, scale and causality, and each call goes through it."""
+    fits_calls, bindings, launches = binds
+    args = _varlen_args()
+    out = T.prepare_flash_attn_varlen(*args)(*args)
+    assert fits_calls == [False] and bindings == [(2, 14, 0.125, True)] and len(launches) == 1
+    triton_kernel = T.flash_attn_varlen(*args, config=T.varlen_config(args[0].device, 64, 64, False, 14))
+    assert torch.equal(out, triton_kernel), "the wrapped Triton launch computed the call"
+
+
+def test_a_window_wider_than_the_keys_is_no_variant(binds):
+    """window_left >= Tk hides no key (the Triton kernel compiles it as no window): the
+    Gluon launch is bound; one key narrower is a variant."""
+    fits_calls, bindings, _ = binds
+    T.prepare_flash_attn_varlen(*_varlen_args(window_left=24))
+    T.prepare_flash_attn_varlen(*_varlen_args(window_left=23))
+    assert fits_calls == [False, True] and len(bindings) == 1
+
+
+@pytest.mark.parametrize("variant", ["window", "softcap", "sinks"])
+def test_variants_never_bind_the_gluon_launch(binds, variant):
+    fits_calls, bindings, _ = binds
+    options = {"window": {"window_left": 3}, "softcap": {"softcap": 30.0},
+               "sinks": {"sinks": torch.zeros(4)}}[variant]
+    T.prepare_flash_attn_varlen(*_varlen_args(**options))
+    assert fits_calls == [True] and not bindings, "asked with variants=True, never bound"
+
+
+def test_a_config_override_never_binds_the_gluon_launch(binds):
+    """`config` (tests, benchmarks) asks for the Triton kernel's tiles: the Triton kernel."""
+    _, bindings, _ = binds
+    args = _varlen_args()
+    T.prepare_flash_attn_varlen(*args, config=(16, 16, 4, 1))(*args)
+    T.prepare_flash_attn_varlen(*args, config=T.varlen_config(args[0].device, 64, 64, False, 14))(*args)
+    assert not bindings
