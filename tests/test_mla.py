@@ -798,7 +798,7 @@ def test_launch_drops_a_stage_when_shared_memory_runs_out(monkeypatch):
     launch(x, x)
     launch(x, x)
     assert kernel.calls == [3, 2, 1, 1], "retries down to one stage once, then launches with it directly"
-    assert tri._STAGES == {(cfg, *_WHERE, False, True, False): 1}
+    assert tri._STAGES == {(cfg, *_WHERE, tuple(sorted(_VARIANT.items()))): 1}
     kernel.calls.clear()
     tri._triton_launch((1,), (x, x), _VARIANT, cfg, _WHERE)(x, x)
     assert kernel.calls == [1], "a later binding of the variant starts from the depth that compiled"
@@ -831,12 +831,43 @@ def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch
     with pytest.warns(RuntimeWarning, match="did not compile"):
         launch(x, x)
     assert (len(gluon.calls), len(attn.calls)) == (1, 2), "the failed compile launched nothing: Triton ran the call"
-    assert tri._GLUON_FAILED == {(*_WHERE, False, True, False)}
+    assert tri._GLUON_FAILED == {(*_WHERE, tuple(sorted(_VARIANT.items())))}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch(x, x)
         bind()(x, x)  # a new binding of the variant: the Triton kernel at once, no warning
     assert (len(gluon.calls), len(attn.calls)) == (1, 4)
+
+
+def test_a_gluon_compile_failure_stays_with_its_variant(monkeypatch):
+    """The memo of a failed Gluon compile holds the whole variant: a failure of sparse_mla
+    with an attention sink sends only that variant to the Triton kernel; the same shape
+    without the sink still runs the Gluon kernel."""
+    import types
+
+    gluon, attn, runs = object(), object(), []
+
+    def bind(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record which kernel runs which variant
+        def launch(*tensors):
+            runs.append(("gluon" if kernel is gluon else "triton", kw["HAS_SINK"]))
+            if kernel is gluon and kw["HAS_SINK"]:
+                raise RuntimeError("PassManager::run failed")  # the sink variant does not compile
+        return launch
+
+    monkeypatch.setattr(tri, "bind", bind)
+    monkeypatch.setattr(tri, "_mla_attn_kernel", attn)
+    monkeypatch.setattr(tri, "_gluon_module", lambda: types.SimpleNamespace(mla_attn_wgmma_kernel=gluon, NUM_WARPS=8))
+    monkeypatch.setattr(tri, "_GLUON_FAILED", set())
+    monkeypatch.setattr(tri, "_STAGES", {})
+    cfg = splits.kernel_config(128, "cuda")
+    x = torch.zeros(64)
+    with_sink, plain = ({**_VARIANT, "SPARSE": True, "HAS_SINK": sink} for sink in (True, False))
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        tri._attention_launch((1,), (x, x), with_sink, with_sink, cfg, _WHERE, True)(x, x)
+    tri._attention_launch((1,), (x, x), plain, plain, cfg, _WHERE, True)(x, x)
+    tri._attention_launch((1,), (x, x), with_sink, with_sink, cfg, _WHERE, True)(x, x)
+    assert runs == [("gluon", True), ("triton", True), ("gluon", False), ("triton", True)], runs
+    assert tri._GLUON_FAILED == {(*_WHERE, tuple(sorted(with_sink.items())))}
 
 
 def test_direct_calls_reuse_one_runner_per_signature_and_overrides(monkeypatch):

@@ -402,6 +402,13 @@ def _pow2(n: int, least: int = 16) -> int:
 _STAGES: dict[tuple, int] = {}
 
 
+def _variant(constexprs: dict) -> tuple:
+    """The kernel variant a binding compiles, as a memo key part: every constexpr (sparse or
+    dense, split, id check, the sparse options, the cache format...), so what one variant
+    learnt (a failed compile, the depth that fitted) is never applied to another."""
+    return tuple(sorted(constexprs.items()))
+
+
 def _triton_launch(grid, args, constexprs, cfg: KernelConfig, where: tuple) -> Launch:
     """The Triton attention kernel bound to one signature (`graphsafe.launch.bind`), called
     with its 9 tensors. The kernel compiles at the first call of a binding (and at a call
@@ -409,7 +416,7 @@ def _triton_launch(grid, args, constexprs, cfg: KernelConfig, where: tuple) -> L
     shared memory than the device has (`OutOfResources`, raised before anything is
     launched), it is bound again with one pipeline stage fewer and launched, down to one
     stage; the depth that compiled is remembered in `_STAGES` for later bindings."""
-    key = (cfg, *where, constexprs["SPARSE"], constexprs["SPLIT"], constexprs["CHECK_IDS"])
+    key = (cfg, *where, _variant(constexprs))
     stages = _STAGES.get(key, cfg.num_stages)
 
     def make(stages: int) -> Launch:
@@ -504,7 +511,7 @@ def _attention_launch(grid, args, gluon_constexprs, triton_constexprs, cfg: Kern
     calls whose q and cache are 16-byte aligned, the Triton kernel (bound on first need)
     for the others and for good once the Gluon kernel fails to compile (a failed compile
     launched nothing: the Triton kernel then runs the call)."""
-    key = (*where, gluon_constexprs["SPARSE"], gluon_constexprs["SPLIT"], gluon_constexprs["CHECK_IDS"])
+    key = (*where, _variant(gluon_constexprs))
     if not gluon or key in _GLUON_FAILED:
         return _triton_launch(grid, args, triton_constexprs, cfg, where)
     module = _gluon_module()
