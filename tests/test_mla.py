@@ -26,6 +26,7 @@ from graphsafe.ops.mla import reference as ref
 from graphsafe.ops.mla import splits
 from graphsafe.ops.mla import triton as tri
 from graphsafe.testing import contract as C
+from graphsafe.testing.compile_scripts import SPECIALISE_PRELUDE
 from graphsafe.testing.cases import mla as cases
 
 CPU = torch.device("cpu")
@@ -892,37 +893,7 @@ def test_kernel_config_tiles_are_legal_dot_shapes():
 
 
 # -- GPU compilation, without a GPU ------------------------------------------------
-# The launcher's specialisation of a recorded launch: pointers and ints divisible by 16,
-# ints equal to 1 as constants (shared by the compile scripts below).
-_SPECIALISE = r"""
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
-
-def specialise(fn, args, kw, source=None):
-    sig, consts, attrs, pos = {}, {}, {}, iter(args)
-    for i, p in enumerate(fn.params):
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", kw[p.name]
-            continue
-        v = next(pos)
-        if isinstance(v, torch.Tensor):
-            sig[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            sig[p.name] = "fp32"
-        elif v == 1:
-            sig[p.name], consts[p.name] = "constexpr", 1
-        else:
-            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return (source or ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-
-def wgmma_shapes(kernel):  # {"m64n32k16": count, ...}: the wgmma instructions of the PTX
-    import re
-    shapes = {}
-    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"]):
-        shapes[m] = shapes.get(m, 0) + 1
-    return shapes
-"""
+# (SPECIALISE_PRELUDE: the launcher's specialisation of a recorded launch, and wgmma_shapes.)
 
 # Records the launches the Triton wrappers make at DeepSeek dims with the GPU tile
 # configs (the kernels never run), then compiles each for sm_90 with the launcher's own
@@ -950,7 +921,7 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record each lau
 tri.bind = record
 """
 
-_COMPILE_SCRIPT = _RECORD_LAUNCHES + _SPECIALISE + r"""
+_COMPILE_SCRIPT = _RECORD_LAUNCHES + SPECIALISE_PRELUDE + r"""
 for heads in (16, 128):
     cfg = splits.kernel_config(heads, "cuda")
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
@@ -995,7 +966,7 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
 # The fp8_ds_mla variants (DeepSeek's 656-byte records) as the launcher binds them for an
 # sm_90 device: hardware e4m3 conversion (FP8_NATIVE, what a CUDA tensor turns on), and
 # once the integer decoding of other targets (compiled for sm_80).
-_FP8_DS_COMPILE_SCRIPT = _RECORD_LAUNCHES + _SPECIALISE + r"""
+_FP8_DS_COMPILE_SCRIPT = _RECORD_LAUNCHES + SPECIALISE_PRELUDE + r"""
 from graphsafe.ops.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
 TYPES[torch.uint8] = "u8"
 for heads in (16, 128):
@@ -1066,7 +1037,7 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record each lau
 
 tri.bind = record
 tri.warpgroup_split_fits = lambda *a: True
-""" + _SPECIALISE + r"""
+""" + SPECIALISE_PRELUDE + r"""
 cfg = splits.kernel_config(128, "cuda")
 for dtype in (torch.bfloat16, torch.float16):
     q = torch.randn(2, 128, 576, dtype=dtype)
@@ -1228,7 +1199,7 @@ def test_entries_right_of_topk_length_are_never_read(backend, num_splits):
 # sparse_mla with both options as the launcher binds them at DeepSeek dims (CPU tensors
 # stand in for CUDA ones): the Triton kernel at 16 and 128 heads, with one split (the sink
 # in its epilogue) and two (the sink in the combine).
-_OPTIONS_COMPILE_SCRIPT = _RECORD_LAUNCHES + _SPECIALISE + r"""
+_OPTIONS_COMPILE_SCRIPT = _RECORD_LAUNCHES + SPECIALISE_PRELUDE + r"""
 for heads in (16, 128):
     cfg = splits.kernel_config(heads, "cuda")
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
@@ -1270,7 +1241,7 @@ except ImportError:
     print("NO_BACKEND"); sys.exit(0)
 from graphsafe.ops.mla import _gluon_hopper as G
 tri.warpgroup_split_fits = lambda *a: True
-""" + _SPECIALISE + r"""
+""" + SPECIALISE_PRELUDE + r"""
 cfg = splits.kernel_config(128, "cuda")
 q = torch.randn(2, 128, 576, dtype=torch.bfloat16)
 kv = torch.randn(64, 64, 576, dtype=torch.bfloat16)

@@ -19,40 +19,10 @@ import torch
 
 from graphsafe.ops.attention import triton as T
 from graphsafe.ops.attention import wgmma_varlen as W
+from graphsafe.testing.compile_scripts import SPECIALISE_PRELUDE
 
 # -- compiled for sm_90, without a GPU ---------------------------------------------------------
-# The launcher's specialisation of a recorded launch: pointers and ints divisible by 16, ints
-# equal to 1 as constants; and the wgmma instructions of a compiled kernel's PTX.
-# (tests/test_mla.py holds the same text for its scripts.)
-_SPECIALISE = r"""
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
-
-def specialise(fn, args, kw, source=None):
-    sig, consts, attrs, pos = {}, {}, {}, iter(args)
-    for i, p in enumerate(fn.params):
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", kw[p.name]
-            continue
-        v = next(pos)
-        if isinstance(v, torch.Tensor):
-            sig[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            sig[p.name] = "fp32"
-        elif v == 1:
-            sig[p.name], consts[p.name] = "constexpr", 1
-        else:
-            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return (source or ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-
-def wgmma_shapes(kernel):  # {"m64n32k16": count, ...}: the wgmma instructions of the PTX
-    import re
-    shapes = {}
-    for m in re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"]):
-        shapes[m] = shapes.get(m, 0) + 1
-    return shapes
-"""
+# (SPECIALISE_PRELUDE: the launcher's specialisation of a recorded launch, and wgmma_shapes.)
 
 _GLUON_COMPILE_SCRIPT = r"""
 import sys
@@ -85,7 +55,7 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluo
 for module in (W, _triton_prefill, _triton_quant):
     module.bind = record
 T.wgmma_varlen_fits = lambda *a: True  # the name prepare_flash_attn_varlen calls
-""" + _SPECIALISE + r"""
+""" + SPECIALISE_PRELUDE + r"""
 for dtype in (torch.bfloat16, torch.float16):
     for d in (64, 128):
         for causal in (True, False):

@@ -49,12 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# cp.async global -> shared: `async_load` from Triton 3.7 on, `async_copy_global_to_shared`
-# before (3.6 is the GPU machines' Triton; the same arguments).
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
-# A CTA-wide barrier (bar.sync): `barrier` from 3.7 on, `thread_barrier` before.
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+from graphsafe.ops.gluon_compat import cp_async, cta_barrier
 
 HEAD_DIMS = (64, 128)  # D (= Dv) this kernel serves
 
@@ -90,7 +85,7 @@ def _copy_rows(smem, base, row0, row_end, stride, ROWS: gl.constexpr, D: gl.cons
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LOAD))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
     ptrs = base + (rows.to(gl.int64) * stride)[:, None] + cols[None, :]
-    _cp_async(smem, ptrs, mask=(rows < row_end)[:, None])
+    cp_async(smem, ptrs, mask=(rows < row_end)[:, None])
 
 
 @gluon.jit
@@ -186,7 +181,7 @@ def varlen_fwd_wgmma_kernel(
         _copy_rows(k_smem.index(1), k_base, BLOCK_N, key_end, stride_kt, BLOCK_N, D, LOAD)
         async_copy.commit_group()
         async_copy.wait_group(1)
-        _cta_barrier()
+        cta_barrier()
         fence_async_shared()
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)),
                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_MMA), use_acc=False)
@@ -202,7 +197,7 @@ def varlen_fwd_wgmma_kernel(
             # In: p_op of tile j (acc already rescaled to its row max). The copies of V_j
             # and K_{j+1} land; the barrier frees the stages tile j - 1 was read from.
             async_copy.wait_group(0)
-            _cta_barrier()
+            cta_barrier()
             fence_async_shared()
             stage = j % 2
             _copy_rows(v_smem.index(1 - stage), v_base, (j + 1) * BLOCK_N, key_end, stride_vt, BLOCK_N, D, LOAD)
@@ -226,7 +221,7 @@ def varlen_fwd_wgmma_kernel(
 
         # The last tile's p.V.
         async_copy.wait_group(0)
-        _cta_barrier()
+        cta_barrier()
         fence_async_shared()
         acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % 2), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -452,26 +447,6 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
 
 
 @gluon.jit
-def _ws_consumer0(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                  out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                  total_q, total_k, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                 out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                 total_q, total_k, 0, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)
-
-
-@gluon.jit
-def _ws_consumer1(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                  out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                  total_q, total_k, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                 out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                 total_q, total_k, 1, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)
-
-
-@gluon.jit
 def varlen_fwd_ws_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -508,12 +483,12 @@ def varlen_fwd_ws_kernel(
         mbarrier.init(v_empty.index(i), count=2)
     num_work = num_m_blocks * num_seqs * num_q_heads
     gl.warp_specialize([
-        (_ws_consumer0, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                         total_q, total_k, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
-        (_ws_consumer1, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                         total_q, total_k, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        total_q, total_k, 0, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        total_q, total_k, 1, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
         (_ws_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                       q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                       stride_vh, num_q_heads, num_m_blocks, num_work, total_q, total_k,

@@ -47,12 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-# cp.async global -> shared: `async_load` from Triton 3.7 on, `async_copy_global_to_shared`
-# before (3.6 is the GPU machines' Triton; the same arguments).
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
-# A CTA-wide barrier (bar.sync): `barrier` from 3.7 on, `thread_barrier` before.
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+from graphsafe.ops.gluon_compat import cp_async, cta_barrier
 
 NUM_WARPS = 8
 BLOCK_H = 64  # one wgmma M (a warpgroup's 4 warps x 16 rows)
@@ -132,9 +127,9 @@ def _copy_rows(base, rows, valid, nope_smem, pe_smem, R: gl.constexpr, P: gl.con
     ptrs = base + rows[:, None]
     mask = valid[:, None]
     cols = gl.arange(0, R, layout=gl.SliceLayout(0, LOAD))
-    _cp_async(nope_smem, ptrs + cols[None, :], mask=mask)
+    cp_async(nope_smem, ptrs + cols[None, :], mask=mask)
     pe_cols = gl.arange(0, P, layout=gl.SliceLayout(0, LOAD))
-    _cp_async(pe_smem, ptrs + (R + pe_cols)[None, :], mask=mask)
+    cp_async(pe_smem, ptrs + (R + pe_cols)[None, :], mask=mask)
 
 
 @gluon.jit
@@ -216,7 +211,7 @@ def mla_attn_wgmma_kernel(
         # wgmmas run, which hides the issue and drops a barrier (measured faster for
         # each: benchmarks/NOTES.md).
         if SPARSE:
-            _cta_barrier()
+            cta_barrier()
             _copy_rows(kv_ptr, rows, valid, k_nope.index(1 - stage), k_pe.index(1 - stage), R, P, LOAD)
             async_copy.commit_group()
             rows, valid = _key_rows(map_row, n0 + 2 * BLOCK_N, end, num_slots, stride_kb, stride_kt,
@@ -226,7 +221,7 @@ def mla_attn_wgmma_kernel(
             async_copy.wait_group(0)
         # This tile's copies (and q's) are complete; the barrier shows them to every warp,
         # the fence to the wgmma reads (async proxy).
-        _cta_barrier()
+        cta_barrier()
         fence_async_shared()
         kn = k_nope.index(stage)
         kp = k_pe.index(stage)
@@ -258,7 +253,7 @@ def mla_attn_wgmma_kernel(
 
         p_smem.store(p.to(dtype))
         fence_async_shared()
-        _cta_barrier()  # both halves of p are in shared memory
+        cta_barrier()  # both halves of p are in shared memory
         acc = acc * gl.convert_layout(alpha, O_ROW)[:, None]
         acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
