@@ -261,8 +261,9 @@ def _ws_tile(tile, num_m_blocks, num_q_heads, GROUP: gl.constexpr, BLOCK_M: gl.c
 @gluon.jit
 def _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                CAUSAL: gl.constexpr):
-    """(q_start, q_len, k_start, k_len, diag, n_tiles) of a work tile; n_tiles = 0 when the
-    block starts past its sequence's rows (every partition then skips the tile)."""
+    """(q_start, q_len, k_start, k_len, diag, n_tiles) of a work tile. n_tiles = 0 when the
+    block starts past its sequence's rows (every partition skips the tile) or when no row
+    of it sees a key (the loader skips it, the consumers write its rows' zeros)."""
     q_start, q_end = _sequence_bounds(cu_q_ptr, b, total_q, 4)
     q_len = q_end - q_start
     k_start, k_end = _sequence_bounds(cu_k_ptr, b, total_k, 4)
