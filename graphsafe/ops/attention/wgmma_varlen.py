@@ -1,9 +1,9 @@
 """Where `flash_attn_varlen` runs its sm_90 Gluon kernels (_gluon_prefill.py), and their launch.
 
-The Gluon kernels (warp-specialised for 128-row blocks at D = 128, single-partition
-otherwise: `warp_specialisation`) serve the plain bf16/fp16 call on Hopper: head dims 64 or 128 with
-Dv = D, a positive softmax scale, no variant (window, softcap, sinks), rows the 16-byte
-copies can address. Everything else, and any call whose q, k or v is not 16-byte
+The Gluon kernels (persistent and warp-specialised for 128-row blocks at D = 128,
+single-partition otherwise: `warp_specialisation`) serve the plain bf16/fp16 call on
+Hopper: head dims 64 or 128 with Dv = D, a positive softmax scale, no variant (window,
+softcap, sinks), rows the 16-byte copies can address. Everything else, and any call whose q, k or v is not 16-byte
 aligned, runs the Triton kernel, as does every call of a signature whose Gluon kernel
 failed to compile (a warning says so once). The decision on shapes, strides, dtype and
 device is made once per signature (`wgmma_varlen_fits`); the alignment per call.
@@ -26,7 +26,7 @@ from graphsafe.ops.mla.splits import max_shared_memory
 LOG2E = 1.4426950408889634
 # What a failed Gluon compile raises (RuntimeError: a failed MLIR pass).
 _COMPILE_ERRORS = (OutOfResources, triton.CompilationError, RuntimeError)
-# Signatures (dtype, head dim, tiles, causal) whose Gluon kernel failed to compile.
+# Signatures (dtype, head dim, tiles, causal, warp specialisation) whose Gluon kernel failed to compile.
 _FAILED: set[tuple] = set()
 
 
