@@ -112,6 +112,49 @@ def _softmax_step(s, m_i, l_i, n0, offs_m, k_len, diag, qk_scale,
 
 
 @gluon.jit
+def _full_tiles(r0, k_len, diag, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key tiles [0, result) every row from r0 on sees (causal: row r0's diagonal bounds
+    them): their softmax needs no mask."""
+    if CAUSAL:
+        full_end = gl.maximum(gl.minimum(k_len, r0 + diag + 1), 0)
+    else:
+        full_end = k_len
+    return full_end // BLOCK_N
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, t, full_tiles, offs_m, k_len, diag, qk_scale,
+                  BLOCK_N: gl.constexpr, S_COL: gl.constexpr, CAUSAL: gl.constexpr):
+    """`_softmax_step` of key tile t: unmasked when it is one of the first `full_tiles`,
+    masked otherwise."""
+    if t < full_tiles:
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, t * BLOCK_N, offs_m, k_len, diag, qk_scale,
+                                           BLOCK_N, S_COL, False, CAUSAL)
+    else:
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, t * BLOCK_N, offs_m, k_len, diag, qk_scale,
+                                           BLOCK_N, S_COL, True, CAUSAL)
+    return p, alpha, m_i, l_i
+
+
+@gluon.jit
+def _store_rows(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot,
+                D: gl.constexpr, O_MMA: gl.constexpr, CAUSAL: gl.constexpr):
+    """out rows `rows` (O_MMA's row slice) = acc / l, in out's dtype: 0 for a row that sees
+    no key (decided from indices, as the Triton kernel), NaN where the sum is NaN (NaN
+    scores); rows at or past q_len are not written."""
+    norm = gl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / gl.convert_layout(norm, gl.SliceLayout(1, O_MMA))[:, None]
+    if CAUSAL:
+        row_sees = (k_len > 0) & (rows + diag >= 0)
+    else:
+        row_sees = (k_len > 0) & (rows >= 0)
+    o = gl.where(row_sees[:, None], o, 0.0)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, O_MMA))
+    out = out_base + (rows.to(gl.int64) * stride_ot)[:, None] + cols[None, :]
+    gl.store(out, o.to(out_base.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
 def varlen_fwd_wgmma_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -132,7 +175,6 @@ def varlen_fwd_wgmma_kernel(
     S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
     S_COL: gl.constexpr = gl.SliceLayout(0, S_MMA)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
-    O_COL: gl.constexpr = gl.SliceLayout(0, O_MMA)
 
     pid = gl.program_id(0)
     seq_head = pid // num_m_blocks
@@ -150,11 +192,9 @@ def varlen_fwd_wgmma_kernel(
     diag = k_len - q_len  # row i sees keys n <= i + diag (bottom-right causal)
     if CAUSAL:
         hi = gl.maximum(gl.minimum(k_len, m0 + BLOCK_M + diag), 0)
-        full_end = gl.maximum(gl.minimum(k_len, m0 + diag + 1), 0)
     else:
         hi = k_len
-        full_end = k_len
-    full_tiles = full_end // BLOCK_N  # tiles [0, full_tiles) are visible to every row: no mask
+    full_tiles = _full_tiles(m0, k_len, diag, BLOCK_N, CAUSAL)
     n_tiles = gl.cdiv(hi, BLOCK_N)
     key_end = gl.minimum(k_len, n_tiles * BLOCK_N)  # copies read no key past the last tile
 
@@ -185,12 +225,8 @@ def varlen_fwd_wgmma_kernel(
         fence_async_shared()
         s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)),
                           gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_MMA), use_acc=False)
-        if full_tiles > 0:
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, offs_m, k_len, diag, qk_scale,
-                                               BLOCK_N, S_COL, False, CAUSAL)
-        else:
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, offs_m, k_len, diag, qk_scale,
-                                               BLOCK_N, S_COL, True, CAUSAL)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, full_tiles, offs_m, k_len, diag, qk_scale,
+                                           BLOCK_N, S_COL, CAUSAL)
         p_op = gl.convert_layout(p.to(dtype), P_OPERAND)
 
         for j in range(0, n_tiles - 1):
@@ -209,12 +245,8 @@ def varlen_fwd_wgmma_kernel(
                               gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_MMA), use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-            if j + 1 < full_tiles:
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (j + 1) * BLOCK_N, offs_m, k_len, diag, qk_scale,
-                                                   BLOCK_N, S_COL, False, CAUSAL)
-            else:
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (j + 1) * BLOCK_N, offs_m, k_len, diag, qk_scale,
-                                                   BLOCK_N, S_COL, True, CAUSAL)
+            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j + 1, full_tiles, offs_m, k_len, diag,
+                                               qk_scale, BLOCK_N, S_COL, CAUSAL)
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
             acc = acc * gl.convert_layout(alpha, O_ROW)[:, None]
             p_op = gl.convert_layout(p.to(dtype), P_OPERAND)
@@ -226,19 +258,9 @@ def varlen_fwd_wgmma_kernel(
         acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % 2), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
-    norm = gl.where(l_i == 0.0, 1.0, l_i)  # a NaN sum (NaN scores) keeps the row NaN
-    o = acc / gl.convert_layout(norm, O_ROW)[:, None]
-    # A row that sees no key is 0, decided from indices (as the Triton kernel).
-    rows = m0 + gl.arange(0, BLOCK_M, layout=O_ROW)
-    if CAUSAL:
-        row_sees = (k_len > 0) & (rows + diag >= 0)
-    else:
-        row_sees = (k_len > 0) & (rows >= 0)
-    o = gl.where(row_sees[:, None], o, 0.0)
-    cols = gl.arange(0, D, layout=O_COL)
-    out = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
-    out = out + (rows.to(gl.int64) * stride_ot)[:, None] + cols[None, :]
-    gl.store(out, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+    out_base = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
+    _store_rows(acc, l_i, out_base, m0 + gl.arange(0, BLOCK_M, layout=O_ROW), q_len, k_len, diag, stride_ot,
+                D, O_MMA, CAUSAL)
 
 
 # -- warp-specialised, persistent variant ----------------------------------------------------------
@@ -346,11 +368,7 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     S_COL: gl.constexpr = gl.SliceLayout(0, S_MMA)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
     offs_m = r0 + gl.arange(0, 64, layout=S_ROW)
-    if CAUSAL:
-        full_end = gl.maximum(gl.minimum(k_len, r0 + diag + 1), 0)
-    else:
-        full_end = k_len
-    full_tiles = full_end // BLOCK_N  # key tiles every row of this warpgroup sees: no mask
+    full_tiles = _full_tiles(r0, k_len, diag, BLOCK_N, CAUSAL)
     qb = count % 2
     q_tile = q_smem.index(2 * qb + WG)
     mbarrier.wait(q_full.index(qb), (count // 2) & 1)
@@ -360,12 +378,8 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     s = warpgroup_mma(q_tile, k_smem.index(s0).permute((1, 0)),
                       gl.zeros([64, BLOCK_N], gl.float32, layout=S_MMA), use_acc=False)
     mbarrier.arrive(k_empty.index(s0))
-    if full_tiles > 0:
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, offs_m, k_len, diag, qk_scale,
-                                           BLOCK_N, S_COL, False, CAUSAL)
-    else:
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, 0, offs_m, k_len, diag, qk_scale,
-                                           BLOCK_N, S_COL, True, CAUSAL)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, full_tiles, offs_m, k_len, diag, qk_scale,
+                                       BLOCK_N, S_COL, CAUSAL)
     p_op = gl.convert_layout(p.to(dtype), P_OPERAND)
     for j in range(0, n_tiles - 1):
         # In: p_op of key tile j (ring position ring + j), acc at its row max.
@@ -381,12 +395,8 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
         acc = warpgroup_mma(p_op, v_smem.index(sv), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(sk))
-        if j + 1 < full_tiles:
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (j + 1) * BLOCK_N, offs_m, k_len, diag, qk_scale,
-                                               BLOCK_N, S_COL, False, CAUSAL)
-        else:
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, (j + 1) * BLOCK_N, offs_m, k_len, diag, qk_scale,
-                                               BLOCK_N, S_COL, True, CAUSAL)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j + 1, full_tiles, offs_m, k_len, diag,
+                                           qk_scale, BLOCK_N, S_COL, CAUSAL)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
         mbarrier.arrive(v_empty.index(sv))
         acc = acc * gl.convert_layout(alpha, O_ROW)[:, None]
@@ -414,7 +424,6 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
-    O_COL: gl.constexpr = gl.SliceLayout(0, O_MMA)
 
     ring = 0
     count = 0
@@ -433,18 +442,9 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
                                              WG, D, BLOCK_N, STAGES, CAUSAL)
                 ring += n_tiles
                 count += 1
-            norm = gl.where(l_i == 0.0, 1.0, l_i)  # a NaN sum (NaN scores) keeps the row NaN
-            o = acc / gl.convert_layout(norm, O_ROW)[:, None]
-            rows = r0 + gl.arange(0, 64, layout=O_ROW)
-            if CAUSAL:
-                row_sees = (k_len > 0) & (rows + diag >= 0)
-            else:
-                row_sees = (k_len > 0) & (rows >= 0)
-            o = gl.where(row_sees[:, None], o, 0.0)
-            cols = gl.arange(0, D, layout=O_COL)
-            out = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
-            out = out + (rows.to(gl.int64) * stride_ot)[:, None] + cols[None, :]
-            gl.store(out, o.to(out_ptr.dtype.element_ty), mask=(rows < q_len)[:, None])
+            out_base = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
+            _store_rows(acc, l_i, out_base, r0 + gl.arange(0, 64, layout=O_ROW), q_len, k_len, diag, stride_ot,
+                        D, O_MMA, CAUSAL)
 
 
 @gluon.jit
