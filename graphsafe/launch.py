@@ -40,10 +40,21 @@ What keeps it correct on any Triton:
 * what the handle bakes in (non-tensor arguments, constexprs, tensor dtypes) is what the
   caller fixed at `bind`: one binding serves one signature. The registry (`prepare`
   functions of the backends) keeps one binding per call signature.
+
+TMA descriptors: an argument given to `bind` as a host `TensorDescriptor` (Gluon's or
+`triton.tools`') is a per-call argument like a tensor: the call passes the tensor the
+descriptor views (its base), and the binding keeps the rest (shape, strides, block,
+layout), fixed by the signature. Triton's launcher encodes a descriptor's 128-byte
+`CUtensorMap` on every launch (about 2 us each); where the C launch function is called
+directly (see above), the encoded map is kept per base address instead (`_tensor_maps`),
+so a call whose tensors sit where an earlier call's did (a step replayed on the same
+buffers) encodes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -131,6 +142,49 @@ def direct_c_launch(run: Any) -> tuple[Callable, tuple[Any, ...]] | None:
         return None
 
 
+def _is_tensor_descriptor(value: Any) -> bool:
+    """A host TMA descriptor of Triton (Gluon's `TensorDescriptor` or `triton.tools`')."""
+    return type(value).__name__ == "TensorDescriptor" and all(
+        hasattr(value, a) for a in ("base", "shape", "strides", "block_shape"))
+
+
+def _descriptor_factory(template: Any) -> Callable[[torch.Tensor], Any]:
+    """`factory(base)`: a TensorDescriptor like `template` (same shape, strides, block,
+    layout) viewing `base`. The template's own base is not kept."""
+    fields = {f.name: getattr(template, f.name) for f in dataclasses.fields(template) if f.name != "base"}
+    return functools.partial(type(template), **fields)
+
+
+def _unwrapped_tensordesc_launch(launch: Any) -> Callable | None:
+    """The C launch function inside Triton 3.6's tensor-descriptor wrapper of it (the
+    wrapper encodes each TensorDescriptor argument into a tensor map, shape and strides on
+    every call), or None when `launch` is not that wrapper."""
+    code = getattr(launch, "__code__", None)
+    if code is None or launch.__name__ != "inner" or "launcher" not in code.co_freevars:
+        return None
+    inner = launch.__closure__[code.co_freevars.index("launcher")].cell_contents
+    return inner if callable(inner) else None
+
+
+def _tensor_maps(factory: Callable, meta: Any, encode: Callable, capacity: int = 64) -> Callable:
+    """`expand(tensor, address)`: the C launch function's arguments for the descriptor
+    `factory(tensor)` of `tensor` at `address` (the encoded tensor map, then the shape and
+    strides), encoded by `encode(descriptor, meta)` (Triton's `make_tensordesc_arg`) once
+    per address. The map depends on nothing else: the shape, strides, block and dtype
+    are the binding's. At most `capacity` addresses are kept (then the cache starts afresh)."""
+    maps: dict[int, tuple] = {}
+
+    def expand(tensor: torch.Tensor, address: int) -> tuple:
+        args = maps.get(address)
+        if args is None:
+            if len(maps) >= capacity:
+                maps.clear()
+            args = maps[address] = tuple(encode(factory(tensor), meta))
+        return args
+
+    return expand
+
+
 class LaunchState:
     """What a bound launch did so far (tests and the bench read it).
 
@@ -176,23 +230,37 @@ class _Unadoptable(Exception):
 
 
 def _make_launch(kernel: Any, grid: tuple[int, int, int], full_args: list[Any], tensor_slots: list[int],
-                 num_positional: int, keywords: dict[str, Any], device: int | None) -> Launch:
+                 num_positional: int, keywords: dict[str, Any], device: int | None,
+                 descriptors: dict[int, Any]) -> Launch:
     """The generated launch function. `full_args`: every kernel parameter in signature
     order (None at tensor slots); the plain launch passes the first `num_positional` by
     position and `keywords` (the rest by name, and the options) by keyword.
 
     Compiled handles are kept per alignment mask (bit i: tensor i 16-byte aligned), the
     one property of the tensors Triton specialises on: the all-aligned handle is the
-    fast path's, others serve views at odd offsets from the second such call on."""
+    fast path's, others serve views at odd offsets from the second such call on.
+    `descriptors`: {tensor index: `_descriptor_factory`} of the tensors that are passed
+    as TMA descriptors (their calls all-aligned, as TMA requires)."""
     n = len(tensor_slots)
     slot_of = {arg: i for i, arg in enumerate(tensor_slots)}
     ts = ", ".join(f"t{i}" for i in range(n))
     ps = ", ".join(f"p{i}" for i in range(n))
+
+    def tensor_arg(i: int, fast: bool) -> str:
+        if i not in descriptors:  # the C launcher takes an int as the device address
+            return f"p{i}" if fast else f"t{i}"
+        # A descriptor: the launcher's form of it (X: the object or the encoded map with its
+        # shape and strides, chosen when the handle is adopted), else the object itself.
+        return f"*X{i}(t{i}, p{i})" if fast else f"D{i}(t{i})"
+
     # The plain launch: `kernel[grid](*positional args, **the rest and the options)`.
-    plain_args = ", ".join([f"t{slot_of[i]}" if i in slot_of else f"A[{i}]" for i in range(num_positional)] + ["**KW"])
+    plain_args = ", ".join([tensor_arg(slot_of[i], False) if i in slot_of else f"A[{i}]" for i in range(num_positional)]
+                           + ["**KW"])
     # The fast launch: every parameter in order, pointers as integers (the C launcher takes
     # an int as the device address and skips its data_ptr() call and driver query).
-    fast_args = ", ".join(f"p{slot_of[i]}" if i in slot_of else f"A[{i}]" for i in range(len(full_args)))
+    fast_args = ", ".join(tensor_arg(slot_of[i], True) if i in slot_of else f"A[{i}]" for i in range(len(full_args)))
+    slow_args = ", ".join(f"D{slot_of[i]}(t{slot_of[i]})" if slot_of.get(i) in descriptors else
+                          f"p{slot_of[i]}" if i in slot_of else f"A[{i}]" for i in range(len(full_args)))
     ptrs = "; ".join(f"p{i} = t{i}.data_ptr()" for i in range(n)) or "pass"
     any_misaligned = " | ".join(f"p{i}" for i in range(n)) or "0"
     mask = " | ".join(f"((p{i} & 15) == 0) << {i}" for i in range(n)) or "0"
@@ -215,7 +283,7 @@ def slow({ts}{", " if n else ""}{ps}):
     if handle is None:
         return plain({ts})
     try:
-        handle[0](G0, G1, G2, STREAM(DEVICE), handle[1], handle[2], None, None, None, {fast_args})
+        handle[0](G0, G1, G2, STREAM(DEVICE), handle[1], handle[2], None, None, None, {slow_args})
     except TypeError:
         REFUSED()
         return plain({ts})
@@ -239,6 +307,9 @@ def launch({ts}):
         "UNADOPTABLE": _Unadoptable,
         "CURRENT_DEVICE": _current_device if device is not None else None, "DEVICE_GUARD": torch.cuda.device,
     }
+    for i, factory in descriptors.items():
+        ns[f"D{i}"] = factory
+        ns[f"X{i}"] = functools.partial(_as_object, factory)
     state = ns["STATE"] = LaunchState(kernel, grid, n, ns)
     exec(compile(source, f"<graphsafe.launch {getattr(kernel, '__name__', kernel)}>", "exec"), ns)
     launch = ns["launch"]
@@ -259,6 +330,8 @@ def launch({ts}):
                 ns["STREAM"] = driver.active.get_current_stream
             except Exception:  # noqa: BLE001 - no active driver: keep the plain launch
                 handle = None
+        if descriptors and mask != all_aligned:
+            handle = None  # (TMA needs 16-byte aligned bases: the plain launch says so)
         ns["HANDLES"][mask] = handle  # None: this mask stays plain (one try)
         if handle is None or mask != all_aligned:
             return
@@ -266,6 +339,8 @@ def launch({ts}):
         direct = direct_c_launch(run)
         if direct is not None:
             run, head = direct[0], (*direct[1], *head)
+            if descriptors:
+                run = _adopt_tensor_maps(run, compiled, descriptors, ns)
         ns["DIRECT"] = direct is not None
 
         def run_first(*launch_args: Any) -> None:
@@ -284,6 +359,30 @@ def launch({ts}):
     return launch
 
 
+def _as_object(factory: Callable, tensor: torch.Tensor, address: int) -> tuple:
+    """A descriptor argument as the TensorDescriptor object (what Triton's launcher takes)."""
+    return (factory(tensor),)
+
+
+def _adopt_tensor_maps(launch: Callable, compiled: Any, descriptors: dict[int, Any], ns: dict[str, Any]) -> Callable:
+    """The launch function of a direct C launch with descriptors: where `launch` is Triton
+    3.6's wrapper that encodes them on every call, the C function inside it, and the
+    descriptor arguments (`X{i}`) from per-address caches of encoded maps; else `launch`
+    unchanged (it takes the descriptor objects)."""
+    raw = _unwrapped_tensordesc_launch(launch)
+    metas = getattr(getattr(compiled, "metadata", None), "tensordesc_meta", None)
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+    except ImportError:
+        return launch
+    if raw is None or not metas or len(metas) != len(descriptors):
+        return launch
+    # tensordesc_meta lists the descriptor parameters in signature order, as the slots are.
+    for meta, (i, factory) in zip(metas, sorted(descriptors.items())):
+        ns[f"X{i}"] = _tensor_maps(factory, meta, make_tensordesc_arg)
+    return raw
+
+
 def _grid3(grid: Sequence[int]) -> tuple[int, int, int]:
     g = tuple(int(x) for x in grid)
     if not 1 <= len(g) <= 3:
@@ -297,7 +396,8 @@ def bind(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> Launch:
 
     `args` and `meta` are what `kernel[grid](*args, **meta)` would take. Tensor positions
     are placeholders here (only their device is read: a CUDA tensor makes the binding
-    eligible for the fast launch on that device); no tensor is kept.
+    eligible for the fast launch on that device); no tensor is kept. A TensorDescriptor
+    argument is a template: each call passes the tensor it is to view (module docstring).
     """
     fn = getattr(kernel, "fn", None)
     if fn is None:
@@ -307,11 +407,16 @@ def bind(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> Launch:
     bound.apply_defaults()
     full_args: list[Any] = []
     tensor_slots: list[int] = []
+    descriptors: dict[int, Any] = {}
     device: int | None = None
     for i, (name, value) in enumerate(bound.arguments.items()):
-        if isinstance(value, torch.Tensor):
+        descriptor = _is_tensor_descriptor(value)
+        if isinstance(value, torch.Tensor) or descriptor:
             if i >= len(args):
                 raise TypeError(f"{fn.__name__}: pass tensor argument {name!r} by position to bind()")
+            if descriptor:
+                descriptors[len(tensor_slots)] = _descriptor_factory(value)
+                value = value.base
             tensor_slots.append(i)
             if device is None:
                 device = _tensor_device(value)
@@ -319,7 +424,7 @@ def bind(kernel: Any, grid: Sequence[int], *args: Any, **meta: Any) -> Launch:
         elif i >= len(args):
             keywords[name] = value
         full_args.append(value)
-    return _make_launch(kernel, _grid3(grid), full_args, tensor_slots, len(args), keywords, device)
+    return _make_launch(kernel, _grid3(grid), full_args, tensor_slots, len(args), keywords, device, descriptors)
 
 
 def output_allocator(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Callable[[], torch.Tensor]:

@@ -218,3 +218,95 @@ def test_direct_c_launch_only_for_a_launcher_whose_call_was_read(monkeypatch):
     run.global_scratch_size = 64
     assert direct_c_launch(run) is None
     assert direct_c_launch(lambda *a: None) is None
+
+
+# -- TMA descriptor arguments ------------------------------------------------------------------
+def _descriptor_kernel(x_desc, out_ptr, n, BLOCK):  # the signature bind() reads
+    pass
+
+
+def _template(t: torch.Tensor):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, [4, 16], [16, 1], [4, 8])
+
+
+def test_a_descriptor_argument_views_each_calls_tensor(monkeypatch):
+    """A TensorDescriptor given to bind() is a template: each call passes a tensor, and the
+    plain and the fast launch get a descriptor of that tensor with the template's shape,
+    strides and block; the template's own tensor is not kept."""
+    import gc
+    import weakref
+
+    compiled = _Compiled()
+    _fake_cuda(monkeypatch, compiled)
+    kernel = _Kernel(_descriptor_kernel, compiled)
+    placeholder = torch.zeros(64)
+    kept = weakref.ref(placeholder)
+    launch = L.bind(kernel, (1,), _template(placeholder), placeholder, 64, BLOCK=8)
+    del placeholder
+    gc.collect()
+    assert kept() is None, "the binding keeps no tensor"
+    x, out = torch.randn(64), torch.empty(64)
+    launch(x, out)  # plain: kernel[grid](descriptor of x, out, 64, BLOCK=8)
+    (_, args, kwargs), = kernel.plain
+    desc = args[0]
+    assert desc.base is x and list(desc.shape) == [4, 16] and list(desc.strides) == [16, 1]
+    assert list(desc.block_shape) == [4, 8] and args[1:] == (out, 64) and kwargs == {"BLOCK": 8}
+    x2 = torch.randn(64)
+    launch(x2, out)  # fast (a launcher that is not the C function: the object itself)
+    (call,) = compiled.calls
+    assert call[9].base is x2 and list(call[9].block_shape) == [4, 8]
+    assert call[10:] == (out.data_ptr(), 64, 8)
+
+
+def test_misaligned_calls_of_a_descriptor_binding_take_the_plain_launch(monkeypatch):
+    """TMA needs 16-byte aligned bases: such a call keeps no handle of its own (the plain
+    launch, where Triton's descriptor checks the base, says what is wrong)."""
+    compiled = _Compiled()
+    _fake_cuda(monkeypatch, compiled)
+    kernel = _Kernel(_descriptor_kernel, compiled)
+    base = torch.zeros(80)
+    launch = L.bind(kernel, (1,), _template(base[:64]), base, 64, BLOCK=8)
+    out = torch.empty(64)
+    launch(base[:64], out)
+    launch(base[:64], base[1:65])  # out misaligned: plain every time
+    launch(base[:64], base[1:65])
+    assert len(kernel.plain) == 3 and len(compiled.calls) == 0
+
+
+def test_direct_launch_encodes_a_tensor_map_once_per_address(monkeypatch):
+    """Where the C launch function is called directly, Triton 3.6's wrapper that encodes
+    descriptors on every call is replaced by the C function inside it, and each descriptor
+    argument comes from a cache of encoded maps keyed by the tensor's address."""
+    import triton.backends.nvidia.driver as nvidia_driver
+
+    def c_launch(*args):
+        pass
+
+    def wrap(launcher):  # the shape of Triton 3.6's `wrap_handle_tensordesc`
+        def inner(*args):
+            return launcher(*args)
+
+        return inner
+
+    encoded = []
+
+    def encode(desc, meta):  # stands in for make_tensordesc_arg: [map, *shape, *strides]
+        encoded.append((desc.base.data_ptr(), meta))
+        return [f"map@{desc.base.data_ptr()}", *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(nvidia_driver, "make_tensordesc_arg", encode)
+    compiled = type("Compiled", (), {"metadata": type("Meta", (), {"tensordesc_meta": [{"swizzle": 3}]})()})()
+    factory = L._descriptor_factory(_template(torch.zeros(64)))
+    ns: dict = {}
+    assert L._adopt_tensor_maps(wrap(c_launch), compiled, {0: factory}, ns) is c_launch
+    a, b = torch.zeros(64), torch.zeros(64)
+    first = ns["X0"](a, a.data_ptr())
+    assert first == (f"map@{a.data_ptr()}", 4, 16, 16, 1)
+    assert ns["X0"](a, a.data_ptr()) is first and ns["X0"](b, b.data_ptr())[0] == f"map@{b.data_ptr()}"
+    assert encoded == [(a.data_ptr(), {"swizzle": 3}), (b.data_ptr(), {"swizzle": 3})]
+    # Anything else (no wrapper, no metadata) keeps the launch function it was given.
+    assert L._adopt_tensor_maps(c_launch, compiled, {0: factory}, {}) is c_launch
+    no_meta = type("Compiled", (), {"metadata": None})()
+    assert L._adopt_tensor_maps(wrap(c_launch), no_meta, {0: factory}, {}).__name__ == "inner"

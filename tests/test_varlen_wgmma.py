@@ -33,7 +33,7 @@ try:
     from triton.experimental.gluon._runtime import GluonASTSource
     # The Gluon API the kernel's module uses: a Triton without it has no backend for it.
     from triton.experimental import gluon
-    from triton.experimental.gluon.language.nvidia.hopper import async_copy, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy, tma, warpgroup_mma
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
 # Outside the guard: an ImportError of the kernel's own module fails the test.
@@ -42,65 +42,89 @@ import torch
 from graphsafe.ops.attention import _triton_prefill, _triton_quant, triton as T, wgmma_varlen as W
 
 launches = []
+KERNELS = {G.varlen_fwd_wgmma_kernel: "wgmma", G.varlen_fwd_ws_kernel: "ws", G.varlen_fwd_tma_kernel: "tma"}
 
 # Record what the launcher binds on an sm_90 device (CPU tensors stand in for CUDA ones);
 # the other launches of the runner (the output tail, the Triton kernel) run nothing.
 def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluon launches
     def launch(*tensors):  # the call's tensors take the placeholders' places
         it = iter(tensors)
-        if kernel in (G.varlen_fwd_wgmma_kernel, G.varlen_fwd_ws_kernel):
-            launches.append((kernel, tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), dict(kw)))
+        def take(a):  # a descriptor (a template) stays: the signature is its block and layout
+            if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor":
+                t = next(it)
+                return a if type(a).__name__ == "TensorDescriptor" else t
+            return a
+        if kernel in KERNELS:
+            launches.append((kernel, tuple(take(a) for a in args), dict(kw)))
     return launch
 
 for module in (W, _triton_prefill, _triton_quant):
     module.bind = record
 T.wgmma_varlen_fits = lambda *a: True  # the name prepare_flash_attn_varlen calls
 """ + SPECIALISE_PRELUDE + r"""
-for dtype in (torch.bfloat16, torch.float16):
-    for d in (64, 128):
-        for causal in (True, False):
-            for max_q in (40, 4096):  # 64-row tiles (every sequence short), 128-row tiles
-                q = torch.zeros(2 * max_q, 8, d, dtype=dtype)
-                k, v = (torch.zeros(2 * max_q, 2, d, dtype=dtype) for _ in range(2))
-                cu = torch.tensor([0, max_q, 2 * max_q], dtype=torch.int32)
-                T.flash_attn_varlen(q, k, v, cu, cu, max_q, max_q, d ** -0.5, causal)
+# (dtype, D, Dv, max_seqlen_q, head stride of q): every kernel, causal or not, bf16; fp16
+# for one launch of each kernel. Heads padded to 144 columns: no TMA view ("ws").
+CASES = [(torch.bfloat16, 64, 64, 40, None), (torch.bfloat16, 64, 64, 4096, None), (torch.bfloat16, 128, 128, 40, None),
+         (torch.bfloat16, 128, 128, 4096, None), (torch.bfloat16, 128, 128, 4096, 144),
+         (torch.bfloat16, 192, 128, 4096, None)]
+CALLS = [(c, causal) for c in CASES for causal in (True, False)]
+CALLS += [((torch.float16, 128, 128, 4096, None), True), ((torch.float16, 128, 128, 4096, 144), True),
+          ((torch.float16, 64, 64, 40, None), True)]
+for (dtype, d, dv, max_q, head_stride), causal in CALLS:
+    t = 2 * max_q
+    hs = head_stride or d
+    q = torch.zeros(t, 8, hs, dtype=dtype)[:, :, :d]
+    k = torch.zeros(t, 2, d, dtype=dtype)
+    v = torch.zeros(t, 2, dv, dtype=dtype)
+    cu = torch.tensor([0, max_q, t], dtype=torch.int32)
+    T.flash_attn_varlen(q, k, v, cu, cu, max_q, max_q, d ** -0.5, causal)
+    # 128-row blocks at D >= 128 with contiguous heads: TMA; padded heads: cp.async; else one partition.
+    want = ("ws" if head_stride else "tma") if max_q > 64 and d >= 128 else "wgmma"
+    assert KERNELS[launches[-1][0]] == want, (d, max_q, head_stride, launches[-1][0])
 for kernel, args, kw in launches:
     warps = kw.pop("num_warps")
     k = triton.compile(specialise(kernel, args, kw, GluonASTSource),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     shapes = wgmma_shapes(k)
     tiles = (kw["BLOCK_M"], kw["BLOCK_N"])
-    ws = kernel is G.varlen_fwd_ws_kernel
-    print("compiled", args[0].dtype, "D", kw["D"], "tiles", tiles, "CAUSAL", kw["CAUSAL"], "warps", warps,
-          "warp-specialised", ws, "shared", k.metadata.shared, shapes)
-    # 128-row blocks at D = 128 run the warp-specialised kernel (4 warps at launch), the rest
-    # the single-partition one (a warp per 16 rows).
-    assert ws == (tiles[0] == 128 and kw["D"] == 128), (ws, tiles)
+    kind = KERNELS[kernel]
+    d, dv = (kw["DK"], kw["DV"]) if kind == "tma" else (kw["D"], kw["D"])
+    print("compiled", kind, "D", d, "Dv", dv, "tiles", tiles, "CAUSAL", kw["CAUSAL"], "warps", warps,
+          "shared", k.metadata.shared, shapes)
+    # 128-row blocks run a warp-specialised kernel (4 warps at launch), the rest the
+    # single-partition one (a warp per 16 rows).
+    ws = kind != "wgmma"
+    assert ws == (tiles[0] == 128 and d >= 128), (kind, tiles)
     assert warps == (4 if ws else tiles[0] // 16), warps
-    # Per warpgroup (64 rows) and per BLOCK_N = D keys: q.k takes D / 16 k-steps of n = BLOCK_N
-    # and p.V BLOCK_N / 16 of n = D. Issued: q.k in the prologue, q.k + p.V in the loop and
-    # the last p.V, so 4 x D / 16 instructions, of one shape; the warp-specialised kernel has
-    # that code twice (one consumer partition per warpgroup).
-    n = kw["D"]
-    assert shapes == {f"m64n{n}k16": (2 if ws else 1) * 4 * n // 16}, shapes
+    # Per program code: q.k (n = BLOCK_N, D / 16 k-steps) in the prologue and the loop; p.V
+    # (n = Dv, BLOCK_N / 16 k-steps) in the loop and after it; the warp-specialised kernels
+    # have that code twice (one consumer partition per warpgroup).
+    copies = 2 if ws else 1
+    want = {}
+    for shape, count in ((f"m64n{tiles[1]}k16", 2 * d // 16), (f"m64n{dv}k16", 2 * tiles[1] // 16)):
+        want[shape] = want.get(shape, 0) + copies * count
+    assert shapes == want, (shapes, want)
     assert k.metadata.shared <= 227 * 1024, k.metadata.shared
     # wgmma_varlen_fits decides from this estimate: it must cover what the compiler allocates.
-    need = G.shared_memory_bytes(*tiles, kw["D"], *((kw["STAGES"], 2) if ws else ()))  # ws: two q buffers
+    stages, q_buffers = (kw["STAGES"], 2) if ws else (2, 1)
+    need = G.shared_memory_bytes(*tiles, d, dv, stages, q_buffers)
     assert k.metadata.shared <= need, (k.metadata.shared, need, tiles)
-assert len(launches) == 16, len(launches)
+kinds = sorted(KERNELS[kernel] for kernel, _, _ in launches)
+assert kinds == ["tma"] * 5 + ["wgmma"] * 7 + ["ws"] * 3, kinds
 print("OK")
 """
 
 
 def test_gluon_varlen_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
-    """The Gluon kernel (sm_90 only, never run by the interpreter), launched as
-    `prepare_flash_attn_varlen` launches it for bf16 and fp16, D 64 and 128, causal or not,
-    64- and 128-row tiles, compiles for sm_90 with this Triton: the wgmma shapes and counts
-    of its q.k and p.V products, and shared memory within Hopper's 227 KiB and within the
-    estimate `wgmma_varlen_fits` decides by."""
+    """The Gluon kernels (sm_90 only, never run by the interpreter), launched as
+    `prepare_flash_attn_varlen` launches them (bf16 and fp16; D 64, 128 and 192 / Dv 128;
+    causal or not; 64- and 128-row tiles; heads contiguous or padded), compile for sm_90
+    with this Triton: which kernel runs, the wgmma shapes and counts of the q.k and p.V
+    products, and shared memory within Hopper's 227 KiB and within the estimate
+    `wgmma_varlen_fits` decides by."""
     out = compile_for_sm90(_GLUON_COMPILE_SCRIPT, timeout=900)
     print(out)
-    assert out.count("compiled") == 16, out
+    assert out.count("compiled") == 15, out
 
 
 # -- where the Gluon kernel runs -----------------------------------------------------------------
@@ -153,10 +177,21 @@ def test_plain_16_bit_calls_fit_on_sm90(sm90, dtype, d, max_seqlen_q):
     assert _fits(*_qkv(dtype, d), max_seqlen_q)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mla_prefill_head_dims_fit_with_128_row_blocks_and_tma_views(sm90, dtype):
+    """D = 192, Dv = 128 runs the TMA kernel: with 128-row blocks and heads contiguous
+    (TMA's 2-D view); 64-row blocks and padded heads run the Triton kernel."""
+    assert _fits(*_qkv(dtype, 192, 128), 4096)
+    assert W.varlen_kernel(4096, 192, 128, True) == "tma"
+    assert not _fits(*_qkv(dtype, 192, 128), 64)
+    assert not _fits(*_qkv(dtype, 192, 128, q_stride=(8 * 208, 208, 1)), 4096)
+
+
 FP8 = torch.float8_e4m3fn
 _DECLINED = {
     "a variant": lambda: _fits(*_qkv(), variants=True),
-    "D=192/Dv=128": lambda: _fits(*_qkv(d=192, dv=128)),
+    "D=192/Dv=128, 64-row blocks": lambda: _fits(*_qkv(d=192, dv=128), 64),
+    "D=192/Dv=192": lambda: _fits(*_qkv(d=192)),
     "D=256": lambda: _fits(*_qkv(d=256)),
     "Dv=64 != D=128": lambda: _fits(*_qkv(d=128, dv=64)),
     "Dv=128 != D=64": lambda: _fits(*_qkv(d=64, dv=128)),
@@ -170,6 +205,8 @@ _DECLINED = {
     "inf scale": lambda: _fits(*_qkv(), scale=math.inf),
     "token stride of 8 k + 4 elements": lambda: _fits(*_qkv(q_stride=(8 * 128 + 4, 128, 1))),
     "head stride of 8 k + 4 elements": lambda: _fits(*_qkv(q_stride=(8 * 256, 132, 1))),
+    "cp.async: head stride of 16 k + 8 elements": lambda: _fits(*_qkv(q_stride=(8 * 136, 136, 1))),
+    "cp.async: token stride of 16 k + 8 elements": lambda: _fits(*_qkv(d=64, q_stride=(8 * 64 + 8, 64, 1))),
     "non-unit last stride": lambda: _fits(*_qkv(q_stride=(8 * 256, 256, 2))),
 }
 
@@ -181,10 +218,13 @@ def test_other_calls_run_the_triton_kernel_on_sm90(sm90, case):
     assert not _DECLINED[case]()
 
 
-def test_strided_rows_of_whole_16_byte_groups_fit(sm90):
-    """A view with padded rows (token and head strides multiples of 8 elements) fits: the
-    strided cases above fail for their stride alone."""
-    assert _fits(*_qkv(q_stride=(8 * 136, 136, 1)))
+def test_strided_rows_fit_where_the_copies_can_use_them(sm90):
+    """Padded rows fit: for TMA (heads contiguous) a token stride of whole 16-byte groups;
+    for the cp.async copies (padded heads, or D = 64) token and head strides of whole
+    16-element groups. The strided cases above fail for their stride alone."""
+    assert _fits(*_qkv(q_stride=(8 * 128 + 8, 128, 1)))  # TMA
+    assert _fits(*_qkv(q_stride=(8 * 144, 144, 1)))  # cp.async, warp-specialised
+    assert _fits(*_qkv(d=64, q_stride=(8 * 64 + 16, 64, 1)))  # cp.async, one partition
 
 
 def test_hip_and_other_gpus_run_the_triton_kernel(sm90):
@@ -198,20 +238,24 @@ def test_hip_and_other_gpus_run_the_triton_kernel(sm90):
     assert not _fits(q, k, v)
 
 
-@pytest.mark.parametrize("max_seqlen_q", [40, 4096])
-@pytest.mark.parametrize("d", [64, 128])
-def test_the_gluon_kernel_needs_its_shared_memory(sm90, d, max_seqlen_q):
+@pytest.mark.parametrize(("d", "dv", "head_stride", "max_seqlen_q"), [
+    (64, 64, None, 40), (64, 64, None, 4096), (128, 128, None, 40), (128, 128, None, 4096), (128, 128, 144, 4096),
+    (192, 128, None, 4096)])
+def test_the_gluon_kernel_needs_its_shared_memory(sm90, d, dv, head_stride, max_seqlen_q):
     """Fits exactly when the device offers the launch's shared memory (its tiles follow
-    max_seqlen_q and D; the warp-specialised kernel's stages and two q buffers); not when
-    the device's is unknown."""
+    max_seqlen_q and D; the warp-specialised kernels' stages and two q buffers); not when
+    the device's is unknown. One case per kernel and tile shape."""
+    q_stride = None if head_stride is None else (8 * head_stride, head_stride, 1)
+    kernel = W.varlen_kernel(max_seqlen_q, d, dv, head_stride is None)
     block_m, block_n = W.wgmma_varlen_tiles(max_seqlen_q, d)
-    ws = W.warp_specialisation(block_m, d)
-    assert (ws is not None) == (block_m == 128 and d == 128)
-    need = _gluon_module().shared_memory_bytes(block_m, block_n, d, *(() if ws is None else (ws[0], 2)))
+    ws = W.warp_specialisation(kernel, d)
+    assert (ws is not None) == (block_m == 128 and d >= 128)
+    stages, q_buffers = (2, 1) if ws is None else (ws[0], 2)
+    need = _gluon_module().shared_memory_bytes(block_m, block_n, d, dv, stages, q_buffers)
     assert need <= SM90_SHARED
     for smem, fits in ((need, True), (need - 1, False), (None, False)):
         sm90.setattr(W, "max_shared_memory", lambda device, s=smem: s)
-        assert _fits(*_qkv(d=d), max_seqlen_q) == fits, smem
+        assert _fits(*_qkv(d=d, dv=dv, q_stride=q_stride), max_seqlen_q) == fits, smem
 
 
 def test_the_gluon_kernel_never_runs_on_the_cpu():
@@ -258,7 +302,7 @@ def _bind_stand_ins(monkeypatch, error=None):
     `bind(triton_launch)` binds a bf16 D = 128 causal signature."""
     real = _gluon_module()
     gluon = _StandInKernel(inspect.signature(real.varlen_fwd_wgmma_kernel.fn), error)
-    module = types.SimpleNamespace(varlen_fwd_wgmma_kernel=gluon, HEAD_DIMS=real.HEAD_DIMS)
+    module = types.SimpleNamespace(varlen_fwd_wgmma_kernel=gluon)
     monkeypatch.setattr(W, "_gluon_module", lambda: module)
     monkeypatch.setattr(W, "_FAILED", set())
     q = torch.zeros(64, 4, 128, dtype=torch.bfloat16)
@@ -310,7 +354,7 @@ def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch
         launch(*call)
     assert (len(gluon.calls), len(triton_launch.calls)) == (1, 1), "the failed compile: Triton ran the call"
     assert all(a is b for a, b in zip(triton_launch.calls[0], call, strict=True))
-    assert W._FAILED == {(torch.bfloat16, 128, 64, 128, True, None)}  # 64-row tiles: single partition
+    assert W._FAILED == {(torch.bfloat16, 128, 128, 64, 128, True, "wgmma", None)}  # 64-row tiles: one partition
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch(*call)

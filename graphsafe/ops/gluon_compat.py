@@ -1,15 +1,17 @@
 """Gluon names that moved between Triton releases, resolved once for the sm_90 kernels.
 
-Triton 3.6 (the GPU machines' Triton) and 3.7+ spell two Hopper operations differently
+Triton 3.6 (the GPU machines' Triton) and 3.7+ spell three Hopper operations differently
 with the same arguments: cp.async global -> shared (`async_copy_global_to_shared`, then
-`async_load`) and the CTA-wide barrier, bar.sync (`thread_barrier`, then `barrier`).
+`async_load`), the TMA copy global -> shared (the same two names in the `tma` module) and
+the CTA-wide barrier, bar.sync (`thread_barrier`, then `barrier`).
 Imported only where Gluon exists (Triton >= 3.4), by the Gluon kernels' modules.
 """
 
 from __future__ import annotations
 
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, tma
 
 cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier

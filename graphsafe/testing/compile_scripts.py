@@ -3,7 +3,7 @@
 The tests run scripts in a fresh interpreter (without TRITON_INTERPRET) that record the
 launches a backend binds, then compile each with Triton's whole pipeline and ptxas. This
 prelude gives them the launcher's specialisation of a recorded launch (pointers and ints
-divisible by 16, ints equal to 1 as constants) and a count of a compiled kernel's wgmma
+divisible by 16, ints equal to 1 as constants, a TMA descriptor's type) and a count of a compiled kernel's wgmma
 instructions. It expects `torch` and `ASTSource` to be imported by the script.
 """
 
@@ -17,7 +17,10 @@ def specialise(fn, args, kw, source=None):
             sig[p.name], consts[p.name] = "constexpr", kw[p.name]
             continue
         v = next(pos)
-        if isinstance(v, torch.Tensor):
+        if type(v).__name__ == "TensorDescriptor":  # a host TMA descriptor: its block and layout
+            from triton.runtime.jit import mangle_type
+            sig[p.name] = mangle_type(v)
+        elif isinstance(v, torch.Tensor):
             sig[p.name], attrs[(i,)] = "*" + TYPES[v.dtype], [["tt.divisibility", 16]]
         elif isinstance(v, float):
             sig[p.name] = "fp32"

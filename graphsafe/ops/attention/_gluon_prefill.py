@@ -7,25 +7,31 @@ q.k of a tile, its softmax, then p.V, so the tensor cores idle through every sof
 Here the q.k of tile j + 1 is issued, and then p.V of tile j, before the softmax of tile
 j + 1: that softmax runs while p.V still computes (FlashAttention-3's intra-warpgroup
 overlap). Each warpgroup owns 64 query rows; per key tile it computes
-- s = q K^T from shared memory (q [64, D], K-major K^T), f32;
+- s = q K^T from shared memory (q [64, D], K-major K^T), f32 (D = 192: three wgmma
+  chains of 64 columns, a shared buffer being a power of two wide);
 - the online softmax in f32, base 2, one FMA per score (log2(e) folded into qk_scale > 0),
   masked only in the tiles the causal diagonal or the sequence's end cuts through;
 - acc += p V with p in registers (the score tile's layout is the A operand's: no shuffle)
-  and V [BLOCK_N, D] from shared memory.
-K and V tiles come by cp.async (16 bytes a thread); keys past the sequence (or past the
-last tile a block reads) are zero-filled, never read.
+  and V [BLOCK_N, Dv] from shared memory.
 
-Two kernels share that loop (`wgmma_varlen.warp_specialisation` picks):
-- `varlen_fwd_ws_kernel` (128-row blocks at D = 128): persistent (a program per SM walks
-  the work tiles) and warp-specialised: a loader warpgroup copies q and the K/V ring, two
-  consumer warpgroups compute, synchronised by mbarriers only, so the consumers never
-  wait for each other and a program's next tile loads while its current one computes
-  (2.25 ms at the shape above). Shared memory at D = 128: two q buffers [128, D] 64 KiB +
-  2 stages x (K 32 + V 32) KiB = 192 KiB.
+Three kernels share that loop (`wgmma_varlen.varlen_kernel` picks):
+- `varlen_fwd_tma_kernel` (128-row blocks, D = Dv = 128 or MLA prefill's D = 192,
+  Dv = 128, heads contiguous): persistent (a program per SM walks the work tiles,
+  sequence by sequence) and warp-specialised: one loader warp issues a TMA copy per
+  tile (q into two buffers, K and V into a ring), two consumer warpgroups compute,
+  synchronised by mbarriers only, so the consumers never wait for each other and a
+  program's next tile loads while its current one computes (1.99 ms at the shape above).
+  TMA reads whole tiles: rows past a sequence are masked (K) or zeroed in shared memory
+  before use (V, `_zero_rows_from`), so no neighbour's NaN meets a p = 0. Shared memory
+  at D = 128: two q buffers [128, D] 64 KiB + 2 stages x (K 32 + V 32) KiB = 192 KiB;
+  at D = 192: 96 KiB + 3 stages x (K 24 + V 16) KiB = 216 KiB.
+- `varlen_fwd_ws_kernel` (128-row blocks at D = 128 in other layouts): the same with a
+  loader warpgroup of 16-byte cp.async copies (2.25 ms); keys past the sequence (or
+  past the last tile a block reads) are zero-filled, never read.
 - `varlen_fwd_wgmma_kernel` (64-row blocks, D = 64): one program per (query block,
-  sequence, head), heaviest causal block first; every warp loads and computes, a CTA
-  barrier per tile publishing the copies (2.60 ms at the shape above with 128-row
-  blocks). Shared memory: q + 2 stages of K and V.
+  sequence, head), heaviest causal block first; every warp loads (cp.async) and
+  computes, a CTA barrier per tile publishing the copies (2.60 ms at the shape above
+  with 128-row blocks). Shared memory: q + 2 stages of K and V.
 
 Semantics as the Triton kernel's (module docstring there), which stays the kernel of
 every other case (fp8, the variants, other head dims, other GPUs, the CPU interpreter,
@@ -39,8 +45,10 @@ where the kernels run.
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
@@ -49,16 +57,32 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from graphsafe.ops.gluon_compat import cp_async, cta_barrier
+from graphsafe.ops.gluon_compat import cp_async, cta_barrier, tma_load
 
-HEAD_DIMS = (64, 128)  # D (= Dv) this kernel serves
+def shared_memory_bytes(block_m: int, block_n: int, d: int, dv: int, stages: int = 2, q_buffers: int = 1) -> int:
+    """Shared memory of a launch: `q_buffers` of q [BLOCK_M, D] (the persistent kernels
+    load the next tile's q into a second one) and `stages` stages of K [BLOCK_N, D] and
+    V [BLOCK_N, Dv], 16-bit, plus 1 KiB for Triton's scratch and the mbarriers."""
+    return 2 * (q_buffers * block_m * d + stages * block_n * (d + dv)) + 1024
 
 
-def shared_memory_bytes(block_m: int, block_n: int, d: int, stages: int = 2, q_buffers: int = 1) -> int:
-    """Shared memory of a launch: `q_buffers` of q [BLOCK_M, D] (the persistent kernel
-    loads the next tile's q into a second one) and `stages` stages of K and V
-    [BLOCK_N, D], 16-bit, plus 1 KiB for Triton's scratch and the mbarriers."""
-    return 2 * (q_buffers * block_m + 2 * stages * block_n) * d + 1024
+def tma_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple:
+    """Host TMA descriptors (templates for `graphsafe.launch.bind`: each call passes its own
+    q, k, v) of `varlen_fwd_tma_kernel`: q, k, v as 2-D [tokens, heads * head dim] (the
+    caller checked the head stride is the head dim). Blocks: [64, c] of q, [BLOCK_N, c]
+    of k, c the head dim's power-of-two column chunk (192 = 3 x 64), and [BLOCK_N, Dv]
+    of v, in the shared layouts the wgmmas read. The stand-in base (an empty tensor of
+    the dtype) is not kept."""
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    d, dv = q.shape[2], v.shape[2]
+    chunk = d & -d  # the largest power of two dividing d: 128 -> 128, 192 -> 64
+
+    def descriptor(x, rows, cols):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+        return TensorDescriptor(x.new_empty(0), [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1],
+                                [rows, cols], layout)
+
+    return descriptor(q, 64, chunk), descriptor(k, block_n, chunk), descriptor(v, block_n, dv)
 
 
 @gluon.jit
@@ -282,13 +306,13 @@ def _ws_tile(tile, num_m_blocks, num_q_heads, GROUP: gl.constexpr, BLOCK_M: gl.c
 
 @gluon.jit
 def _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr):
+               CAUSAL: gl.constexpr, WARPS: gl.constexpr):
     """(q_start, q_len, k_start, k_len, diag, n_tiles) of a work tile. n_tiles = 0 when the
     block starts past its sequence's rows (every partition skips the tile) or when no row
     of it sees a key (the loader skips it, the consumers write its rows' zeros)."""
-    q_start, q_end = _sequence_bounds(cu_q_ptr, b, total_q, 4)
+    q_start, q_end = _sequence_bounds(cu_q_ptr, b, total_q, WARPS)
     q_len = q_end - q_start
-    k_start, k_end = _sequence_bounds(cu_k_ptr, b, total_k, 4)
+    k_start, k_end = _sequence_bounds(cu_k_ptr, b, total_k, WARPS)
     k_len = k_end - k_start
     diag = k_len - q_len  # row i sees keys n <= i + diag (bottom-right causal)
     if CAUSAL:
@@ -328,7 +352,7 @@ def _ws_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
     for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
         b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
         q_start, q_len, k_start, k_len, diag, n_tiles = _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k,
-                                                                    BLOCK_M, BLOCK_N, CAUSAL)
+                                                                    BLOCK_M, BLOCK_N, CAUSAL, 4)
         if n_tiles > 0:
             qb = count % 2
             mbarrier.wait(q_empty.index(qb), ((count // 2) & 1) ^ 1)
@@ -354,15 +378,34 @@ def _ws_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
 
 
 @gluon.jit
+def _scores(q_smem, q0, k_smem, k0, zeros, CHUNKS: gl.constexpr, ASYNC: gl.constexpr):
+    """q.k^T of q chunks q_smem[q0 + c] and k chunks k_smem[k0 + c] (c < CHUNKS, the head
+    dim in column chunks: a shared buffer is a power of two wide, so 192 is 3 x 64), one
+    wgmma chain; ASYNC leaves it in flight (the caller waits), else it is waited for."""
+    if CHUNKS == 1 and not ASYNC:
+        s = warpgroup_mma(q_smem.index(q0), k_smem.index(k0).permute((1, 0)), zeros, use_acc=False)
+    else:
+        s = warpgroup_mma(q_smem.index(q0), k_smem.index(k0).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        for c in gl.static_range(1, CHUNKS):
+            s = warpgroup_mma(q_smem.index(q0 + c), k_smem.index(k0 + c).permute((1, 0)), s, is_async=True)
+        if not ASYNC:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    return s
+
+
+@gluon.jit
 def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                  acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, qk_scale,
-                 WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                 WG: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 CHUNKS: gl.constexpr):
     """One warpgroup's key loop over a work tile's n_tiles (> 0) key tiles, at ring position
-    `ring` and q buffer `count % 2`: (acc, row max, row sum). Releases every buffer it read."""
+    `ring` and q buffer `count % 2`: (acc, row max, row sum). Releases every buffer it read.
+    DV: v's head dim. q and k come in CHUNKS column chunks (`_scores`): q half w of
+    buffer qb is q_smem[(2 qb + w) CHUNKS + c], ring stage s of k is k_smem[s CHUNKS + c]."""
     dtype: gl.constexpr = q_smem.dtype
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_N, 16])
-    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
     S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
     S_COL: gl.constexpr = gl.SliceLayout(0, S_MMA)
@@ -370,13 +413,12 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     offs_m = r0 + gl.arange(0, 64, layout=S_ROW)
     full_tiles = _full_tiles(r0, k_len, diag, BLOCK_N, CAUSAL)
     qb = count % 2
-    q_tile = q_smem.index(2 * qb + WG)
+    q0 = (2 * qb + WG) * CHUNKS
     mbarrier.wait(q_full.index(qb), (count // 2) & 1)
     s0 = ring % STAGES
     mbarrier.wait(k_full.index(s0), (ring // STAGES) & 1)
     fence_async_shared()
-    s = warpgroup_mma(q_tile, k_smem.index(s0).permute((1, 0)),
-                      gl.zeros([64, BLOCK_N], gl.float32, layout=S_MMA), use_acc=False)
+    s = _scores(q_smem, q0, k_smem, s0 * CHUNKS, gl.zeros([64, BLOCK_N], gl.float32, layout=S_MMA), CHUNKS, False)
     mbarrier.arrive(k_empty.index(s0))
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, full_tiles, offs_m, k_len, diag, qk_scale,
                                        BLOCK_N, S_COL, CAUSAL)
@@ -390,8 +432,7 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
         fence_async_shared()
         # q.k of tile j + 1 first, so waiting for it leaves p.V of tile j running through
         # the softmax below.
-        s = warpgroup_mma(q_tile, k_smem.index(sk).permute((1, 0)),
-                          gl.zeros([64, BLOCK_N], gl.float32, layout=S_MMA), use_acc=False, is_async=True)
+        s = _scores(q_smem, q0, k_smem, sk * CHUNKS, gl.zeros([64, BLOCK_N], gl.float32, layout=S_MMA), CHUNKS, True)
         acc = warpgroup_mma(p_op, v_smem.index(sv), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(sk))
@@ -414,14 +455,14 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
 @gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                  out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                 total_q, total_k, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                 total_q, total_k, WG: gl.constexpr, GROUP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr):
     """Consumer partition WG (one warpgroup): rows [m0 + 64 WG, m0 + 64 WG + 64) of each
     work tile, the key loop of `varlen_fwd_wgmma_kernel` on the buffers the loader fills;
     a buffer is released (one arrive per consumer) once this warpgroup's wgmma read it."""
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_N, 16])
-    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
 
@@ -430,21 +471,21 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
         b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
         q_start, q_len, k_start, k_len, diag, n_tiles = _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k,
-                                                                    BLOCK_M, BLOCK_N, CAUSAL)
+                                                                    BLOCK_M, BLOCK_N, CAUSAL, 4)
         if m0 < q_len:  # (a block past its sequence's rows has nothing to write)
             r0 = m0 + 64 * WG
             m_i = gl.full([64], float("-inf"), gl.float32, layout=S_ROW)
             l_i = gl.zeros([64], gl.float32, layout=S_ROW)
-            acc = gl.zeros([64, D], gl.float32, layout=O_MMA)
+            acc = gl.zeros([64, DV], gl.float32, layout=O_MMA)
             if n_tiles > 0:  # (else no row of the block sees a key: it writes 0)
                 acc, m_i, l_i = _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                                              acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, qk_scale,
-                                             WG, D, BLOCK_N, STAGES, CAUSAL)
+                                             WG, DV, BLOCK_N, STAGES, CAUSAL, CHUNKS)
                 ring += n_tiles
                 count += 1
             out_base = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
             _store_rows(acc, l_i, out_base, r0 + gl.arange(0, 64, layout=O_ROW), q_len, k_len, diag, stride_ot,
-                        D, O_MMA, CAUSAL)
+                        DV, O_MMA, CAUSAL)
 
 
 @gluon.jit
@@ -486,12 +527,133 @@ def varlen_fwd_ws_kernel(
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                        total_q, total_k, 0, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                        total_q, total_k, 0, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                        total_q, total_k, 1, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                        total_q, total_k, 1, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1)),
         (_ws_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                       q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                       stride_vh, num_q_heads, num_m_blocks, num_work, total_q, total_k,
                       GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
     ], [4, WS_LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+
+
+# -- warp-specialised, persistent, TMA loads ---------------------------------------------------------
+@gluon.jit
+def _zero_rows_from(tile, first, ROWS: gl.constexpr, D: gl.constexpr):
+    """Zero rows [first, ROWS) of the shared tile [ROWS, D] (one warp, 8 rows at a time,
+    generic-proxy stores: the caller fences before the tensor cores read the tile)."""
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [1, 1], [1, 0])
+    for r in gl.static_range(0, ROWS, 8):
+        if r + 8 > first:
+            chunk = tile.slice(r, 8)
+            rows = r + gl.arange(0, 8, layout=gl.SliceLayout(1, L))
+            chunk.store(gl.where((rows < first)[:, None], chunk.load(L), 0.0))
+
+
+@gluon.jit
+def _tma_chunks(desc, row, col, barrier, smem, first, CHUNKS: gl.constexpr):
+    """TMA copies of rows [row, row + the block's rows) into smem[first + c] (c < CHUNKS):
+    columns col + c * (the block's width) on."""
+    for c in gl.static_range(CHUNKS):
+        tma_load(desc, [row, col + c * desc.block_type.shape[1]], barrier, smem.index(first + c))
+
+
+@gluon.jit
+def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
+                q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
+                GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Loader partition (one warp) of `varlen_fwd_tma_kernel`: `_ws_loader`'s order of
+    copies, each one TMA copy (q in two 64-row halves) completing its buffer's barrier by
+    the bytes it lands. The copies read whole tiles at the sequence's rows: rows past a
+    sequence are the next sequence's (or zeros past the tensor). Their scores are masked,
+    and a V tile that runs past the sequence's keys has those rows zeroed before the
+    consumers see it (else 0 * a neighbour's NaN would reach p.V): the loader waits for
+    that tile (`v_landed`), zeroes the rows, fences and releases it (one arrive)."""
+    CHUNKS: gl.constexpr = DK // q_desc.block_type.shape[1]
+    ring = 0
+    count = 0
+    fixes = 0
+    for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
+        b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
+        q_start, q_len, k_start, k_len, diag, n_tiles = _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k,
+                                                                    BLOCK_M, BLOCK_N, CAUSAL, 1)
+        if n_tiles > 0:
+            qb = count % 2
+            mbarrier.wait(q_empty.index(qb), ((count // 2) & 1) ^ 1)
+            mbarrier.expect(q_full.index(qb), 2 * CHUNKS * q_desc.block_type.nbytes)
+            for w in gl.static_range(2):
+                _tma_chunks(q_desc, q_start + m0 + 64 * w, head * DK, q_full.index(qb), q_smem, (2 * qb + w) * CHUNKS,
+                            CHUNKS)
+            for t in range(n_tiles):
+                s = ring % STAGES
+                free_phase = ((ring // STAGES) & 1) ^ 1
+                row = k_start + t * BLOCK_N
+                mbarrier.wait(k_empty.index(s), free_phase)
+                mbarrier.expect(k_full.index(s), CHUNKS * k_desc.block_type.nbytes)
+                _tma_chunks(k_desc, row, kv_head * DK, k_full.index(s), k_smem, s * CHUNKS, CHUNKS)
+                mbarrier.wait(v_empty.index(s), free_phase)
+                keys = k_len - t * BLOCK_N  # keys of the sequence in this tile
+                if keys >= BLOCK_N:
+                    mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
+                    tma_load(v_desc, [row, kv_head * DV], v_full.index(s), v_smem.index(s))
+                else:
+                    mbarrier.expect(v_landed.index(0), v_desc.block_type.nbytes)
+                    tma_load(v_desc, [row, kv_head * DV], v_landed.index(0), v_smem.index(s))
+                    mbarrier.wait(v_landed.index(0), fixes & 1)
+                    fixes += 1
+                    _zero_rows_from(v_smem.index(s), keys, BLOCK_N, DV)
+                    fence_async_shared()
+                    mbarrier.arrive(v_full.index(s))
+                ring += 1
+            count += 1
+
+
+@gluon.jit
+def varlen_fwd_tma_kernel(
+    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh,
+    qk_scale, num_q_heads, num_m_blocks, total_q, total_k, num_seqs,
+    GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    """`varlen_fwd_ws_kernel` with a one-warp TMA loader: q, k, v come as TMA descriptors
+    of their 2-D views [tokens, heads * head dim] (blocks [64, DK] for q, [BLOCK_N, DK]
+    for k, [BLOCK_N, DV] for v, the layouts the wgmmas read), so the loader issues one instruction a tile instead
+    of 128 threads' 16-byte copies, and its registers go to the consumers. BLOCK_M is
+    128; launch with num_warps=4."""
+    dtype: gl.constexpr = q_desc.dtype
+    KC: gl.constexpr = q_desc.block_type.shape[1]  # q and k columns a chunk
+    CHUNKS: gl.constexpr = DK // KC
+    q_smem = gl.allocate_shared_memory(dtype, [4 * CHUNKS, 64, KC], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS, BLOCK_N, KC], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+    q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    # Full: the loader's one arrive with the bytes it expects; empty: each consumer once.
+    for i in gl.static_range(2):
+        mbarrier.init(q_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(v_landed.index(0), count=1)
+    num_work = num_m_blocks * num_seqs * num_q_heads
+    gl.warp_specialize([
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        total_q, total_k, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS)),
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        total_q, total_k, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS)),
+        (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
+                       q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
+                       GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -1,12 +1,16 @@
 """Where `flash_attn_varlen` runs its sm_90 Gluon kernels (_gluon_prefill.py), and their launch.
 
-The Gluon kernels (persistent and warp-specialised for 128-row blocks at D = 128,
-single-partition otherwise: `warp_specialisation`) serve the plain bf16/fp16 call on
-Hopper: head dims 64 or 128 with Dv = D, a positive softmax scale, no variant (window,
-softcap, sinks), rows the 16-byte copies can address. Everything else, and any call whose q, k or v is not 16-byte
-aligned, runs the Triton kernel, as does every call of a signature whose Gluon kernel
-failed to compile (a warning says so once). The decision on shapes, strides, dtype and
-device is made once per signature (`wgmma_varlen_fits`); the alignment per call.
+Three Gluon kernels serve the plain bf16/fp16 call on Hopper (a positive softmax scale,
+no variant: window, softcap, sinks), chosen by `varlen_kernel`:
+- "tma": persistent, warp-specialised, K/V/q by TMA: 128-row blocks at D = Dv = 128 and
+  at MLA prefill's D = 192, Dv = 128, for q, k, v whose heads are contiguous (TMA reads
+  them as 2-D [tokens, heads * head dim]);
+- "ws": the same with 16-byte cp.async copies, for D = Dv = 128 in other layouts;
+- "wgmma": one partition, for 64-row blocks (every sequence short) and D = Dv = 64.
+Everything else, and any call whose q, k or v is not 16-byte aligned, runs the Triton
+kernel, as does every call of a signature whose Gluon kernel failed to compile (a
+warning says so once). The decision on shapes, strides, dtype and device is made once
+per signature (`wgmma_varlen_fits`); the alignment per call.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from graphsafe.ops.mla.splits import max_shared_memory
 LOG2E = 1.4426950408889634
 # What a failed Gluon compile raises (RuntimeError: a failed MLIR pass).
 _COMPILE_ERRORS = (OutOfResources, triton.CompilationError, RuntimeError)
-# Signatures (dtype, head dim, tiles, causal, warp specialisation) whose Gluon kernel failed to compile.
+# Signatures (dtype, head dims, tiles, causal, kernel, warp specialisation) whose Gluon kernel failed to compile.
 _FAILED: set[tuple] = set()
 
 
@@ -41,32 +45,64 @@ def _gluon_module():
     return _gluon_prefill
 
 
+def tma_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether q, k and v can be read by TMA as 2-D [tokens, heads * head dim]: each
+    head's row follows the previous head's (head stride = head dim), and there are
+    tokens (a descriptor has no empty dimension)."""
+    return all(x.stride(1) == x.shape[2] and x.shape[0] > 0 for x in (q, k, v))
+
+
+def varlen_kernel(max_seqlen_q: int, d: int, dv: int, tma: bool) -> str | None:
+    """Which Gluon kernel runs (module docstring), or None: the Triton kernel."""
+    long_rows = max_seqlen_q > 64  # 128-row blocks
+    if long_rows and tma and (d, dv) in ((128, 128), (192, 128)):
+        return "tma"
+    if long_rows and d == dv == 128:
+        return "ws"
+    if d == dv and d in (64, 128):
+        return "wgmma"
+    return None
+
+
 def wgmma_varlen_tiles(max_seqlen_q: int, d: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): 128 query rows (two warpgroups) unless every sequence is
     short; 128 keys a tile at D = 128, 64 at D = 64 (measured on an H200, 8 x 4096
     causal, 32/8 heads: D = 128 2.60 ms with 128 keys vs 2.73 with 64; D = 64 1.52 vs
-    1.84 ms)."""
-    return (128 if max_seqlen_q > 64 else 64), (128 if d >= 128 else 64)
+    1.84 ms) and at D = 192, where 128 keys would not fit the shared memory with the two
+    q buffers."""
+    return (128 if max_seqlen_q > 64 else 64), (128 if d == 128 else 64)
 
 
-def warp_specialisation(block_m: int, d: int) -> tuple[int, int, int] | None:
-    """(stages, consumer registers, loader registers) of the persistent warp-specialised
-    kernel, which 128-row blocks at D = 128 run, or None: the single-partition kernel.
-    Measured on an H200 (32/8 heads, causal; 8 x 2048, 8 x 4096, 4 x 8192 in ms):
-    232 / 48 registers 0.661, 2.254, 4.326; 224 / 64 0.696, 2.436, 4.654; 216 / 80 0.715,
-    2.386, 4.594 (the consumers spill); the single-partition kernel 0.730, 2.354, 4.527
-    at best; the same kernel not persistent, 232 / 48: 0.725, 2.375, 4.555 (with 24
-    loader registers 3.65 ms at 8 x 4096: the loader starves). At D = 64 the
-    single-partition kernel is faster (3.02 vs 3.52 ms at 8 x 4096, 64/8 heads)."""
-    return (2, 232, 48) if block_m == 128 and d == 128 else None
+def warp_specialisation(kernel: str, d: int) -> tuple[int, int, int] | None:
+    """(stages, consumer registers, loader registers) of the warp-specialised kernels, None
+    for "wgmma". Measured on an H200 (32/8 heads, causal; 8 x 2048, 8 x 4096, 4 x 8192
+    in ms). "ws" (a loader warpgroup of cp.async copies): 232 / 48 registers 0.661,
+    2.254, 4.326; 224 / 64 0.696, 2.436, 4.654; 216 / 80 0.715, 2.386, 4.594 (the
+    consumers spill); with 24 loader registers 3.65 ms at 8 x 4096 (the loader starves).
+    "tma" (one loader warp): 232 / 32 0.631, 1.988, 3.783; 240 / 32 0.578, 2.127, 3.845;
+    232 / 24 0.604, 2.040, 3.785. At D = 192 (3 stages of 64 keys) 232 / 32 too."""
+    if kernel == "ws":
+        return 2, 232, 48
+    if kernel == "tma":
+        return (2 if d == 128 else 3), 232, 32
+    return None
+
+
+def _shared_memory(module, kernel: str, block_m: int, block_n: int, d: int, dv: int) -> int:
+    ws = warp_specialisation(kernel, d)
+    stages, q_buffers = (2, 1) if ws is None else (ws[0], 2)
+    return module.shared_memory_bytes(block_m, block_n, d, dv, stages, q_buffers)
 
 
 def wgmma_varlen_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int, scale: float,
                       variants: bool) -> bool:
-    """Whether this call signature runs the Gluon kernel (alignment aside): an sm_90 CUDA
-    device, q, k, v of one 16-bit dtype with D = Dv in the kernel's head dims, unit
-    strides along D and row strides of whole 16-byte groups (what the copies need and
-    Triton's specialisation proves), a finite positive scale, no variant."""
+    """Whether this call signature runs a Gluon kernel (alignment aside): an sm_90 CUDA
+    device, q, k, v of one 16-bit dtype with head dims one of the kernels serves
+    (`varlen_kernel`), unit strides along D, a finite positive scale, no variant, the
+    shared memory of the launch, and row strides the copies can use: TMA's token stride a
+    whole number of 16 bytes; the 16-byte cp.async copies' token and head strides
+    multiples of 16 elements (what Triton's specialisation of an int proves: with 8, the
+    copies cannot be proven 16-byte aligned and the kernel does not compile)."""
     if variants or q.device.type != "cuda" or torch.version.hip is not None:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -75,42 +111,54 @@ def wgmma_varlen_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seq
     if module is None or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     d, dv = q.shape[2], v.shape[2]
-    if d != dv or d not in module.HEAD_DIMS or not (math.isfinite(scale) and scale > 0):
+    kernel = varlen_kernel(max_seqlen_q, d, dv, tma_views(q, k, v))
+    if kernel is None or not (math.isfinite(scale) and scale > 0):
         return False
-    if any(x.stride(2) != 1 or x.stride(0) % 8 or x.stride(1) % 8 for x in (q, k, v)):
+    if any(x.stride(2) != 1 for x in (q, k, v)):
+        return False
+    if kernel == "tma":
+        if any(x.stride(0) % 8 for x in (q, k, v)):
+            return False
+    elif any(x.stride(0) % 16 or x.stride(1) % 16 for x in (q, k, v)):
         return False
     smem = max_shared_memory(q.device)
     block_m, block_n = wgmma_varlen_tiles(max_seqlen_q, d)
-    ws = warp_specialisation(block_m, d)
-    need = module.shared_memory_bytes(block_m, block_n, d, *((2,) if ws is None else (ws[0], 2)))
-    return smem is not None and need <= smem
+    return smem is not None and _shared_memory(module, kernel, block_m, block_n, d, dv) <= smem
 
 
 def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,
                       scale: float, causal: bool, triton_launch: Launch) -> Launch:
     """A launch with `triton_launch`'s arguments, `(q, k, v, out, cu_q, cu_k, *rest)` into a
-    contiguous `out` [Tq, Hq, D]: the Gluon kernel (which reads no `rest`: descales and
+    contiguous `out` [Tq, Hq, Dv]: the Gluon kernel (which reads no `rest`: descales and
     sinks, placeholders here) for 16-byte aligned q, k, v, else `triton_launch`."""
     module = _gluon_module()
     tq, hq, d = q.shape
-    tk, hk = k.shape[:2]
+    tk, hk, dv = v.shape
     block_m, block_n = wgmma_varlen_tiles(max_seqlen_q, d)
     num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
-    ws = warp_specialisation(block_m, d)
-    key = (q.dtype, d, block_m, block_n, causal, ws)
+    kernel = varlen_kernel(max_seqlen_q, d, dv, tma_views(q, k, v))
+    ws = warp_specialisation(kernel, d)
+    key = (q.dtype, d, dv, block_m, block_n, causal, kernel, ws)
     wgmma = None
     if key not in _FAILED:
-        args = (q, q, q, q, q, q,  # placeholders: only their device is read
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq * d, d,
-                scale * LOG2E, hq, num_m_blocks, tq, tk)
-        meta = {"GROUP": hq // hk, "D": d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal}
         work = num_m_blocks * num_seqs * hq
-        if ws is None:
-            wgmma = bind(module.varlen_fwd_wgmma_kernel, (work,), *args, **meta, num_warps=block_m // 16)
-        else:  # persistent: a program per SM walks the work tiles
+        meta = {"GROUP": hq // hk, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal}
+        sizes = (scale * LOG2E, hq, num_m_blocks, tq, tk)
+        if kernel == "tma":  # persistent: a program per SM walks the work tiles
             stages, consumer_regs, loader_regs = ws
-            wgmma = bind(module.varlen_fwd_ws_kernel, (min(work, num_sms(q.device)),), *args, num_seqs, **meta,
-                         STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
+            descriptors = module.tma_descriptors(q, k, v, block_n)  # templates: each call's q, k, v
+            wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, q, q, q,
+                         hq * dv, dv, *sizes, num_seqs, **meta, DK=d, DV=dv, STAGES=stages,
+                         CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
+        else:
+            args = (q, q, q, q, q, q,  # placeholders: only their device is read
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq * d, d, *sizes)
+            if kernel == "wgmma":
+                wgmma = bind(module.varlen_fwd_wgmma_kernel, (work,), *args, **meta, D=d, num_warps=block_m // 16)
+            else:
+                stages, consumer_regs, loader_regs = ws
+                wgmma = bind(module.varlen_fwd_ws_kernel, (min(work, num_sms(q.device)),), *args, num_seqs, **meta,
+                             D=d, STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
 
     def launch(q, k, v, out, cu_q, cu_k, *rest):
         nonlocal wgmma
