@@ -275,27 +275,60 @@ def test_strided_sinks_are_read_by_their_stride(op):
 # empty sequences at D = 64; every sequence short (64-row tiles); a long GQA batch (the
 # persistent kernel: ~8 work tiles a program, its K/V ring and q buffers carried across them);
 # many sequences of odd lengths and empty ones at D = 128 (work tiles past their rows skipped).
+def _wgmma_case(lens_q, lens_k, hq, hk, d, dtype, causal, kernel, dv=None, layout="contiguous"):
+    return (lens_q, lens_k, hq, hk, d, d if dv is None else dv, dtype, causal, layout, kernel)
+
+
+_RAGGED = [300, 1, 77, 1000]
+# kernel: the Gluon kernel the case must run (wgmma_varlen.varlen_kernel): "tma" for 128-row
+# blocks with contiguous heads, "ws" with padded heads, "wgmma" for 64-row blocks and D = 64.
 WGMMA_VARLEN_CASES = {
-    "one-tile": ([128], [128], 4, 4, 128, torch.bfloat16, True),
-    "ragged-causal": ([300, 1, 77, 1000], [300, 1, 77, 1000], 8, 2, 128, torch.bfloat16, True),
-    "ragged-full-fp16": ([300, 1, 77, 1000], [300, 1, 77, 1000], 8, 2, 128, torch.float16, False),
-    "prefix-keys": ([50, 200, 129], [700, 200, 1029], 4, 1, 128, torch.bfloat16, True),
-    "rows-see-no-key": ([512, 10], [100, 10], 4, 2, 128, torch.bfloat16, True),
-    "empty-seqs-d64": ([0, 64, 0, 200], [0, 64, 5, 200], 4, 2, 64, torch.bfloat16, True),
-    "full-d64-fp16": ([256, 333], [256, 333], 4, 4, 64, torch.float16, False),
-    "short-64-row-tiles": ([60, 40], [60, 400], 8, 8, 128, torch.bfloat16, True),
-    "llama-2x2048": ([2048] * 2, [2048] * 2, 32, 8, 128, torch.bfloat16, True),
-    "many-ragged-d128": ([0, 5, 0, 130, 1, 0, 64, 257, 700, 129, 3, 0], [0, 9, 4, 130, 1, 0, 80, 257, 900, 129, 3, 2],
-                         8, 2, 128, torch.float16, True),
+    "one-tile": _wgmma_case([128], [128], 4, 4, 128, torch.bfloat16, True, "tma"),
+    "ragged-causal": _wgmma_case(_RAGGED, _RAGGED, 8, 2, 128, torch.bfloat16, True, "tma"),
+    "ragged-full-fp16": _wgmma_case(_RAGGED, _RAGGED, 8, 2, 128, torch.float16, False, "tma"),
+    "prefix-keys": _wgmma_case([50, 200, 129], [700, 200, 1029], 4, 1, 128, torch.bfloat16, True, "tma"),
+    "rows-see-no-key": _wgmma_case([512, 10], [100, 10], 4, 2, 128, torch.bfloat16, True, "tma"),
+    "empty-seqs-d64": _wgmma_case([0, 64, 0, 200], [0, 64, 5, 200], 4, 2, 64, torch.bfloat16, True, "wgmma"),
+    "full-d64-fp16": _wgmma_case([256, 333], [256, 333], 4, 4, 64, torch.float16, False, "wgmma"),
+    "short-64-row-tiles": _wgmma_case([60, 40], [60, 400], 8, 8, 128, torch.bfloat16, True, "wgmma"),
+    "llama-2x2048": _wgmma_case([2048] * 2, [2048] * 2, 32, 8, 128, torch.bfloat16, True, "tma"),
+    "many-ragged-d128": _wgmma_case([0, 5, 0, 130, 1, 0, 64, 257, 700, 129, 3, 0],
+                                    [0, 9, 4, 130, 1, 0, 80, 257, 900, 129, 3, 2], 8, 2, 128, torch.float16, True,
+                                    "tma"),
+    "qkv-projection-views": _wgmma_case(_RAGGED, _RAGGED, 8, 2, 128, torch.bfloat16, True, "tma", layout="qkv"),
+    "padded-heads-cp-async": _wgmma_case(_RAGGED, _RAGGED, 8, 2, 128, torch.bfloat16, True, "ws", layout="padded"),
+    "padded-heads-cp-async-full": _wgmma_case([129, 700], [129, 700], 4, 4, 128, torch.float16, False, "ws",
+                                              layout="padded"),
+    "mla-d192-ragged-causal": _wgmma_case(_RAGGED, _RAGGED, 16, 16, 192, torch.bfloat16, True, "tma", dv=128),
+    "mla-d192-prefix-full-fp16": _wgmma_case([50, 200, 129], [700, 200, 1029], 8, 8, 192, torch.float16, False,
+                                             "tma", dv=128),
+    "mla-d192-rows-see-no-key": _wgmma_case([512, 10], [100, 10], 4, 4, 192, torch.bfloat16, True, "tma", dv=128),
+    "mla-d192-llama-like": _wgmma_case([2048] * 2, [2048] * 2, 16, 16, 192, torch.bfloat16, True, "tma", dv=128),
 }
 WGMMA_PAD = 16  # rows past every sequence; NaN in k and v, which no sequence may read
 
 
-def _wgmma_inputs(lens_q, lens_k, hq, hk, d, dtype, seed):
-    """q, k, v ([sum + WGMMA_PAD, H, d], k and v NaN past the last sequence), cu_q, cu_k."""
+def _wgmma_inputs(lens_q, lens_k, hq, hk, d, dtype, seed, dv=None, layout="contiguous"):
+    """q, k, v ([sum + WGMMA_PAD, H, d], k and v NaN past the last sequence), cu_q, cu_k.
+    layout "qkv": views of one projection output [T, (Hq + Hk) d + Hk dv] (lens_q = lens_k);
+    "padded": each head's row padded to 144 columns (no TMA view)."""
+    dv = d if dv is None else dv
     gen = torch.Generator(device=CUDA).manual_seed(seed)
-    q = torch.randn(sum(lens_q) + WGMMA_PAD, hq, d, device=CUDA, dtype=dtype, generator=gen)
-    k, v = (torch.randn(sum(lens_k) + WGMMA_PAD, hk, d, device=CUDA, dtype=dtype, generator=gen) for _ in range(2))
+    tq, tk = sum(lens_q) + WGMMA_PAD, sum(lens_k) + WGMMA_PAD
+
+    def rand(t, h, width):
+        return torch.randn(t, h, width, device=CUDA, dtype=dtype, generator=gen)
+
+    if layout == "qkv":
+        assert tq == tk
+        qkv = rand(tq, 1, (hq + hk) * d + hk * dv)[:, 0]
+        q = qkv[:, : hq * d].view(tq, hq, d)
+        k = qkv[:, hq * d : (hq + hk) * d].view(tk, hk, d)
+        v = qkv[:, (hq + hk) * d :].view(tk, hk, dv)
+    elif layout == "padded":
+        q, k, v = rand(tq, hq, 144)[..., :d], rand(tk, hk, 144)[..., :d], rand(tk, hk, 144)[..., :dv]
+    else:
+        q, k, v = rand(tq, hq, d), rand(tk, hk, d), rand(tk, hk, dv)
     k[sum(lens_k) :] = float("nan")
     v[sum(lens_k) :] = float("nan")
     cu_q, cu_k = (torch.tensor([0, *lens], device=CUDA).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
@@ -333,13 +366,16 @@ def test_varlen_wgmma_kernel_against_reference(case):
     """The Gluon kernel (the default bf16/fp16 path on sm_90) against the float32 reference:
     within twice the Triton kernel's error (or 2e-2), no NaN (the NaN rows past the last
     sequence are never read)."""
-    lens_q, lens_k, hq, hk, d, dtype, causal = WGMMA_VARLEN_CASES[case]
-    q, k, v, cu_q, cu_k = _wgmma_inputs(lens_q, lens_k, hq, hk, d, dtype, seed=25)
+    from graphsafe.ops.attention import wgmma_varlen
+
+    lens_q, lens_k, hq, hk, d, dv, dtype, causal, layout, kernel = WGMMA_VARLEN_CASES[case]
+    q, k, v, cu_q, cu_k = _wgmma_inputs(lens_q, lens_k, hq, hk, d, dtype, seed=25, dv=dv, layout=layout)
     args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), d**-0.5, causal)
     _skip_unless_wgmma(args)
+    assert wgmma_varlen.varlen_kernel(max(lens_q), d, dv, wgmma_varlen.tma_views(q, k, v)) == kernel
     T = _triton()
     actual = T.flash_attn_varlen(*args)
-    triton_kernel = T.flash_attn_varlen(*args, config=T.varlen_config(CUDA, d, d, False, max(lens_q)))
+    triton_kernel = T.flash_attn_varlen(*args, config=T.varlen_config(CUDA, d, dv, False, max(lens_q)))
     expected = _float_reference(args)
     torch.cuda.synchronize()
     _assert_gluon_compiled()
@@ -349,12 +385,13 @@ def test_varlen_wgmma_kernel_against_reference(case):
     assert err <= max(2 * triton_err, 2e-2), (err, triton_err)
 
 
-def test_varlen_wgmma_graph_replay_with_new_lengths():
+@pytest.mark.parametrize(("d", "dv"), [(128, 128), (192, 128)])
+def test_varlen_wgmma_graph_replay_with_new_lengths(d, dv):
     """Captured once (max_seqlen 600), replayed with other cu_seqlens, an empty sequence
     among them, and new q, k, v: each replay matches the reference."""
     lens = [500, 300]
-    q, k, v, cu_q, cu_k = _wgmma_inputs(lens, lens, 8, 2, 128, torch.bfloat16, seed=26)
-    args = (q, k, v, cu_q, cu_k, 600, 600, 128**-0.5, True)
+    q, k, v, cu_q, cu_k = _wgmma_inputs(lens, lens, 8, 2, d, torch.bfloat16, seed=26, dv=dv)
+    args = (q, k, v, cu_q, cu_k, 600, 600, d**-0.5, True)
     _skip_unless_wgmma(args)
     runner = _triton().prepare_flash_attn_varlen(*args)
     runner(*args)  # warm-up: the kernels compile

@@ -25,12 +25,13 @@ DECODE_SHAPES = Shapes(
     cpu=((2, 256),),
 )
 # (sequences, tokens each, Hq, Hk, D, Dv) of the causal prefill problems: GQA (Llama-3-8B)
-# at 2K, 4K (the NOTES row) and 8K tokens a sequence by default; MHA, MLA prefill and
-# gpt-oss's D = 64 in the full sweep.
-_GQA_VARLEN = ((8, 2048, 32, 8, 128, 128), (8, 4096, 32, 8, 128, 128), (4, 8192, 32, 8, 128, 128))
+# at 2K, 4K (the NOTES row) and 8K tokens a sequence and MLA prefill (DeepSeek's D = 192,
+# Dv = 128, 16 heads a rank) by default; MHA and gpt-oss's D = 64 in the full sweep.
+_DEFAULT_VARLEN = ((8, 2048, 32, 8, 128, 128), (8, 4096, 32, 8, 128, 128), (4, 8192, 32, 8, 128, 128),
+                   (8, 4096, 16, 16, 192, 128))
 VARLEN_SHAPES = Shapes(
-    default=_GQA_VARLEN,
-    full=(*_GQA_VARLEN, (8, 4096, 32, 32, 128, 128), (8, 4096, 16, 16, 192, 128), (8, 4096, 64, 8, 64, 64)),
+    default=_DEFAULT_VARLEN,
+    full=(*_DEFAULT_VARLEN, (8, 4096, 32, 32, 128, 128), (8, 4096, 64, 8, 64, 64)),
     cpu=((2, 128, 4, 2, 64, 64),),
 )
 CPU_NO_COMPILE = "flex_attention left out on the CPU (its compile takes longer than the CPU run)"
