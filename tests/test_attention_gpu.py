@@ -212,6 +212,68 @@ def test_fp8_neighbour_nan_stays_out(lens, causal):
     attention_compare(expected[clean], actual[clean], vmax, torch.bfloat16, True, v.shape[0], "neighbour NaN")
 
 
+FP8_GLUON = {**GQA_PREFILL, "B": 5, "max_q": 1500, "max_k": 1500, "lens_q": [1500, 1, 333, 0, 1200], "pad_q": 9,
+             "pad_k": 9, "mode": "fp8_inputs"}
+
+
+@pytest.mark.parametrize("descale", ["tensor", "per_seq", "none", "negative"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp8_gluon_kernel_against_emulation(descale, causal):
+    """fp8 inputs at D = 128 with 128-row blocks run the sm_90 fp8 Gluon kernel (TMA, fp8
+    wgmma, V^T tiles from 16-token-aligned frames: these sequences start anywhere):
+    against the reference's emulation, and near the Triton fp8 kernel, with per-tensor,
+    per-(sequence, head), missing and negative descales; no NaN from the padding rows."""
+    from graphsafe.ops.attention import wgmma_varlen
+
+    case = case_for("flash_attn_varlen")
+    params = {**FP8_GLUON, "causal": causal, "descale": "tensor" if descale == "negative" else descale}
+    args = list(case.inputs(params, CUDA, seed=31))
+    if descale == "negative":
+        args[9] = -args[9]
+    q, k, v = args[:3]
+    if not wgmma_varlen.wgmma_varlen_fp8_fits(q, k, v, args[5], False):
+        pytest.skip("the fp8 Gluon kernel serves sm_90 GPUs only")
+    k[k.shape[0] - 9 :] = float("nan")  # padding rows: no sequence reads them
+    v[v.shape[0] - 9 :] = float("nan")
+    T = _triton()
+    actual = T.flash_attn_varlen(*args)
+    triton_kernel = T.flash_attn_varlen(*args, config=(64, 128, 4, 3))
+    emulated = reference.flash_attn_varlen(*args)
+    torch.cuda.synchronize()
+    assert not wgmma_varlen._FAILED, wgmma_varlen._FAILED
+    assert not actual.isnan().any()
+    scale = 1.0 if args[11] is None else args[11].abs().max().item()
+    vmax = torch.nan_to_num(v.float(), nan=0.0).abs().max().item() * scale
+    attention_compare(emulated, actual, vmax, torch.bfloat16, True, v.shape[0], f"fp8 Gluon {descale}")
+    assert _max_err(actual, triton_kernel) <= 2e-2 * max(vmax, 1.0)
+
+
+def test_fp8_gluon_kernel_graph_replay():
+    """The fp8 Gluon kernel captured once and replayed with new fp8 inputs and lengths."""
+    from graphsafe.ops.attention import wgmma_varlen
+
+    case = case_for("flash_attn_varlen")
+    args = list(case.inputs({**FP8_GLUON, "lens_q": [1000, 1000, 500, 0, 1500]}, CUDA, seed=32))
+    if not wgmma_varlen.wgmma_varlen_fp8_fits(*args[:3], args[5], False):
+        pytest.skip("the fp8 Gluon kernel serves sm_90 GPUs only")
+    runner = _triton().prepare_flash_attn_varlen(*args)
+    runner(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = runner(*args)
+    fresh = case.inputs({**FP8_GLUON, "lens_q": [700, 1500, 1, 299, 1000]}, CUDA, seed=33)
+    for dst, src in zip(args, fresh):
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src)
+    graph.replay()
+    expected = reference.flash_attn_varlen(*args)
+    torch.cuda.synchronize()
+    assert not wgmma_varlen._FAILED
+    vmax = args[2].float().abs().max().item() * args[11].abs().max().item()
+    attention_compare(expected, out, vmax, torch.bfloat16, True, args[2].shape[0], "fp8 Gluon graph replay")
+
+
 def test_negative_scales_on_gpu():
     """A negative score scale moves into q's sign bits (bf16 and fp8 kernels)."""
     case = case_for("flash_attn_varlen")

@@ -60,7 +60,8 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluo
 
 for module in (W, _triton_prefill, _triton_quant):
     module.bind = record
-T.wgmma_varlen_fits = lambda *a: True  # the name prepare_flash_attn_varlen calls
+T.wgmma_varlen_fits = lambda *a: True  # the names prepare_flash_attn_varlen calls
+T.wgmma_varlen_fp8_fits = lambda *a: True
 """ + SPECIALISE_PRELUDE + r"""
 # (dtype, D, Dv, max_seqlen_q, head stride of q): every kernel, causal or not, bf16; fp16
 # for one launch of each kernel. Heads padded to 144 columns: no TMA view ("ws").
@@ -81,6 +82,14 @@ for (dtype, d, dv, max_q, head_stride), causal in CALLS:
     # 128-row blocks at D >= 128 with contiguous heads: TMA; padded heads: cp.async; else one partition.
     want = ("ws" if head_stride else "tma") if max_q > 64 and d >= 128 else "wgmma"
     assert KERNELS[launches[-1][0]] == want, (d, max_q, head_stride, launches[-1][0])
+# fp8 inputs (q, k, v float8_e4m3fn, per-tensor descales): the fp8 "tma" kernel.
+fp8 = torch.float8_e4m3fn
+for causal in (True, False):
+    q8, k8, v8 = (torch.zeros(8192, h, 128, dtype=fp8) for h in (8, 2, 2))
+    descale = torch.ones(1)
+    cu = torch.tensor([0, 4096, 8192], dtype=torch.int32)
+    T.flash_attn_varlen(q8, k8, v8, cu, cu, 4096, 4096, 0.088, causal, descale, descale, descale)
+    assert KERNELS[launches[-1][0]] == "tma" and launches[-1][2]["FP8"], launches[-1][0]
 for kernel, args, kw in launches:
     warps = kw.pop("num_warps")
     k = triton.compile(specialise(kernel, args, kw, GluonASTSource),
@@ -89,7 +98,7 @@ for kernel, args, kw in launches:
     tiles = (kw["BLOCK_M"], kw["BLOCK_N"])
     kind = KERNELS[kernel]
     d, dv = (kw["DK"], kw["DV"]) if kind == "tma" else (kw["D"], kw["D"])
-    print("compiled", kind, "D", d, "Dv", dv, "tiles", tiles, "CAUSAL", kw["CAUSAL"], "warps", warps,
+    print("compiled", kind, "fp8" if kw.get("FP8") else "16-bit", "D", d, "Dv", dv, "tiles", tiles, "CAUSAL", kw["CAUSAL"], "warps", warps,
           "shared", k.metadata.shared, shapes)
     # 128-row blocks run a warp-specialised kernel (4 warps at launch), the rest the
     # single-partition one (a warp per 16 rows).
@@ -99,18 +108,23 @@ for kernel, args, kw in launches:
     # Per program code: q.k (n = BLOCK_N, D / 16 k-steps) in the prologue and the loop; p.V
     # (n = Dv, BLOCK_N / 16 k-steps) in the loop and after it; the warp-specialised kernels
     # have that code twice (one consumer partition per warpgroup).
-    copies = 2 if ws else 1
+    # fp8 wgmma steps through K 32 at a time.
+    copies, fp8 = (2 if ws else 1), kw.get("FP8", False)
+    step = 32 if fp8 else 16
     want = {}
-    for shape, count in ((f"m64n{tiles[1]}k16", 2 * d // 16), (f"m64n{dv}k16", 2 * tiles[1] // 16)):
+    for shape, count in ((f"m64n{tiles[1]}k{step}", 2 * d // step), (f"m64n{dv}k{step}", 2 * tiles[1] // step)):
         want[shape] = want.get(shape, 0) + copies * count
     assert shapes == want, (shapes, want)
     assert k.metadata.shared <= 227 * 1024, k.metadata.shared
     # wgmma_varlen_fits decides from this estimate: it must cover what the compiler allocates.
-    stages, q_buffers = (kw["STAGES"], 2) if ws else (2, 1)
-    need = G.shared_memory_bytes(*tiles, d, dv, stages, q_buffers)
+    if fp8:
+        need = W.fp8_shared_memory(G, *tiles, d, dv)
+    else:
+        stages, q_buffers = (kw["STAGES"], 2) if ws else (2, 1)
+        need = G.shared_memory_bytes(*tiles, d, dv, stages, q_buffers)
     assert k.metadata.shared <= need, (k.metadata.shared, need, tiles)
 kinds = sorted(KERNELS[kernel] for kernel, _, _ in launches)
-assert kinds == ["tma"] * 5 + ["wgmma"] * 7 + ["ws"] * 3, kinds
+assert kinds == ["tma"] * 7 + ["wgmma"] * 7 + ["ws"] * 3, kinds
 print("OK")
 """
 
@@ -124,7 +138,7 @@ def test_gluon_varlen_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     `wgmma_varlen_fits` decides by."""
     out = compile_for_sm90(_GLUON_COMPILE_SCRIPT, timeout=900)
     print(out)
-    assert out.count("compiled") == 15, out
+    assert out.count("compiled") == 17, out
 
 
 # -- where the Gluon kernel runs -----------------------------------------------------------------
@@ -225,6 +239,32 @@ def test_strided_rows_fit_where_the_copies_can_use_them(sm90):
     assert _fits(*_qkv(q_stride=(8 * 128 + 8, 128, 1)))  # TMA
     assert _fits(*_qkv(q_stride=(8 * 144, 144, 1)))  # cp.async, warp-specialised
     assert _fits(*_qkv(d=64, q_stride=(8 * 64 + 16, 64, 1)))  # cp.async, one partition
+
+
+def _fp8_fits(max_seqlen_q=300, variants=False, **kw):
+    return W.wgmma_varlen_fp8_fits(*_qkv(FP8, **kw), max_seqlen_q, variants)
+
+
+def test_fp8_inputs_fit_the_fp8_kernel_at_d128_with_tma_views(sm90):
+    """fp8 q, k (v is read as the V^T copy the fp8 path writes) at D = Dv = 128 with
+    128-row blocks and TMA views run the fp8 kernel; every departure declines it."""
+    assert _fp8_fits()
+    assert _fp8_fits(q_stride=(8 * 128 + 16, 128, 1))  # padded tokens: whole 16-byte groups
+    declined = {
+        "64-row blocks": _fp8_fits(64),
+        "a variant": _fp8_fits(variants=True),
+        "D 64": _fp8_fits(d=64),
+        "D 192 / Dv 128": _fp8_fits(d=192, dv=128),
+        "padded heads (no TMA view)": _fp8_fits(q_stride=(8 * 144, 144, 1)),
+        "token stride of 16 k + 8 bytes": _fp8_fits(q_stride=(8 * 128 + 8, 128, 1)),
+        "bf16 k": W.wgmma_varlen_fp8_fits(*_qkv(FP8, k_dtype=torch.bfloat16), 300, False),
+        "bf16 q (quantised inside the op)": W.wgmma_varlen_fp8_fits(*_qkv(torch.bfloat16), 300, False),
+    }
+    assert not any(declined.values()), declined
+    need = W.fp8_shared_memory(_gluon_module(), 128, 128, 128, 128)
+    for smem, fits in ((need, True), (need - 1, False), (None, False)):
+        sm90.setattr(W, "max_shared_memory", lambda device, s=smem: s)
+        assert _fp8_fits() == fits, smem
 
 
 def test_hip_and_other_gpus_run_the_triton_kernel(sm90):
@@ -433,3 +473,47 @@ def test_a_config_override_never_binds_the_gluon_launch(binds):
     T.prepare_flash_attn_varlen(*args, config=(16, 16, 4, 1))(*args)
     T.prepare_flash_attn_varlen(*args, config=T.varlen_config(args[0].device, 64, 64, False, 14))(*args)
     assert not bindings
+
+
+@pytest.fixture
+def fp8_binds(monkeypatch):
+    """Stand-ins: `wgmma_varlen_fp8_fits` holds unless there is a variant, and
+    `bind_wgmma_varlen_fp8` records what it is bound with (returns the Triton launch)."""
+    bindings = []
+
+    def bind(q, k, vt_shape, num_seqs, max_seqlen_q, scale, causal, descale_strides, triton_launch):
+        bindings.append((q.dtype, vt_shape, num_seqs, max_seqlen_q, causal, descale_strides))
+        return triton_launch
+
+    monkeypatch.setattr(T, "wgmma_varlen_fp8_fits", lambda q, k, v, max_seqlen_q, variants: not variants)
+    monkeypatch.setattr(T, "bind_wgmma_varlen_fp8", bind)
+    return bindings
+
+
+def _fp8_args(descale_shape=(1,), **options):
+    q, k, v, cu, _, max_q, max_k, scale, causal, *_ = _varlen_args()
+    q8, k8, v8 = (x.to(FP8) for x in (q, k, v))
+    descale = torch.ones(descale_shape)
+    args = [q8, k8, v8, cu, cu, max_q, max_k, scale, causal, descale, descale, descale, "off", -1, 0.0, None]
+    for name, value in options.items():
+        args[{"window_left": 13, "softcap": 14, "sinks": 15}[name]] = value
+    return tuple(args)
+
+
+def test_fp8_inputs_bind_the_fp8_gluon_launch(fp8_binds):
+    """fp8 inputs bind the fp8 Gluon launch with the V^T copy's shape [Hk, Dv, Tk padded
+    to 16] and each descale's (sequence, head) strides; per-(sequence, head) descales
+    keep theirs."""
+    T.prepare_flash_attn_varlen(*_fp8_args())
+    T.prepare_flash_attn_varlen(*_fp8_args(descale_shape=(2, 2)))
+    assert fp8_binds == [(FP8, (2, 64, 32), 2, 14, True, ((0, 0),) * 3),
+                         (FP8, (2, 64, 32), 2, 14, True, ((2, 1),) * 3)]
+
+
+def test_fp8_variants_quantised_inputs_and_config_overrides_keep_the_triton_kernel(fp8_binds):
+    T.prepare_flash_attn_varlen(*_fp8_args(softcap=30.0))
+    T.prepare_flash_attn_varlen(*_fp8_args(sinks=torch.zeros(4)))
+    T.prepare_flash_attn_varlen(*_fp8_args(), config=(16, 16, 4, 1))
+    q, k, v, cu, _, max_q, max_k, scale, causal, *_ = _varlen_args()
+    T.prepare_flash_attn_varlen(q, k, v, cu, cu, max_q, max_k, scale, causal, None, None, None, "on")
+    assert not fp8_binds

@@ -57,13 +57,28 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from graphsafe.ops.attention.fp8_format import P_SCALE
 from graphsafe.ops.gluon_compat import cp_async, cta_barrier, tma_load
 
-def shared_memory_bytes(block_m: int, block_n: int, d: int, dv: int, stages: int = 2, q_buffers: int = 1) -> int:
+P_LOG2 = gl.constexpr(int(P_SCALE).bit_length() - 1)  # P_SCALE = 2^P_LOG2
+FLT_MIN = gl.constexpr(1.1754943508222875e-38)  # smallest normal float32
+
+
+def shared_memory_bytes(block_m: int, block_n: int, d: int, dv: int, stages: int = 2, q_buffers: int = 1,
+                        elem_bytes: int = 2, p_tiles: int = 0) -> int:
     """Shared memory of a launch: `q_buffers` of q [BLOCK_M, D] (the persistent kernels
-    load the next tile's q into a second one) and `stages` stages of K [BLOCK_N, D] and
-    V [BLOCK_N, Dv], 16-bit, plus 1 KiB for Triton's scratch and the mbarriers."""
-    return 2 * (q_buffers * block_m * d + stages * block_n * (d + dv)) + 1024
+    load the next tile's q into a second one), `stages` stages of K [BLOCK_N, D] and V
+    [BLOCK_N, Dv] and `p_tiles` p buffers [64, BLOCK_N] (the fp8 kernel's), of
+    `elem_bytes` each, plus 1 KiB for Triton's scratch and the mbarriers."""
+    return elem_bytes * (q_buffers * block_m * d + stages * block_n * (d + dv) + p_tiles * 64 * block_n) + 1024
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+def _descriptor(x: torch.Tensor, shape: list[int], strides: list[int], block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
+    return TensorDescriptor(x.new_empty(0), shape, strides, block, layout)
 
 
 def tma_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple:
@@ -73,16 +88,22 @@ def tma_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: 
     of k, c the head dim's power-of-two column chunk (192 = 3 x 64), and [BLOCK_N, Dv]
     of v, in the shared layouts the wgmmas read. The stand-in base (an empty tensor of
     the dtype) is not kept."""
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     d, dv = q.shape[2], v.shape[2]
     chunk = d & -d  # the largest power of two dividing d: 128 -> 128, 192 -> 64
 
-    def descriptor(x, rows, cols):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
-        return TensorDescriptor(x.new_empty(0), [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1],
-                                [rows, cols], layout)
+    def rows(x, block_rows, cols):
+        return _descriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [block_rows, cols])
 
-    return descriptor(q, 64, chunk), descriptor(k, block_n, chunk), descriptor(v, block_n, dv)
+    return rows(q, 64, chunk), rows(k, block_n, chunk), rows(v, block_n, dv)
+
+
+def tma_descriptors_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int, int, int], block_n: int) -> tuple:
+    """`tma_descriptors` of the fp8 kernel: q and k as there, and V^T (the fp8 path's
+    workspace [kv heads, Dv, token columns] of shape `vt_shape`, contiguous, k's dtype) as
+    [kv heads x Dv, columns] with blocks [Dv, BLOCK_N]: a tile's keys are its columns."""
+    hk, dv, columns = vt_shape
+    q_desc, k_desc, _ = tma_descriptors(q, k, k, block_n)
+    return q_desc, k_desc, _descriptor(k, [hk * dv, columns], [columns, 1], [dv, block_n])
 
 
 @gluon.jit
@@ -114,22 +135,43 @@ def _copy_rows(smem, base, row0, row_end, stride, ROWS: gl.constexpr, D: gl.cons
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, n0, offs_m, k_len, diag, qk_scale,
-                  BLOCK_N: gl.constexpr, S_COL: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+                  BLOCK_N: gl.constexpr, S_COL: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                  FP8: gl.constexpr = False, lead=0):
     """One key tile's scores s [BLOCK_M, BLOCK_N] (keys n0 ...) into the online softmax:
     (p unnormalised, alpha = the old rows' rescale, the new row max, the new row sum).
-    MASKED tiles hide keys past the sequence and, CAUSAL, past row i's diagonal (n > i + diag)."""
+    MASKED tiles hide keys past the sequence and, CAUSAL, past row i's diagonal (n > i + diag).
+    FP8: qk_scale carries the descales, so any sign (nonzero: the caller's): the row's
+    largest scaled score is its max or its min score, and a hidden key's score is the
+    value that scales to -inf; p comes scaled by P_SCALE (e4m3 has no room below 2^-9),
+    in l as in acc, so it cancels; keys before `lead` (`_ws_bounds`' frame) are hidden too."""
+    if FP8:
+        positive = qk_scale > 0
+        hidden = gl.where(positive, float("-inf"), float("inf"))
+    else:
+        hidden = float("-inf")
     if MASKED:
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=S_COL)
         visible = (offs_n < k_len)[None, :]
+        if FP8:
+            visible = visible & (offs_n >= lead)[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
-        s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        s = gl.where(visible, s, hidden)
+    if FP8:
+        if positive:
+            top = gl.max(s, axis=1)
+        else:
+            top = gl.min(s, axis=1)
+        m_new = gl.maximum(m_i, top * qk_scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     if MASKED:
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
     else:
         m_ref = m_new
     alpha = gl.exp2(m_i - m_ref)
+    if FP8:
+        m_ref = m_ref - P_LOG2  # p * P_SCALE straight from the exponent
     p = gl.exp2(s * qk_scale - m_ref[:, None])
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
@@ -148,25 +190,31 @@ def _full_tiles(r0, k_len, diag, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, t, full_tiles, offs_m, k_len, diag, qk_scale,
-                  BLOCK_N: gl.constexpr, S_COL: gl.constexpr, CAUSAL: gl.constexpr):
-    """`_softmax_step` of key tile t: unmasked when it is one of the first `full_tiles`,
-    masked otherwise."""
-    if t < full_tiles:
+                  BLOCK_N: gl.constexpr, S_COL: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr = False,
+                  lead=0):
+    """`_softmax_step` of key tile t: unmasked when it is one of the first `full_tiles`
+    (FP8: not tile 0 of a frame with a lead), masked otherwise."""
+    unmasked = t < full_tiles
+    if FP8:
+        unmasked = unmasked & ((t > 0) | (lead == 0))
+    if unmasked:
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, t * BLOCK_N, offs_m, k_len, diag, qk_scale,
-                                           BLOCK_N, S_COL, False, CAUSAL)
+                                           BLOCK_N, S_COL, False, CAUSAL, FP8, lead)
     else:
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, t * BLOCK_N, offs_m, k_len, diag, qk_scale,
-                                           BLOCK_N, S_COL, True, CAUSAL)
+                                           BLOCK_N, S_COL, True, CAUSAL, FP8, lead)
     return p, alpha, m_i, l_i
 
 
 @gluon.jit
 def _store_rows(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot,
-                D: gl.constexpr, O_MMA: gl.constexpr, CAUSAL: gl.constexpr):
-    """out rows `rows` (O_MMA's row slice) = acc / l, in out's dtype: 0 for a row that sees
-    no key (decided from indices, as the Triton kernel), NaN where the sum is NaN (NaN
-    scores); rows at or past q_len are not written."""
+                D: gl.constexpr, O_MMA: gl.constexpr, CAUSAL: gl.constexpr, v_scale=1.0, FP8: gl.constexpr = False):
+    """out rows `rows` (O_MMA's row slice) = acc / l (FP8: acc * v_scale / l), in out's
+    dtype: 0 for a row that sees no key (decided from indices, as the Triton kernel), NaN
+    where the sum is NaN (NaN scores); rows at or past q_len are not written."""
     norm = gl.where(l_i == 0.0, 1.0, l_i)
+    if FP8:
+        acc = acc * v_scale
     o = acc / gl.convert_layout(norm, gl.SliceLayout(1, O_MMA))[:, None]
     if CAUSAL:
         row_sees = (k_len > 0) & (rows + diag >= 0)
@@ -306,21 +354,32 @@ def _ws_tile(tile, num_m_blocks, num_q_heads, GROUP: gl.constexpr, BLOCK_M: gl.c
 
 @gluon.jit
 def _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr, WARPS: gl.constexpr):
-    """(q_start, q_len, k_start, k_len, diag, n_tiles) of a work tile. n_tiles = 0 when the
-    block starts past its sequence's rows (every partition skips the tile) or when no row
-    of it sees a key (the loader skips it, the consumers write its rows' zeros)."""
+               CAUSAL: gl.constexpr, WARPS: gl.constexpr, KV_ALIGN: gl.constexpr = 1):
+    """(q_start, q_len, k_start, k_len, diag, n_tiles, lead) of a work tile, its keys in a
+    frame that starts at k_start rounded down to KV_ALIGN tokens (the fp8 kernel's V^T
+    tiles start at whole 16-byte columns, as TMA needs): k_start is the frame's first
+    token, frame keys [0, lead) are the previous sequence's (masked), k_len = the
+    sequence's keys + lead, and row i sees frame keys n <= i + diag (bottom-right causal).
+    KV_ALIGN = 1: lead = 0, the sequence's own bounds. n_tiles = 0 when the block starts
+    past its sequence's rows (every partition skips the tile) or when no row of it sees
+    a key (the loader skips it, the consumers write its rows' zeros)."""
     q_start, q_end = _sequence_bounds(cu_q_ptr, b, total_q, WARPS)
     q_len = q_end - q_start
     k_start, k_end = _sequence_bounds(cu_k_ptr, b, total_k, WARPS)
     k_len = k_end - k_start
     diag = k_len - q_len  # row i sees keys n <= i + diag (bottom-right causal)
+    lead = 0
+    if KV_ALIGN > 1:
+        lead = k_start % KV_ALIGN
+        k_start = k_start - lead
+        k_len = k_len + lead
+        diag = diag + lead
     if CAUSAL:
         hi = gl.maximum(gl.minimum(k_len, m0 + BLOCK_M + diag), 0)
     else:
         hi = k_len
     n_tiles = gl.where(m0 < q_len, gl.cdiv(hi, BLOCK_N), 0)
-    return q_start, q_len, k_start, k_len, diag, n_tiles
+    return q_start, q_len, k_start, k_len, diag, n_tiles, lead
 
 
 @gluon.jit
@@ -351,8 +410,8 @@ def _ws_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
     count = 0
     for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
         b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
-        q_start, q_len, k_start, k_len, diag, n_tiles = _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k,
-                                                                    BLOCK_M, BLOCK_N, CAUSAL, 4)
+        q_start, q_len, k_start, k_len, diag, n_tiles, _ = _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k,
+                                                                       BLOCK_M, BLOCK_N, CAUSAL, 4)
         if n_tiles > 0:
             qb = count % 2
             mbarrier.wait(q_empty.index(qb), ((count // 2) & 1) ^ 1)
@@ -394,19 +453,49 @@ def _scores(q_smem, q0, k_smem, k0, zeros, CHUNKS: gl.constexpr, ASYNC: gl.const
 
 
 @gluon.jit
+def _v_operand(v_smem, stage, FP8: gl.constexpr):
+    """p.V's B operand [BLOCK_N, Dv] from ring stage `stage`: the V tile, or (FP8) the V^T
+    tile [Dv, BLOCK_N] seen transposed (K-major, as fp8 wgmma needs)."""
+    if FP8:
+        return v_smem.index(stage).permute((1, 0))
+    else:
+        return v_smem.index(stage)
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, P_OPERAND: gl.constexpr, p_smem, FP8: gl.constexpr):
+    """p.V's A operand from the probabilities p: in registers (the score layout is the
+    16-bit A operand's), or (FP8) stored to `p_smem` (the caller waited for the p.V that
+    read it last), fenced for the tensor cores and published to the warpgroup."""
+    if FP8:
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        cta_barrier()
+        return p_smem
+    else:
+        return gl.convert_layout(p.to(dtype), P_OPERAND)
+
+
+@gluon.jit
 def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                  acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, qk_scale,
                  WG: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 CHUNKS: gl.constexpr):
+                 CHUNKS: gl.constexpr, FP8: gl.constexpr = False, p_smem=None, lead=0):
     """One warpgroup's key loop over a work tile's n_tiles (> 0) key tiles, at ring position
     `ring` and q buffer `count % 2`: (acc, row max, row sum). Releases every buffer it read.
     DV: v's head dim. q and k come in CHUNKS column chunks (`_scores`): q half w of
-    buffer qb is q_smem[(2 qb + w) CHUNKS + c], ring stage s of k is k_smem[s CHUNKS + c]."""
+    buffer qb is q_smem[(2 qb + w) CHUNKS + c], ring stage s of k is k_smem[s CHUNKS + c].
+    FP8: q, k and p are float8e4nv, v_smem holds V^T tiles [DV, BLOCK_N] (fp8 wgmma reads
+    both operands K-major), qk_scale any nonzero value (`_softmax_step`); p goes through
+    this warpgroup's `p_smem` [64, BLOCK_N] (Triton 3.6 cannot keep 8-bit registers of
+    an in-flight wgmma alive: no 8-bit operands in registers)."""
     dtype: gl.constexpr = q_smem.dtype
+    K_STEP: gl.constexpr = 32 if FP8 else 16  # wgmma's K: 32 bytes of the operands' rows
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_N, 16])
-    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
-    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
+                                                    instr_shape=[16, BLOCK_N, K_STEP])
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, DV, K_STEP])
+    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=4 if FP8 else 2)
     S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
     S_COL: gl.constexpr = gl.SliceLayout(0, S_MMA)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
@@ -421,8 +510,8 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     s = _scores(q_smem, q0, k_smem, s0 * CHUNKS, gl.zeros([64, BLOCK_N], gl.float32, layout=S_MMA), CHUNKS, False)
     mbarrier.arrive(k_empty.index(s0))
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, full_tiles, offs_m, k_len, diag, qk_scale,
-                                       BLOCK_N, S_COL, CAUSAL)
-    p_op = gl.convert_layout(p.to(dtype), P_OPERAND)
+                                       BLOCK_N, S_COL, CAUSAL, FP8, lead)
+    p_op = _p_operand(p, dtype, P_OPERAND, p_smem, FP8)
     for j in range(0, n_tiles - 1):
         # In: p_op of key tile j (ring position ring + j), acc at its row max.
         sk = (ring + j + 1) % STAGES
@@ -433,36 +522,62 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
         # q.k of tile j + 1 first, so waiting for it leaves p.V of tile j running through
         # the softmax below.
         s = _scores(q_smem, q0, k_smem, sk * CHUNKS, gl.zeros([64, BLOCK_N], gl.float32, layout=S_MMA), CHUNKS, True)
-        acc = warpgroup_mma(p_op, v_smem.index(sv), acc, is_async=True)
+        acc = warpgroup_mma(p_op, _v_operand(v_smem, sv, FP8), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(sk))
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j + 1, full_tiles, offs_m, k_len, diag,
-                                           qk_scale, BLOCK_N, S_COL, CAUSAL)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+                                           qk_scale, BLOCK_N, S_COL, CAUSAL, FP8, lead)
+        if FP8:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        else:
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
         mbarrier.arrive(v_empty.index(sv))
         acc = acc * gl.convert_layout(alpha, O_ROW)[:, None]
-        p_op = gl.convert_layout(p.to(dtype), P_OPERAND)
+        p_op = _p_operand(p, dtype, P_OPERAND, p_smem, FP8)
     sv = (ring + n_tiles - 1) % STAGES
     mbarrier.wait(v_full.index(sv), ((ring + n_tiles - 1) // STAGES) & 1)
     fence_async_shared()
-    acc = warpgroup_mma(p_op, v_smem.index(sv), acc, is_async=True)
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+    acc = warpgroup_mma(p_op, _v_operand(v_smem, sv, FP8), acc, is_async=True)
+    if FP8:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    else:
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index(sv))
     mbarrier.arrive(q_empty.index(qb))
     return acc, m_i, l_i
 
 
 @gluon.jit
+def _fp8_scales(descales, b, kv_head, qk_scale):
+    """(the scores' scale, the output's) of sequence b, kv head `kv_head`: qk_scale x its q
+    and k descales (0 becomes the smallest normal float, so a hidden key's infinite score
+    still scales to -inf; NaN stays NaN: every score NaN, as in the reference), and its v
+    descale. `descales`: (q, k, v pointers, then each one's sequence and head strides;
+    per-tensor descales have strides 0)."""
+    qd_ptr, kd_ptr, vd_ptr, sqd_b, sqd_h, skd_b, skd_h, svd_b, svd_h = descales
+    scale = qk_scale * gl.load(qd_ptr + b * sqd_b + kv_head * sqd_h)
+    scale = scale * gl.load(kd_ptr + b * skd_b + kv_head * skd_h)
+    scale = gl.where(scale == 0.0, FLT_MIN, scale)
+    return scale, gl.load(vd_ptr + b * svd_b + kv_head * svd_h)
+
+
+@gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                  out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                  total_q, total_k, WG: gl.constexpr, GROUP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr,
+                 FP8: gl.constexpr = False, descales=None, p_smem=None):
     """Consumer partition WG (one warpgroup): rows [m0 + 64 WG, m0 + 64 WG + 64) of each
     work tile, the key loop of `varlen_fwd_wgmma_kernel` on the buffers the loader fills;
-    a buffer is released (one arrive per consumer) once this warpgroup's wgmma read it."""
+    a buffer is released (one arrive per consumer) once this warpgroup's wgmma read it.
+    FP8: `descales` = (q, k, v descale pointers, their (sequence, kv head) strides): each
+    work tile's scores are scaled by qk_scale x its q and k descales, its output by its v
+    descale; `p_smem` [2, 64, BLOCK_N]: each warpgroup's p buffer."""
+    K_STEP: gl.constexpr = 32 if FP8 else 16
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_N, 16])
-    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+                                                    instr_shape=[16, BLOCK_N, K_STEP])
+    O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, DV, K_STEP])
     S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
 
@@ -470,22 +585,29 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     count = 0
     for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
         b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
-        q_start, q_len, k_start, k_len, diag, n_tiles = _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k,
-                                                                    BLOCK_M, BLOCK_N, CAUSAL, 4)
+        q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
+            cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 4, 16 if FP8 else 1)
         if m0 < q_len:  # (a block past its sequence's rows has nothing to write)
             r0 = m0 + 64 * WG
             m_i = gl.full([64], float("-inf"), gl.float32, layout=S_ROW)
             l_i = gl.zeros([64], gl.float32, layout=S_ROW)
             acc = gl.zeros([64, DV], gl.float32, layout=O_MMA)
+            tile_scale = qk_scale
+            v_scale = 1.0
+            p_buffer = None
+            if FP8:
+                tile_scale, v_scale = _fp8_scales(descales, b, kv_head, qk_scale)
+                p_buffer = p_smem.index(WG)
             if n_tiles > 0:  # (else no row of the block sees a key: it writes 0)
                 acc, m_i, l_i = _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                                             acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, qk_scale,
-                                             WG, DV, BLOCK_N, STAGES, CAUSAL, CHUNKS)
+                                             acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, tile_scale,
+                                             WG, DV, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, p_buffer, lead)
                 ring += n_tiles
                 count += 1
             out_base = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
-            _store_rows(acc, l_i, out_base, r0 + gl.arange(0, 64, layout=O_ROW), q_len, k_len, diag, stride_ot,
-                        DV, O_MMA, CAUSAL)
+            # (the sequence's own key count and diagonal: without the frame's lead)
+            _store_rows(acc, l_i, out_base, r0 + gl.arange(0, 64, layout=O_ROW), q_len, k_len - lead, diag - lead,
+                        stride_ot, DV, O_MMA, CAUSAL, v_scale, FP8)
 
 
 @gluon.jit
@@ -552,6 +674,19 @@ def _zero_rows_from(tile, first, ROWS: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
+def _zero_columns_outside(tile, lo, hi, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """Zero the columns outside [lo, hi) of the shared fp8 tile [ROWS, COLS] (a V^T tile:
+    columns are keys), 8 rows at a time, by their bits (fp8 has no arithmetic); one warp."""
+    L: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (COLS // 16), COLS // 16], [1, 1], [1, 0])
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, L))
+    keep = ((cols >= lo) & (cols < hi))[None, :]
+    for r in gl.static_range(0, ROWS, 8):
+        chunk = tile.slice(r, 8)
+        bits = chunk.load(L).to(gl.int8, bitcast=True)
+        chunk.store(gl.where(keep, bits, 0).to(tile.dtype, bitcast=True))
+
+
+@gluon.jit
 def _tma_chunks(desc, row, col, barrier, smem, first, CHUNKS: gl.constexpr):
     """TMA copies of rows [row, row + the block's rows) into smem[first + c] (c < CHUNKS):
     columns col + c * (the block's width) on."""
@@ -563,22 +698,26 @@ def _tma_chunks(desc, row, col, barrier, smem, first, CHUNKS: gl.constexpr):
 def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                 q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
                 GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
     """Loader partition (one warp) of `varlen_fwd_tma_kernel`: `_ws_loader`'s order of
     copies, each one TMA copy (q in two 64-row halves) completing its buffer's barrier by
     the bytes it lands. The copies read whole tiles at the sequence's rows: rows past a
     sequence are the next sequence's (or zeros past the tensor). Their scores are masked,
     and a V tile that runs past the sequence's keys has those rows zeroed before the
     consumers see it (else 0 * a neighbour's NaN would reach p.V): the loader waits for
-    that tile (`v_landed`), zeroes the rows, fences and releases it (one arrive)."""
+    that tile (`v_landed`), zeroes the rows, fences and releases it (one arrive). FP8:
+    v_desc is V^T's [kv heads x Dv, tokens], its tiles [Dv, BLOCK_N], keys its columns;
+    a TMA tile must start at a 16-byte column, so the keys run in `_ws_bounds`' frame
+    from the sequence's first token rounded down to 16, and the first tile's columns
+    before the sequence are zeroed too."""
     CHUNKS: gl.constexpr = DK // q_desc.block_type.shape[1]
     ring = 0
     count = 0
     fixes = 0
     for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
         b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
-        q_start, q_len, k_start, k_len, diag, n_tiles = _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k,
-                                                                    BLOCK_M, BLOCK_N, CAUSAL, 1)
+        q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
+            cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 1, 16 if FP8 else 1)
         if n_tiles > 0:
             qb = count % 2
             mbarrier.wait(q_empty.index(qb), ((count // 2) & 1) ^ 1)
@@ -594,16 +733,25 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
                 mbarrier.expect(k_full.index(s), CHUNKS * k_desc.block_type.nbytes)
                 _tma_chunks(k_desc, row, kv_head * DK, k_full.index(s), k_smem, s * CHUNKS, CHUNKS)
                 mbarrier.wait(v_empty.index(s), free_phase)
-                keys = k_len - t * BLOCK_N  # keys of the sequence in this tile
-                if keys >= BLOCK_N:
+                keys = k_len - t * BLOCK_N  # keys of the sequence (frame) in this tile
+                if FP8:
+                    v_at = [kv_head * DV, row]
+                    first = gl.where(t == 0, lead, 0)  # frame keys before `lead`: the previous sequence's
+                else:
+                    v_at = [row, kv_head * DV]
+                    first = 0
+                if (keys >= BLOCK_N) & (first == 0):
                     mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
-                    tma_load(v_desc, [row, kv_head * DV], v_full.index(s), v_smem.index(s))
+                    tma_load(v_desc, v_at, v_full.index(s), v_smem.index(s))
                 else:
                     mbarrier.expect(v_landed.index(0), v_desc.block_type.nbytes)
-                    tma_load(v_desc, [row, kv_head * DV], v_landed.index(0), v_smem.index(s))
+                    tma_load(v_desc, v_at, v_landed.index(0), v_smem.index(s))
                     mbarrier.wait(v_landed.index(0), fixes & 1)
                     fixes += 1
-                    _zero_rows_from(v_smem.index(s), keys, BLOCK_N, DV)
+                    if FP8:
+                        _zero_columns_outside(v_smem.index(s), first, keys, DV, BLOCK_N)
+                    else:
+                        _zero_rows_from(v_smem.index(s), keys, BLOCK_N, DV)
                     fence_async_shared()
                     mbarrier.arrive(v_full.index(s))
                 ring += 1
@@ -612,22 +760,31 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
 
 @gluon.jit
 def varlen_fwd_tma_kernel(
-    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh,
+    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, stride_ot, stride_oh,
+    stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h,
     qk_scale, num_q_heads, num_m_blocks, total_q, total_k, num_seqs,
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    FP8: gl.constexpr,
 ):
     """`varlen_fwd_ws_kernel` with a one-warp TMA loader: q, k, v come as TMA descriptors
     of their 2-D views [tokens, heads * head dim] (blocks [64, DK] for q, [BLOCK_N, DK]
     for k, [BLOCK_N, DV] for v, the layouts the wgmmas read), so the loader issues one instruction a tile instead
     of 128 threads' 16-byte copies, and its registers go to the consumers. BLOCK_M is
-    128; launch with num_warps=4."""
+    128; launch with num_warps=4.
+
+    FP8: q, k float8e4nv and v_desc V^T (the fp8 path's transposed copy [kv heads x Dv,
+    tokens], blocks [Dv, BLOCK_N]); qd/kd/vd_ptr the descales, each (sequence, kv head)
+    strided (0, 0 for one per tensor); qk_scale may be negative. Without FP8 they are
+    placeholders, never read."""
     dtype: gl.constexpr = q_desc.dtype
     KC: gl.constexpr = q_desc.block_type.shape[1]  # q and k columns a chunk
     CHUNKS: gl.constexpr = DK // KC
     q_smem = gl.allocate_shared_memory(dtype, [4 * CHUNKS, 64, KC], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS, BLOCK_N, KC], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+    V_ROWS: gl.constexpr = v_desc.block_type.shape[0]  # [BLOCK_N, DV], FP8: V^T's [DV, BLOCK_N]
+    V_COLS: gl.constexpr = v_desc.block_type.shape[1]
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], v_desc.layout)
     q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -635,6 +792,11 @@ def varlen_fwd_tma_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    if FP8:  # each consumer's p (an fp8 A operand comes from shared memory)
+        p_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+    else:
+        p_smem = q_smem  # (not read: a partition takes no None)
     # Full: the loader's one arrive with the bytes it expects; empty: each consumer once.
     for i in gl.static_range(2):
         mbarrier.init(q_full.index(i), count=1)
@@ -649,11 +811,15 @@ def varlen_fwd_tma_kernel(
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                        total_q, total_k, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS)),
+                        total_q, total_k, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
+                        (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
+                         stride_vd_h), p_smem)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
-                        total_q, total_k, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS)),
+                        total_q, total_k, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
+                        (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
+                         stride_vd_h), p_smem)),
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                        q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
-                       GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
+                       GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -33,7 +33,12 @@ from graphsafe.ops.attention._triton_quant import (
 )
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
 from graphsafe.ops.attention.split_kv import decode_block_n, plan_decode_splits
-from graphsafe.ops.attention.wgmma_varlen import bind_wgmma_varlen, wgmma_varlen_fits
+from graphsafe.ops.attention.wgmma_varlen import (
+    bind_wgmma_varlen,
+    bind_wgmma_varlen_fp8,
+    wgmma_varlen_fits,
+    wgmma_varlen_fp8_fits,
+)
 from graphsafe.workspace import current_workspace_manager
 
 DECODE_OWNER = "paged_attention_decode"
@@ -292,11 +297,16 @@ def prepare_flash_attn_varlen(
 
         return run_quantised
 
+    descale_strides = tuple(_descale_strides(x) for x in (q_descale, k_descale, v_descale))
     attend = bind_varlen(
         q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), vt_strides, max_seqlen_q, scale, causal,
-        tuple(_descale_strides(x) for x in (q_descale, k_descale, v_descale)), True, config, emulate, tk,
-        **variants,
+        descale_strides, True, config, emulate, tk, **variants,
     )
+    has_variant = (0 <= window_left < tk) or softcap != 0.0 or sinks is not None
+    if attend is not None and not explicit_config and wgmma_varlen_fp8_fits(q, k, v, max_seqlen_q, has_variant):
+        # sm_90: the fp8 Gluon kernel (a config override asks for the Triton kernel's tiles).
+        attend = bind_wgmma_varlen_fp8(q, k, (hk, dv, columns), num_seqs, max_seqlen_q, scale, causal,
+                                       descale_strides, attend)
     needs_one = q_descale is None or k_descale is None or v_descale is None
 
     def run_fp8_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,

@@ -7,6 +7,8 @@ no variant: window, softcap, sinks), chosen by `varlen_kernel`:
   them as 2-D [tokens, heads * head dim]);
 - "ws": the same with 16-byte cp.async copies, for D = Dv = 128 in other layouts;
 - "wgmma": one partition, for 64-row blocks (every sequence short) and D = Dv = 64.
+The fp8 path on fp8 inputs (q, k fp8, V^T from its transposed copy) runs the "tma" kernel
+with fp8 wgmma at D = Dv = 128 and 128-row blocks (`wgmma_varlen_fp8_fits`).
 Everything else, and any call whose q, k or v is not 16-byte aligned, runs the Triton
 kernel, as does every call of a signature whose Gluon kernel failed to compile (a
 warning says so once). The decision on shapes, strides, dtype and device is made once
@@ -147,9 +149,10 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
         if kernel == "tma":  # persistent: a program per SM walks the work tiles
             stages, consumer_regs, loader_regs = ws
             descriptors = module.tma_descriptors(q, k, v, block_n)  # templates: each call's q, k, v
-            wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, q, q, q,
-                         hq * dv, dv, *sizes, num_seqs, **meta, DK=d, DV=dv, STAGES=stages,
-                         CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
+            wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
+                         q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8)
+                         hq * dv, dv, *(0,) * 6, *sizes, num_seqs, **meta, DK=d, DV=dv, STAGES=stages,
+                         CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=False, num_warps=4)
         else:
             args = (q, q, q, q, q, q,  # placeholders: only their device is read
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq * d, d, *sizes)
@@ -160,11 +163,14 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
                 wgmma = bind(module.varlen_fwd_ws_kernel, (min(work, num_sms(q.device)),), *args, num_seqs, **meta,
                              D=d, STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
 
+    # The TMA kernel's descale pointers (read by its fp8 variant only): placeholders.
+    placeholders = 3 if kernel == "tma" else 0
+
     def launch(q, k, v, out, cu_q, cu_k, *rest):
         nonlocal wgmma
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
             try:
-                return wgmma(q, k, v, out, cu_q, cu_k)
+                return wgmma(q, k, v, out, cu_q, cu_k, *(q,) * placeholders)
             except _COMPILE_ERRORS as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None
                 if key not in _FAILED:
@@ -172,5 +178,87 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
                     warnings.warn(f"graphsafe flash_attn_varlen: the sm_90 Gluon kernel did not compile for {key} "
                                   f"({exc}); running the Triton kernel", RuntimeWarning, stacklevel=2)
         triton_launch(q, k, v, out, cu_q, cu_k, *rest)
+
+    return launch
+
+
+def wgmma_varlen_fp8_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int,
+                          variants: bool) -> bool:
+    """Whether this fp8-input call signature runs the fp8 "tma" kernel (alignment aside):
+    an sm_90 CUDA device, q and k float8_e4m3fn with D = Dv = 128, 128-row blocks, TMA
+    views of q and k (heads contiguous, token strides of whole 16-byte groups), no
+    variant, the shared memory (the V^T copy the fp8 path writes is always a TMA view)."""
+    if variants or q.device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if q.dtype != torch.float8_e4m3fn or k.dtype != q.dtype:
+        return False
+    module = _gluon_module()
+    if module is None or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    d, dv = q.shape[2], v.shape[2]
+    if not (d == dv == 128 and max_seqlen_q > 64 and q.shape[0] > 0 and k.shape[0] > 0):
+        return False
+    if any(x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % 16 for x in (q, k)):
+        return False
+    smem = max_shared_memory(q.device)
+    block_m, block_n = wgmma_varlen_tiles(max_seqlen_q, d)
+    return smem is not None and fp8_shared_memory(module, block_m, block_n, d, dv) <= smem
+
+
+def fp8_shared_memory(module, block_m: int, block_n: int, d: int, dv: int) -> int:
+    """The fp8 kernel's shared memory: 1-byte q buffers and K / V^T stages, and each
+    consumer's p [64, BLOCK_N]."""
+    return module.shared_memory_bytes(block_m, block_n, d, dv, warp_specialisation_fp8()[0], 2, 1, 2)
+
+
+def warp_specialisation_fp8() -> tuple[int, int, int]:
+    """(stages, consumer registers, loader registers) of the fp8 "tma" kernel. Measured on
+    an H200 (32/8 heads, causal, fp8 inputs; 8 x 2048, 8 x 4096, 4 x 8192 in ms, CUDA-graph
+    replays): 2 stages 232 / 32 0.493, 1.616, 2.966; 3 stages 0.498, 1.642, 3.033; 4 stages
+    0.506, 1.649, 3.019; 3 stages 240 / 24 0.517, 1.656, 3.004 (the Triton fp8 kernel
+    0.563, 1.869, 3.480)."""
+    return 2, 232, 32
+
+
+def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int, int, int], num_seqs: int,
+                          max_seqlen_q: int, scale: float, causal: bool,
+                          descale_strides: tuple[tuple[int, int], ...], triton_launch: Launch) -> Launch:
+    """A launch with `triton_launch`'s arguments, `(q, k, vt, out, cu_q, cu_k, q_descale,
+    k_descale, v_descale, sinks)` (fp8 q, k; V^T `vt` of shape `vt_shape`; out contiguous
+    [Tq, Hq, Dv]): the fp8 Gluon kernel (which reads no sinks: a placeholder here) for
+    16-byte aligned q, k, vt, else `triton_launch`. `descale_strides`: each descale's
+    (sequence, kv head) strides, (0, 0) for one value per tensor."""
+    module = _gluon_module()
+    tq, hq, d = q.shape
+    tk, hk = k.shape[:2]
+    dv = vt_shape[1]
+    block_m, block_n = wgmma_varlen_tiles(max_seqlen_q, d)
+    num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
+    ws = warp_specialisation_fp8()
+    key = (q.dtype, d, dv, block_m, block_n, causal, "tma-fp8", ws)
+    wgmma = None
+    if key not in _FAILED:
+        stages, consumer_regs, loader_regs = ws
+        work = num_m_blocks * num_seqs * hq
+        descriptors = module.tma_descriptors_fp8(q, k, vt_shape, block_n)  # templates: each call's q, k, vt
+        strides = tuple(x for pair in descale_strides for x in pair)
+        wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
+                     q, q, q, q, q, q,  # out, cu_q, cu_k, the descales: only their device is read
+                     hq * dv, dv, *strides, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
+                     GROUP=hq // hk, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DK=d, DV=dv, STAGES=stages,
+                     CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, num_warps=4)
+
+    def launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks):
+        nonlocal wgmma
+        if wgmma is not None and not (q.data_ptr() | k.data_ptr() | vt.data_ptr()) & 15:
+            try:
+                return wgmma(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale)
+            except _COMPILE_ERRORS as exc:  # nothing ran: the Triton kernel runs the call
+                wgmma = None
+                if key not in _FAILED:
+                    _FAILED.add(key)
+                    warnings.warn(f"graphsafe flash_attn_varlen: the sm_90 fp8 Gluon kernel did not compile for {key} "
+                                  f"({exc}); running the Triton kernel", RuntimeWarning, stacklevel=2)
+        triton_launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks)
 
     return launch
