@@ -498,7 +498,7 @@ def test_quantisation_kernels_are_bit_exact(tokens):
         src = x.to(dtype)
         big = torch.randn(tokens, 4, 2, 24).to(dtype) * 3  # strided k: [T, 4, 16] of a wider tensor
         k = big[:, :, 0, :16]
-        q = torch.randn(tokens + 3, 8, 16).to(dtype) * 500  # q only gets its amax
+        q = torch.randn(tokens + 3, 8, 16).to(dtype) * 500
         k8, vt, scales = _quantise_with_kernels(q, k, src)
         want_k, want_kd = quantize_per_tensor(k)
         want_v, want_vd = quantize_per_tensor(src)
@@ -508,6 +508,13 @@ def test_quantisation_kernels_are_bit_exact(tokens):
         assert scales[Q.AMAX_Q].item() == q.float().abs().max().item()
         assert scales[Q.DESCALE_K].item() == want_kd.item() and scales[Q.DESCALE_V].item() == want_vd.item()
         assert scales[Q.ONE].item() == 1.0
+        # The q copy of the sm_90 Gluon kernel's path, from the amax slot (q strided here).
+        q_view = torch.cat([q, q], dim=2)[:, :, :16] if dtype == torch.float16 else q
+        q8 = torch.full(q_view.shape, float("nan")).to(FP8_DTYPE)  # poison
+        Q.bind_quantize_q(q_view)(q_view, q8, scales)
+        want_q, want_qd = quantize_per_tensor(q_view)
+        assert torch.equal(q8.view(torch.uint8), want_q.view(torch.uint8))
+        assert scales[Q.DESCALE_Q].item() == want_qd.item()
 
 
 def _rn32(value: Fraction) -> float:

@@ -138,8 +138,9 @@ def test_fp8_path_accuracy_bound(params):
 
 
 def test_quantisation_kernels_bit_exact_on_gpu():
-    """amax of q/k/v (one launch, atomic max) and k / V^T quantisation (one launch) equal
-    `quantize_per_tensor` bit for bit at a Llama prefill shape; V^T padding is zero."""
+    """amax of q/k/v (one launch, atomic max), k / V^T quantisation (one launch) and the q
+    copy equal `quantize_per_tensor` bit for bit at a Llama prefill shape; V^T padding is
+    zero."""
     from graphsafe.ops.attention import _triton_quant as Q
 
     gen = torch.Generator(device=CUDA).manual_seed(0)
@@ -159,6 +160,10 @@ def test_quantisation_kernels_bit_exact_on_gpu():
     assert not vt[..., tk:].view(torch.uint8).any()
     assert scales[Q.AMAX_Q].item() == q.float().abs().max().item()
     assert scales[Q.DESCALE_K].item() == kd.item() and scales[Q.DESCALE_V].item() == vd.item()
+    q8 = torch.empty(tk, 32, 128, device=CUDA, dtype=FP8_DTYPE)
+    Q.bind_quantize_q(q)(q, q8, scales)  # the q copy of the sm_90 Gluon kernel's path
+    want_q, qd = quantize_per_tensor(q)
+    assert torch.equal(q8.view(torch.uint8), want_q.view(torch.uint8)) and scales[Q.DESCALE_Q].item() == qd.item()
 
 
 RAGGED_FP8 = {**GQA_PREFILL, "B": 4, "max_q": 2048, "max_k": 2048, "lens_q": [2048 - 5, 17, 1000, 3], "pad_q": 3,

@@ -478,14 +478,16 @@ def test_a_config_override_never_binds_the_gluon_launch(binds):
 @pytest.fixture
 def fp8_binds(monkeypatch):
     """Stand-ins: `wgmma_varlen_fp8_fits` holds unless there is a variant, and
-    `bind_wgmma_varlen_fp8` records what it is bound with (returns the Triton launch)."""
+    `bind_wgmma_varlen_fp8` records what it is bound with (returns the Triton launch, or
+    for copies a launch that reports it did not run)."""
     bindings = []
 
-    def bind(q, k, vt_shape, num_seqs, max_seqlen_q, scale, causal, descale_strides, triton_launch):
-        bindings.append((q.dtype, vt_shape, num_seqs, max_seqlen_q, causal, descale_strides))
-        return triton_launch
+    def bind(q, k, vt_shape, num_seqs, max_seqlen_q, scale, causal, descale_strides, triton_launch, copies=False):
+        bindings.append((q.dtype, vt_shape, num_seqs, max_seqlen_q, causal, descale_strides, copies))
+        return triton_launch if triton_launch is not None else (lambda *tensors: False)
 
-    monkeypatch.setattr(T, "wgmma_varlen_fp8_fits", lambda q, k, v, max_seqlen_q, variants: not variants)
+    monkeypatch.setattr(T, "wgmma_varlen_fp8_fits",
+                        lambda q, k, v, max_seqlen_q, variants, copies=False: not variants)
     monkeypatch.setattr(T, "bind_wgmma_varlen_fp8", bind)
     return bindings
 
@@ -506,14 +508,31 @@ def test_fp8_inputs_bind_the_fp8_gluon_launch(fp8_binds):
     keep theirs."""
     T.prepare_flash_attn_varlen(*_fp8_args())
     T.prepare_flash_attn_varlen(*_fp8_args(descale_shape=(2, 2)))
-    assert fp8_binds == [(FP8, (2, 64, 32), 2, 14, True, ((0, 0),) * 3),
-                         (FP8, (2, 64, 32), 2, 14, True, ((2, 1),) * 3)]
+    assert fp8_binds == [(FP8, (2, 64, 32), 2, 14, True, ((0, 0),) * 3, False),
+                         (FP8, (2, 64, 32), 2, 14, True, ((2, 1),) * 3, False)]
 
 
-def test_fp8_variants_quantised_inputs_and_config_overrides_keep_the_triton_kernel(fp8_binds):
+def test_quantised_inputs_bind_the_fp8_gluon_launch_on_copies(fp8_binds):
+    """bf16/fp16 inputs the op quantises bind the launch on fp8 copies of q and k (per-tensor
+    descale slots), the workspace then holds the q copy too, and a call the Gluon launch
+    does not run (here: every call) runs the Triton kernel, which quantises q itself."""
+    from graphsafe.ops.attention import _triton_quant as Q
+
+    q, k, v, cu, _, max_q, max_k, scale, causal, *_ = _varlen_args()
+    args = (q, k, v, cu, cu, max_q, max_k, scale, causal, None, None, None, "on")
+    out = T.prepare_flash_attn_varlen(*args)(*args)
+    assert fp8_binds == [(torch.float16, (2, 64, 32), 2, 14, True, ((0, 0),) * 3, True)]
+    specs = T.varlen_workspace_specs(24, 24, 4, 2, 64, 64, True, q_copy=True)
+    assert specs[-1] == ((24, 4, 64), FP8) and specs[-2] == ((Q.SCALE_SLOTS,), torch.float32)
+    assert T.flash_attn_varlen_workspace(24, 24, 4, 2, 64, 64) == specs, "the worst case has the q copy"
+    triton_kernel = T.flash_attn_varlen(*args, config=T.varlen_config(q.device, 64, 64, True, 14))
+    assert torch.equal(out, triton_kernel)
+
+
+def test_fp8_variants_and_config_overrides_keep_the_triton_kernel(fp8_binds):
     T.prepare_flash_attn_varlen(*_fp8_args(softcap=30.0))
     T.prepare_flash_attn_varlen(*_fp8_args(sinks=torch.zeros(4)))
     T.prepare_flash_attn_varlen(*_fp8_args(), config=(16, 16, 4, 1))
     q, k, v, cu, _, max_q, max_k, scale, causal, *_ = _varlen_args()
-    T.prepare_flash_attn_varlen(q, k, v, cu, cu, max_q, max_k, scale, causal, None, None, None, "on")
+    T.prepare_flash_attn_varlen(q, k, v, cu, cu, max_q, max_k, scale, causal, None, None, None, "on", 3)
     assert not fp8_binds

@@ -76,9 +76,16 @@ def shared_memory_bytes(block_m: int, block_n: int, d: int, dv: int, stages: int
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
-def _descriptor(x: torch.Tensor, shape: list[int], strides: list[int], block: list[int]) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
-    return TensorDescriptor(x.new_empty(0), shape, strides, block, layout)
+def _descriptor(like: torch.Tensor, shape: list[int], strides: list[int], block: list[int]) -> TensorDescriptor:
+    """A descriptor template of `like`'s dtype and device (its stand-in base: an empty
+    tensor, not kept by the binding)."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[like.dtype])
+    return TensorDescriptor(like.new_empty(0), shape, strides, block, layout)
+
+
+def _rows(like: torch.Tensor, shape: tuple[int, int, int], token_stride: int, block_rows: int, cols: int):
+    """x [tokens, heads, head dim] (heads contiguous) as 2-D [tokens, heads * head dim]."""
+    return _descriptor(like, [shape[0], shape[1] * shape[2]], [token_stride, 1], [block_rows, cols])
 
 
 def tma_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple:
@@ -86,24 +93,24 @@ def tma_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: 
     q, k, v) of `varlen_fwd_tma_kernel`: q, k, v as 2-D [tokens, heads * head dim] (the
     caller checked the head stride is the head dim). Blocks: [64, c] of q, [BLOCK_N, c]
     of k, c the head dim's power-of-two column chunk (192 = 3 x 64), and [BLOCK_N, Dv]
-    of v, in the shared layouts the wgmmas read. The stand-in base (an empty tensor of
-    the dtype) is not kept."""
+    of v, in the shared layouts the wgmmas read."""
     d, dv = q.shape[2], v.shape[2]
     chunk = d & -d  # the largest power of two dividing d: 128 -> 128, 192 -> 64
-
-    def rows(x, block_rows, cols):
-        return _descriptor(x, [x.shape[0], x.shape[1] * x.shape[2]], [x.stride(0), 1], [block_rows, cols])
-
-    return rows(q, 64, chunk), rows(k, block_n, chunk), rows(v, block_n, dv)
+    return (_rows(q, q.shape, q.stride(0), 64, chunk), _rows(k, k.shape, k.stride(0), block_n, chunk),
+            _rows(v, v.shape, v.stride(0), block_n, dv))
 
 
-def tma_descriptors_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int, int, int], block_n: int) -> tuple:
-    """`tma_descriptors` of the fp8 kernel: q and k as there, and V^T (the fp8 path's
-    workspace [kv heads, Dv, token columns] of shape `vt_shape`, contiguous, k's dtype) as
+def tma_descriptors_fp8(like: torch.Tensor, q_view: tuple, k_view: tuple, vt_shape: tuple[int, int, int],
+                        block_n: int) -> tuple:
+    """The fp8 kernel's descriptors (dtype and device of `like`): q and k as in
+    `tma_descriptors` from their (shape, token stride) views (fp8 inputs, or the
+    contiguous fp8 copies the op quantises bf16/fp16 inputs into), and V^T (the fp8
+    path's workspace [kv heads, Dv, token columns] of shape `vt_shape`, contiguous) as
     [kv heads x Dv, columns] with blocks [Dv, BLOCK_N]: a tile's keys are its columns."""
+    (q_shape, q_stride), (k_shape, k_stride) = q_view, k_view
     hk, dv, columns = vt_shape
-    q_desc, k_desc, _ = tma_descriptors(q, k, k, block_n)
-    return q_desc, k_desc, _descriptor(k, [hk * dv, columns], [columns, 1], [dv, block_n])
+    return (_rows(like, q_shape, q_stride, 64, q_shape[2]), _rows(like, k_shape, k_stride, block_n, k_shape[2]),
+            _descriptor(like, [hk * dv, columns], [columns, 1], [dv, block_n]))
 
 
 @gluon.jit

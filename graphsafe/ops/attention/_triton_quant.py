@@ -65,13 +65,15 @@ def cast_fp8(x, EMULATE: tl.constexpr):
 
 # Scale slots of the fp8 path's float32 scratch `scales[SCALE_SLOTS]`: amax of q, k, v
 # (atomic max targets, zeroed by the prepare kernel first), descales of k and v (written
-# by the quantise kernel), and a constant 1.0 (stands in for descales a caller left out).
-# The attention kernel reads the q amax, the descales and the 1.0 through pointers of
-# their own: each starts a 16-byte group, as a bound launch needs of its tensors
+# by the quantise kernel) and of q (written by the q quantise kernel, which the sm_90
+# Gluon kernel's path runs), and a constant 1.0 (stands in for descales a caller left
+# out). The attention kernels read the q amax, the descales and the 1.0 through pointers
+# of their own: each starts a 16-byte group, as a bound launch needs of its tensors
 # (`graphsafe.launch`: a misaligned one takes Triton's slow binder), and the q amax is
-# slot 0, so `scales` itself points at it.
-SCALE_SLOTS = 16
-AMAX_Q, AMAX_K, AMAX_V, DESCALE_K, DESCALE_V, ONE = 0, 1, 2, 4, 8, 12
+# slot 0, so `scales` itself points at it. (A power of two: the prepare kernel resets
+# them with one arange.)
+SCALE_SLOTS = 32
+AMAX_Q, AMAX_K, AMAX_V, DESCALE_K, DESCALE_V, ONE, DESCALE_Q = 0, 1, 2, 4, 8, 12, 16
 _SCALE_SLOTS = tl.constexpr(SCALE_SLOTS)
 _AMAX_Q = tl.constexpr(AMAX_Q)
 _AMAX_K = tl.constexpr(AMAX_K)
@@ -79,6 +81,7 @@ _AMAX_V = tl.constexpr(AMAX_V)
 _DESCALE_K = tl.constexpr(DESCALE_K)
 _DESCALE_V = tl.constexpr(DESCALE_V)
 _ONE = tl.constexpr(ONE)
+_DESCALE_Q = tl.constexpr(DESCALE_Q)
 
 
 @triton.jit
@@ -195,6 +198,41 @@ def _quant_kv_kernel(
         # [BLOCK_DV, BLOCK_T] with t contiguous: the store goes out in 16-byte rows.
         vt_dst = vt_ptr + head * vt_h + offs_dv[:, None].to(tl.int64) * vt_d + tv[None, :]
         tl.store(vt_dst, tl.trans(v8), mask=(offs_dv[:, None] < DV) & (tv[None, :] < vt_d))
+
+
+@triton.jit
+def _quant_q_kernel(
+    q_ptr, q8_ptr, scales_ptr, n_tokens, n_heads, sq_t, sq_h,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """q -> q8 [T, H, D] (contiguous), quantised per tensor from the q amax slot, a tile
+    of BLOCK_T tokens of one head (axis 1) per program; program (0, 0) stores the q
+    descale. For the sm_90 fp8 kernel, whose q comes by TMA from memory (the Triton
+    kernel quantises its own q tile instead)."""
+    pid = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    if (pid == 0) & (head == 0):
+        tl.store(scales_ptr + _DESCALE_Q, descale_of(tl.load(scales_ptr + _AMAX_Q))[0])
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (t < n_tokens)[:, None] & (offs_d[None, :] < D)
+    src = q_ptr + t[:, None].to(tl.int64) * sq_t + head * sq_h + offs_d[None, :]
+    q8 = _quantize(tl.load(src, mask=mask, other=0.0), scales_ptr + _AMAX_Q, True, EMULATE)
+    tl.store(q8_ptr + (t[:, None].to(tl.int64) * n_heads + head) * D + offs_d[None, :], q8, mask=mask)
+
+
+def bind_quantize_q(q: torch.Tensor) -> Launch | None:
+    """`_quant_q_kernel` bound to q's shape and strides: `launch(q, q8, scales)` writes
+    q8 (contiguous, float8_e4m3fn) and scales[DESCALE_Q] (the amax launch first). None
+    when q has no element."""
+    tq, hq, d = q.shape
+    if tq * hq * d == 0:
+        return None
+    block_t = 16 if EMULATE_FP8_CAST else 64
+    return bind(
+        _quant_q_kernel, (triton.cdiv(tq, block_t), hq), q, q, q, tq, hq, q.stride(0), q.stride(1),
+        D=d, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(d), EMULATE=EMULATE_FP8_CAST, num_warps=4,
+    )
 
 
 @triton.jit

@@ -22,6 +22,7 @@ from graphsafe.ops.attention._triton_prefill import bind_varlen
 from graphsafe.ops.attention._triton_quant import (
     AMAX_Q,
     DESCALE_K,
+    DESCALE_Q,
     DESCALE_V,
     EMULATE_FP8_CAST,
     ONE,
@@ -29,6 +30,7 @@ from graphsafe.ops.attention._triton_quant import (
     bind_amax,
     bind_prepare,
     bind_quantize_kv,
+    bind_quantize_q,
     vt_columns,
 )
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
@@ -151,26 +153,33 @@ def varlen_config(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q
 
 
 def varlen_workspace_specs(
-    total_q: int, total_k: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, quantize: bool
+    total_q: int, total_k: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, quantize: bool,
+    q_copy: bool = False,
 ):
     """Scratch of one fp8 call: V^T (fp8, token-contiguous rows padded to 16 tokens), k in
-    fp8 when quantising bf16/fp16 inputs (q is quantised tile by tile inside the attention
-    kernel), and the float32 scale slots (`_triton_quant.SCALE_SLOTS`). The bf16/fp16
-    path needs none."""
+    fp8 when quantising bf16/fp16 inputs, the float32 scale slots
+    (`_triton_quant.SCALE_SLOTS`) and, `q_copy`, q in fp8 (the sm_90 Gluon kernel reads q
+    from memory; the Triton kernel quantises q tile by tile itself). The bf16/fp16 path
+    needs none."""
     specs = [((num_kv_heads, head_dim_v, vt_columns(total_k)), FP8)]
     if quantize:
         specs += [((total_k, num_kv_heads, head_dim), FP8)]
-    return specs + [((SCALE_SLOTS,), torch.float32)]
+    specs += [((SCALE_SLOTS,), torch.float32)]
+    if quantize and q_copy:
+        specs += [((total_q, num_q_heads, head_dim), FP8)]
+    return specs
 
 
 def flash_attn_varlen_workspace(
     total_q: int, total_k: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, fp8: bool = True,
 ):
     """This backend's worst case for one call (the record's `workspace`): the fp8 path
-    quantising bf16/fp16 inputs (fp8 inputs need less); nothing when `fp8` is False."""
+    quantising bf16/fp16 inputs for the sm_90 Gluon kernel, with a q copy (fp8 inputs and
+    the Triton kernel need less); nothing when `fp8` is False."""
     if not fp8:
         return []
-    return varlen_workspace_specs(total_q, total_k, num_q_heads, num_kv_heads, head_dim, head_dim_v, quantize=True)
+    return varlen_workspace_specs(total_q, total_k, num_q_heads, num_kv_heads, head_dim, head_dim_v, quantize=True,
+                                  q_copy=True)
 
 
 def prepare_fp8_quantisation(q, k, v, cu_seqlens_q, quantize=True):
@@ -270,10 +279,10 @@ def prepare_flash_attn_varlen(
         return run
 
     # fp8: V^T [Hk, Dv, Tk_pad] from the workspace, seen by the kernel as [Tk, Hk, Dv].
-    specs = tuple(varlen_workspace_specs(tq, tk, hq, hk, d, dv, quantize))
     columns = vt_columns(tk)
     vt_strides = (1, dv * columns, columns)
     quantise = prepare_fp8_quantisation(q, k, v, cu_seqlens_q, quantize)
+    has_variant = (0 <= window_left < tk) or softcap != 0.0 or sinks is not None
 
     if quantize:
         # k8 is contiguous; every descale is a [1] scale slot.
@@ -281,28 +290,42 @@ def prepare_flash_attn_varlen(
             q, num_seqs, hk, dv, (hk * d, d), vt_strides, max_seqlen_q, scale, causal, ((0, 0),) * 3, True,
             config, emulate, tk, q_quant=True, **variants,
         )
+        gluon = quantise_q = None
+        if attend is not None and not explicit_config and wgmma_varlen_fp8_fits(
+                q, k, v, max_seqlen_q, has_variant, copies=True):
+            # sm_90: q, k quantised into fp8 copies for the fp8 Gluon kernel (it reads q by TMA).
+            gluon = bind_wgmma_varlen_fp8(q, k, (hk, dv, columns), num_seqs, max_seqlen_q, scale, causal,
+                                          ((0, 0),) * 3, None, copies=True)
+            quantise_q = bind_quantize_q(q)
+        specs = tuple(varlen_workspace_specs(tq, tk, hq, hk, d, dv, True, q_copy=gluon is not None))
 
         def run_quantised(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                           q_descale=None, k_descale=None, v_descale=None, fp8="off",
                           window_left=-1, softcap=0.0, sinks=None):
             out = new_out()
-            vt, k8, scales = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
+            vt, k8, scales, *q8 = current_workspace_manager(device).get_simultaneous(*specs, owner=VARLEN_OWNER)
             quantise(q, k, v, cu_seqlens_q, out, k8, vt, scales)
-            if attend is not None:
-                # The attention kernel quantises q itself, from its amax (slot 0: `scales`).
-                attend(q, k8, vt, out, cu_seqlens_q, cu_seqlens_k,
-                       scales, scales[DESCALE_K : DESCALE_K + 1], scales[DESCALE_V : DESCALE_V + 1],
-                       q if sinks is None else sinks)
+            if attend is None:
+                return out
+            k_descale, v_descale = scales[DESCALE_K : DESCALE_K + 1], scales[DESCALE_V : DESCALE_V + 1]
+            if gluon is not None:
+                quantise_q(q, q8[0], scales)
+                if gluon(q8[0], k8, vt, out, cu_seqlens_q, cu_seqlens_k, scales[DESCALE_Q : DESCALE_Q + 1],
+                         k_descale, v_descale, q):
+                    return out
+            # The Triton kernel quantises q itself, from its amax (slot 0: `scales`).
+            attend(q, k8, vt, out, cu_seqlens_q, cu_seqlens_k, scales, k_descale, v_descale,
+                   q if sinks is None else sinks)
             return out
 
         return run_quantised
 
+    specs = tuple(varlen_workspace_specs(tq, tk, hq, hk, d, dv, False))
     descale_strides = tuple(_descale_strides(x) for x in (q_descale, k_descale, v_descale))
     attend = bind_varlen(
         q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), vt_strides, max_seqlen_q, scale, causal,
         descale_strides, True, config, emulate, tk, **variants,
     )
-    has_variant = (0 <= window_left < tk) or softcap != 0.0 or sinks is not None
     if attend is not None and not explicit_config and wgmma_varlen_fp8_fits(q, k, v, max_seqlen_q, has_variant):
         # sm_90: the fp8 Gluon kernel (a config override asks for the Triton kernel's tiles).
         attend = bind_wgmma_varlen_fp8(q, k, (hk, dv, columns), num_seqs, max_seqlen_q, scale, causal,

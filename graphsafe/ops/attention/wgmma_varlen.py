@@ -183,14 +183,19 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
 
 
 def wgmma_varlen_fp8_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int,
-                          variants: bool) -> bool:
-    """Whether this fp8-input call signature runs the fp8 "tma" kernel (alignment aside):
-    an sm_90 CUDA device, q and k float8_e4m3fn with D = Dv = 128, 128-row blocks, TMA
-    views of q and k (heads contiguous, token strides of whole 16-byte groups), no
-    variant, the shared memory (the V^T copy the fp8 path writes is always a TMA view)."""
+                          variants: bool, copies: bool = False) -> bool:
+    """Whether this fp8 call signature runs the fp8 "tma" kernel (alignment aside): an
+    sm_90 CUDA device, D = Dv = 128, 128-row blocks, no variant, the shared memory, and
+    q and k float8_e4m3fn TMA views (heads contiguous, token strides of whole 16-byte
+    groups) or, `copies`, bf16/fp16 inputs the op quantises into contiguous fp8 copies.
+    (The V^T copy the fp8 path writes is always a TMA view.)"""
     if variants or q.device.type != "cuda" or torch.version.hip is not None:
         return False
-    if q.dtype != torch.float8_e4m3fn or k.dtype != q.dtype:
+    fp8 = torch.float8_e4m3fn
+    if copies:
+        if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
+            return False
+    elif q.dtype != fp8 or k.dtype != fp8:
         return False
     module = _gluon_module()
     if module is None or torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -198,7 +203,7 @@ def wgmma_varlen_fp8_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max
     d, dv = q.shape[2], v.shape[2]
     if not (d == dv == 128 and max_seqlen_q > 64 and q.shape[0] > 0 and k.shape[0] > 0):
         return False
-    if any(x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % 16 for x in (q, k)):
+    if not copies and any(x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % 16 for x in (q, k)):
         return False
     smem = max_shared_memory(q.device)
     block_m, block_n = wgmma_varlen_tiles(max_seqlen_q, d)
@@ -222,15 +227,25 @@ def warp_specialisation_fp8() -> tuple[int, int, int]:
 
 def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int, int, int], num_seqs: int,
                           max_seqlen_q: int, scale: float, causal: bool,
-                          descale_strides: tuple[tuple[int, int], ...], triton_launch: Launch) -> Launch:
+                          descale_strides: tuple[tuple[int, int], ...], triton_launch: Launch | None,
+                          copies: bool = False) -> Launch:
     """A launch with `triton_launch`'s arguments, `(q, k, vt, out, cu_q, cu_k, q_descale,
     k_descale, v_descale, sinks)` (fp8 q, k; V^T `vt` of shape `vt_shape`; out contiguous
     [Tq, Hq, Dv]): the fp8 Gluon kernel (which reads no sinks: a placeholder here) for
     16-byte aligned q, k, vt, else `triton_launch`. `descale_strides`: each descale's
-    (sequence, kv head) strides, (0, 0) for one value per tensor."""
+    (sequence, kv head) strides, (0, 0) for one value per tensor. `copies`: q and k are
+    bf16/fp16 inputs whose contiguous fp8 copies each call passes instead; then
+    `triton_launch` may be None, and a call the Gluon kernel cannot run (a failed
+    compile) returns False for the caller to run it its own way."""
     module = _gluon_module()
     tq, hq, d = q.shape
     tk, hk = k.shape[:2]
+    fp8 = torch.float8_e4m3fn
+    like = torch.empty(0, dtype=fp8, device=q.device)
+    if copies:
+        q_view, k_view = (q.shape, hq * d), (k.shape, hk * d)
+    else:
+        q_view, k_view = (q.shape, q.stride(0)), (k.shape, k.stride(0))
     dv = vt_shape[1]
     block_m, block_n = wgmma_varlen_tiles(max_seqlen_q, d)
     num_m_blocks = triton.cdiv(max_seqlen_q, block_m)
@@ -240,7 +255,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
     if key not in _FAILED:
         stages, consumer_regs, loader_regs = ws
         work = num_m_blocks * num_seqs * hq
-        descriptors = module.tma_descriptors_fp8(q, k, vt_shape, block_n)  # templates: each call's q, k, vt
+        descriptors = module.tma_descriptors_fp8(like, q_view, k_view, vt_shape, block_n)  # templates
         strides = tuple(x for pair in descale_strides for x in pair)
         wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
                      q, q, q, q, q, q,  # out, cu_q, cu_k, the descales: only their device is read
@@ -248,17 +263,22 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
                      GROUP=hq // hk, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DK=d, DV=dv, STAGES=stages,
                      CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, num_warps=4)
 
-    def launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks):
+    def launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks) -> bool:
+        """Whether the call ran (False only without a `triton_launch`: the caller runs it)."""
         nonlocal wgmma
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | vt.data_ptr()) & 15:
             try:
-                return wgmma(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale)
+                wgmma(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale)
+                return True
             except _COMPILE_ERRORS as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None
                 if key not in _FAILED:
                     _FAILED.add(key)
                     warnings.warn(f"graphsafe flash_attn_varlen: the sm_90 fp8 Gluon kernel did not compile for {key} "
                                   f"({exc}); running the Triton kernel", RuntimeWarning, stacklevel=2)
+        if triton_launch is None:
+            return False
         triton_launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks)
+        return True
 
     return launch
