@@ -25,6 +25,13 @@ Three kernels share that loop (`wgmma_varlen.varlen_kernel` picks):
   before use (V, `_zero_rows_from`), so no neighbour's NaN meets a p = 0. Shared memory
   at D = 128: two q buffers [128, D] 64 KiB + 2 stages x (K 32 + V 32) KiB = 192 KiB;
   at D = 192: 96 KiB + 3 stages x (K 24 + V 16) KiB = 216 KiB.
+  Its FP8 variant (constexpr) serves the fp8 path at D = Dv = 128: q, k and V^T (the
+  fp8 path's transposed copy, so both products read K-major operands as fp8 wgmma
+  needs) by TMA, p through shared memory (Triton 3.6 cannot keep 8-bit registers of an
+  in-flight wgmma), descales per tensor or per (sequence, head), P scaled by P_SCALE as
+  in the Triton kernel; V^T tiles start at 16-token columns (TMA), so the keys run in a
+  frame from the sequence's first token rounded down to 16 (1.63 ms at the shape above
+  on fp8 inputs).
 - `varlen_fwd_ws_kernel` (128-row blocks at D = 128 in other layouts): the same with a
   loader warpgroup of 16-byte cp.async copies (2.25 ms); keys past the sequence (or
   past the last tile a block reads) are zero-filled, never read.
@@ -34,8 +41,8 @@ Three kernels share that loop (`wgmma_varlen.varlen_kernel` picks):
   with 128-row blocks). Shared memory: q + 2 stages of K and V.
 
 Semantics as the Triton kernel's (module docstring there), which stays the kernel of
-every other case (fp8, the variants, other head dims, other GPUs, the CPU interpreter,
-which cannot run Gluon): sequence bounds cut at the tensors' ends, bottom-right causal
+every other case (the variants, other head dims, fp8 but at D = Dv = 128 with 128-row
+blocks, other GPUs, the CPU interpreter, which cannot run Gluon): sequence bounds cut at the tensors' ends, bottom-right causal
 alignment, a row that sees no key writes 0, NaN scores keep their row NaN, rows outside
 every sequence are the prepare kernel's.
 

@@ -226,8 +226,9 @@ def prepare_flash_attn_varlen(
     """The runner of this call signature. `fp8` is resolved here ("auto": the cached
     per-device probe), with the tile config, the workspace specs and every launch.
     A call makes 2 launches (zero the output tail, attention) on the bf16/fp16 path,
-    4 quantising bf16/fp16 inputs (reset + tail, amax, k and V^T, attention) and 3 on
-    fp8 inputs (reset + tail, V^T, attention). The variants (window, softcap, whether
+    4 quantising bf16/fp16 inputs (reset + tail, amax, k and V^T, attention; 5 where the
+    sm_90 fp8 Gluon kernel runs: it reads a quantised copy of q) and 3 on fp8 inputs
+    (reset + tail, V^T, attention). The variants (window, softcap, whether
     there are sinks) are constexprs of the attention launch; `sinks` itself is a tensor
     argument per call. `config` (tests and benchmarks only) overrides (BLOCK_M, BLOCK_N,
     num_warps, num_stages)."""

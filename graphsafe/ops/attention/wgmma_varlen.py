@@ -47,6 +47,15 @@ def _gluon_module():
     return _gluon_prefill
 
 
+def _compile_failed(key: tuple, exc: Exception) -> None:
+    """Remember that the Gluon kernel of signature `key` did not compile (its later calls
+    and bindings run the Triton kernel at once) and say so, once per signature."""
+    if key not in _FAILED:
+        _FAILED.add(key)
+        warnings.warn(f"graphsafe flash_attn_varlen: the sm_90 Gluon kernel did not compile for {key} ({exc}); "
+                      "running the Triton kernel", RuntimeWarning, stacklevel=3)
+
+
 def tma_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether q, k and v can be read by TMA as 2-D [tokens, heads * head dim]: each
     head's row follows the previous head's (head stride = head dim), and there are
@@ -173,10 +182,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
                 return wgmma(q, k, v, out, cu_q, cu_k, *(q,) * placeholders)
             except _COMPILE_ERRORS as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None
-                if key not in _FAILED:
-                    _FAILED.add(key)
-                    warnings.warn(f"graphsafe flash_attn_varlen: the sm_90 Gluon kernel did not compile for {key} "
-                                  f"({exc}); running the Triton kernel", RuntimeWarning, stacklevel=2)
+                _compile_failed(key, exc)
         triton_launch(q, k, v, out, cu_q, cu_k, *rest)
 
     return launch
@@ -272,10 +278,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
                 return True
             except _COMPILE_ERRORS as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None
-                if key not in _FAILED:
-                    _FAILED.add(key)
-                    warnings.warn(f"graphsafe flash_attn_varlen: the sm_90 fp8 Gluon kernel did not compile for {key} "
-                                  f"({exc}); running the Triton kernel", RuntimeWarning, stacklevel=2)
+                _compile_failed(key, exc)
         if triton_launch is None:
             return False
         triton_launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks)
