@@ -120,7 +120,8 @@ for kernel, args, kw in launches:
     if fp8:
         need = W.fp8_shared_memory(G, *tiles, d, dv)
     else:
-        stages, q_buffers = (kw["STAGES"], 2) if ws else (2, 1)
+        stages, q_buffers = (kw["STAGES"], kw.get("Q_BUFFERS", 2)) if ws else (2, 1)
+        assert q_buffers == (W.tma_q_buffers(d) if kind == "tma" else 2 if ws else 1)
         need = G.shared_memory_bytes(*tiles, d, dv, stages, q_buffers)
     assert k.metadata.shared <= need, (k.metadata.shared, need, tiles)
 kinds = sorted(KERNELS[kernel] for kernel, _, _ in launches)
@@ -290,7 +291,7 @@ def test_the_gluon_kernel_needs_its_shared_memory(sm90, d, dv, head_stride, max_
     block_m, block_n = W.wgmma_varlen_tiles(max_seqlen_q, d)
     ws = W.warp_specialisation(kernel, d)
     assert (ws is not None) == (block_m == 128 and d >= 128)
-    stages, q_buffers = (2, 1) if ws is None else (ws[0], 2)
+    stages, q_buffers = (2, 1) if ws is None else (ws[0], W.tma_q_buffers(d) if kernel == "tma" else 2)
     need = _gluon_module().shared_memory_bytes(block_m, block_n, d, dv, stages, q_buffers)
     assert need <= SM90_SHARED
     for smem, fits in ((need, True), (need - 1, False), (None, False)):

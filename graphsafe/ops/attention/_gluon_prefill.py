@@ -24,7 +24,8 @@ Three kernels share that loop (`wgmma_varlen.varlen_kernel` picks):
   TMA reads whole tiles: rows past a sequence are masked (K) or zeroed in shared memory
   before use (V, `_zero_rows_from`), so no neighbour's NaN meets a p = 0. Shared memory
   at D = 128: two q buffers [128, D] 64 KiB + 2 stages x (K 32 + V 32) KiB = 192 KiB;
-  at D = 192: 96 KiB + 3 stages x (K 24 + V 16) KiB = 216 KiB.
+  at D = 192: one q buffer 48 KiB + 2 stages x (K 48 + V 32) KiB = 208 KiB (a consumer
+  releases q after its last q.k, so the next tile's q lands during the last p.V).
   Its FP8 variant (constexpr) serves the fp8 path at D = Dv = 128: q, k and V^T (the
   fp8 path's transposed copy, so both products read K-major operands as fp8 wgmma
   needs) by TMA, p through shared memory (Triton 3.6 cannot keep 8-bit registers of an
@@ -496,7 +497,8 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
                  WG: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  CHUNKS: gl.constexpr, FP8: gl.constexpr = False, p_smem=None, lead=0):
     """One warpgroup's key loop over a work tile's n_tiles (> 0) key tiles, at ring position
-    `ring` and q buffer `count % 2`: (acc, row max, row sum). Releases every buffer it read.
+    `ring` and q buffer `count % (q buffers)`: (acc, row max, row sum). Releases every
+    buffer it read.
     DV: v's head dim. q and k come in CHUNKS column chunks (`_scores`): q half w of
     buffer qb is q_smem[(2 qb + w) CHUNKS + c], ring stage s of k is k_smem[s CHUNKS + c].
     FP8: q, k and p are float8e4nv, v_smem holds V^T tiles [DV, BLOCK_N] (fp8 wgmma reads
@@ -515,14 +517,18 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
     offs_m = r0 + gl.arange(0, 64, layout=S_ROW)
     full_tiles = _full_tiles(r0, k_len, diag, BLOCK_N, CAUSAL)
-    qb = count % 2
+    Q_BUFFERS: gl.constexpr = q_full.shape[0]
+    qb = count % Q_BUFFERS
     q0 = (2 * qb + WG) * CHUNKS
-    mbarrier.wait(q_full.index(qb), (count // 2) & 1)
+    mbarrier.wait(q_full.index(qb), (count // Q_BUFFERS) & 1)
     s0 = ring % STAGES
     mbarrier.wait(k_full.index(s0), (ring // STAGES) & 1)
     fence_async_shared()
     s = _scores(q_smem, q0, k_smem, s0 * CHUNKS, gl.zeros([64, BLOCK_N], gl.float32, layout=S_MMA), CHUNKS, False)
     mbarrier.arrive(k_empty.index(s0))
+    # q is released once its last q.k is done (not after the last p.V): the loader can
+    # fill the buffer for the next work tile meanwhile (with one q buffer, no bubble).
+    mbarrier.arrive(q_empty.index(qb), pred=n_tiles == 1)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, full_tiles, offs_m, k_len, diag, qk_scale,
                                        BLOCK_N, S_COL, CAUSAL, FP8, lead)
     p_op = _p_operand(p, dtype, P_OPERAND, p_smem, FP8)
@@ -539,6 +545,7 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
         acc = warpgroup_mma(p_op, _v_operand(v_smem, sv, FP8), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(sk))
+        mbarrier.arrive(q_empty.index(qb), pred=j + 2 == n_tiles)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j + 1, full_tiles, offs_m, k_len, diag,
                                            qk_scale, BLOCK_N, S_COL, CAUSAL, FP8, lead)
         if FP8:
@@ -557,7 +564,6 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     else:
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index(sv))
-    mbarrier.arrive(q_empty.index(qb))
     return acc, m_i, l_i
 
 
@@ -725,6 +731,7 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
     from the sequence's first token rounded down to 16, and the first tile's columns
     before the sequence are zeroed too."""
     CHUNKS: gl.constexpr = DK // q_desc.block_type.shape[1]
+    Q_BUFFERS: gl.constexpr = q_full.shape[0]
     ring = 0
     count = 0
     fixes = 0
@@ -733,8 +740,8 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
         q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
             cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 1, 16 if FP8 else 1)
         if n_tiles > 0:
-            qb = count % 2
-            mbarrier.wait(q_empty.index(qb), ((count // 2) & 1) ^ 1)
+            qb = count % Q_BUFFERS
+            mbarrier.wait(q_empty.index(qb), ((count // Q_BUFFERS) & 1) ^ 1)
             mbarrier.expect(q_full.index(qb), 2 * CHUNKS * q_desc.block_type.nbytes)
             for w in gl.static_range(2):
                 _tma_chunks(q_desc, q_start + m0 + 64 * w, head * DK, q_full.index(qb), q_smem, (2 * qb + w) * CHUNKS,
@@ -779,7 +786,7 @@ def varlen_fwd_tma_kernel(
     qk_scale, num_q_heads, num_m_blocks, total_q, total_k, num_seqs,
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-    FP8: gl.constexpr,
+    FP8: gl.constexpr, Q_BUFFERS: gl.constexpr = 2,
 ):
     """`varlen_fwd_ws_kernel` with a one-warp TMA loader: q, k, v come as TMA descriptors
     of their 2-D views [tokens, heads * head dim] (blocks [64, DK] for q, [BLOCK_N, DK]
@@ -794,13 +801,13 @@ def varlen_fwd_tma_kernel(
     dtype: gl.constexpr = q_desc.dtype
     KC: gl.constexpr = q_desc.block_type.shape[1]  # q and k columns a chunk
     CHUNKS: gl.constexpr = DK // KC
-    q_smem = gl.allocate_shared_memory(dtype, [4 * CHUNKS, 64, KC], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS * CHUNKS, 64, KC], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS, BLOCK_N, KC], k_desc.layout)
     V_ROWS: gl.constexpr = v_desc.block_type.shape[0]  # [BLOCK_N, DV], FP8: V^T's [DV, BLOCK_N]
     V_COLS: gl.constexpr = v_desc.block_type.shape[1]
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], v_desc.layout)
-    q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -812,7 +819,7 @@ def varlen_fwd_tma_kernel(
     else:
         p_smem = q_smem  # (not read: a partition takes no None)
     # Full: the loader's one arrive with the bytes it expects; empty: each consumer once.
-    for i in gl.static_range(2):
+    for i in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
     for i in gl.static_range(STAGES):

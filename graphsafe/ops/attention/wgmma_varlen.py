@@ -77,11 +77,11 @@ def varlen_kernel(max_seqlen_q: int, d: int, dv: int, tma: bool) -> str | None:
 
 def wgmma_varlen_tiles(max_seqlen_q: int, d: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): 128 query rows (two warpgroups) unless every sequence is
-    short; 128 keys a tile at D = 128, 64 at D = 64 (measured on an H200, 8 x 4096
+    short; 128 keys a tile at D = 128 and 192, 64 at D = 64 (measured on an H200, 8 x 4096
     causal, 32/8 heads: D = 128 2.60 ms with 128 keys vs 2.73 with 64; D = 64 1.52 vs
-    1.84 ms) and at D = 192, where 128 keys would not fit the shared memory with the two
-    q buffers."""
-    return (128 if max_seqlen_q > 64 else 64), (128 if d == 128 else 64)
+    1.84 ms; 16/16 heads, D = 192 / Dv = 128: 1.32 ms with 128 keys and one q buffer vs
+    1.46-1.48 with 64 keys, 3 stages and two)."""
+    return (128 if max_seqlen_q > 64 else 64), (64 if d == 64 else 128)
 
 
 def warp_specialisation(kernel: str, d: int) -> tuple[int, int, int] | None:
@@ -91,17 +91,25 @@ def warp_specialisation(kernel: str, d: int) -> tuple[int, int, int] | None:
     2.254, 4.326; 224 / 64 0.696, 2.436, 4.654; 216 / 80 0.715, 2.386, 4.594 (the
     consumers spill); with 24 loader registers 3.65 ms at 8 x 4096 (the loader starves).
     "tma" (one loader warp): 232 / 32 0.631, 1.988, 3.783; 240 / 32 0.578, 2.127, 3.845;
-    232 / 24 0.604, 2.040, 3.785. At D = 192 (3 stages of 64 keys) 232 / 32 too."""
+    232 / 24 0.604, 2.040, 3.785 (within run-to-run noise of each other). At D = 192 (one
+    q buffer, `tma_q_buffers`) 2 stages of 128 keys, 232 / 32 too."""
     if kernel == "ws":
         return 2, 232, 48
     if kernel == "tma":
-        return (2 if d == 128 else 3), 232, 32
+        return 2, 232, 32
     return None
+
+
+def tma_q_buffers(d: int) -> int:
+    """q buffers of the "tma" kernel: two (the next work tile's q loads while this one
+    computes), one at D = 192, where two would not leave room for 128-key tiles (a q
+    buffer is released after its last q.k, so its refill overlaps the last p.V)."""
+    return 1 if d == 192 else 2
 
 
 def _shared_memory(module, kernel: str, block_m: int, block_n: int, d: int, dv: int) -> int:
     ws = warp_specialisation(kernel, d)
-    stages, q_buffers = (2, 1) if ws is None else (ws[0], 2)
+    stages, q_buffers = (2, 1) if ws is None else (ws[0], tma_q_buffers(d) if kernel == "tma" else 2)
     return module.shared_memory_bytes(block_m, block_n, d, dv, stages, q_buffers)
 
 
@@ -161,7 +169,8 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
             wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
                          q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8)
                          hq * dv, dv, *(0,) * 6, *sizes, num_seqs, **meta, DK=d, DV=dv, STAGES=stages,
-                         CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=False, num_warps=4)
+                         CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=False,
+                         Q_BUFFERS=tma_q_buffers(d), num_warps=4)
         else:
             args = (q, q, q, q, q, q,  # placeholders: only their device is read
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq * d, d, *sizes)
@@ -267,7 +276,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
                      q, q, q, q, q, q,  # out, cu_q, cu_k, the descales: only their device is read
                      hq * dv, dv, *strides, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
                      GROUP=hq // hk, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DK=d, DV=dv, STAGES=stages,
-                     CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, num_warps=4)
+                     CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, Q_BUFFERS=2, num_warps=4)
 
     def launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks) -> bool:
         """Whether the call ran (False only without a `triton_launch`: the caller runs it)."""
