@@ -7,8 +7,9 @@ no variant: window, softcap, sinks), chosen by `varlen_kernel`:
   them as 2-D [tokens, heads * head dim]);
 - "ws": the same with 16-byte cp.async copies, for D = Dv = 128 in other layouts;
 - "wgmma": one partition, for 64-row blocks (every sequence short) and D = Dv = 64.
-The fp8 path on fp8 inputs (q, k fp8, V^T from its transposed copy) runs the "tma" kernel
-with fp8 wgmma at D = Dv = 128 and 128-row blocks (`wgmma_varlen_fp8_fits`).
+The fp8 path runs the "tma" kernel with fp8 wgmma at D = Dv = 128 and 128-row blocks
+(`wgmma_varlen_fp8_fits`): on fp8 inputs (q, k as given, V^T from its transposed copy)
+and on bf16/fp16 inputs, from the fp8 copies of q, k and V^T the op quantises them into.
 Everything else, and any call whose q, k or v is not 16-byte aligned, runs the Triton
 kernel, as does every call of a signature whose Gluon kernel failed to compile (a
 warning says so once). The decision on shapes, strides, dtype and device is made once
