@@ -256,6 +256,8 @@ def prepare_flash_attn_varlen(
     emulate = EMULATE_FP8_CAST and device.type == "cpu"
     sinks_stride = None if sinks is None else sinks.stride(0)
     variants = {"window_left": window_left, "softcap": softcap, "sinks_stride": sinks_stride}
+    # (A window of every key is none: `bind_varlen` compiles it away; the Gluon kernels take no variant.)
+    has_variant = (0 <= window_left < tk) or softcap != 0.0 or sinks is not None
 
     if not use_fp8:
         zero_tail = bind_prepare(q, num_seqs, tq, hq * dv, False)  # not None: out has elements
@@ -263,7 +265,6 @@ def prepare_flash_attn_varlen(
             q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1), v.stride(2)),
             max_seqlen_q, scale, causal, None, False, config, emulate, tk, **variants,
         )
-        has_variant = (0 <= window_left < tk) or softcap != 0.0 or sinks is not None
         if attend is not None and not explicit_config and wgmma_varlen_fits(q, k, v, max_seqlen_q, scale, has_variant):
             # sm_90: the Gluon kernel (a config override asks for the Triton kernel's tiles).
             attend = bind_wgmma_varlen(q, k, v, num_seqs, max_seqlen_q, scale, causal, attend)
@@ -283,7 +284,6 @@ def prepare_flash_attn_varlen(
     columns = vt_columns(tk)
     vt_strides = (1, dv * columns, columns)
     quantise = prepare_fp8_quantisation(q, k, v, cu_seqlens_q, quantize)
-    has_variant = (0 <= window_left < tk) or softcap != 0.0 or sinks is not None
 
     if quantize:
         # k8 is contiguous; every descale is a [1] scale slot.

@@ -57,6 +57,17 @@ def _compile_failed(key: tuple, exc: Exception) -> None:
                       "running the Triton kernel", RuntimeWarning, stacklevel=3)
 
 
+def _sm90_gluon(device: torch.device):
+    """The Gluon kernels' module where they can run on `device` (an sm_90 CUDA GPU, not
+    HIP, a Triton with Gluon), else None."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    module = _gluon_module()
+    if module is None or torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    return module
+
+
 def tma_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether q, k and v can be read by TMA as 2-D [tokens, heads * head dim]: each
     head's row follows the previous head's (head stride = head dim), and there are
@@ -123,12 +134,10 @@ def wgmma_varlen_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seq
     whole number of 16 bytes; the 16-byte cp.async copies' token and head strides
     multiples of 16 elements (what Triton's specialisation of an int proves: with 8, the
     copies cannot be proven 16-byte aligned and the kernel does not compile)."""
-    if variants or q.device.type != "cuda" or torch.version.hip is not None:
+    if variants or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    module = _gluon_module()
-    if module is None or torch.cuda.get_device_capability(q.device) != (9, 0):
+    module = _sm90_gluon(q.device)
+    if module is None:
         return False
     d, dv = q.shape[2], v.shape[2]
     kernel = varlen_kernel(max_seqlen_q, d, dv, tma_views(q, k, v))
@@ -205,16 +214,11 @@ def wgmma_varlen_fp8_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max
     q and k float8_e4m3fn TMA views (heads contiguous, token strides of whole 16-byte
     groups) or, `copies`, bf16/fp16 inputs the op quantises into contiguous fp8 copies.
     (The V^T copy the fp8 path writes is always a TMA view.)"""
-    if variants or q.device.type != "cuda" or torch.version.hip is not None:
+    dtypes = (torch.float16, torch.bfloat16) if copies else (torch.float8_e4m3fn,)
+    if variants or q.dtype not in dtypes or k.dtype != q.dtype:
         return False
-    fp8 = torch.float8_e4m3fn
-    if copies:
-        if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
-            return False
-    elif q.dtype != fp8 or k.dtype != fp8:
-        return False
-    module = _gluon_module()
-    if module is None or torch.cuda.get_device_capability(q.device) != (9, 0):
+    module = _sm90_gluon(q.device)
+    if module is None:
         return False
     d, dv = q.shape[2], v.shape[2]
     if not (d == dv == 128 and max_seqlen_q > 64 and q.shape[0] > 0 and k.shape[0] > 0):
