@@ -246,21 +246,24 @@ def _make_launch(kernel: Any, grid: tuple[int, int, int], full_args: list[Any], 
     ts = ", ".join(f"t{i}" for i in range(n))
     ps = ", ".join(f"p{i}" for i in range(n))
 
-    def tensor_arg(i: int, fast: bool) -> str:
+    def tensor_arg(i: int, form: str) -> str:
+        """Tensor i as the plain launch, a kept handle's launcher ("handle") or the adopted
+        fast launch takes it."""
         if i not in descriptors:  # the C launcher takes an int as the device address
-            return f"p{i}" if fast else f"t{i}"
-        # A descriptor: the launcher's form of it (X: the object or the encoded map with its
-        # shape and strides, chosen when the handle is adopted), else the object itself.
-        return f"*X{i}(t{i}, p{i})" if fast else f"D{i}(t{i})"
+            return f"t{i}" if form == "plain" else f"p{i}"
+        # A descriptor: the object itself, or on the fast launch its launcher's form (X: the
+        # object or the encoded map with its shape and strides, chosen at adoption).
+        return f"*X{i}(t{i}, p{i})" if form == "fast" else f"D{i}(t{i})"
+
+    def arg_list(count: int, form: str) -> list[str]:
+        return [tensor_arg(slot_of[i], form) if i in slot_of else f"A[{i}]" for i in range(count)]
 
     # The plain launch: `kernel[grid](*positional args, **the rest and the options)`.
-    plain_args = ", ".join([tensor_arg(slot_of[i], False) if i in slot_of else f"A[{i}]" for i in range(num_positional)]
-                           + ["**KW"])
+    plain_args = ", ".join([*arg_list(num_positional, "plain"), "**KW"])
     # The fast launch: every parameter in order, pointers as integers (the C launcher takes
     # an int as the device address and skips its data_ptr() call and driver query).
-    fast_args = ", ".join(tensor_arg(slot_of[i], True) if i in slot_of else f"A[{i}]" for i in range(len(full_args)))
-    slow_args = ", ".join(f"D{slot_of[i]}(t{slot_of[i]})" if slot_of.get(i) in descriptors else
-                          f"p{slot_of[i]}" if i in slot_of else f"A[{i}]" for i in range(len(full_args)))
+    fast_args = ", ".join(arg_list(len(full_args), "fast"))
+    handle_args = ", ".join(arg_list(len(full_args), "handle"))
     ptrs = "; ".join(f"p{i} = t{i}.data_ptr()" for i in range(n)) or "pass"
     any_misaligned = " | ".join(f"p{i}" for i in range(n)) or "0"
     mask = " | ".join(f"((p{i} & 15) == 0) << {i}" for i in range(n)) or "0"
@@ -283,7 +286,7 @@ def slow({ts}{", " if n else ""}{ps}):
     if handle is None:
         return plain({ts})
     try:
-        handle[0](G0, G1, G2, STREAM(DEVICE), handle[1], handle[2], None, None, None, {slow_args})
+        handle[0](G0, G1, G2, STREAM(DEVICE), handle[1], handle[2], None, None, None, {handle_args})
     except TypeError:
         REFUSED()
         return plain({ts})
