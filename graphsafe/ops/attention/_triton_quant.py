@@ -161,6 +161,18 @@ def _quantize(x, amax_ptr, QUANT: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _quantize_rows(x_ptr, x8_ptr, amax_ptr, t, head, n_tokens, n_heads, s_t, s_h,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, EMULATE: tl.constexpr):
+    """Tokens `t` of one head of x [T, H, D] (strides s_t, s_h) quantised per tensor from
+    the amax at `amax_ptr` into x8 [T, H, D] (contiguous); tokens past n_tokens skipped."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (t < n_tokens)[:, None] & (offs_d[None, :] < D)
+    src = x_ptr + t[:, None].to(tl.int64) * s_t + head * s_h + offs_d[None, :]
+    x8 = _quantize(tl.load(src, mask=mask, other=0.0), amax_ptr, True, EMULATE)
+    tl.store(x8_ptr + (t[:, None].to(tl.int64) * n_heads + head) * D + offs_d[None, :], x8, mask=mask)
+
+
+@triton.jit
 def _quant_kv_kernel(
     k_ptr, v_ptr, k8_ptr, vt_ptr, scales_ptr, n_tokens, n_heads, n_k_tiles,
     sk_t, sk_h, sv_t, sv_h, vt_h, vt_d,
@@ -182,13 +194,8 @@ def _quant_kv_kernel(
     # (Names differ between the branches: the compiler wants one type per name.)
     if pid < n_k_tiles:
         if QUANT:  # fp8 inputs: k is used as given
-            tk = pid * BLOCK_T + offs
-            offs_dk = tl.arange(0, BLOCK_D)
-            k_mask = (tk < n_tokens)[:, None] & (offs_dk[None, :] < D)
-            k_src = k_ptr + tk[:, None].to(tl.int64) * sk_t + head * sk_h + offs_dk[None, :]
-            k8 = _quantize(tl.load(k_src, mask=k_mask, other=0.0), scales_ptr + _AMAX_K, QUANT, EMULATE)
-            k_dst = k8_ptr + (tk[:, None].to(tl.int64) * n_heads + head) * D + offs_dk[None, :]
-            tl.store(k_dst, k8, mask=k_mask)
+            _quantize_rows(k_ptr, k8_ptr, scales_ptr + _AMAX_K, pid * BLOCK_T + offs, head, n_tokens, n_heads,
+                           sk_t, sk_h, D, BLOCK_D, EMULATE)
     else:
         tv = (pid - n_k_tiles) * BLOCK_T + offs
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -213,12 +220,8 @@ def _quant_q_kernel(
     head = tl.program_id(1).to(tl.int64)
     if (pid == 0) & (head == 0):
         tl.store(scales_ptr + _DESCALE_Q, descale_of(tl.load(scales_ptr + _AMAX_Q))[0])
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (t < n_tokens)[:, None] & (offs_d[None, :] < D)
-    src = q_ptr + t[:, None].to(tl.int64) * sq_t + head * sq_h + offs_d[None, :]
-    q8 = _quantize(tl.load(src, mask=mask, other=0.0), scales_ptr + _AMAX_Q, True, EMULATE)
-    tl.store(q8_ptr + (t[:, None].to(tl.int64) * n_heads + head) * D + offs_d[None, :], q8, mask=mask)
+    _quantize_rows(q_ptr, q8_ptr, scales_ptr + _AMAX_Q, pid * BLOCK_T + tl.arange(0, BLOCK_T), head, n_tokens,
+                   n_heads, sq_t, sq_h, D, BLOCK_D, EMULATE)
 
 
 def bind_quantize_q(q: torch.Tensor) -> Launch | None:
