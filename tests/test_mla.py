@@ -809,19 +809,26 @@ def test_launch_drops_a_stage_when_shared_memory_runs_out(monkeypatch):
         tri._triton_launch((1,), (x, x), _VARIANT, cfg, _WHERE)(x, x)
 
 
-def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch):
-    """The Gluon kernel compiles at the first call of its binding: a failure there (nothing
-    launched) warns once, is remembered per variant, and the Triton kernel runs that call
-    and the later ones; calls whose q or cache is not 16-byte aligned run the Triton kernel."""
+def _stand_in_kernels(monkeypatch, gluon, attn):
+    """The MLA runner with stand-ins for its Gluon kernel (`gluon`) and Triton kernel
+    (`attn`), and no failure or pipeline depth remembered yet."""
     import types
-    import warnings
 
-    gluon = _StandInKernel("gluon", lambda n: RuntimeError("PassManager::run failed"))
-    attn = _StandInKernel("attn")
     monkeypatch.setattr(tri, "_mla_attn_kernel", attn)
     monkeypatch.setattr(tri, "_gluon_module", lambda: types.SimpleNamespace(mla_attn_wgmma_kernel=gluon, NUM_WARPS=8))
     monkeypatch.setattr(tri, "_GLUON_FAILED", set())
     monkeypatch.setattr(tri, "_STAGES", {})
+
+
+def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch):
+    """The Gluon kernel compiles at the first call of its binding: a failure there (nothing
+    launched) warns once, is remembered per variant, and the Triton kernel runs that call
+    and the later ones; calls whose q or cache is not 16-byte aligned run the Triton kernel."""
+    import warnings
+
+    gluon = _StandInKernel("gluon", lambda n: RuntimeError("PassManager::run failed"))
+    attn = _StandInKernel("attn")
+    _stand_in_kernels(monkeypatch, gluon, attn)
     cfg = splits.kernel_config(128, "cuda")
     x = torch.zeros(64)
     bind = lambda: tri._attention_launch((1,), (x, x), _VARIANT, _VARIANT, cfg, _WHERE, True)  # noqa: E731
@@ -844,8 +851,6 @@ def test_a_gluon_compile_failure_stays_with_its_variant(monkeypatch):
     """The memo of a failed Gluon compile holds the whole variant: a failure of sparse_mla
     with an attention sink sends only that variant to the Triton kernel; the same shape
     without the sink still runs the Gluon kernel."""
-    import types
-
     gluon, attn, runs = object(), object(), []
 
     def bind(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record which kernel runs which variant
@@ -856,10 +861,7 @@ def test_a_gluon_compile_failure_stays_with_its_variant(monkeypatch):
         return launch
 
     monkeypatch.setattr(tri, "bind", bind)
-    monkeypatch.setattr(tri, "_mla_attn_kernel", attn)
-    monkeypatch.setattr(tri, "_gluon_module", lambda: types.SimpleNamespace(mla_attn_wgmma_kernel=gluon, NUM_WARPS=8))
-    monkeypatch.setattr(tri, "_GLUON_FAILED", set())
-    monkeypatch.setattr(tri, "_STAGES", {})
+    _stand_in_kernels(monkeypatch, gluon, attn)
     cfg = splits.kernel_config(128, "cuda")
     x = torch.zeros(64)
     with_sink, plain = ({**_VARIANT, "SPARSE": True, "HAS_SINK": sink} for sink in (True, False))
