@@ -1074,6 +1074,145 @@ def test_warpgroup_split_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90
     assert out.count("compiled") == 6, out
 
 
+_PAGED_COMPILE_SCRIPT = r"""
+import sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    # The Gluon API the kernel's module uses: a Triton without it has no backend for it.
+    from triton.experimental import gluon
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+# Outside the guard: an ImportError of the kernel's own module fails the test.
+from graphsafe.ops.mla import _gluon_paged as G
+import torch
+from graphsafe.ops.mla import splits, triton as tri
+
+launches = []
+
+def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the paged kernel's launches
+    def launch(*tensors):  # the call's tensors take the placeholders' places; descriptors stay
+        it = iter(tensors)
+        def take(a):
+            if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor":
+                t = next(it)
+                return a if type(a).__name__ == "TensorDescriptor" else t
+            return a
+        if kernel is G.mla_decode_tma_kernel:
+            launches.append((tuple(take(a) for a in args), dict(kw)))
+    return launch
+
+tri.bind = record
+tri.warpgroup_split_fits = lambda *a: True
+tri.max_shared_memory = lambda device: 232448  # Hopper's opt-in shared memory per block
+""" + SPECIALISE_PRELUDE + r"""
+cfg = splits.kernel_config(128, "cuda")
+for dtype, page, num_splits in ((torch.bfloat16, 64, 1), (torch.bfloat16, 64, 4), (torch.float16, 128, 4)):
+    q = torch.randn(2, 128, 576, dtype=dtype)
+    kv = torch.randn(64, page, 576, dtype=dtype)
+    table = torch.arange(64, dtype=torch.int32).view(2, 32)
+    lens = torch.full((2,), 2048, dtype=torch.int32)
+    assert tri.paged_tma_fits(q, kv, cfg, 512, 64)
+    tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=num_splits)
+for args, kw in launches:
+    warps = kw.pop("num_warps")
+    k = triton.compile(specialise(G.mla_decode_tma_kernel, args, kw, GluonASTSource),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    shapes = wgmma_shapes(k)
+    print("compiled", args[0].base.dtype, "page", kw["BLOCK_SIZE"], "SPLIT", kw["SPLIT"], "shared", k.metadata.shared, shapes)
+    # Per 64-key tile its warpgroup scores all 576 columns at N = 64 (36 k-steps of 16:
+    # two value halves and the rope part), and each warpgroup accumulates its 256 value
+    # columns of the tile (4 k-steps), for its own tile and the other's.
+    assert shapes == {"m64n64k16": 2 * 36, "m64n256k16": 2 * 2 * 4}, shapes
+    assert k.metadata.shared <= G.shared_memory_bytes(512, 64) <= 227 * 1024, k.metadata.shared
+assert len(launches) == 3, launches  # one launch per call: no id scan, no second launch
+print("OK")
+"""
+
+
+def test_paged_tma_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
+    """The dense decode's TMA kernel (sm_90 only, never run by the interpreter), launched as
+    the MLA launcher launches it (bf16 and fp16, pages of 64 and 128, with and without
+    splits), compiles for sm_90 with this Triton: one launch per call, N = 64 q.k wgmmas,
+    and shared memory within the estimate `paged_tma_fits` decides by and Hopper's 227 KiB."""
+    out = compile_for_sm90(_PAGED_COMPILE_SCRIPT, timeout=900)
+    assert out.count("compiled") == 3, out
+
+
+def _hopper_stand_ins(monkeypatch):
+    """A stand-in sm_90 device for the fit checks: the capability, Hopper's shared memory,
+    no HIP."""
+    monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tri, "max_shared_memory", lambda device: 232448)
+    monkeypatch.setattr(tri.torch.version, "hip", None)
+
+
+def _stand_in_tensor(dtype, shape, stride=None):
+    import types
+
+    stride = stride or tuple(int(torch.tensor(shape[i + 1:]).prod()) for i in range(len(shape)))
+    return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=shape,
+                                 stride=lambda dim=None: stride if dim is None else stride[dim])
+
+
+def test_paged_tma_fits_only_views_tma_can_read(monkeypatch):
+    """The dense decode's TMA kernel takes pages of a multiple of 64 slots, q whose heads
+    follow each other and a cache whose pages do (TMA reads each as 2-D rows, padded or
+    not); other page sizes, a slice of q's heads, padded pages, an fp8_ds_mla cache and
+    other GPUs keep the 64-head Gluon kernel."""
+    _hopper_stand_ins(monkeypatch)
+    cfg = splits.kernel_config(128, "cuda")
+    q = _stand_in_tensor(torch.bfloat16, (2, 128, 576))
+    fits = lambda q, kv: tri.paged_tma_fits(q, kv, cfg, 512, 64)  # noqa: E731
+    assert fits(q, _stand_in_tensor(torch.bfloat16, (64, 64, 576)))
+    assert fits(q, _stand_in_tensor(torch.bfloat16, (32, 128, 576)))
+    assert not fits(q, _stand_in_tensor(torch.bfloat16, (256, 16, 576)))  # 64 keys would span 4 pages
+    assert not fits(q, _stand_in_tensor(torch.bfloat16, (64, 64, 576), (64 * 576 + 64, 576, 1)))  # padded pages
+    kv = _stand_in_tensor(torch.bfloat16, (64, 64, 576))
+    assert fits(_stand_in_tensor(torch.bfloat16, (2, 128, 576), (128 * 640, 640, 1)), kv)  # padded heads: rows of 640
+    assert not fits(_stand_in_tensor(torch.bfloat16, (2, 128, 576), (256 * 576, 576, 1)), kv)  # 128 of 256 heads
+    assert not fits(q, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64))))
+    monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not fits(q, _stand_in_tensor(torch.bfloat16, (64, 64, 576)))
+
+
+def test_paged_kernel_compile_failure_runs_the_other_launch(monkeypatch):
+    """The paged kernel compiles at the first call of its binding: a failure there (nothing
+    launched) warns once and the 64-head kernels' launch runs that call and the later ones;
+    calls whose q or cache is not 16-byte aligned run it without trying the paged kernel."""
+    import types
+    import warnings
+
+    calls = []
+
+    def bind(kernel, grid, *args, **kw):  # graphsafe.launch.bind: the paged kernel fails to compile
+        def launch(*tensors):
+            calls.append("paged")
+            raise RuntimeError("PassManager::run failed")
+        return launch
+
+    monkeypatch.setattr(tri, "bind", bind)
+    monkeypatch.setattr(tri, "_GLUON_FAILED", set())
+    monkeypatch.setattr(tri, "_paged_module", lambda: types.SimpleNamespace(
+        mla_decode_tma_kernel=object(), tma_descriptors=lambda q, kv, r: (q, q, kv, kv), CONSUMER_REGS=232,
+        LOADER_REGS=24, NUM_WARPS=4))
+    x = torch.zeros(64)
+    fallback = lambda *tensors: calls.append("fallback")  # noqa: E731
+    run = tri._paged_launch((1,), x, x, 512, (), 64, False, _WHERE, fallback)
+    run(x[1:], x, *(x,) * 7)  # misaligned q
+    assert calls == ["fallback"]
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        run(x, x, *(x,) * 7)
+    assert calls == ["fallback", "paged", "fallback"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(x, x, *(x,) * 7)
+        tri._paged_launch((1,), x, x, 512, (), 64, False, _WHERE, fallback)(x, x, *(x,) * 7)
+    assert calls == ["fallback", "paged", "fallback", "fallback", "fallback"]
+
+
 def test_warpgroup_split_declines_an_fp8_ds_cache(monkeypatch):
     """On a (stand-in) sm_90 device with the Gluon kernel's shapes, a bf16 cache fits the
     warpgroup-split kernel and an fp8_ds_mla cache (uint8 records) does not: the Triton

@@ -169,6 +169,49 @@ def test_warpgroup_split_kernel_edges_match_reference(dtype, r, block_size):
     assert not tri._GLUON_FAILED, tri._GLUON_FAILED
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("heads", [128, 80])
+def test_paged_tma_kernel_matches_reference(monkeypatch, dtype, page, heads):
+    """The dense decode's TMA kernel (_gluon_paged.py) on its own edges: lengths at and
+    around the 64-key tile and the tile pair (0, 1, 63, 64, 65, 127, 128, 129, full),
+    block ids outside the cache inside a sequence (-1, past the end, negative), NaN in the
+    cache rows past each sequence's end (the cut tile's rows TMA reads), a partial head
+    tile (80 heads), with and without splits; outputs poisoned (NaN blocks freed into the
+    caching allocator). Every call runs the paged kernel: its fallback never runs."""
+    _sm90()
+    fallbacks = []
+    paged = tri._paged_launch
+
+    def counted(grid, q, kv, r, scalars, bs, split, where, fallback):
+        return paged(grid, q, kv, r, scalars, bs, split, where, lambda *a: fallbacks.append(1) or fallback(*a))
+
+    monkeypatch.setattr(tri, "_paged_launch", counted)
+    gen = torch.Generator(device=CUDA).manual_seed(page + heads)
+    r, p, capacity = 512, 64, 1024
+    lens = torch.tensor([0, 1, 63, 64, 65, 127, 128, 129, 1000, capacity, 700], dtype=torch.int32, device=CUDA)
+    batch = lens.numel()
+    num_blocks = batch * capacity // page + 3
+    kv = torch.randn(num_blocks, page, r + p, generator=gen, device=CUDA, dtype=dtype)
+    bt = torch.randperm(num_blocks, generator=gen, device=CUDA)[: batch * capacity // page]
+    bt = bt.view(batch, -1).to(torch.int32)
+    bt[8, 2], bt[8, 5], bt[10, 0] = -1, num_blocks + 5, -7  # no keys there (the reference agrees)
+    for b, n in enumerate(lens.tolist()):  # NaN past each sequence's end in its last page
+        if n % page:
+            kv[bt[b, n // page].clamp(0, num_blocks - 1), n % page:] = float("nan")
+    q = torch.randn(batch, heads, r + p, generator=gen, device=CUDA, dtype=dtype)
+    scale = (r + p) ** -0.5
+    cfg, _ = splits.plan_launch(batch, heads, capacity, CUDA)
+    assert tri.paged_tma_fits(q, kv, cfg, r, p)
+    for num_splits in (None, 1, 3):
+        expected = ref.mla_decode(q, kv, bt, lens, scale, r)
+        for numel, dt in ((batch * heads * r, dtype), (batch * heads, torch.float32)):
+            del_me = torch.full((numel,), float("nan"), dtype=dt, device=CUDA)
+            del del_me
+        _close(expected, tri.mla_decode(q, kv, bt, lens, scale, r, num_splits=num_splits))
+    assert not fallbacks and not tri._GLUON_FAILED, tri._GLUON_FAILED
+
+
 @pytest.mark.parametrize("layout", ["q_rows_16", "q_rows_8", "cache_rows_8"])
 def test_warpgroup_split_takes_strided_inputs_it_can_copy(layout):
     """Row strides that are multiples of 16 elements run the Gluon kernel on strided views;

@@ -456,6 +456,17 @@ def _gluon_module():
     return _gluon_hopper
 
 
+@functools.cache
+def _paged_module():
+    """The dense decode's TMA kernel module (_gluon_paged.py), or None where this Triton
+    lacks the Gluon ops it uses (warp specialisation, TMA descriptors)."""
+    try:
+        from graphsafe.ops.mla import _gluon_paged
+    except (ImportError, AttributeError):
+        return None
+    return _gluon_paged
+
+
 # (device, dtype, head dim, cache dtype, variant) keys whose Gluon kernel failed to compile: those
 # calls run the Triton kernel (a warning says why, once per key).
 _GLUON_FAILED: set[tuple] = set()
@@ -484,6 +495,28 @@ def warpgroup_split_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelCon
         return False
     smem = max_shared_memory(q.device)
     return smem is not None and module.shared_memory_bytes(r, p) <= smem
+
+
+def paged_tma_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
+    """Whether dense decode calls of this signature run `_gluon_paged.mla_decode_tma_kernel`
+    (the runner tests each call's 16-byte alignment): where the 64-head Gluon kernel would
+    (`warpgroup_split_fits`), with pages of a multiple of 64 slots (a 64-key tile lies in
+    one page), q's heads evenly spaced through its rows and the cache's pages through its
+    blocks (TMA reads each as one 2-D [rows, R + P] view), row strides of whole 16 bytes
+    and row counts TMA coordinates (int32) reach."""
+    if not warpgroup_split_fits(q, kv_cache, cfg, r, p) or cfg.block_n % 64:
+        return False
+    rows, heads, d = q.shape
+    nb, bs = kv_cache.shape[:2]
+    if bs % 64 or q.stride(2) != 1 or kv_cache.stride(2) != 1:
+        return False
+    if q.stride(0) != heads * q.stride(1) or kv_cache.stride(0) != bs * kv_cache.stride(1):
+        return False
+    if q.stride(1) % 8 or kv_cache.stride(1) % 8 or max(rows * heads, nb * bs) + 64 >= 2**31:
+        return False
+    module = _paged_module()
+    smem = max_shared_memory(q.device)
+    return module is not None and smem is not None and module.shared_memory_bytes(r, p) <= smem
 
 
 def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
@@ -529,6 +562,34 @@ def _attention_launch(grid, args, gluon_constexprs, triton_constexprs, cfg: Kern
         if fallback is None:
             fallback = _triton_launch(grid, args, triton_constexprs, cfg, where)
         fallback(q, kv, *rest)
+
+    return run
+
+
+def _paged_launch(grid, q: torch.Tensor, kv_cache: torch.Tensor, r: int, scalars: tuple, block_size: int, split: bool,
+                  where: tuple, fallback: Launch) -> Launch:
+    """The dense decode's attention launch, called with the 9 tensors of the others:
+    `_gluon_paged.mla_decode_tma_kernel` (one launch, ids checked per tile) for calls whose
+    q and cache are 16-byte aligned, `fallback` (the 64-head kernel's two launches) for the
+    others and for good once it fails to compile (a failed compile launched nothing)."""
+    module = _paged_module()
+    key = (*where, "paged", block_size, split)
+    ph = _placeholder(q.device)
+    kernel = None
+    if key not in _GLUON_FAILED:
+        kernel = bind(module.mla_decode_tma_kernel, grid, *module.tma_descriptors(q, kv_cache, r),
+                      ph, ph, ph, ph, ph, ph, *scalars, BLOCK_SIZE=block_size, SPLIT=split,
+                      CONSUMER_REGS=module.CONSUMER_REGS, LOADER_REGS=module.LOADER_REGS, num_warps=module.NUM_WARPS)
+
+    def run(q, kv, key_map, lens, sink, out, lse, pout, plse):
+        nonlocal kernel
+        if kernel is not None and not (q.data_ptr() | kv.data_ptr()) & 15:
+            try:
+                return kernel(q, q, kv, kv, key_map, lens, out, lse, pout, plse)
+            except _GLUON_COMPILE_ERRORS as exc:
+                kernel = None
+                _gluon_failed(key, exc)
+        fallback(q, kv, key_map, lens, sink, out, lse, pout, plse)
 
     return run
 
@@ -647,6 +708,13 @@ def _prepare(
         def attention(*tensors):
             unchecked(*tensors)
             checked(*tensors)
+
+        if paged_tma_fits(q, kv_cache, cfg, r, p):
+            attention = _paged_launch(
+                grid, q, kv_cache, r,
+                (float(sm_scale) * LOG2E, num_heads, head_tiles, plan.num_splits, plan.tokens_per_split, kv_capacity,
+                 nb, nb * bs, key_map.stride(0), num_heads * r, r, num_heads),
+                bs, split, where, attention)
 
     if fp8_ds:  # the storage offset is no part of the signature: checked per call
         attention = _offset_checked(op, attention)
