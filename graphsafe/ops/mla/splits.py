@@ -116,7 +116,9 @@ def kernel_config(num_heads: int, device_type: str, max_shared: int | None = Non
     On sm_90 (`warpgroup_split`) these 64-head tiles run the Gluon kernel instead
     (_gluon_hopper.py): each warpgroup scores half of the 64 keys and accumulates half of
     the value columns, q.k with N = 32 wgmmas but no duplicate; 1.6-1.8x faster than the
-    Triton kernel on an H200 (`mla_tune`), with the same plan and workspace.
+    Triton kernel on an H200 (`mla_tune`), with the same plan and workspace. Dense decode
+    with pages of a multiple of 64 slots runs a third kernel on these tiles (_gluon_paged.py:
+    TMA page tiles, each warpgroup scoring alternate tiles at N = 64), same plan and workspace.
     CPU (Triton interpreter, tests only): the smallest legal tiles, so tiny test shapes
     span several tiles and splits.
     """

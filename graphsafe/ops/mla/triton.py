@@ -54,7 +54,11 @@ plan and partials; `warpgroup_split_applies` says where): Triton's layouts make 
 warpgroups compute the whole q.k score tile of this kernel, the Gluon kernel splits it.
 The shapes, strides and device decide it once per signature (`warpgroup_split_fits`);
 each call then tests that q and the cache are 16-byte aligned (the Triton kernel runs a
-call whose pointers are not).
+call whose pointers are not). Dense calls whose pages hold a multiple of 64 slots, with q
+and the cache readable as 2-D TMA views (`paged_tma_fits`), run
+`_gluon_paged.mla_decode_tma_kernel` instead, in one launch (TMA page tiles, two
+warpgroups scoring alternate tiles; its module docstring), with the same grid, plan and
+partials; a failed compile or a misaligned call runs the 64-head kernel's two launches.
 
 Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly; there (and only
 there) bf16 dots run on f32 copies of the operands (DOT_F32), after rounding the
