@@ -1178,6 +1178,49 @@ def test_paged_tma_fits_only_views_tma_can_read(monkeypatch):
     assert not fits(q, _stand_in_tensor(torch.bfloat16, (64, 64, 576)))
 
 
+def test_few_heads_decode_takes_the_tma_kernels_tiles_and_workspace(monkeypatch):
+    """Up to 16 heads, dense decode on sm_90 runs the TMA kernel's 64-head tiles where the
+    cache's layout lets it (pages of 64) and keeps its 16-head tiles elsewhere (pages of 16,
+    sparse_mla, other GPUs); the published workspace covers the larger of the two plans."""
+    _hopper_stand_ins(monkeypatch)
+    monkeypatch.setattr(splits, "num_sms", lambda device: 132)
+    splits._plan.cache_clear()
+    cuda = torch.device("cuda", 0)
+    try:
+        wide = splits.few_heads_wide_tiles(16, cuda)
+        assert wide is not None and (wide.block_h, wide.block_n, wide.warpgroup_split) == (64, 64, True)
+        assert splits.few_heads_wide_tiles(128, cuda) is None  # 128 heads have them anyway
+        for batch, ctx in ((1, 8192), (8, 8192), (64, 8192), (64, 32768)):
+            _, narrow = splits.plan_launch(batch, 16, ctx, cuda)
+            _, broad = splits.plan_launch(batch, 16, ctx, cuda, wide)
+            specs = splits.triton_mla_decode_workspace(batch, 16, 512, ctx, cuda)
+            assert specs == splits.partial_specs(batch, 16, 512, max(narrow, broad, key=lambda p: p.num_splits))
+        monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+        assert splits.few_heads_wide_tiles(16, cuda) is None
+    finally:
+        splits._plan.cache_clear()
+
+
+def test_few_heads_dense_decode_prepares_the_tma_kernels_plan(monkeypatch):
+    """The runner of a 16-head dense decode plans with the 64-head tiles when the TMA kernel
+    fits the call's signature, with its own tiles when it does not; sparse_mla keeps its own."""
+    wide = splits.kernel_config(128, "cuda")
+    monkeypatch.setattr(tri, "few_heads_wide_tiles", lambda num_heads, device: wide)
+    planned = []
+    plan = tri.plan_launch
+    monkeypatch.setattr(tri, "plan_launch", lambda *a: planned.append(a[-1]) or plan(*a))
+    args = _decode_args(torch.float32, [3, 0, 50, 96])
+    for fits in (True, False):
+        monkeypatch.setattr(tri, "paged_tma_fits", lambda *a, fits=fits: fits)
+        monkeypatch.setattr(tri, "_paged_launch", lambda *a: (lambda *t: None))  # (no sm_90 here: nothing runs)
+        tri.prepare_mla_decode(*args)
+    assert planned == [wide, None], planned
+    planned.clear()
+    q, kv = args[0], args[1]
+    tri.prepare_sparse_mla(q, kv, torch.zeros(q.shape[0], 8, dtype=torch.int32), 0.1, args[5])
+    assert planned == [None], planned
+
+
 def test_paged_kernel_compile_failure_runs_the_other_launch(monkeypatch):
     """The paged kernel compiles at the first call of its binding: a failure there (nothing
     launched) warns once and the 64-head kernels' launch runs that call and the later ones;

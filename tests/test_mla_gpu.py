@@ -171,14 +171,15 @@ def test_warpgroup_split_kernel_edges_match_reference(dtype, r, block_size):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page", [64, 128])
-@pytest.mark.parametrize("heads", [128, 80])
+@pytest.mark.parametrize("heads", [128, 80, 16])
 def test_paged_tma_kernel_matches_reference(monkeypatch, dtype, page, heads):
     """The dense decode's TMA kernel (_gluon_paged.py) on its own edges: lengths at and
     around the 64-key tile and the tile pair (0, 1, 63, 64, 65, 127, 128, 129, full),
     block ids outside the cache inside a sequence (-1, past the end, negative), NaN in the
     cache rows past each sequence's end (the cut tile's rows TMA reads), a partial head
-    tile (80 heads), with and without splits; outputs poisoned (NaN blocks freed into the
-    caching allocator). Every call runs the paged kernel: its fallback never runs."""
+    tile (80 heads), 16 heads (their own plan on the 64-head tiles), with and without
+    splits; outputs poisoned (NaN blocks freed into the caching allocator). Every call runs
+    the paged kernel: its fallback never runs."""
     _sm90()
     fallbacks = []
     paged = tri._paged_launch
@@ -201,7 +202,7 @@ def test_paged_tma_kernel_matches_reference(monkeypatch, dtype, page, heads):
             kv[bt[b, n // page].clamp(0, num_blocks - 1), n % page:] = float("nan")
     q = torch.randn(batch, heads, r + p, generator=gen, device=CUDA, dtype=dtype)
     scale = (r + p) ** -0.5
-    cfg, _ = splits.plan_launch(batch, heads, capacity, CUDA)
+    cfg = splits.few_heads_wide_tiles(heads, CUDA) or splits.plan_launch(batch, heads, capacity, CUDA)[0]
     assert tri.paged_tma_fits(q, kv, cfg, r, p)
     for num_splits in (None, 1, 3):
         expected = ref.mla_decode(q, kv, bt, lens, scale, r)

@@ -220,6 +220,21 @@ def fp8_ds_kernel_config(num_heads: int, device: torch.device) -> KernelConfig:
     return cfg
 
 
+def few_heads_wide_tiles(num_heads: int, device: torch.device) -> KernelConfig | None:
+    """The tiles dense decode with up to 16 heads runs on sm_90 where the cache's layout lets
+    the TMA kernel run (_gluon_paged.py; the runner decides per call signature): its 64-head
+    tiles, a quarter used at 16 heads, or None on other devices. Measured on an H200 at 16
+    heads against the 16-head Triton tiles (`benchmarks/results/h200_s27_mla_paged_tuning.txt`):
+    B 1 0.014 vs 0.024 ms, B 8 0.041 vs 0.045, B 64 0.197 vs 0.204, B 128 0.380 vs 0.421
+    (ctx 8192). The workspace covers both plans (`triton_mla_decode_workspace`)."""
+    if device.type != "cuda" or num_heads > 16 or torch.version.hip is not None:
+        return None
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    cfg = kernel_config(128, device.type, max_shared_memory(device))
+    return cfg if cfg.warpgroup_split else None
+
+
 def forced_plan(kv_capacity: int, block_n: int, num_splits: int) -> SplitPlan:
     """A plan with (at most) `num_splits` splits: tests and tuning force the split path."""
     tiles = max(_cdiv(max(kv_capacity, 0), block_n), 1)
@@ -280,11 +295,17 @@ def triton_mla_decode_workspace(
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Worst-case workspace of one `mla_decode` call on the Triton backend, from shapes:
     the partials of `plan_launch(batch, num_heads, max_kv_len, device)` (none with one
-    split). `head_dim` and `dtype` do not change it (the aiter backend's function, which
-    the registry also asks, reads them). The public helper is
-    `graphsafe.ops.mla.mla_decode_workspace_specs`: the largest over the backends that
-    may serve the device."""
-    _, plan = plan_launch(batch, num_heads, max_kv_len, _device(device))
+    split), or where few heads may run the 64-head tiles (`few_heads_wide_tiles`: the
+    cache's layout decides) those of the plan with more splits. `head_dim` and `dtype` do
+    not change it (the aiter backend's function, which the registry also asks, reads
+    them). The public helper is `graphsafe.ops.mla.mla_decode_workspace_specs`: the largest
+    over the backends that may serve the device."""
+    device = _device(device)
+    _, plan = plan_launch(batch, num_heads, max_kv_len, device)
+    wide = few_heads_wide_tiles(num_heads, device)
+    if wide is not None:
+        _, wide_plan = plan_launch(batch, num_heads, max_kv_len, device, wide)
+        plan = max(plan, wide_plan, key=lambda p: p.num_splits)
     return partial_specs(batch, num_heads, kv_lora_rank, plan)
 
 

@@ -96,7 +96,8 @@ from graphsafe.launch import bind, output_allocator
 from graphsafe.ops.fp8_bits import bf16_rounded_bits, e4m3_bytes_to_f16
 from graphsafe.ops.fp8_ds_mla import is_fp8_ds_mla
 from graphsafe.ops.mla.splits import (
-    KernelConfig, forced_plan, fp8_ds_kernel_config, max_shared_memory, partial_specs, plan_launch,
+    KernelConfig, few_heads_wide_tiles, forced_plan, fp8_ds_kernel_config, max_shared_memory, partial_specs,
+    plan_launch,
 )
 from graphsafe.registry import prepared
 from graphsafe.workspace import current_workspace_manager
@@ -663,6 +664,10 @@ def _prepare(
         return nothing
     if config is None and fp8_ds:
         config = fp8_ds_kernel_config(num_heads, device)
+    elif config is None and not sparse:  # up to 16 heads: the TMA kernel's tiles where it runs
+        wide = few_heads_wide_tiles(num_heads, device)
+        if wide is not None and paged_tma_fits(q, kv_cache, wide, r, p):
+            config = wide
     cfg, plan = plan_launch(rows, num_heads, kv_capacity, device, config)
     if num_splits is not None:  # tests and tuning only
         plan = forced_plan(kv_capacity, cfg.block_n, num_splits)
