@@ -68,6 +68,19 @@ def _in_range(ids, n):
 
 
 @gluon.jit
+def _split_bounds(head_tiles, num_splits, tokens_per_split, kv_capacity):
+    """This program's (head tile, split, query row, first key position, end of its split's
+    positions): program = (head tile, split, query), the head tile varying fastest, so the
+    tiles of one (query, split) read the same rows back to back, the second from L2."""
+    pid = gl.program_id(0)
+    pid_h = pid % head_tiles
+    split = (pid // head_tiles) % num_splits
+    row = (pid // (head_tiles * num_splits)).to(gl.int64)
+    start = split * tokens_per_split
+    return pid_h, split, row, start, gl.minimum(start + tokens_per_split, kv_capacity)
+
+
+@gluon.jit
 def _key_ids(map_row, offs, valid, num_slots, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr):
     """(block, offset in block, holds a key) of key positions `offs` (`valid`: below the
     end): an id outside the cache (-1, the padding, or any other) holds no key and maps
@@ -166,14 +179,7 @@ def mla_attn_wgmma_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))
 
-    # Head tile varies fastest: the tiles of one (query, split) read the same rows
-    # back to back, the second from L2.
-    pid = gl.program_id(0)
-    pid_h = pid % head_tiles
-    split = (pid // head_tiles) % num_splits
-    row = (pid // (head_tiles * num_splits)).to(gl.int64)
-    start = split * tokens_per_split
-    end = gl.minimum(start + tokens_per_split, kv_capacity)
+    pid_h, split, row, start, end = _split_bounds(head_tiles, num_splits, tokens_per_split, kv_capacity)
     map_row = map_ptr + row * stride_map
     store_heads = num_heads
     if not SPARSE or TOPK_LENGTH:  # the request's length, or the token's topk_length: nothing past it is read

@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from graphsafe.ops.gluon_compat import cta_barrier, tma_load
+from graphsafe.ops.mla._gluon_hopper import _in_range, _split_bounds
 
 BLOCK_H = 64  # heads per program: one wgmma M
 BLOCK_N = 64  # keys per tile
@@ -91,20 +92,10 @@ def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, r: int) -> tuple:
 
 
 @gluon.jit
-def _in_range(ids, n):
-    """0 <= ids < n in one unsigned compare (a negative id wraps to a huge one); n >= 0."""
-    return ids.to(gl.uint32, bitcast=True) < n
-
-
-@gluon.jit
 def _work(lens_ptr, map_ptr, stride_map, head_tiles, num_splits, tokens_per_split, kv_capacity):
-    """This program's (request row, head tile, first key, end of its keys, tile pairs, block-table row)."""
-    pid = gl.program_id(0)
-    pid_h = pid % head_tiles
-    split = (pid // head_tiles) % num_splits
-    row = (pid // (head_tiles * num_splits)).to(gl.int64)
-    start = split * tokens_per_split
-    end = gl.minimum(start + tokens_per_split, kv_capacity)
+    """This program's (request row, head tile, split, first key, end of its keys, tile pairs,
+    block-table row): the 64-head kernel's program layout, its keys cut at the request's length."""
+    pid_h, split, row, start, end = _split_bounds(head_tiles, num_splits, tokens_per_split, kv_capacity)
     end = gl.minimum(end, gl.maximum(gl.load(lens_ptr + row), 0))
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), 64)
     return row, pid_h, split, start, end, (n_tiles + 1) // 2, map_ptr + row * stride_map
