@@ -69,9 +69,9 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 def shared_memory_bytes(r: int, p: int) -> int:
     """Shared memory of a launch: q [64, R + P] and two key stages [64, R + P] in 16 bits,
-    five [64] f32 rows (the running max, two scales, two row sums), 10 mbarriers, and 1 KiB
+    five [64] f32 rows (the running max, two scales, two row sums), 14 mbarriers, and 1 KiB
     for the alignment of the swizzled buffers."""
-    return 2 * 3 * BLOCK_H * (r + p) + 5 * 4 * BLOCK_H + 10 * 8 + 1024
+    return 2 * 3 * BLOCK_H * (r + p) + 5 * 4 * BLOCK_H + 14 * 8 + 1024
 
 
 def _descriptor(base: torch.Tensor, rows: int, row_stride: int, cols: int, block_cols: int) -> TensorDescriptor:
@@ -137,21 +137,25 @@ def _load_tile(kv_desc, kv_pe_desc, k_l, k_r, k_pe, full, empty, landed, fixes, 
     HALF: gl.constexpr = kv_desc.block_type.shape[1]
     nbytes: gl.constexpr = 2 * kv_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes
     mbarrier.wait(empty, phase ^ 1)
-    cut = has_keys & (keys < 64)
-    bar = full
-    if cut:
-        bar = landed
-    mbarrier.expect(bar, nbytes)
-    tma_load(kv_desc, [row, 0], bar, k_l)
-    tma_load(kv_desc, [row, HALF], bar, k_r)
-    tma_load(kv_pe_desc, [row, 2 * HALF], bar, k_pe)
-    if cut:  # zero V's rows past the sequence before the warpgroups see the tile
+    if has_keys & (keys < 64):  # zero V's rows past the sequence before the warpgroups see the tile
+        mbarrier.expect(landed, nbytes)
+        tma_load(kv_desc, [row, 0], landed, k_l)
+        tma_load(kv_desc, [row, HALF], landed, k_r)
+        tma_load(kv_pe_desc, [row, 2 * HALF], landed, k_pe)
         mbarrier.wait(landed, fixes & 1)
         _zero_rows_from(k_l, keys, 64, HALF)
         _zero_rows_from(k_r, keys, 64, HALF)
         fence_async_shared()
-        mbarrier.arrive(full)
+        for part in gl.static_range(3):
+            mbarrier.arrive(full[part])
         fixes += 1
+    else:  # a barrier per part: the q.k starts on the first part that lands
+        mbarrier.expect(full[0], kv_desc.block_type.nbytes)
+        tma_load(kv_desc, [row, 0], full[0], k_l)
+        mbarrier.expect(full[1], kv_desc.block_type.nbytes)
+        tma_load(kv_desc, [row, HALF], full[1], k_r)
+        mbarrier.expect(full[2], kv_pe_desc.block_type.nbytes)
+        tma_load(kv_pe_desc, [row, 2 * HALF], full[2], k_pe)
     return fixes
 
 
@@ -172,7 +176,7 @@ def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, q_l, q_r, q_pe, k_l, k_r, k_
     fixes = 0
     for i in range(n_pairs):
         for w in gl.static_range(2):
-            fixes = _load_tile(kv_desc, kv_pe_desc, k_l.index(w), k_r.index(w), k_pe.index(w), full.index(w),
+            fixes = _load_tile(kv_desc, kv_pe_desc, k_l.index(w), k_r.index(w), k_pe.index(w), _stage(full, w),
                                empty.index(w), landed, fixes, i & 1, map_row, start + 128 * i + 64 * w, end,
                                num_blocks, cache_rows, BLOCK_SIZE)
 
@@ -212,12 +216,21 @@ def _epilogue(o, l_own, m, l_smem, l_ready, WG: gl.constexpr, row, pid_h, split,
 
 
 @gluon.jit
-def _scores(q_l, q_r, q_pe, k_l, k_r, k_pe, S_MMA: gl.constexpr):
-    """q.k of a stage's tile: three wgmmas (the value halves, the rope part), left in
-    flight (three groups)."""
+def _stage(full, stage):
+    """The three `full` barriers (value halves, rope part) of ring stage `stage`."""
+    return full[0].index(stage), full[1].index(stage), full[2].index(stage)
+
+
+@gluon.jit
+def _scores(q_l, q_r, q_pe, k_l, k_r, k_pe, full, phase, S_MMA: gl.constexpr):
+    """q.k of a stage's tile: three wgmmas (the value halves, the rope part), each issued
+    once its part landed (`full`: the stage's three barriers), left in flight (three groups)."""
     zeros = gl.zeros([64, 64], gl.float32, layout=S_MMA)  # (not read: use_acc=False)
+    mbarrier.wait(full[0], phase)
     s = warpgroup_mma(q_l, k_l.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    mbarrier.wait(full[1], phase)
     s = warpgroup_mma(q_r, k_r.permute((1, 0)), s, is_async=True)
+    mbarrier.wait(full[2], phase)
     return warpgroup_mma(q_pe, k_pe.permute((1, 0)), s, is_async=True)
 
 
@@ -271,10 +284,9 @@ def _consumer(q_l, q_r, q_pe, k_l, k_r, k_pe, stats, l_smem, bars,
         phase = i & 1
         pos = start + 128 * i + 64 * WG
         _, has_keys = _tile_block(map_row, pos, end, num_blocks, BLOCK_SIZE)
-        mbarrier.wait(full.index(WG), phase)
         if WG == 1:  # after WG0's q.k: the tensor cores finish A's scores first, B's run under A's softmax
             mbarrier.wait(a_issued, phase)
-        s = _scores(q_l, q_r, q_pe, k_l.index(WG), k_r.index(WG), k_pe.index(WG), S_MMA)
+        s = _scores(q_l, q_r, q_pe, k_l.index(WG), k_r.index(WG), k_pe.index(WG), _stage(full, WG), phase, S_MMA)
         if WG == 0:
             mbarrier.arrive(a_issued)
         if WG == 0:
@@ -354,7 +366,9 @@ def mla_decode_tma_kernel(
              gl.allocate_shared_memory(gl.float32, [64], ROW))
     l_smem = (gl.allocate_shared_memory(gl.float32, [64], ROW), gl.allocate_shared_memory(gl.float32, [64], ROW))
     BAR: gl.constexpr = mbarrier.MBarrierLayout()
-    full = gl.allocate_shared_memory(gl.int64, [2, 1], BAR)
+    # Per stage a barrier per part (value halves, rope part): the q.k starts on the first that lands.
+    full = (gl.allocate_shared_memory(gl.int64, [2, 1], BAR), gl.allocate_shared_memory(gl.int64, [2, 1], BAR),
+            gl.allocate_shared_memory(gl.int64, [2, 1], BAR))
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], BAR)
     single = gl.allocate_shared_memory(gl.int64, [6, 1], BAR)
     q_full, landed, a_ready, b_ready, l_ready = (single.index(0), single.index(1), single.index(2), single.index(3),
@@ -363,8 +377,9 @@ def mla_decode_tma_kernel(
     # One arrive each (the loader's with the bytes it expects, or one warpgroup's), but a
     # stage is released by both warpgroups and both publish their row sums.
     for i in gl.static_range(2):
-        mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
+        for part in gl.static_range(3):
+            mbarrier.init(full[part].index(i), count=1)
     for i in gl.static_range(4):
         mbarrier.init(single.index(i), count=1)
     mbarrier.init(a_issued, count=1)
