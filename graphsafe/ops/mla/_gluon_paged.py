@@ -8,7 +8,8 @@ fa3 64%: benchmarks/NOTES.md). Here, per 64-head tile of one request:
 
 - a one-warp loader copies q once and the key tiles by TMA, tile t into stage t % 2. A
   tile is 64 positions of one page (a page size that is a multiple of 64): 64 contiguous
-  cache rows, read as value columns [0, R/2), [R/2, R) and the rope part;
+  cache rows, read as value columns [0, R/2), [R/2, R) and the rope part, each part on its
+  own barrier, so a tile's q.k starts on the first part that lands;
 - two consumer warpgroups take the tiles in turns (FlashMLA's "seesaw"): warpgroup 0
   scores the even tiles ("A"), warpgroup 1 the odd ones ("B"), each with N = 64 wgmmas
   over all R + P columns. Each holds half of the [64, R] output (WG0 the value columns
