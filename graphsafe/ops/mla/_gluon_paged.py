@@ -38,9 +38,9 @@ two).
 
 Shared memory: q [64, R + P] 72 KiB + 2 stages [64, R + P] 144 KiB + the row statistics.
 Requirements (the caller, `triton.paged_tma_fits`, checks): sm_90, bf16/fp16 q and cache,
-P = 64, R = 512 or 256, a page size that is a multiple of 64, q [rows, heads, R + P] with
-heads contiguous and the cache's pages contiguous (both 2-D views for TMA), 16-byte
-aligned.
+P = 64, R = 512 or 256, a page size that is a multiple of 64, q [rows, heads, R + P] whose
+heads, and a cache whose pages, are evenly spaced rows (each one 2-D view for TMA, padded
+rows allowed), 16-byte aligned.
 """
 
 from __future__ import annotations
