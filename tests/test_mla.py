@@ -1150,6 +1150,8 @@ def _hopper_stand_ins(monkeypatch):
 
 
 def _stand_in_tensor(dtype, shape, stride=None):
+    """A stand-in CUDA tensor of `dtype` and `shape` (contiguous strides unless given): what
+    the fit checks read."""
     import types
 
     stride = stride or tuple(int(torch.tensor(shape[i + 1:]).prod()) for i in range(len(shape)))
@@ -1262,21 +1264,14 @@ def test_warpgroup_split_declines_an_fp8_ds_cache(monkeypatch):
     kernel serves it."""
     import types
 
-    monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(tri, "max_shared_memory", lambda device: 232448)
+    _hopper_stand_ins(monkeypatch)
     monkeypatch.setattr(tri, "_gluon_module", lambda: types.SimpleNamespace(BLOCK_H=64, BLOCK_N=64,
                                                                             shared_memory_bytes=lambda r, p: 1))
-    monkeypatch.setattr(tri.torch.version, "hip", None)
-
-    def stand_in(dtype, shape):
-        stride = (shape[1] * shape[2], shape[2], 1)
-        return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=shape,
-                                     stride=lambda dim=None: stride if dim is None else stride[dim])
-
     cfg = splits.kernel_config(128, "cuda")
-    q = stand_in(torch.bfloat16, (2, 128, 576))
-    assert tri.warpgroup_split_fits(q, stand_in(torch.bfloat16, (64, 64, 576)), cfg, 512, 64)
-    assert not tri.warpgroup_split_fits(q, stand_in(torch.uint8, (64, 64, record_bytes(512, 64))), cfg, 512, 64)
+    q = _stand_in_tensor(torch.bfloat16, (2, 128, 576))
+    assert tri.warpgroup_split_fits(q, _stand_in_tensor(torch.bfloat16, (64, 64, 576)), cfg, 512, 64)
+    assert not tri.warpgroup_split_fits(q, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64))), cfg, 512,
+                                        64)
 
 
 def test_warpgroup_split_needs_a_hopper_gpu():

@@ -509,7 +509,7 @@ def paged_tma_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r
     one page), q's heads evenly spaced through its rows and the cache's pages through its
     blocks (TMA reads each as one 2-D [rows, R + P] view), row strides of whole 16 bytes
     and row counts TMA coordinates (int32) reach."""
-    if not warpgroup_split_fits(q, kv_cache, cfg, r, p) or cfg.block_n % 64:
+    if not warpgroup_split_fits(q, kv_cache, cfg, r, p):  # (its 64-key tiles included)
         return False
     rows, heads, d = q.shape
     nb, bs = kv_cache.shape[:2]
@@ -554,18 +554,25 @@ def _attention_launch(grid, args, gluon_constexprs, triton_constexprs, cfg: Kern
         return _triton_launch(grid, args, triton_constexprs, cfg, where)
     module = _gluon_module()
     wgmma = bind(module.mla_attn_wgmma_kernel, grid, *args, **gluon_constexprs, num_warps=module.NUM_WARPS)
+    return _gluon_or_fallback(key, wgmma, lambda: _triton_launch(grid, args, triton_constexprs, cfg, where))
+
+
+def _gluon_or_fallback(key: tuple, gluon: Launch | None, make_fallback: Callable[[], Launch]) -> Launch:
+    """`run(q, kv, *rest)`: `gluon(q, kv, *rest)` for calls whose q and cache are 16-byte
+    aligned, until it fails to compile (nothing launched: `_gluon_failed` remembers `key`
+    and warns once), else the launch `make_fallback()` returns (made on first need)."""
     fallback = None
 
     def run(q, kv, *rest):
-        nonlocal wgmma, fallback
-        if wgmma is not None and not (q.data_ptr() | kv.data_ptr()) & 15:
+        nonlocal gluon, fallback
+        if gluon is not None and not (q.data_ptr() | kv.data_ptr()) & 15:
             try:
-                return wgmma(q, kv, *rest)
+                return gluon(q, kv, *rest)
             except _GLUON_COMPILE_ERRORS as exc:
-                wgmma = None
+                gluon = None
                 _gluon_failed(key, exc)
         if fallback is None:
-            fallback = _triton_launch(grid, args, triton_constexprs, cfg, where)
+            fallback = make_fallback()
         fallback(q, kv, *rest)
 
     return run
@@ -579,24 +586,17 @@ def _paged_launch(grid, q: torch.Tensor, kv_cache: torch.Tensor, r: int, scalars
     others and for good once it fails to compile (a failed compile launched nothing)."""
     module = _paged_module()
     key = (*where, "paged", block_size, split)
+    if key in _GLUON_FAILED:
+        return fallback
     ph = _placeholder(q.device)
-    kernel = None
-    if key not in _GLUON_FAILED:
-        kernel = bind(module.mla_decode_tma_kernel, grid, *module.tma_descriptors(q, kv_cache, r),
-                      ph, ph, ph, ph, ph, ph, *scalars, BLOCK_SIZE=block_size, SPLIT=split,
-                      CONSUMER_REGS=module.CONSUMER_REGS, LOADER_REGS=module.LOADER_REGS, num_warps=module.NUM_WARPS)
+    kernel = bind(module.mla_decode_tma_kernel, grid, *module.tma_descriptors(q, kv_cache, r),
+                  ph, ph, ph, ph, ph, ph, *scalars, BLOCK_SIZE=block_size, SPLIT=split,
+                  CONSUMER_REGS=module.CONSUMER_REGS, LOADER_REGS=module.LOADER_REGS, num_warps=module.NUM_WARPS)
 
-    def run(q, kv, key_map, lens, sink, out, lse, pout, plse):
-        nonlocal kernel
-        if kernel is not None and not (q.data_ptr() | kv.data_ptr()) & 15:
-            try:
-                return kernel(q, q, kv, kv, key_map, lens, out, lse, pout, plse)
-            except _GLUON_COMPILE_ERRORS as exc:
-                kernel = None
-                _gluon_failed(key, exc)
-        fallback(q, kv, key_map, lens, sink, out, lse, pout, plse)
+    def paged(q, kv, key_map, lens, sink, out, lse, pout, plse):  # q and the cache each as two descriptors
+        kernel(q, q, kv, kv, key_map, lens, out, lse, pout, plse)
 
-    return run
+    return _gluon_or_fallback(key, paged, lambda: fallback)
 
 
 def _offset_checked(op: str, attention: Launch) -> Launch:
