@@ -14,6 +14,8 @@ from __future__ import annotations
 import inspect
 import math
 
+import types
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -1049,18 +1051,33 @@ for dtype in (torch.bfloat16, torch.float16):
     tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=4)
     idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
     tri.sparse_mla(q, kv, idx, 0.04, 512, config=cfg, num_splits=1)
+# DeepSeek's fp8_ds_mla records (656 bytes a key): the kernel's FP8_DS variant, at 128 heads
+# and (its default there) at 16.
+from graphsafe.ops.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
+TYPES[torch.uint8] = "u8"
+tri.few_heads_wide_tiles = lambda heads, device: cfg  # what an sm_90 device gives up to 16 heads
+kv = torch.zeros(64, 64, DEEPSEEK_RECORD_BYTES, dtype=torch.uint8)
+for heads, config in ((128, cfg), (16, None)):
+    q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
+    tri.mla_decode(q, kv, table, lens, 0.04, 512, config=config, num_splits=4)
+    tri.sparse_mla(q, kv, idx, 0.04, 512, config=config, num_splits=1)
 for args, kw in launches:
     warps = kw.pop("num_warps")
     k = triton.compile(specialise(G.mla_attn_wgmma_kernel, args, kw, GluonASTSource), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps})
     shapes = wgmma_shapes(k)
-    print("compiled", args[0].dtype, "SPARSE", kw["SPARSE"], "SPLIT", kw["SPLIT"], "CHECK_IDS", kw["CHECK_IDS"],
-          "shared", k.metadata.shared, shapes)
+    fp8 = args[1].dtype == torch.uint8
+    print("compiled", args[0].dtype, "fp8_ds" if fp8 else "", "SPARSE", kw["SPARSE"], "SPLIT", kw["SPLIT"],
+          "CHECK_IDS", kw["CHECK_IDS"], "shared", k.metadata.shared, shapes)
+    assert kw.get("FP8_DS", False) == fp8
     # Per 64 keys each warpgroup scores its 32 keys over 576 columns (36 k-steps of 16) and
     # accumulates its 256 value columns over the 64 keys (4 k-steps): no duplicated q.k.
     assert shapes == {"m64n32k16": 36, "m64n256k16": 4}, shapes
-    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
-assert len(launches) == 6, launches  # dense: without and with the per-key id check
+    assert k.metadata.shared <= G.shared_memory_bytes(512, 64, fp8) <= 227 * 1024, k.metadata.shared
+    # fp8_ds_mla: the latent bytes convert in hardware (cvt.rn.f16x2.e4m3x2), 16 a thread at a time
+    assert ("e4m3x2" in k.asm["ptx"]) == fp8
+# dense: without and with the per-key id check; 128 heads and 16 for the fp8_ds_mla cache
+assert len(launches) == 12, launches
 print("OK")
 """
 
@@ -1071,7 +1088,7 @@ def test_warpgroup_split_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90
     wgmmas of its own half of the scores and values (no duplicated q.k) and the kernel
     fits Hopper's 227 KiB of shared memory."""
     out = compile_for_sm90(_GLUON_COMPILE_SCRIPT)
-    assert out.count("compiled") == 6, out
+    assert out.count("compiled") == 12 and out.count("fp8_ds") == 6, out
 
 
 _PAGED_COMPILE_SCRIPT = r"""
@@ -1183,7 +1200,8 @@ def test_paged_tma_fits_only_views_tma_can_read(monkeypatch):
 def test_few_heads_decode_takes_the_tma_kernels_tiles_and_workspace(monkeypatch):
     """Up to 16 heads, dense decode on sm_90 runs the TMA kernel's 64-head tiles where the
     cache's layout lets it (pages of 64) and keeps its 16-head tiles elsewhere (pages of 16,
-    sparse_mla, other GPUs); the published workspace covers the larger of the two plans."""
+    sparse_mla over 16-bit caches, other GPUs); over an fp8_ds_mla cache both ops may run
+    them; the published workspaces cover the larger of the two plans."""
     _hopper_stand_ins(monkeypatch)
     monkeypatch.setattr(splits, "num_sms", lambda device: 132)
     splits._plan.cache_clear()
@@ -1196,6 +1214,9 @@ def test_few_heads_decode_takes_the_tma_kernels_tiles_and_workspace(monkeypatch)
             _, narrow = splits.plan_launch(batch, 16, ctx, cuda)
             _, broad = splits.plan_launch(batch, 16, ctx, cuda, wide)
             specs = splits.triton_mla_decode_workspace(batch, 16, 512, ctx, cuda)
+            assert specs == splits.partial_specs(batch, 16, 512, max(narrow, broad, key=lambda p: p.num_splits))
+            # sparse_mla over an fp8_ds_mla cache takes them too (topk = ctx keys)
+            specs = splits.triton_sparse_mla_workspace(batch, 16, 512, ctx, cuda)
             assert specs == splits.partial_specs(batch, 16, 512, max(narrow, broad, key=lambda p: p.num_splits))
         monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
         assert splits.few_heads_wide_tiles(16, cuda) is None
@@ -1221,6 +1242,26 @@ def test_few_heads_dense_decode_prepares_the_tma_kernels_plan(monkeypatch):
     q, kv = args[0], args[1]
     tri.prepare_sparse_mla(q, kv, torch.zeros(q.shape[0], 8, dtype=torch.int32), 0.1, args[5])
     assert planned == [None], planned
+
+
+def test_few_heads_fp8_ds_prepares_the_64_head_tiles_where_the_gluon_kernel_fits(monkeypatch):
+    """Up to 16 heads over an fp8_ds_mla cache, dense and sparse runners plan with the
+    64-head tiles when the Gluon kernel fits the call's signature (it dequantises a tile
+    once for all heads), with the fp8 cache's own tiles when it does not."""
+    wide = splits.kernel_config(128, "cuda")
+    monkeypatch.setattr(tri, "few_heads_wide_tiles", lambda num_heads, device: wide)
+    monkeypatch.setattr(tri, "bind", lambda *a, **kw: (lambda *t: None))  # (no sm_90 here: nothing runs)
+    planned = []
+    plan = tri.plan_launch
+    monkeypatch.setattr(tri, "plan_launch", lambda *a: planned.append(a[-1]) or plan(*a))
+    args = _decode_args(torch.bfloat16, [3, 0, 50, 96], R=128, P=16, **FP8)
+    q, kv = args[0], args[1]
+    for fits in (True, False):
+        monkeypatch.setattr(tri, "warpgroup_split_fits", lambda *a, fits=fits: fits)
+        tri.prepare_mla_decode(*args)
+        tri.prepare_sparse_mla(q, kv, torch.zeros(q.shape[0], 8, dtype=torch.int32), 0.1, args[5])
+    own = splits.fp8_ds_kernel_config(q.shape[1], q.device)
+    assert planned == [wide, wide, own, own], planned
 
 
 def test_paged_kernel_compile_failure_runs_the_other_launch(monkeypatch):
@@ -1258,20 +1299,47 @@ def test_paged_kernel_compile_failure_runs_the_other_launch(monkeypatch):
     assert calls == ["fallback", "paged", "fallback", "fallback", "fallback"]
 
 
-def test_warpgroup_split_declines_an_fp8_ds_cache(monkeypatch):
-    """On a (stand-in) sm_90 device with the Gluon kernel's shapes, a bf16 cache fits the
-    warpgroup-split kernel and an fp8_ds_mla cache (uint8 records) does not: the Triton
-    kernel serves it."""
-    import types
-
+def test_warpgroup_split_takes_deepseek_fp8_ds_records(monkeypatch):
+    """On a (stand-in) sm_90 device with the Gluon kernel's shapes, a bf16 cache and
+    DeepSeek's fp8_ds_mla records (R = 512: 656 bytes a key) fit the warpgroup-split
+    kernel, which then sizes its shared memory for the records; records of another
+    latent width (R = 256) keep the Triton kernel, and the dense TMA kernel takes 16-bit
+    caches only."""
+    gluon = tri._gluon_module()
+    if gluon is None:
+        pytest.skip("this triton has no Gluon")
     _hopper_stand_ins(monkeypatch)
-    monkeypatch.setattr(tri, "_gluon_module", lambda: types.SimpleNamespace(BLOCK_H=64, BLOCK_N=64,
-                                                                            shared_memory_bytes=lambda r, p: 1))
+    asked = []
+
+    def smem(r, p, fp8_ds=False):
+        asked.append(fp8_ds)
+        return 1
+
+    monkeypatch.setattr(tri, "_gluon_module", lambda: types.SimpleNamespace(
+        BLOCK_H=64, BLOCK_N=64, shared_memory_bytes=smem, fp8_ds_supported=gluon.fp8_ds_supported))
     cfg = splits.kernel_config(128, "cuda")
     q = _stand_in_tensor(torch.bfloat16, (2, 128, 576))
     assert tri.warpgroup_split_fits(q, _stand_in_tensor(torch.bfloat16, (64, 64, 576)), cfg, 512, 64)
-    assert not tri.warpgroup_split_fits(q, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64))), cfg, 512,
-                                        64)
+    records = _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64)))
+    assert tri.warpgroup_split_fits(q, records, cfg, 512, 64)
+    assert asked == [False, True]
+    assert not tri.paged_tma_fits(q, records, cfg, 512, 64)
+    q256 = _stand_in_tensor(torch.bfloat16, (2, 128, 320))
+    assert tri.warpgroup_split_fits(q256, _stand_in_tensor(torch.bfloat16, (64, 64, 320)), cfg, 256, 64)
+    assert not tri.warpgroup_split_fits(q256, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(256, 64))), cfg,
+                                        256, 64)
+
+
+def test_fp8_ds_shared_memory_fits_hopper():
+    """The fp8_ds_mla variant's shared memory (q, two stages of latent bytes and rope
+    values, one bf16 working tile, p) fits Hopper's 227 KiB, as the bf16 variant's does."""
+    G = tri._gluon_module()
+    if G is None:
+        pytest.skip("this triton has no Gluon")
+    fp8 = G.shared_memory_bytes(512, 64, fp8_ds=True)
+    q, raw, rope, work, p = 64 * 576 * 2, 2 * 64 * 512, 2 * 64 * 64 * 2, 64 * 512 * 2, 64 * 64 * 2
+    assert fp8 == q + raw + rope + work + p + 1024 <= 227 * 1024
+    assert G.shared_memory_bytes(512, 64) <= 227 * 1024
 
 
 def test_warpgroup_split_needs_a_hopper_gpu():

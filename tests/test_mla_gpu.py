@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import graphsafe
-from graphsafe.bench.cases.mla import TUNE_TILES, decode_inputs, sparse_inputs
+from graphsafe.bench.cases.mla import TUNE_TILES, decode_inputs, fp8_cache, sparse_inputs
 from graphsafe.bench.harness import measure_copy_bandwidth, measure_matmul_peak, time_ms
 from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
 from graphsafe.ops.mla import reference as ref
@@ -84,6 +84,118 @@ def test_sparse_deepseek_shapes_match_reference(dtype, heads, num_splits):
     idx[2, 700:] = -1  # later splits empty
     idx[3, ::3] = idx[3, 1::3][: idx[3, ::3].shape[0]]  # duplicates
     _close(ref.sparse_mla(q, kv, idx, scale, r), tri.sparse_mla(q, kv, idx, scale, r, num_splits=num_splits))
+
+
+def _gluon_serves_fp8(q, kv, heads) -> bool:
+    """Whether this device runs the fp8_ds_mla cache on the Gluon kernel (sm_90), with the
+    tiles the runner picks for `heads`."""
+    cfg = splits.few_heads_wide_tiles(heads, CUDA) or splits.fp8_ds_kernel_config(heads, CUDA)
+    return tri.warpgroup_split_applies(q, kv, cfg, R, D - R)
+
+
+def _fp8_close(expected, actual, args):
+    out, lse = actual
+    assert not out.isnan().any() and not lse.isnan().any()
+    cases.compare_attention(expected, actual, args, args, None)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("block_size", [64, 16])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_fp8_ds_decode_deepseek_shapes_match_reference(heads, block_size, num_splits):
+    """DeepSeek's fp8_ds_mla records (656 bytes a key) on the kernel this device runs
+    (sm_90: the Gluon kernel's dequantising variant, 64-head tiles at 16 heads too),
+    against the reference over the dequantized records: random lengths with an empty
+    and a full request, a padding block inside a request, garbage ids past the ends;
+    records no request reads hold 0xFF (NaN bytes, NaN scales) and change no output bit."""
+    q, kv, bt, _, scale, r = decode_inputs(12, heads, 2048, CUDA, seed=11)
+    kv = fp8_cache(kv.view(-1, block_size, D))
+    bt = torch.randperm(kv.shape[0], device=CUDA)[: 12 * (2048 // block_size)].view(12, -1).int()
+    lens = _random_lens(12, 2048, 11)
+    lens[3] = 700
+    bt[3, 700 // block_size + 1 :] = 10**6  # past the end: never read
+    bt[4, 1] = -1  # a padding block: no key
+    assert _gluon_serves_fp8(q, kv, heads) == (torch.cuda.get_device_capability(CUDA) == (9, 0))
+    args = (q, kv, bt, lens, scale, r)
+    out = tri.mla_decode(*args, num_splits=num_splits)
+    _fp8_close(ref.mla_decode(*args), out, args)
+    _, _, read = cases.decode_reads(kv, bt, lens)
+    dirty = kv.clone()
+    dirty[~read.to(CUDA)] = 0xFF
+    poisoned = tri.mla_decode(q, dirty, bt, lens, scale, r, num_splits=num_splits)
+    assert torch.equal(out[0], poisoned[0]) and torch.equal(out[1], poisoned[1])
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+@pytest.mark.parametrize("options", [False, True])
+def test_fp8_ds_sparse_deepseek_shapes_match_reference(heads, num_splits, options):
+    """sparse_mla over fp8_ds_mla records (the Gluon variant on sm_90), with and without
+    the sink and `topk_length`; a token without keys, empty later splits, ids outside the
+    cache; unread records poisoned with 0xFF change no output bit."""
+    q, kv, idx, scale, r = sparse_inputs(24, heads, 2048, CUDA, seed=12)
+    kv = fp8_cache(kv)
+    idx[1] = -1
+    idx[2, 700:] = -1
+    idx[3, ::5] = -7
+    idx[4, ::3] = kv.shape[0] * kv.shape[1]  # one past the cache
+    sink = torch.randn(heads, device=CUDA) if options else None
+    lengths = torch.randint(0, 2049, (24,), device=CUDA, dtype=torch.int32) if options else None
+    if options:
+        lengths[:4] = torch.tensor([0, 1, 65, 2048], dtype=torch.int32)
+    assert _gluon_serves_fp8(q, kv, heads) == (torch.cuda.get_device_capability(CUDA) == (9, 0))
+    args = (q, kv, idx, scale, r, sink, lengths)
+    out = tri.sparse_mla(*args, num_splits=num_splits)
+    _fp8_close(ref.sparse_mla(*args), out, args)
+    _, read = cases.sparse_reads(kv, idx, lengths)
+    dirty = kv.clone()
+    dirty[~read.to(CUDA)] = 0xFF
+    poisoned = tri.sparse_mla(q, dirty, idx, scale, r, sink, lengths, num_splits=num_splits)
+    assert torch.equal(out[0], poisoned[0]) and torch.equal(out[1], poisoned[1])
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_fp8_ds_decode_graph_replays_long_lengths_in_the_published_workspace(heads):
+    """A decode step over fp8_ds_mla records captured at length 1 replays full, empty and
+    random lengths, its partials inside the published (locked) workspace."""
+    batch, capacity = 16, 4096
+    q, kv, bt, _, scale, r = decode_inputs(batch, heads, capacity, CUDA, seed=13)
+    kv = fp8_cache(kv)
+    lens = torch.ones(batch, dtype=torch.int32, device=CUDA)
+    ws = current_workspace_manager(CUDA)
+    ws.reserve(*mla_decode_workspace_specs(batch, heads, r, capacity, device=CUDA))
+    with ws.locked():
+        graph, (out, lse) = _capture(lambda *a: graphsafe.mla_decode(*a, scale, r), (q, kv, bt, lens))
+        for new_lens in (torch.full((batch,), capacity), torch.zeros(batch), _random_lens(batch, capacity, 14)):
+            lens.copy_(new_lens.to(torch.int32))
+            q.copy_(torch.randn_like(q))
+            graph.replay()
+            torch.cuda.synchronize()
+            _fp8_close(ref.mla_decode(q, kv, bt, lens, scale, r), (out, lse), (q, kv))
+    del graph
+    ws.forget_captures()
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_fp8_ds_sparse_graph_replays_in_the_published_workspace(heads):
+    tokens, topk = 24, 2048
+    q, kv, idx, scale, r = sparse_inputs(tokens, heads, topk, CUDA, seed=15)
+    kv = fp8_cache(kv)
+    fresh = idx.clone()
+    idx.fill_(-1)
+    ws = current_workspace_manager(CUDA)
+    ws.reserve(*sparse_mla_workspace_specs(tokens, heads, r, topk, device=CUDA))
+    with ws.locked():
+        graph, (out, lse) = _capture(lambda *a: graphsafe.sparse_mla(*a, scale, r), (q, kv, idx))
+        partial = fresh.clone()
+        partial[::2, 100:] = -1
+        for new in (fresh, partial):
+            idx.copy_(new)
+            graph.replay()
+            torch.cuda.synchronize()
+            _fp8_close(ref.sparse_mla(q, kv, idx, scale, r), (out, lse), (q, kv))
+    del graph
+    ws.forget_captures()
 
 
 @pytest.mark.parametrize("tiles", [(128, t) for t in TUNE_TILES[128]] + [(16, t) for t in TUNE_TILES[16]], ids=str)

@@ -27,13 +27,28 @@ Data flow per key tile (BLOCK_N = 64 keys, 8 warps):
   key rows in shared memory.
 Shared memory: q 72 KiB + 2 stages of keys 144 KiB + p 8 KiB = 224 KiB (Hopper: 227 KiB).
 
+An fp8_ds_mla cache (FP8_DS; DeepSeek's 656-byte records, `graphsafe.ops.fp8_ds_mla`; q
+bf16; offsets and strides in bytes): the stages hold the tile's raw latent bytes
+`[BLOCK_N, R]` (uint8) and its bf16 rope part `[BLOCK_N, P]`, each copied by cp.async as
+above; each record's four float32 scales are loaded into registers when its copy is
+issued. Per tile the threads dequantise the latent into one bf16 working tile
+`[BLOCK_N, R]` (each thread the bytes its own copies wrote: e4m3 -> float32 in
+hardware, times the row's scale of that 128-column tile, rounded to bf16, which is
+`dequantize_records` and then triton.py's rounding), in two halves: the rope part's q.k
+runs while the first half converts, the first half's q.k while the second does; p @ V
+reads the working tile as V. Shared memory: q 72 KiB + 2 x (32 + 8) KiB of raw stages +
+64 KiB working tile + p 8 KiB = 224 KiB. Measured (benchmarks/NOTES.md) about 2x the
+Triton kernel's speed on this cache, still slower than a bf16 cache: the conversion
+(one F2FP per byte, a quarter-rate pipe) sits between the loads and the wgmmas.
+
 `sparse_mla`'s options as in triton.py's kernel (constexprs): `topk_length` (TOPK_LENGTH)
 ends a token's keys as `seq_lens` ends a request's; the attention sink (HAS_SINK) joins
 the final out's denominator in the epilogue with one split (with several, the combine).
 
 Only imported where Gluon exists (Triton >= 3.4); the caller (triton.py) chooses this
-kernel on sm_90 for R = 512, P = 64 and 16-bit dtypes, and keeps the Triton kernel for
-everything else (other GPUs, ROCm, the CPU interpreter, which cannot run Gluon).
+kernel on sm_90 for R = 512 or 256, P = 64 and 16-bit dtypes, and for fp8_ds_mla records
+of R = 512 (`fp8_ds_supported`), and keeps the Triton kernel for everything else (other
+GPUs, ROCm, the CPU interpreter, which cannot run Gluon).
 """
 
 from __future__ import annotations
@@ -54,11 +69,20 @@ BLOCK_H = 64  # one wgmma M (a warpgroup's 4 warps x 16 rows)
 BLOCK_N = 64  # keys per tile: each warpgroup scores 32 of them
 
 
-def shared_memory_bytes(r: int, p: int) -> int:
+def shared_memory_bytes(r: int, p: int, fp8_ds: bool = False) -> int:
     """Shared memory of a launch (16-bit q, keys and p): q [BLOCK_H, R + P], two key
     stages [BLOCK_N, R + P] and p [BLOCK_H, BLOCK_N], plus 1 KiB of Triton's scratch (the
-    row-max reduction)."""
+    row-max reduction). An fp8_ds_mla cache (`fp8_ds`): two stages of the latent bytes
+    [BLOCK_N, R] and of the rope part [BLOCK_N, P], and one 16-bit working tile of the
+    dequantised latent [BLOCK_N, R]."""
+    if fp8_ds:
+        return 2 * (BLOCK_H * (r + p) + 2 * BLOCK_N * p + BLOCK_N * r + BLOCK_H * BLOCK_N) + 2 * BLOCK_N * r + 1024
     return 2 * ((BLOCK_H + 2 * BLOCK_N) * (r + p) + BLOCK_H * BLOCK_N) + 1024
+
+
+def fp8_ds_supported(r: int, p: int) -> bool:
+    """The fp8_ds_mla records this kernel reads: DeepSeek's (R = 512: four scales a row)."""
+    return r == 512 and p == 64
 
 
 @gluon.jit
@@ -146,6 +170,39 @@ def _copy_rows(base, rows, valid, nope_smem, pe_smem, R: gl.constexpr, P: gl.con
 
 
 @gluon.jit
+def _copy_records(base, rows, valid, raw_smem, pe_smem, R: gl.constexpr, P: gl.constexpr, LOAD: gl.constexpr,
+                  LOAD8: gl.constexpr):
+    """fp8_ds_mla records (byte offsets `rows` [N] from base): cp.async their latent bytes
+    -> raw_smem [N, R] (uint8) and their bf16 rope part -> pe_smem [N, P]; invalid rows
+    read as 0. Returns the records' four float32 scales ([N] each, 0 for invalid rows),
+    loaded now so that they have landed when the tile is dequantised an iteration later."""
+    rows8 = gl.convert_layout(rows, gl.SliceLayout(1, LOAD8))
+    valid8 = gl.convert_layout(valid, gl.SliceLayout(1, LOAD8))
+    cols = gl.arange(0, R, layout=gl.SliceLayout(0, LOAD8))
+    cp_async(raw_smem, base + rows8[:, None] + cols[None, :], mask=valid8[:, None])
+    pe_rows = (base + rows + (R + 4 * (R // 128))).to(gl.pointer_type(pe_smem.dtype))
+    pe_cols = gl.arange(0, P, layout=gl.SliceLayout(0, LOAD))
+    cp_async(pe_smem, pe_rows[:, None] + pe_cols[None, :], mask=valid[:, None])
+    scales = (base + rows8 + R).to(gl.pointer_type(gl.float32))
+    s0 = gl.load(scales, mask=valid8, other=0.0)
+    s1 = gl.load(scales + 1, mask=valid8, other=0.0)
+    s2 = gl.load(scales + 2, mask=valid8, other=0.0)
+    s3 = gl.load(scales + 3, mask=valid8, other=0.0)
+    return s0, s1, s2, s3
+
+
+@gluon.jit
+def _dequantize_tile(raw_smem, work_smem, t: gl.constexpr, scale, LOAD8: gl.constexpr):
+    """Latent columns [128 t, 128 t + 128) of a tile: e4m3 bytes (raw_smem) times the row's
+    scale of that tile, in float32, rounded to work_smem's dtype: `dequantize_records`
+    exactly, then the rounding triton.py's kernel applies. Each thread reads the bytes
+    its own cp.async wrote (the copy and this load share LOAD8's thread mapping)."""
+    b = raw_smem.slice(128 * t, 128, dim=1).load(LOAD8)
+    x = b.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+    work_smem.slice(128 * t, 128, dim=1).store(x.to(work_smem.dtype))
+
+
+@gluon.jit
 def mla_attn_wgmma_kernel(
     q_ptr, kv_ptr, map_ptr, lens_ptr, sink_ptr,
     out_ptr, lse_ptr, pout_ptr, plse_ptr,
@@ -155,11 +212,14 @@ def mla_attn_wgmma_kernel(
     stride_or, stride_oh, stride_lr, stride_sink,
     R: gl.constexpr, P: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
-    CHECK_IDS: gl.constexpr, TOPK_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr,
+    CHECK_IDS: gl.constexpr, TOPK_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, FP8_DS: gl.constexpr = False,
 ):
-    dtype: gl.constexpr = kv_ptr.dtype.element_ty
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
     # Copies: 16 bytes per thread, a warp covers 4 rows x 64 columns (four 128-byte lines).
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    # fp8_ds_mla latent bytes: 16 a thread, a warp covers 4 rows x 128 bytes; the same rows
+    # per thread as LOAD, so the row offsets change layout for free.
+    LOAD8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
     ROWS: gl.constexpr = gl.SliceLayout(1, LOAD)
     # Warpgroup w holds columns [w * N / 2, (w + 1) * N / 2) of each result tile.
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -173,8 +233,13 @@ def mla_attn_wgmma_kernel(
 
     q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dtype))
     q_pe = gl.allocate_shared_memory(dtype, [BLOCK_H, P], gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dtype))
-    k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
+    if FP8_DS:  # two stages of raw latent bytes, dequantised into one working tile
+        k_raw = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, R],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.uint8))
+        k_work = gl.allocate_shared_memory(dtype, [BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
+    else:
+        k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
     k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, P], gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], dtype))
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))
@@ -199,7 +264,10 @@ def mla_attn_wgmma_kernel(
     _copy_rows(q_ptr, q_rows, heads < store_heads, q_nope, q_pe, R, P, LOAD)
     async_copy.commit_group()
     rows, valid = _key_rows(map_row, start, end, num_slots, stride_kb, stride_kt, ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
-    _copy_rows(kv_ptr, rows, valid, k_nope.index(0), k_pe.index(0), R, P, LOAD)
+    if FP8_DS:  # (s0, ..., s3): the scales of the tile whose bytes are copied last
+        s0, s1, s2, s3 = _copy_records(kv_ptr, rows, valid, k_raw.index(0), k_pe.index(0), R, P, LOAD, LOAD8)
+    else:
+        _copy_rows(kv_ptr, rows, valid, k_nope.index(0), k_pe.index(0), R, P, LOAD)
     async_copy.commit_group()
     rows, valid = _key_rows(map_row, start + BLOCK_N, end, num_slots, stride_kb, stride_kt,
                             ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
@@ -218,24 +286,57 @@ def mla_attn_wgmma_kernel(
         # each: benchmarks/NOTES.md).
         if SPARSE:
             cta_barrier()
-            _copy_rows(kv_ptr, rows, valid, k_nope.index(1 - stage), k_pe.index(1 - stage), R, P, LOAD)
+            if FP8_DS:  # this tile's scales are the previous copy's
+                c0, c1, c2, c3 = s0, s1, s2, s3
+                s0, s1, s2, s3 = _copy_records(kv_ptr, rows, valid, k_raw.index(1 - stage), k_pe.index(1 - stage),
+                                               R, P, LOAD, LOAD8)
+            else:
+                _copy_rows(kv_ptr, rows, valid, k_nope.index(1 - stage), k_pe.index(1 - stage), R, P, LOAD)
             async_copy.commit_group()
             rows, valid = _key_rows(map_row, n0 + 2 * BLOCK_N, end, num_slots, stride_kb, stride_kt,
                                     ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
             async_copy.wait_group(1)
         else:
             async_copy.wait_group(0)
-        # This tile's copies (and q's) are complete; the barrier shows them to every warp,
-        # the fence to the wgmma reads (async proxy).
+            if FP8_DS:
+                c0, c1, c2, c3 = s0, s1, s2, s3
+        # This tile's copies (and q's) are complete; the barrier shows them to every warp
+        # (and, for an fp8_ds_mla cache, frees the working tile: every warpgroup's last
+        # p @ V is done), the fence to the wgmma reads (async proxy).
         cta_barrier()
         fence_async_shared()
-        kn = k_nope.index(stage)
         kp = k_pe.index(stage)
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
-        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_pe, kp.permute((1, 0)), s, is_async=True)
+        if FP8_DS:
+            # The rope part's q.k needs no dequantisation: it runs while the first half of
+            # the latent is dequantised, that half's q.k while the second half is. Each
+            # thread converts the bytes its own copies wrote.
+            s = warpgroup_mma(q_pe, kp.permute((1, 0)), s, use_acc=False, is_async=True)
+            raw = k_raw.index(stage)
+            _dequantize_tile(raw, k_work, 0, c0, LOAD8)
+            _dequantize_tile(raw, k_work, 1, c1, LOAD8)
+            fence_async_shared()
+            cta_barrier()
+            half: gl.constexpr = R // 2
+            s = warpgroup_mma(q_nope.slice(0, half, dim=1), k_work.slice(0, half, dim=1).permute((1, 0)), s,
+                              is_async=True)
+            _dequantize_tile(raw, k_work, 2, c2, LOAD8)
+            _dequantize_tile(raw, k_work, 3, c3, LOAD8)
+            fence_async_shared()
+            cta_barrier()
+            s = warpgroup_mma(q_nope.slice(half, half, dim=1), k_work.slice(half, half, dim=1).permute((1, 0)), s,
+                              is_async=True)
+            kn = k_work
+        else:
+            kn = k_nope.index(stage)
+            s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+            s = warpgroup_mma(q_pe, kp.permute((1, 0)), s, is_async=True)
         if not SPARSE:
-            _copy_rows(kv_ptr, rows, valid, k_nope.index(1 - stage), k_pe.index(1 - stage), R, P, LOAD)
+            if FP8_DS:
+                s0, s1, s2, s3 = _copy_records(kv_ptr, rows, valid, k_raw.index(1 - stage), k_pe.index(1 - stage),
+                                               R, P, LOAD, LOAD8)
+            else:
+                _copy_rows(kv_ptr, rows, valid, k_nope.index(1 - stage), k_pe.index(1 - stage), R, P, LOAD)
             async_copy.commit_group()
             rows, valid = _key_rows(map_row, n0 + 2 * BLOCK_N, end, num_slots, stride_kb, stride_kt,
                                     ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)

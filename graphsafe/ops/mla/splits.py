@@ -206,7 +206,9 @@ def plan_kv_splits(
 
 
 def fp8_ds_kernel_config(num_heads: int, device: torch.device) -> KernelConfig:
-    """The tiles for an fp8_ds_mla cache: `kernel_config`'s, with 3 stages for 16 heads.
+    """The tiles for an fp8_ds_mla cache where the Gluon kernel does not run (triton.py
+    gives up to 16 heads `few_heads_wide_tiles` where it does): `kernel_config`'s, with 3
+    stages for 16 heads.
 
     Measured on an H200 (B = 64, ctx 8192 / 32768, CUDA-graph replays): 16 heads 0.350 /
     1.344 ms with 3 stages against 0.502 / 1.921 ms with the bf16 default's 5 (the byte
@@ -226,7 +228,10 @@ def few_heads_wide_tiles(num_heads: int, device: torch.device) -> KernelConfig |
     tiles, a quarter used at 16 heads, or None on other devices. Measured on an H200 at 16
     heads against the 16-head Triton tiles (`benchmarks/results/h200_s27_mla_paged_tuning.txt`):
     B 1 0.014 vs 0.024 ms, B 8 0.041 vs 0.045, B 64 0.197 vs 0.204, B 128 0.380 vs 0.421
-    (ctx 8192). The workspace covers both plans (`triton_mla_decode_workspace`)."""
+    (ctx 8192). Over an fp8_ds_mla cache both ops take them where the 64-head Gluon kernel
+    runs (triton.py decides): 0.24 vs 0.35 ms at B 64 (dense), 0.138 vs 0.185 ms sparse at
+    T 128, K 2048 (H200, `benchmarks/results/h200_s29_fp8_gluon.txt`). The workspaces cover
+    both plans (`triton_mla_decode_workspace`, `triton_sparse_mla_workspace`)."""
     if device.type != "cuda" or num_heads > 16 or torch.version.hip is not None:
         return None
     if torch.cuda.get_device_capability(device) != (9, 0):
@@ -319,6 +324,12 @@ def triton_sparse_mla_workspace(
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Worst-case workspace of one `sparse_mla` call on the Triton backend, from shapes
-    (see `triton_mla_decode_workspace`; the key capacity is `topk`)."""
-    _, plan = plan_launch(num_tokens, num_heads, topk, _device(device))
+    (see `triton_mla_decode_workspace`; the key capacity is `topk`; few heads over an
+    fp8_ds_mla cache may run the 64-head tiles)."""
+    device = _device(device)
+    _, plan = plan_launch(num_tokens, num_heads, topk, device)
+    wide = few_heads_wide_tiles(num_heads, device)
+    if wide is not None:
+        _, wide_plan = plan_launch(num_tokens, num_heads, topk, device, wide)
+        plan = max(plan, wide_plan, key=lambda p: p.num_splits)
     return partial_specs(num_tokens, num_heads, kv_lora_rank, plan)

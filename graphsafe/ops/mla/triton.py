@@ -74,8 +74,10 @@ elsewhere, and in the interpreter, which turns the NaN bytes 0x7F / 0xFF into +-
 exactly with integer ops), multiplies each by its record's float32 scale of that 128-column
 tile (one load per key and tile, from byte R + 4 t) and rounds the products
 to bf16, q's dtype, for the dots; the rope values are read through a bf16 view from
-byte R + 4 R/128. Masked keys load nothing, as for a float cache. The Gluon kernel reads
-16-bit rows only: `warpgroup_split_fits` declines this kind, the Triton kernel serves.
+byte R + 4 R/128. Masked keys load nothing, as for a float cache. On sm_90 DeepSeek's
+records (R = 512) run the Gluon kernel's FP8_DS variant instead (same numerics: the
+products rounded to bf16; its module docstring), also at up to 16 heads, on its 64-head
+tiles (a tile dequantised once for all heads); the dense TMA kernel reads 16-bit rows only.
 """
 
 from __future__ import annotations
@@ -485,21 +487,23 @@ def warpgroup_split_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelCon
     alignment, which the runner tests per call."""
     if not cfg.warpgroup_split:
         return False
-    if kv_cache.dtype != q.dtype:  # an fp8_ds_mla cache: the Gluon kernel reads 16-bit rows only
-        return False
+    fp8_ds = kv_cache.dtype != q.dtype  # an fp8_ds_mla cache (the ops check its records)
     if q.device.type != "cuda" or torch.version.hip is not None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     if r not in (256, 512) or p != 64:  # the shapes its copy layout and GPU tests cover
         return False
+    # Strides in elements: 16-bit rows (bytes for an fp8_ds_mla cache) of whole 16-byte copies.
     if any(st % 16 for st in (q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1))):
         return False
     module = _gluon_module()
     if module is None or (cfg.block_h, cfg.block_n) != (module.BLOCK_H, module.BLOCK_N):
         return False
+    if fp8_ds and not (is_fp8_ds_mla(kv_cache, r, r + p) and module.fp8_ds_supported(r, p)):
+        return False
     smem = max_shared_memory(q.device)
-    return smem is not None and module.shared_memory_bytes(r, p) <= smem
+    return smem is not None and module.shared_memory_bytes(r, p, fp8_ds) <= smem
 
 
 def paged_tma_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
@@ -509,8 +513,8 @@ def paged_tma_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r
     one page), q's heads evenly spaced through its rows and the cache's pages through its
     blocks (TMA reads each as one 2-D [rows, R + P] view), row strides of whole 16 bytes
     and row counts TMA coordinates (int32) reach."""
-    if not warpgroup_split_fits(q, kv_cache, cfg, r, p):  # (its 64-key tiles included)
-        return False
+    if kv_cache.dtype != q.dtype or not warpgroup_split_fits(q, kv_cache, cfg, r, p):  # (its 64-key tiles included)
+        return False  # (an fp8_ds_mla cache: the 64-head kernel reads it, this one 16-bit rows only)
     rows, heads, d = q.shape
     nb, bs = kv_cache.shape[:2]
     if bs % 64 or q.stride(2) != 1 or kv_cache.stride(2) != 1:
@@ -530,8 +534,8 @@ def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: Kernel
     Blackwell has none), a 16-bit dtype, R = 512 (DeepSeek) or 256 with P = 64, rows the
     16-byte copies can address (q and the cache 16-byte aligned, their row strides
     multiples of 16 elements: what Triton's specialisation proves; without it the cp.async
-    copies do not compile), a cache of q's dtype (never an fp8_ds_mla cache), and the
-    shared memory the kernel needs."""
+    copies do not compile), a cache of q's dtype or DeepSeek's fp8_ds_mla records (R =
+    512; the kernel dequantises them), and the shared memory the kernel needs."""
     return not (q.data_ptr() | kv_cache.data_ptr()) & 15 and warpgroup_split_fits(q, kv_cache, cfg, r, p)
 
 
@@ -664,6 +668,12 @@ def _prepare(
         return nothing
     if config is None and fp8_ds:
         config = fp8_ds_kernel_config(num_heads, device)
+        # Up to 16 heads: the Gluon kernel's 64-head tiles (a quarter used) where they run,
+        # faster than the 16-head Triton tiles that dequantise each key tile in registers
+        # (benchmarks/NOTES.md); the published workspaces cover both plans.
+        wide = few_heads_wide_tiles(num_heads, device)
+        if wide is not None and warpgroup_split_fits(q, kv_cache, wide, r, p):
+            config = wide
     elif config is None and not sparse:  # up to 16 heads: the TMA kernel's tiles where it runs
         wide = few_heads_wide_tiles(num_heads, device)
         if wide is not None and paged_tma_fits(q, kv_cache, wide, r, p):
@@ -695,7 +705,7 @@ def _prepare(
         return _attention_launch(
             grid, args,
             dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
-                 CHECK_IDS=check_ids, TOPK_LENGTH=topk_length, HAS_SINK=sink),
+                 CHECK_IDS=check_ids, TOPK_LENGTH=topk_length, HAS_SINK=sink, FP8_DS=fp8_ds),
             dict(
                 R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks,
                 BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
