@@ -176,28 +176,6 @@ def test_fp8_ds_decode_graph_replays_long_lengths_in_the_published_workspace(hea
     ws.forget_captures()
 
 
-@pytest.mark.parametrize("heads", [16, 128])
-def test_fp8_ds_sparse_graph_replays_in_the_published_workspace(heads):
-    tokens, topk = 24, 2048
-    q, kv, idx, scale, r = sparse_inputs(tokens, heads, topk, CUDA, seed=15)
-    kv = fp8_cache(kv)
-    fresh = idx.clone()
-    idx.fill_(-1)
-    ws = current_workspace_manager(CUDA)
-    ws.reserve(*sparse_mla_workspace_specs(tokens, heads, r, topk, device=CUDA))
-    with ws.locked():
-        graph, (out, lse) = _capture(lambda *a: graphsafe.sparse_mla(*a, scale, r), (q, kv, idx))
-        partial = fresh.clone()
-        partial[::2, 100:] = -1
-        for new in (fresh, partial):
-            idx.copy_(new)
-            graph.replay()
-            torch.cuda.synchronize()
-            _fp8_close(ref.sparse_mla(q, kv, idx, scale, r), (out, lse), (q, kv))
-    del graph
-    ws.forget_captures()
-
-
 @pytest.mark.parametrize("tiles", [(128, t) for t in TUNE_TILES[128]] + [(16, t) for t in TUNE_TILES[16]], ids=str)
 def test_tuning_and_fallback_tiles_match_reference(tiles):
     """Every tile set the tune bench times (the fallbacks for GPUs with less shared memory
@@ -393,9 +371,12 @@ def test_decode_graph_captured_at_short_lengths_replays_long_ones(heads):
 
 
 @pytest.mark.parametrize("heads", [16, 128])
-def test_sparse_graph_replays_with_new_indices(heads):
+@pytest.mark.parametrize("cache", ["bf16", "fp8_ds_mla"])
+def test_sparse_graph_replays_with_new_indices(heads, cache):
     tokens, topk = 24, 2048
     q, kv, idx, scale, r = sparse_inputs(tokens, heads, topk, CUDA, seed=6)
+    if cache == "fp8_ds_mla":
+        kv = fp8_cache(kv)
     fresh = idx.clone()
     idx.fill_(-1)
     ws = current_workspace_manager(CUDA)
@@ -408,7 +389,10 @@ def test_sparse_graph_replays_with_new_indices(heads):
             idx.copy_(new)
             graph.replay()
             torch.cuda.synchronize()
-            _close(ref.sparse_mla(q, kv, idx, scale, r), (out, lse))
+            if cache == "fp8_ds_mla":
+                _fp8_close(ref.sparse_mla(q, kv, idx, scale, r), (out, lse), (q, kv))
+            else:
+                _close(ref.sparse_mla(q, kv, idx, scale, r), (out, lse))
     del graph
 
 

@@ -289,6 +289,17 @@ def partial_specs(rows: int, num_heads: int, kv_lora_rank: int, plan: SplitPlan)
     return [((rows, s, num_heads, kv_lora_rank), torch.float32), ((rows, s, num_heads), torch.float32)]
 
 
+def _worst_plan(rows: int, num_heads: int, kv_capacity: int, device: torch.device) -> SplitPlan:
+    """The plan of the default tiles, or where few heads may run the 64-head tiles
+    (`few_heads_wide_tiles`; the call's cache decides) the one of the two with more splits."""
+    _, plan = plan_launch(rows, num_heads, kv_capacity, device)
+    wide = few_heads_wide_tiles(num_heads, device)
+    if wide is not None:
+        _, wide_plan = plan_launch(rows, num_heads, kv_capacity, device, wide)
+        plan = max(plan, wide_plan, key=lambda p: p.num_splits)
+    return plan
+
+
 def triton_mla_decode_workspace(
     batch: int,
     num_heads: int,
@@ -305,13 +316,7 @@ def triton_mla_decode_workspace(
     not change it (the aiter backend's function, which the registry also asks, reads
     them). The public helper is `graphsafe.ops.mla.mla_decode_workspace_specs`: the largest
     over the backends that may serve the device."""
-    device = _device(device)
-    _, plan = plan_launch(batch, num_heads, max_kv_len, device)
-    wide = few_heads_wide_tiles(num_heads, device)
-    if wide is not None:
-        _, wide_plan = plan_launch(batch, num_heads, max_kv_len, device, wide)
-        plan = max(plan, wide_plan, key=lambda p: p.num_splits)
-    return partial_specs(batch, num_heads, kv_lora_rank, plan)
+    return partial_specs(batch, num_heads, kv_lora_rank, _worst_plan(batch, num_heads, max_kv_len, _device(device)))
 
 
 def triton_sparse_mla_workspace(
@@ -326,10 +331,4 @@ def triton_sparse_mla_workspace(
     """Worst-case workspace of one `sparse_mla` call on the Triton backend, from shapes
     (see `triton_mla_decode_workspace`; the key capacity is `topk`; few heads over an
     fp8_ds_mla cache may run the 64-head tiles)."""
-    device = _device(device)
-    _, plan = plan_launch(num_tokens, num_heads, topk, device)
-    wide = few_heads_wide_tiles(num_heads, device)
-    if wide is not None:
-        _, wide_plan = plan_launch(num_tokens, num_heads, topk, device, wide)
-        plan = max(plan, wide_plan, key=lambda p: p.num_splits)
-    return partial_specs(num_tokens, num_heads, kv_lora_rank, plan)
+    return partial_specs(num_tokens, num_heads, kv_lora_rank, _worst_plan(num_tokens, num_heads, topk, _device(device)))
