@@ -39,7 +39,8 @@ runs while the first half converts, the first half's q.k while the second does; 
 reads the working tile as V. Shared memory: q 72 KiB + 2 x (32 + 8) KiB of raw stages +
 64 KiB working tile + p 8 KiB = 224 KiB. Measured (benchmarks/NOTES.md) about 2x the
 Triton kernel's speed on this cache, still slower than a bf16 cache: the conversion
-(one F2FP per byte, a quarter-rate pipe) sits between the loads and the wgmmas.
+(a latency-bound chain per 16 bytes, run by the warps that then wait for the tensor
+cores) sits between the loads and the wgmmas.
 
 `sparse_mla`'s options as in triton.py's kernel (constexprs): `topk_length` (TOPK_LENGTH)
 ends a token's keys as `seq_lens` ends a request's; the attention sink (HAS_SINK) joins
