@@ -1072,7 +1072,9 @@ for args, kw in launches:
     assert kw.get("FP8_DS", False) == fp8
     # Per 64 keys each warpgroup scores its 32 keys over 576 columns (36 k-steps of 16) and
     # accumulates its 256 value columns over the 64 keys (4 k-steps): no duplicated q.k.
-    assert shapes == {"m64n32k16": 36, "m64n256k16": 4}, shapes
+    # (fp8_ds_mla: 128 columns of each working-tile half, 2 x 4 k-steps.)
+    pv = {"m64n128k16": 8} if fp8 else {"m64n256k16": 4}
+    assert shapes == {"m64n32k16": 36, **pv}, shapes
     assert k.metadata.shared <= G.shared_memory_bytes(512, 64, fp8) <= 227 * 1024, k.metadata.shared
     # fp8_ds_mla: the latent bytes convert in hardware (cvt.rn.f16x2.e4m3x2), 16 a thread at a time
     assert ("e4m3x2" in k.asm["ptx"]) == fp8

@@ -31,16 +31,19 @@ An fp8_ds_mla cache (FP8_DS; DeepSeek's 656-byte records, `graphsafe.ops.fp8_ds_
 bf16; offsets and strides in bytes): the stages hold the tile's raw latent bytes
 `[BLOCK_N, R]` (uint8) and its bf16 rope part `[BLOCK_N, P]`, each copied by cp.async as
 above; each record's four float32 scales are loaded into registers when its copy is
-issued. Per tile the threads dequantise the latent into one bf16 working tile
-`[BLOCK_N, R]` (each thread the bytes its own copies wrote: e4m3 -> float32 in
-hardware, times the row's scale of that 128-column tile, rounded to bf16, which is
-`dequantize_records` and then triton.py's rounding), in two halves: the rope part's q.k
-runs while the first half converts, the first half's q.k while the second does; p @ V
-reads the working tile as V. Shared memory: q 72 KiB + 2 x (32 + 8) KiB of raw stages +
-64 KiB working tile + p 8 KiB = 224 KiB. Measured (benchmarks/NOTES.md) about 2x the
-Triton kernel's speed on this cache, still slower than a bf16 cache: the conversion
-(a latency-bound chain per 16 bytes, run by the warps that then wait for the tensor
-cores) sits between the loads and the wgmmas.
+issued. Per tile the threads dequantise the latent into a bf16 working tile (each
+thread the bytes its own copies wrote: e4m3 -> float32 in hardware, times the row's scale
+of that 128-column tile, rounded to bf16, which is `dequantize_records` and then
+triton.py's rounding) held as two buffers `[BLOCK_N, R/2]`, one per value half: the rope
+part's q.k runs while the first half converts, the first half's q.k while the second
+does, and p @ V accumulates each half into its own accumulator. Two buffers, each written
+by one store, because Triton's hazard analysis does not tell slices of one swizzled
+buffer apart: it put a CTA barrier before every store into a buffer that a store or an
+in-flight wgmma had touched (three more a tile: 5-7% at 128 heads). Shared memory: q 72 KiB
++ 2 x (32 + 8) KiB of raw stages + 64 KiB of working tile + p 8 KiB = 224 KiB. Measured
+(benchmarks/NOTES.md) about 2x the Triton kernel's speed on this cache, still slower than
+a bf16 cache: the conversion (a latency-bound chain per 16 bytes, run by the warps that
+then wait for the tensor cores) sits between the loads and the wgmmas.
 
 `sparse_mla`'s options as in triton.py's kernel (constexprs): `topk_length` (TOPK_LENGTH)
 ends a token's keys as `seq_lens` ends a request's; the attention sink (HAS_SINK) joins
@@ -193,14 +196,37 @@ def _copy_records(base, rows, valid, raw_smem, pe_smem, R: gl.constexpr, P: gl.c
 
 
 @gluon.jit
-def _dequantize_tile(raw_smem, work_smem, t: gl.constexpr, scale, LOAD8: gl.constexpr):
-    """Latent columns [128 t, 128 t + 128) of a tile: e4m3 bytes (raw_smem) times the row's
-    scale of that tile, in float32, rounded to work_smem's dtype: `dequantize_records`
-    exactly, then the rounding triton.py's kernel applies. Each thread reads the bytes
-    its own cp.async wrote (the copy and this load share LOAD8's thread mapping)."""
-    b = raw_smem.slice(128 * t, 128, dim=1).load(LOAD8)
-    x = b.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
-    work_smem.slice(128 * t, 128, dim=1).store(x.to(work_smem.dtype))
+def _dequantize_half(raw_smem, work_smem, H: gl.constexpr, scale_lo, scale_hi, LOAD8: gl.constexpr):
+    """Latent columns [256 H, 256 H + 256) of a tile (two 128-column scale tiles) into
+    work_smem [BLOCK_N, 256]: e4m3 bytes (raw_smem) times the row's scale of their tile, in
+    float32, rounded to work_smem's dtype:
+    `dequantize_records` exactly, then the rounding triton.py's kernel applies. One store
+    (two would each need a CTA barrier before them: Triton's hazard analysis does not tell
+    slices of a swizzled buffer apart). Each thread reads the bytes its own cp.async wrote
+    (the copy and this load share LOAD8's thread mapping)."""
+    b = raw_smem.slice(256 * H, 256, dim=1).load(LOAD8)
+    cols = gl.arange(0, 256, layout=gl.SliceLayout(0, LOAD8))
+    scale = gl.where((cols < 128)[None, :], scale_lo[:, None], scale_hi[:, None])
+    x = b.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
+    work_smem.store(x.to(work_smem.dtype))
+
+
+@gluon.jit
+def _store_values(acc, l_out, COL0: gl.constexpr, R: gl.constexpr, head0, store_heads, row, split, num_heads,
+                  num_splits, out_ptr, pout_ptr, stride_or, stride_oh, SPLIT: gl.constexpr):
+    """Value columns [COL0, COL0 + acc's width) of out (`acc / l_out`), or of the split's f32
+    partial; rows from `store_heads` on are not stored (the other launch's, dense)."""
+    L: gl.constexpr = acc.type.layout
+    o = acc / gl.convert_layout(l_out, gl.SliceLayout(1, L))[:, None]
+    heads = head0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, L))
+    cols = COL0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, L))
+    mask = (heads < store_heads)[:, None]
+    if SPLIT:
+        part = (row * num_splits + split) * num_heads
+        gl.store(pout_ptr + (part + heads.to(gl.int64))[:, None] * R + cols[None, :], o, mask=mask)
+    else:
+        o_rows = out_ptr + row * stride_or + heads.to(gl.int64) * stride_oh
+        gl.store(o_rows[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -230,14 +256,22 @@ def mla_attn_wgmma_kernel(
     S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
     S_COL: gl.constexpr = gl.SliceLayout(0, S_MMA)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
-    O_COL: gl.constexpr = gl.SliceLayout(0, O_MMA)
+    # fp8_ds_mla: the output in two accumulators, one per half of the working tile (each
+    # warpgroup holding half the columns of each).
+    O_HALF: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                     instr_shape=[16, R // 4, 16])
 
     q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dtype))
     q_pe = gl.allocate_shared_memory(dtype, [BLOCK_H, P], gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dtype))
     if FP8_DS:  # two stages of raw latent bytes, dequantised into one working tile
         k_raw = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, R],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.uint8))
-        k_work = gl.allocate_shared_memory(dtype, [BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
+        # The working tile in two halves (value columns [0, R/2), [R/2, R)): the second half's
+        # conversion may then run beside the first half's q.k (the wgmma reads another buffer;
+        # Triton's hazard analysis would put a CTA barrier before any store into the one it reads).
+        HALF_LAYOUT: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, R // 2], dtype)
+        k_work_lo = gl.allocate_shared_memory(dtype, [BLOCK_N, R // 2], HALF_LAYOUT)
+        k_work_hi = gl.allocate_shared_memory(dtype, [BLOCK_N, R // 2], HALF_LAYOUT)
     else:
         k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
@@ -275,7 +309,11 @@ def mla_attn_wgmma_kernel(
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=S_ROW)
     l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
-    acc = gl.zeros([BLOCK_H, R], gl.float32, layout=O_MMA)
+    if FP8_DS:
+        acc_lo = gl.zeros([BLOCK_H, R // 2], gl.float32, layout=O_HALF)
+        acc_hi = gl.zeros([BLOCK_H, R // 2], gl.float32, layout=O_HALF)
+    else:
+        acc = gl.zeros([BLOCK_H, R], gl.float32, layout=O_MMA)
     for it in range(n_tiles):
         stage = it % 2
         n0 = start + it * BLOCK_N
@@ -314,20 +352,15 @@ def mla_attn_wgmma_kernel(
             # thread converts the bytes its own copies wrote.
             s = warpgroup_mma(q_pe, kp.permute((1, 0)), s, use_acc=False, is_async=True)
             raw = k_raw.index(stage)
-            _dequantize_tile(raw, k_work, 0, c0, LOAD8)
-            _dequantize_tile(raw, k_work, 1, c1, LOAD8)
+            _dequantize_half(raw, k_work_lo, 0, c0, c1, LOAD8)
             fence_async_shared()
             cta_barrier()
             half: gl.constexpr = R // 2
-            s = warpgroup_mma(q_nope.slice(0, half, dim=1), k_work.slice(0, half, dim=1).permute((1, 0)), s,
-                              is_async=True)
-            _dequantize_tile(raw, k_work, 2, c2, LOAD8)
-            _dequantize_tile(raw, k_work, 3, c3, LOAD8)
+            s = warpgroup_mma(q_nope.slice(0, half, dim=1), k_work_lo.permute((1, 0)), s, is_async=True)
+            _dequantize_half(raw, k_work_hi, 1, c2, c3, LOAD8)
             fence_async_shared()
             cta_barrier()
-            s = warpgroup_mma(q_nope.slice(half, half, dim=1), k_work.slice(half, half, dim=1).permute((1, 0)), s,
-                              is_async=True)
-            kn = k_work
+            s = warpgroup_mma(q_nope.slice(half, half, dim=1), k_work_hi.permute((1, 0)), s, is_async=True)
         else:
             kn = k_nope.index(stage)
             s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
@@ -362,9 +395,15 @@ def mla_attn_wgmma_kernel(
         p_smem.store(p.to(dtype))
         fence_async_shared()
         cta_barrier()  # both halves of p are in shared memory
-        acc = acc * gl.convert_layout(alpha, O_ROW)[:, None]
-        acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if FP8_DS:
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_HALF))[:, None]
+            acc_lo = warpgroup_mma(p_smem, k_work_lo, acc_lo * alpha_o, is_async=True)
+            acc_hi = warpgroup_mma(p_smem, k_work_hi, acc_hi * alpha_o, is_async=True)
+            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+        else:
+            acc = acc * gl.convert_layout(alpha, O_ROW)[:, None]
+            acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     async_copy.wait_group(0)  # the last copies (masked: they read nothing) before exit
 
     l_i = gl.sum(l_acc, axis=1)
@@ -378,15 +417,15 @@ def mla_attn_wgmma_kernel(
     if HAS_SINK and not SPLIT:  # the final out (with splits, _combine_kernel applies the sink)
         sink = gl.load(sink_ptr + heads_s * stride_sink, mask=heads_s < store_heads, other=0.0)
         l_out = _with_sink(l_i, m_i, no_key, sink)
-    o = acc / gl.convert_layout(l_out, O_ROW)[:, None]
-    heads_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=O_ROW)
-    cols = gl.arange(0, R, layout=O_COL)
-    o_mask = (heads_o < store_heads)[:, None]  # the other launch stores this program's rows (dense)
+    out_args = (pid_h * BLOCK_H, store_heads, row, split, num_heads, num_splits, out_ptr, pout_ptr, stride_or,
+                stride_oh)
+    if FP8_DS:
+        _store_values(acc_lo, l_out, 0, R, *out_args, SPLIT)
+        _store_values(acc_hi, l_out, R // 2, R, *out_args, SPLIT)
+    else:
+        _store_values(acc, l_out, 0, R, *out_args, SPLIT)
     if SPLIT:
         part = (row * num_splits + split) * num_heads
-        gl.store(pout_ptr + (part + heads_o.to(gl.int64))[:, None] * R + cols[None, :], o, mask=o_mask)
         gl.store(plse_ptr + part + heads_s, lse, mask=heads_s < store_heads)
     else:
-        o_rows = out_ptr + row * stride_or + heads_o.to(gl.int64) * stride_oh
-        gl.store(o_rows[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
         gl.store(lse_ptr + row * stride_lr + heads_s, lse, mask=heads_s < store_heads)
