@@ -199,11 +199,10 @@ def _copy_records(base, rows, valid, raw_smem, pe_smem, R: gl.constexpr, P: gl.c
 def _dequantize_half(raw_smem, work_smem, H: gl.constexpr, scale_lo, scale_hi, LOAD8: gl.constexpr):
     """Latent columns [256 H, 256 H + 256) of a tile (two 128-column scale tiles) into
     work_smem [BLOCK_N, 256]: e4m3 bytes (raw_smem) times the row's scale of their tile, in
-    float32, rounded to work_smem's dtype:
-    `dequantize_records` exactly, then the rounding triton.py's kernel applies. One store
-    (two would each need a CTA barrier before them: Triton's hazard analysis does not tell
-    slices of a swizzled buffer apart). Each thread reads the bytes its own cp.async wrote
-    (the copy and this load share LOAD8's thread mapping)."""
+    float32, rounded to work_smem's dtype (`dequantize_records` exactly, then the rounding
+    triton.py's kernel applies). One store: two would each get a CTA barrier before them
+    (Triton's hazard analysis does not tell slices of a swizzled buffer apart). Each thread
+    reads the bytes its own cp.async wrote (the copy and this load share LOAD8's threads)."""
     b = raw_smem.slice(256 * H, 256, dim=1).load(LOAD8)
     cols = gl.arange(0, 256, layout=gl.SliceLayout(0, LOAD8))
     scale = gl.where((cols < 128)[None, :], scale_lo[:, None], scale_hi[:, None])
