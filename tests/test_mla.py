@@ -1326,6 +1326,7 @@ def test_warpgroup_split_takes_deepseek_fp8_ds_records(monkeypatch):
     assert tri.warpgroup_split_fits(q, records, cfg, 512, 64)
     assert asked == [False, True]
     assert not tri.paged_tma_fits(q, records, cfg, 512, 64)
+    assert not tri.warpgroup_split_fits(_stand_in_tensor(torch.float16, (2, 128, 576)), records, cfg, 512, 64)
     q256 = _stand_in_tensor(torch.bfloat16, (2, 128, 320))
     assert tri.warpgroup_split_fits(q256, _stand_in_tensor(torch.bfloat16, (64, 64, 320)), cfg, 256, 64)
     assert not tri.warpgroup_split_fits(q256, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(256, 64))), cfg,

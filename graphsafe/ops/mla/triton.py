@@ -500,7 +500,9 @@ def warpgroup_split_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelCon
     module = _gluon_module()
     if module is None or (cfg.block_h, cfg.block_n) != (module.BLOCK_H, module.BLOCK_N):
         return False
-    if fp8_ds and not (is_fp8_ds_mla(kv_cache, r, r + p) and module.fp8_ds_supported(r, p)):
+    # The records dequantise to bf16, q's dtype (the ops refuse other queries with them).
+    records = q.dtype == torch.bfloat16 and is_fp8_ds_mla(kv_cache, r, r + p) and module.fp8_ds_supported(r, p)
+    if fp8_ds and not records:
         return False
     smem = max_shared_memory(q.device)
     return smem is not None and module.shared_memory_bytes(r, p, fp8_ds) <= smem
