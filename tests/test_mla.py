@@ -1011,23 +1011,31 @@ def test_fp8_ds_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     assert out.count("compiled sm 90") == 6 and out.count("compiled sm 80") == 1, out
 
 
-_GLUON_COMPILE_SCRIPT = r"""
-import sys, types
+def _gluon_script_head(kernel_module: str, hopper_ops: str) -> str:
+    """The head of a script compiling one of the MLA Gluon kernel modules (`kernel_module`,
+    imported as G): NO_BACKEND (the test skips) where this Triton lacks Gluon or the Hopper
+    ops the module uses (`hopper_ops`); the module itself is imported outside that guard, so
+    an ImportError of its own fails the test. Then torch, splits, the Triton backend (tri)
+    and an empty `launches` list."""
+    return f"""
+import sys
 try:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    # The Gluon API the kernel's module uses: a Triton without it has no backend for it.
     from triton.experimental import gluon
-    from triton.experimental.gluon.language.nvidia.hopper import async_copy, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import {hopper_ops}
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-# Outside the guard: an ImportError of the kernel's own module fails the test.
-from graphsafe.ops.mla import _gluon_hopper as G
+from graphsafe.ops.mla import {kernel_module} as G
 import torch
 from graphsafe.ops.mla import splits, triton as tri
 
 launches = []
+"""
+
+
+_GLUON_COMPILE_SCRIPT = _gluon_script_head("_gluon_hopper", "async_copy, warpgroup_mma") + r"""
 
 # Record what the launcher binds on an sm_90 device (CPU tensors stand in for CUDA ones);
 # the Triton kernels (the combine, the fallback) are compiled by
@@ -1093,23 +1101,7 @@ def test_warpgroup_split_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90
     assert out.count("compiled") == 12 and out.count("fp8_ds") == 6, out
 
 
-_PAGED_COMPILE_SCRIPT = r"""
-import sys
-try:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    # The Gluon API the kernel's module uses: a Triton without it has no backend for it.
-    from triton.experimental import gluon
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
-except ImportError:
-    print("NO_BACKEND"); sys.exit(0)
-# Outside the guard: an ImportError of the kernel's own module fails the test.
-from graphsafe.ops.mla import _gluon_paged as G
-import torch
-from graphsafe.ops.mla import splits, triton as tri
-
-launches = []
+_PAGED_COMPILE_SCRIPT = _gluon_script_head("_gluon_paged", "mbarrier, tma, warpgroup_mma") + r"""
 
 def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the paged kernel's launches
     def launch(*tensors):  # the call's tensors take the placeholders' places; descriptors stay
