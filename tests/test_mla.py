@@ -817,7 +817,9 @@ def _stand_in_kernels(monkeypatch, gluon, attn):
     import types
 
     monkeypatch.setattr(tri, "_mla_attn_kernel", attn)
-    monkeypatch.setattr(tri, "_gluon_module", lambda: types.SimpleNamespace(mla_attn_wgmma_kernel=gluon, NUM_WARPS=8))
+    module = types.SimpleNamespace(mla_attn_wgmma_kernel=gluon, NUM_WARPS=8, IDS_UNCHECKED=0, IDS_CHECKED=1,
+                                   IDS_PER_PROGRAM=2)
+    monkeypatch.setattr(tri, "_gluon_module", lambda: module)
     monkeypatch.setattr(tri, "_GLUON_FAILED", set())
     monkeypatch.setattr(tri, "_STAGES", {})
 
@@ -825,7 +827,8 @@ def _stand_in_kernels(monkeypatch, gluon, attn):
 def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch):
     """The Gluon kernel compiles at the first call of its binding: a failure there (nothing
     launched) warns once, is remembered per variant, and the Triton kernel runs that call
-    and the later ones; calls whose q or cache is not 16-byte aligned run the Triton kernel."""
+    and the later ones; calls whose q or cache is not 16-byte aligned run the Triton kernel.
+    (A dense call: the Gluon kernel's one launch, the Triton kernel's two.)"""
     import warnings
 
     gluon = _StandInKernel("gluon", lambda n: RuntimeError("PassManager::run failed"))
@@ -833,20 +836,50 @@ def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch
     _stand_in_kernels(monkeypatch, gluon, attn)
     cfg = splits.kernel_config(128, "cuda")
     x = torch.zeros(64)
-    bind = lambda: tri._attention_launch((1,), (x, x), _VARIANT, _VARIANT, cfg, _WHERE, True)  # noqa: E731
+    bind = lambda: tri._attention_launch((1,), (x, x), _VARIANT, _VARIANT, cfg, _WHERE, True, True, True)  # noqa: E731
 
     launch = bind()
     launch(x[1:], x)  # misaligned q: the Triton kernel, the Gluon one is not tried
-    assert (len(gluon.calls), len(attn.calls)) == (0, 1)
+    assert (len(gluon.calls), len(attn.calls)) == (0, 2)
     with pytest.warns(RuntimeWarning, match="did not compile"):
         launch(x, x)
-    assert (len(gluon.calls), len(attn.calls)) == (1, 2), "the failed compile launched nothing: Triton ran the call"
-    assert tri._GLUON_FAILED == {(*_WHERE, tuple(sorted(_VARIANT.items())))}
+    assert (len(gluon.calls), len(attn.calls)) == (1, 4), "the failed compile launched nothing: Triton ran the call"
+    assert tri._GLUON_FAILED == {(*_WHERE, tuple(sorted({**_VARIANT, "CHECK_IDS": 2}.items())))}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch(x, x)
         bind()(x, x)  # a new binding of the variant: the Triton kernel at once, no warning
-    assert (len(gluon.calls), len(attn.calls)) == (1, 4)
+    assert (len(gluon.calls), len(attn.calls)) == (1, 8)
+
+
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_dense_calls_launch_the_gluon_kernel_once_for_short_splits(monkeypatch, one_launch):
+    """A dense call on the Gluon kernel: one launch checking ids per program
+    (IDS_PER_PROGRAM) where `one_dense_launch`, else two (IDS_UNCHECKED, then IDS_CHECKED);
+    sparse calls launch once (IDS_UNCHECKED: their slots are checked per key). The rule:
+    at most ONE_LAUNCH_MAX_TILES key tiles a program."""
+    runs = []
+
+    def bind(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the launches
+        return lambda *tensors: runs.append(("gluon" if kernel is gluon else "triton", kw["CHECK_IDS"]))
+
+    gluon, attn = object(), object()
+    monkeypatch.setattr(tri, "bind", bind)
+    _stand_in_kernels(monkeypatch, gluon, attn)
+    cfg = splits.kernel_config(128, "cuda")
+    x = torch.zeros(64)
+    tri._attention_launch((1,), (x, x), _VARIANT, _VARIANT, cfg, _WHERE, True, True, one_launch)(x, x)
+    assert runs == ([("gluon", 2)] if one_launch else [("gluon", 0), ("gluon", 1)]), runs
+    runs.clear()
+    sparse = {**_VARIANT, "SPARSE": True}
+    tri._attention_launch((1,), (x, x), sparse, sparse, cfg, _WHERE, True, False, one_launch)(x, x)
+    assert runs == [("gluon", 0)], runs
+    runs.clear()
+    tri._attention_launch((1,), (x, x), _VARIANT, _VARIANT, cfg, _WHERE, False, True, one_launch)(x, x)
+    assert runs == [("triton", False), ("triton", True)], "the Triton kernel: always two launches"
+    most = tri.ONE_LAUNCH_MAX_TILES
+    for tokens, one in ((most * cfg.block_n, True), (most * cfg.block_n + 1, False), (cfg.block_n, True)):
+        assert tri.one_dense_launch(splits.SplitPlan(1, tokens), cfg) == one, tokens
 
 
 def test_a_gluon_compile_failure_stays_with_its_variant(monkeypatch):
@@ -868,9 +901,9 @@ def test_a_gluon_compile_failure_stays_with_its_variant(monkeypatch):
     x = torch.zeros(64)
     with_sink, plain = ({**_VARIANT, "SPARSE": True, "HAS_SINK": sink} for sink in (True, False))
     with pytest.warns(RuntimeWarning, match="did not compile"):
-        tri._attention_launch((1,), (x, x), with_sink, with_sink, cfg, _WHERE, True)(x, x)
-    tri._attention_launch((1,), (x, x), plain, plain, cfg, _WHERE, True)(x, x)
-    tri._attention_launch((1,), (x, x), with_sink, with_sink, cfg, _WHERE, True)(x, x)
+        tri._attention_launch((1,), (x, x), with_sink, with_sink, cfg, _WHERE, True, False, False)(x, x)
+    tri._attention_launch((1,), (x, x), plain, plain, cfg, _WHERE, True, False, False)(x, x)
+    tri._attention_launch((1,), (x, x), with_sink, with_sink, cfg, _WHERE, True, False, False)(x, x)
     assert runs == [("gluon", True), ("triton", True), ("gluon", False), ("triton", True)], runs
     assert tri._GLUON_FAILED == {(*_WHERE, tuple(sorted(with_sink.items())))}
 
@@ -1051,24 +1084,30 @@ tri.bind = record
 tri.warpgroup_split_fits = lambda *a: True
 """ + SPECIALISE_PRELUDE + r"""
 cfg = splits.kernel_config(128, "cuda")
-for dtype in (torch.bfloat16, torch.float16):
+# Dense calls: 4 splits of 2048 keys (8 tiles a program) launch once (IDS_PER_PROGRAM), one
+# split (32 tiles) twice (IDS_UNCHECKED, IDS_CHECKED): `tri.one_dense_launch`.
+for dtype, dense_splits in ((torch.bfloat16, (4, 1)), (torch.float16, (4,))):
     q = torch.randn(2, 128, 576, dtype=dtype)
     kv = torch.randn(64, 64, 576, dtype=dtype)
     table = torch.arange(64, dtype=torch.int32).view(2, 32)
     lens = torch.full((2,), 2048, dtype=torch.int32)
-    tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=4)
+    for num_splits in dense_splits:
+        tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=num_splits)
     idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
     tri.sparse_mla(q, kv, idx, 0.04, 512, config=cfg, num_splits=1)
 # DeepSeek's fp8_ds_mla records (656 bytes a key): the kernel's FP8_DS variant, at 128 heads
-# and (its default there) at 16.
+# (two launches) and (its default there) at 16 (one launch).
 from graphsafe.ops.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
 TYPES[torch.uint8] = "u8"
 tri.few_heads_wide_tiles = lambda heads, device: cfg  # what an sm_90 device gives up to 16 heads
 kv = torch.zeros(64, 64, DEEPSEEK_RECORD_BYTES, dtype=torch.uint8)
-for heads, config in ((128, cfg), (16, None)):
+for heads, config, num_splits in ((128, cfg, 1), (16, None, 4)):
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
-    tri.mla_decode(q, kv, table, lens, 0.04, 512, config=config, num_splits=4)
+    tri.mla_decode(q, kv, table, lens, 0.04, 512, config=config, num_splits=num_splits)
     tri.sparse_mla(q, kv, idx, 0.04, 512, config=config, num_splits=1)
+dense_ids = sorted(kw["CHECK_IDS"] for _, kw in launches if not kw["SPARSE"])
+want = [G.IDS_UNCHECKED] * 2 + [G.IDS_CHECKED] * 2 + [G.IDS_PER_PROGRAM] * 3
+assert dense_ids == [int(x) for x in want], dense_ids
 for args, kw in launches:
     warps = kw.pop("num_warps")
     k = triton.compile(specialise(G.mla_attn_wgmma_kernel, args, kw, GluonASTSource), target=GPUTarget("cuda", 90, 32),
@@ -1086,8 +1125,7 @@ for args, kw in launches:
     assert k.metadata.shared <= G.shared_memory_bytes(512, 64, fp8) <= 227 * 1024, k.metadata.shared
     # fp8_ds_mla: the latent bytes convert in hardware (cvt.rn.f16x2.e4m3x2), 16 a thread at a time
     assert ("e4m3x2" in k.asm["ptx"]) == fp8
-# dense: without and with the per-key id check; 128 heads and 16 for the fp8_ds_mla cache
-assert len(launches) == 12, launches
+assert len(launches) == 11, launches
 print("OK")
 """
 
@@ -1098,7 +1136,7 @@ def test_warpgroup_split_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90
     wgmmas of its own half of the scores and values (no duplicated q.k) and the kernel
     fits Hopper's 227 KiB of shared memory."""
     out = compile_for_sm90(_GLUON_COMPILE_SCRIPT)
-    assert out.count("compiled") == 12 and out.count("fp8_ds") == 6, out
+    assert out.count("compiled") == 11 and out.count("fp8_ds") == 5, out
 
 
 _PAGED_COMPILE_SCRIPT = _gluon_script_head("_gluon_paged", "mbarrier, tma, warpgroup_mma") + r"""

@@ -72,6 +72,15 @@ NUM_WARPS = 8
 BLOCK_H = 64  # one wgmma M (a warpgroup's 4 warps x 16 rows)
 BLOCK_N = 64  # keys per tile: each warpgroup scores 32 of them
 
+# CHECK_IDS of a dense call (block ids outside the cache hold no key). Two launches, as
+# triton.py's kernel: the first runs the programs whose split's ids are all in the cache
+# (no per-key check), the second the others (each key's id reloaded to mask its score).
+# Or one launch: every program runs, reloading ids only where its split holds a bad one
+# (a branch per key tile, the same for the whole program); triton.py says which is used.
+IDS_UNCHECKED = gl.constexpr(0)
+IDS_CHECKED = gl.constexpr(1)
+IDS_PER_PROGRAM = gl.constexpr(2)
+
 
 def shared_memory_bytes(r: int, p: int, fp8_ds: bool = False) -> int:
     """Shared memory of a launch (16-bit q, keys and p): q [BLOCK_H, R + P], two key
@@ -284,13 +293,16 @@ def mla_attn_wgmma_kernel(
     if not SPARSE or TOPK_LENGTH:  # the request's length, or the token's topk_length: nothing past it is read
         end = gl.minimum(end, gl.maximum(gl.load(lens_ptr + row), 0))
     if not SPARSE:
-        # Padding blocks: as triton.py's kernel, a dense call launches this kernel without
-        # and with the per-key id check (CHECK_IDS); a program scans its split's ids and
-        # runs (copies q, walks its keys, stores) in the launch that matches (reloading
-        # every key's id to mask the scores costs 7% at B = 64 on an H200).
-        mine = _block_ids_in_range(map_row, start, end, num_slots // BLOCK_SIZE, BLOCK_SIZE) != CHECK_IDS
-        end = gl.where(mine, end, start)
-        store_heads = gl.where(mine, num_heads, 0)
+        # Padding blocks: a program scans its split's ids. With IDS_UNCHECKED / IDS_CHECKED
+        # (a dense call's two launches, as triton.py's kernel) it runs (copies q, walks its
+        # keys, stores) in the launch that matches (reloading every key's id to mask the
+        # scores costs 7% at B = 64 on an H200); with IDS_PER_PROGRAM (one launch) it runs,
+        # reloading the ids only where its split holds one outside the cache.
+        ids_ok = _block_ids_in_range(map_row, start, end, num_slots // BLOCK_SIZE, BLOCK_SIZE)
+        if CHECK_IDS != IDS_PER_PROGRAM:
+            mine = ids_ok != (CHECK_IDS == IDS_CHECKED)
+            end = gl.where(mine, end, start)
+            store_heads = gl.where(mine, num_heads, 0)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
     heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS)
@@ -376,8 +388,13 @@ def mla_attn_wgmma_kernel(
         # Which keys of this tile exist, in the scores' layout (the copy's validity was
         # computed an iteration ahead in another layout): the ids again, from L1.
         offs = n0 + gl.arange(0, BLOCK_N, layout=S_COL)
-        if SPARSE or CHECK_IDS:
+        if SPARSE or CHECK_IDS == IDS_CHECKED:
             _, _, key_ok = _key_ids(map_row, offs, offs < end, num_slots, BLOCK_SIZE, SPARSE)
+        elif CHECK_IDS == IDS_PER_PROGRAM:
+            if ids_ok:  # (the same branch for the whole program)
+                key_ok = offs < end
+            else:
+                _, _, key_ok = _key_ids(map_row, offs, offs < end, num_slots, BLOCK_SIZE, SPARSE)
         else:  # every id of this split is valid (scanned above)
             key_ok = offs < end
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))

@@ -6,7 +6,8 @@ token's own list of cache slots (`-1` = none). A block id or slot outside the ca
 the padding, or any other) holds no key: sparse calls fold one unsigned compare per key
 into the key mask; dense calls launch the kernel twice (CHECK_IDS off and on) and each
 program, having scanned its split's block ids, works in the launch that matches, so the
-common case (every id valid) runs the loop without a per-key check (see the kernel).
+common case (every id valid) runs the loop without a per-key check (see the kernel); on
+the Gluon kernel, short splits launch once instead (`one_dense_launch`).
 Masked keys address row 0 and load as 0: no id is ever dereferenced and no unread row
 reaches the math. Non-finite scores follow the softmax arithmetic
 (the ops' docstrings): a NaN or +inf score leaves l NaN, which the epilogue and the
@@ -98,8 +99,8 @@ from graphsafe.launch import bind, output_allocator
 from graphsafe.ops.fp8_bits import bf16_rounded_bits, e4m3_bytes_to_f16
 from graphsafe.ops.fp8_ds_mla import is_fp8_ds_mla
 from graphsafe.ops.mla.splits import (
-    KernelConfig, few_heads_wide_tiles, forced_plan, fp8_ds_kernel_config, max_shared_memory, partial_specs,
-    plan_launch,
+    KernelConfig, SplitPlan, few_heads_wide_tiles, forced_plan, fp8_ds_kernel_config, max_shared_memory,
+    partial_specs, plan_launch,
 )
 from graphsafe.registry import prepared
 from graphsafe.workspace import current_workspace_manager
@@ -548,19 +549,63 @@ def _gluon_failed(key: tuple, exc: BaseException) -> None:
                       "running the Triton kernel", RuntimeWarning, stacklevel=4)
 
 
+# Dense decode on the Gluon kernel: one launch (`IDS_PER_PROGRAM`) where a program walks
+# at most this many key tiles, else two (`IDS_UNCHECKED`, `IDS_CHECKED`). The one launch's
+# branch per key tile costs 2-5% at 32-128 tiles a program; the second launch costs a few
+# microseconds of device time (0.003 ms at B 1) and ~10 us of host time per eager call.
+# Measured on an H100 (benchmarks/NOTES.md): one / two launches 0.86-0.97 at 2-8 tiles,
+# 0.97-1.00 at 16, 1.00-1.05 at 32 and more.
+ONE_LAUNCH_MAX_TILES = 16
+
+
+def one_dense_launch(plan: SplitPlan, cfg: KernelConfig) -> bool:
+    """Whether a dense call on the Gluon kernel launches it once (`ONE_LAUNCH_MAX_TILES`)."""
+    return triton.cdiv(plan.tokens_per_split, cfg.block_n) <= ONE_LAUNCH_MAX_TILES
+
+
 def _attention_launch(grid, args, gluon_constexprs, triton_constexprs, cfg: KernelConfig, where: tuple,
-                      gluon: bool) -> Launch:
+                      gluon: bool, dense: bool, one_launch: bool) -> Launch:
     """The attention kernel's launch, called with its 9 tensors: the Triton kernel, or
     where `gluon` (the signature part of `warpgroup_split_applies`) the Gluon kernel for
     calls whose q and cache are 16-byte aligned, the Triton kernel (bound on first need)
     for the others and for good once the Gluon kernel fails to compile (a failed compile
-    launched nothing: the Triton kernel then runs the call)."""
-    key = (*where, _variant(gluon_constexprs))
-    if not gluon or key in _GLUON_FAILED:
-        return _triton_launch(grid, args, triton_constexprs, cfg, where)
-    module = _gluon_module()
-    wgmma = bind(module.mla_attn_wgmma_kernel, grid, *args, **gluon_constexprs, num_warps=module.NUM_WARPS)
-    return _gluon_or_fallback(key, wgmma, lambda: _triton_launch(grid, args, triton_constexprs, cfg, where))
+    launched nothing: the Triton kernel then runs the call). `dense`: the kernel launches
+    twice, without and with the per-key id check (CHECK_IDS: each program works in the
+    launch its split's ids call for), but the Gluon kernel launches once where
+    `one_launch` (`IDS_PER_PROGRAM`)."""
+    def triton_launch(check_ids: bool) -> Launch:
+        return _triton_launch(grid, args, {**triton_constexprs, "CHECK_IDS": check_ids}, cfg, where)
+
+    def gluon_launch(check_ids: str, fallback: Callable[[], Launch]) -> Launch:
+        """The Gluon kernel with CHECK_IDS = its module's `check_ids`, else `fallback()`."""
+        if not gluon:
+            return fallback()
+        module = _gluon_module()
+        constexprs = {**gluon_constexprs, "CHECK_IDS": int(getattr(module, check_ids))}
+        key = (*where, _variant(constexprs))
+        if key in _GLUON_FAILED:
+            return fallback()
+        wgmma = bind(module.mla_attn_wgmma_kernel, grid, *args, **constexprs, num_warps=module.NUM_WARPS)
+        return _gluon_or_fallback(key, wgmma, fallback)
+
+    def both(first: Launch, second: Launch) -> Launch:
+        def run(*tensors):
+            first(*tensors)
+            second(*tensors)
+
+        return run
+
+    def triton_pair() -> Launch:
+        return both(triton_launch(False), triton_launch(True))
+
+    if not dense:  # (sparse: slots are checked per key)
+        return gluon_launch("IDS_UNCHECKED", lambda: triton_launch(False))
+    if not gluon:
+        return triton_pair()
+    if one_launch:
+        return gluon_launch("IDS_PER_PROGRAM", triton_pair)
+    return both(gluon_launch("IDS_UNCHECKED", lambda: triton_launch(False)),
+                gluon_launch("IDS_CHECKED", lambda: triton_launch(True)))
 
 
 def _gluon_or_fallback(key: tuple, gluon: Launch | None, make_fallback: Callable[[], Launch]) -> Launch:
@@ -703,11 +748,10 @@ def _prepare(
     )
     where = (device, dtype, head_dim, kv_cache.dtype)
 
-    def attention_launch(check_ids: bool) -> Launch:
-        return _attention_launch(
+    attention = _attention_launch(
             grid, args,
             dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
-                 CHECK_IDS=check_ids, TOPK_LENGTH=topk_length, HAS_SINK=sink, FP8_DS=fp8_ds),
+                 TOPK_LENGTH=topk_length, HAS_SINK=sink, FP8_DS=fp8_ds),
             dict(
                 R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks,
                 BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
@@ -715,21 +759,12 @@ def _prepare(
                 # PTX prefetch: NVIDIA only (not the interpreter, not ROCm); its lines count
                 # 16-bit elements, so not for fp8_ds_mla records (no default config prefetches).
                 PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None and not fp8_ds,
-                LINES=_pow2(triton.cdiv(head_dim, 64), 1), CHECK_IDS=check_ids,
+                LINES=_pow2(triton.cdiv(head_dim, 64), 1),
                 FP8_DS=fp8_ds, FP8_NATIVE=fp8_ds and has_ocp_e4m3(device), TOPK_LENGTH=topk_length, HAS_SINK=sink,
             ),
-            cfg, where, warpgroup_split_fits(q, kv_cache, cfg, r, p),
+            cfg, where, warpgroup_split_fits(q, kv_cache, cfg, r, p), not sparse, one_dense_launch(plan, cfg),
         )
-
-    if sparse:  # slots are checked per key (a gather: no pipelined block walk to keep)
-        attention = attention_launch(False)
-    else:  # dense: the kernel without and with the per-key id check (see the kernel)
-        unchecked, checked = attention_launch(False), attention_launch(True)
-
-        def attention(*tensors):
-            unchecked(*tensors)
-            checked(*tensors)
-
+    if not sparse:
         if paged_tma_fits(q, kv_cache, cfg, r, p):
             attention = _paged_launch(
                 grid, q, kv_cache, r,
