@@ -59,7 +59,8 @@ call whose pointers are not). Dense calls whose pages hold a multiple of 64 slot
 and the cache readable as 2-D TMA views (`paged_tma_fits`), run
 `_gluon_paged.mla_decode_tma_kernel` instead, in one launch (TMA page tiles, two
 warpgroups scoring alternate tiles; its module docstring), with the same grid, plan and
-partials; a failed compile or a misaligned call runs the 64-head kernel's two launches.
+partials; a failed compile or a misaligned call runs the 64-head kernel (one launch or
+two: `one_dense_launch`).
 
 Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly; there (and only
 there) bf16 dots run on f32 copies of the operands (DOT_F32), after rounding the
@@ -633,7 +634,7 @@ def _paged_launch(grid, q: torch.Tensor, kv_cache: torch.Tensor, r: int, scalars
                   where: tuple, fallback: Launch) -> Launch:
     """The dense decode's attention launch, called with the 9 tensors of the others:
     `_gluon_paged.mla_decode_tma_kernel` (one launch, ids checked per tile) for calls whose
-    q and cache are 16-byte aligned, `fallback` (the 64-head kernel's two launches) for the
+    q and cache are 16-byte aligned, `fallback` (the 64-head kernel's launches) for the
     others and for good once it fails to compile (a failed compile launched nothing)."""
     module = _paged_module()
     key = (*where, "paged", block_size, split)
