@@ -908,6 +908,15 @@ def test_a_gluon_compile_failure_stays_with_its_variant(monkeypatch):
     assert tri._GLUON_FAILED == {(*_WHERE, tuple(sorted(with_sink.items())))}
 
 
+def test_heads_go_on_n_for_fp8_records_up_to_16_heads():
+    """The Gluon kernel's HEADS_ON_N variant (keys on wgmma's M, heads on its N): fp8_ds_mla
+    records with up to 16 heads; 16-bit caches and more heads keep the 64-row head tiles."""
+    for heads in (1, 8, 16):
+        assert tri.heads_on_n(heads, True) and not tri.heads_on_n(heads, False)
+    for heads in (17, 64, 128):
+        assert not tri.heads_on_n(heads, True)
+
+
 def test_direct_calls_reuse_one_runner_per_signature_and_overrides(monkeypatch):
     """Direct calls with the same signature and overrides reuse one prepared runner."""
     args = _decode_args(torch.float16, [3, 0, 50, 96])
@@ -1119,9 +1128,16 @@ for args, kw in launches:
     assert kw.get("FP8_DS", False) == fp8
     # Per 64 keys each warpgroup scores its 32 keys over 576 columns (36 k-steps of 16) and
     # accumulates its 256 value columns over the 64 keys (4 k-steps): no duplicated q.k.
-    # (fp8_ds_mla: 128 columns of each working-tile half, 2 x 4 k-steps.)
-    pv = {"m64n128k16": 8} if fp8 else {"m64n256k16": 4}
-    assert shapes == {"m64n32k16": 36, **pv}, shapes
+    # (fp8_ds_mla: 128 columns of each working-tile half, 2 x 4 k-steps.) Heads on N (fp8_ds_mla,
+    # 16 heads): each warpgroup scores its 8 heads on all 64 keys (N = 8, 36 k-steps) and
+    # accumulates 2 x 64 of every 256 value columns of each half for all 16 heads (N = 16,
+    # 2 halves x 2 x 4 k-steps).
+    assert kw["HEADS_ON_N"] == (fp8 and args[0].shape[1] <= 16), kw["HEADS_ON_N"]
+    if kw["HEADS_ON_N"]:
+        assert shapes == {"m64n8k16": 36, "m64n16k16": 16}, shapes
+    else:
+        pv = {"m64n128k16": 8} if fp8 else {"m64n256k16": 4}
+        assert shapes == {"m64n32k16": 36, **pv}, shapes
     assert k.metadata.shared <= G.shared_memory_bytes(512, 64, fp8) <= 227 * 1024, k.metadata.shared
     # fp8_ds_mla: the latent bytes convert in hardware (cvt.rn.f16x2.e4m3x2), 16 a thread at a time
     assert ("e4m3x2" in k.asm["ptx"]) == fp8

@@ -45,6 +45,16 @@ in-flight wgmma had touched (three more a tile: 5-7% at 128 heads). Shared memor
 a bf16 cache: the conversion (a latency-bound chain per 16 bytes, run by the warps that
 then wait for the tensor cores) sits between the loads and the wgmmas.
 
+Up to 16 heads over fp8_ds_mla records (HEADS_ON_N, `triton.heads_on_n`) the two products
+run transposed: s^T [BLOCK_N, 16] = k q^T (keys on wgmma's M, the heads on N, each
+warpgroup 8 of them) and O^T [R, 16] += V^T p^T (V^T: the working tile seen transposed;
+warpgroup w accumulates rows 64w ... 64w + 63 of every 128 for all heads). A 64-row head
+tile would be three quarters padding there: the tensor work (and the accumulator, 32
+registers a thread instead of 128) now scales with the 16 heads; q takes 18 KiB, p^T 2.
+The softmax reduces over the keys, across each warpgroup's warps. Measured on an H200
+(benchmarks/NOTES.md): 0.88-0.91x the 64-row tiles' time for dense decode, 0.80x sparse;
+the dequantisation, unchanged, is what bounds it now.
+
 `sparse_mla`'s options as in triton.py's kernel (constexprs): `topk_length` (TOPK_LENGTH)
 ends a token's keys as `seq_lens` ends a request's; the attention sink (HAS_SINK) joins
 the final out's denominator in the epilogue with one split (with several, the combine).
@@ -80,6 +90,7 @@ BLOCK_N = 64  # keys per tile: each warpgroup scores 32 of them
 IDS_UNCHECKED = gl.constexpr(0)
 IDS_CHECKED = gl.constexpr(1)
 IDS_PER_PROGRAM = gl.constexpr(2)
+HEADS_ON_N_ROWS = gl.constexpr(16)  # HEADS_ON_N: the heads a program holds (wgmma's N)
 
 
 def shared_memory_bytes(r: int, p: int, fp8_ds: bool = False) -> int:
@@ -149,6 +160,23 @@ def _block_ids_in_range(map_row, start, end, num_blocks, BLOCK_SIZE: gl.constexp
         ids = gl.load(map_row + i, mask=i < stop, other=0)
         bad += gl.sum((ids.to(gl.uint32, bitcast=True) >= num_blocks).to(gl.int32), axis=0)
     return bad == 0
+
+
+@gluon.jit
+def _load_q_rows(q_ptr, row_offset, stride_qh, store_heads, q_nope, q_pe, R: gl.constexpr, P: gl.constexpr):
+    """q's rows of heads [0, QH) (QH = q_nope's rows; heads from `store_heads` on read as 0)
+    into q_nope [QH, R] and q_pe [QH, P], through registers (16-byte loads, 8 warps)."""
+    QH: gl.constexpr = q_nope.shape[0]
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # 16 rows x 128 columns
+    LP: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0])  # 16 rows x 64 columns
+    heads = gl.arange(0, QH, layout=gl.SliceLayout(1, L))
+    cols = gl.arange(0, R, layout=gl.SliceLayout(0, L))
+    base = q_ptr + row_offset + heads.to(gl.int64)[:, None] * stride_qh
+    q_nope.store(gl.load(base + cols[None, :], mask=(heads < store_heads)[:, None], other=0.0))
+    heads_p = gl.arange(0, QH, layout=gl.SliceLayout(1, LP))
+    cols_p = gl.arange(0, P, layout=gl.SliceLayout(0, LP))
+    base_p = q_ptr + row_offset + heads_p.to(gl.int64)[:, None] * stride_qh
+    q_pe.store(gl.load(base_p + (R + cols_p)[None, :], mask=(heads_p < store_heads)[:, None], other=0.0))
 
 
 @gluon.jit
@@ -238,6 +266,23 @@ def _store_values(acc, l_out, COL0: gl.constexpr, R: gl.constexpr, head0, store_
 
 
 @gluon.jit
+def _store_values_heads_on_n(acc, l_out, COL0: gl.constexpr, R: gl.constexpr, head0, store_heads, row, split,
+                             num_heads, num_splits, out_ptr, pout_ptr, stride_or, stride_oh, SPLIT: gl.constexpr):
+    """`_store_values` of a transposed accumulator acc [columns, heads] (HEADS_ON_N)."""
+    L: gl.constexpr = acc.type.layout
+    o = acc / gl.convert_layout(l_out, gl.SliceLayout(0, L))[None, :]
+    heads = head0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, L))
+    cols = COL0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, L))
+    mask = (heads < store_heads)[None, :]
+    if SPLIT:
+        part = (row * num_splits + split) * num_heads
+        gl.store(pout_ptr + (part + heads.to(gl.int64))[None, :] * R + cols[:, None], o, mask=mask)
+    else:
+        o_rows = out_ptr + row * stride_or + heads.to(gl.int64) * stride_oh
+        gl.store(o_rows[None, :] + cols[:, None], o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
 def mla_attn_wgmma_kernel(
     q_ptr, kv_ptr, map_ptr, lens_ptr, sink_ptr,
     out_ptr, lse_ptr, pout_ptr, plse_ptr,
@@ -248,29 +293,37 @@ def mla_attn_wgmma_kernel(
     R: gl.constexpr, P: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
     CHECK_IDS: gl.constexpr, TOPK_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, FP8_DS: gl.constexpr = False,
+    HEADS_ON_N: gl.constexpr = False,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
+    gl.static_assert(FP8_DS or not HEADS_ON_N, "heads on N: fp8_ds_mla records only")
+    # HEADS_ON_N (up to 16 heads): the products transposed, keys on wgmma's M and 16 heads on
+    # its N (`heads_on_n`), so the tensor work scales with the heads instead of 64 padded rows.
+    QH: gl.constexpr = HEADS_ON_N_ROWS if HEADS_ON_N else BLOCK_H  # q rows in shared memory
+    KEY_AXIS: gl.constexpr = 0 if HEADS_ON_N else 1  # the keys' axis of a score tile
     # Copies: 16 bytes per thread, a warp covers 4 rows x 64 columns (four 128-byte lines).
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     # fp8_ds_mla latent bytes: 16 a thread, a warp covers 4 rows x 128 bytes; the same rows
     # per thread as LOAD, so the row offsets change layout for free.
     LOAD8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
     ROWS: gl.constexpr = gl.SliceLayout(1, LOAD)
-    # Warpgroup w holds columns [w * N / 2, (w + 1) * N / 2) of each result tile.
+    # Warpgroup w holds columns [w * N / 2, (w + 1) * N / 2) of each result tile (HEADS_ON_N:
+    # of the scores, heads 8w ... 8w + 7 of every key).
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                    instr_shape=[16, BLOCK_N // 2, 16])
+                                                    instr_shape=[16, QH // 2 if HEADS_ON_N else BLOCK_N // 2, 16])
     O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                     instr_shape=[16, R // 2, 16])
-    S_ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
-    S_COL: gl.constexpr = gl.SliceLayout(0, S_MMA)
+    S_HEADS: gl.constexpr = gl.SliceLayout(KEY_AXIS, S_MMA)  # a vector per head of a score tile
+    S_KEYS: gl.constexpr = gl.SliceLayout(1 - KEY_AXIS, S_MMA)  # a vector per key
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
     # fp8_ds_mla: the output in two accumulators, one per half of the working tile (each
-    # warpgroup holding half the columns of each).
-    O_HALF: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                     instr_shape=[16, R // 4, 16])
+    # warpgroup holding half the columns of each; HEADS_ON_N: O^T [R/2, 16], warpgroup w
+    # rows 64w ... 64w + 63 of every 128).
+    O_HALF: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1] if HEADS_ON_N else [4, 2],
+                                                     instr_shape=[16, QH if HEADS_ON_N else R // 4, 16])
 
-    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, R], gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dtype))
-    q_pe = gl.allocate_shared_memory(dtype, [BLOCK_H, P], gl.NVMMASharedLayout.get_default_for([BLOCK_H, P], dtype))
+    q_nope = gl.allocate_shared_memory(dtype, [QH, R], gl.NVMMASharedLayout.get_default_for([QH, R], dtype))
+    q_pe = gl.allocate_shared_memory(dtype, [QH, P], gl.NVMMASharedLayout.get_default_for([QH, P], dtype))
     if FP8_DS:  # two stages of raw latent bytes, dequantised into one working tile
         k_raw = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, R],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], gl.uint8))
@@ -284,8 +337,11 @@ def mla_attn_wgmma_kernel(
         k_nope = gl.allocate_shared_memory(dtype, [2, BLOCK_N, R],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype))
     k_pe = gl.allocate_shared_memory(dtype, [2, BLOCK_N, P], gl.NVMMASharedLayout.get_default_for([BLOCK_N, P], dtype))
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))
+    if HEADS_ON_N:  # p^T [keys, heads]: the B operand of O^T = V^T p^T
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, QH], gl.NVMMASharedLayout.get_default_for([BLOCK_N, QH], dtype))
+    else:
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))
 
     pid_h, split, row, start, end = _split_bounds(head_tiles, num_splits, tokens_per_split, kv_capacity)
     map_row = map_ptr + row * stride_map
@@ -305,9 +361,12 @@ def mla_attn_wgmma_kernel(
             store_heads = gl.where(mine, num_heads, 0)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
-    heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS)
-    q_rows = row * stride_qr + heads.to(gl.int64) * stride_qh
-    _copy_rows(q_ptr, q_rows, heads < store_heads, q_nope, q_pe, R, P, LOAD)
+    if HEADS_ON_N:  # q's 16 rows: loaded and stored (the loop's first barrier and fence publish them)
+        _load_q_rows(q_ptr, row * stride_qr, stride_qh, store_heads, q_nope, q_pe, R, P)
+    else:
+        heads = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS)
+        q_rows = row * stride_qr + heads.to(gl.int64) * stride_qh
+        _copy_rows(q_ptr, q_rows, heads < store_heads, q_nope, q_pe, R, P, LOAD)
     async_copy.commit_group()
     rows, valid = _key_rows(map_row, start, end, num_slots, stride_kb, stride_kt, ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
     if FP8_DS:  # (s0, ..., s3): the scales of the tile whose bytes are copied last
@@ -318,12 +377,17 @@ def mla_attn_wgmma_kernel(
     rows, valid = _key_rows(map_row, start + BLOCK_N, end, num_slots, stride_kb, stride_kt,
                             ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
 
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=S_ROW)
-    l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
-    if FP8_DS:
+    m_i = gl.full([QH], float("-inf"), gl.float32, layout=S_HEADS)
+    if HEADS_ON_N:
+        l_acc = gl.zeros([BLOCK_N, QH], gl.float32, layout=S_MMA)
+        acc_lo = gl.zeros([R // 2, QH], gl.float32, layout=O_HALF)
+        acc_hi = gl.zeros([R // 2, QH], gl.float32, layout=O_HALF)
+    elif FP8_DS:
+        l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
         acc_lo = gl.zeros([BLOCK_H, R // 2], gl.float32, layout=O_HALF)
         acc_hi = gl.zeros([BLOCK_H, R // 2], gl.float32, layout=O_HALF)
     else:
+        l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
         acc = gl.zeros([BLOCK_H, R], gl.float32, layout=O_MMA)
     for it in range(n_tiles):
         stage = it % 2
@@ -356,8 +420,22 @@ def mla_attn_wgmma_kernel(
         cta_barrier()
         fence_async_shared()
         kp = k_pe.index(stage)
-        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
-        if FP8_DS:
+        if HEADS_ON_N:
+            # s^T = k q^T: the same schedule as below with the operands swapped (keys on M).
+            s = gl.zeros([BLOCK_N, QH], gl.float32, layout=S_MMA)
+            s = warpgroup_mma(kp, q_pe.permute((1, 0)), s, use_acc=False, is_async=True)
+            raw = k_raw.index(stage)
+            _dequantize_half(raw, k_work_lo, 0, c0, c1, LOAD8)
+            fence_async_shared()
+            cta_barrier()
+            half_t: gl.constexpr = R // 2
+            s = warpgroup_mma(k_work_lo, q_nope.slice(0, half_t, dim=1).permute((1, 0)), s, is_async=True)
+            _dequantize_half(raw, k_work_hi, 1, c2, c3, LOAD8)
+            fence_async_shared()
+            cta_barrier()
+            s = warpgroup_mma(k_work_hi, q_nope.slice(half_t, half_t, dim=1).permute((1, 0)), s, is_async=True)
+        elif FP8_DS:
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
             # The rope part's q.k needs no dequantisation: it runs while the first half of
             # the latent is dequantised, that half's q.k while the second half is. Each
             # thread converts the bytes its own copies wrote.
@@ -374,6 +452,7 @@ def mla_attn_wgmma_kernel(
             s = warpgroup_mma(q_nope.slice(half, half, dim=1), k_work_hi.permute((1, 0)), s, is_async=True)
         else:
             kn = k_nope.index(stage)
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
             s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
             s = warpgroup_mma(q_pe, kp.permute((1, 0)), s, is_async=True)
         if not SPARSE:
@@ -387,7 +466,7 @@ def mla_attn_wgmma_kernel(
                                     ROWS, BLOCK_N, BLOCK_SIZE, SPARSE)
         # Which keys of this tile exist, in the scores' layout (the copy's validity was
         # computed an iteration ahead in another layout): the ids again, from L1.
-        offs = n0 + gl.arange(0, BLOCK_N, layout=S_COL)
+        offs = n0 + gl.arange(0, BLOCK_N, layout=S_KEYS)
         if SPARSE or CHECK_IDS == IDS_CHECKED:
             _, _, key_ok = _key_ids(map_row, offs, offs < end, num_slots, BLOCK_SIZE, SPARSE)
         elif CHECK_IDS == IDS_PER_PROGRAM:
@@ -399,19 +478,24 @@ def mla_attn_wgmma_kernel(
             key_ok = offs < end
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-        s = gl.where(key_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        s = gl.where(gl.expand_dims(key_ok, 1 - KEY_AXIS), s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=KEY_AXIS))
         # A row with no valid key so far keeps m = -inf; shift it by 0 (not -inf - -inf).
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
-        l_acc = l_acc * alpha[:, None] + p
+        p = gl.exp2(s - gl.expand_dims(m_use, KEY_AXIS))
+        l_acc = l_acc * gl.expand_dims(alpha, KEY_AXIS) + p
         m_i = m_new
 
         p_smem.store(p.to(dtype))
         fence_async_shared()
         cta_barrier()  # both halves of p are in shared memory
-        if FP8_DS:
+        if HEADS_ON_N:  # O^T += V^T p^T, V^T the working tile seen transposed
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, O_HALF))[None, :]
+            acc_lo = warpgroup_mma(k_work_lo.permute((1, 0)), p_smem, acc_lo * alpha_o, is_async=True)
+            acc_hi = warpgroup_mma(k_work_hi.permute((1, 0)), p_smem, acc_hi * alpha_o, is_async=True)
+            acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
+        elif FP8_DS:
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_HALF))[:, None]
             acc_lo = warpgroup_mma(p_smem, k_work_lo, acc_lo * alpha_o, is_async=True)
             acc_hi = warpgroup_mma(p_smem, k_work_hi, acc_hi * alpha_o, is_async=True)
@@ -422,20 +506,23 @@ def mla_attn_wgmma_kernel(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     async_copy.wait_group(0)  # the last copies (masked: they read nothing) before exit
 
-    l_i = gl.sum(l_acc, axis=1)
+    l_i = gl.sum(l_acc, axis=KEY_AXIS)
     # l = 0 exactly when no valid key scored above -inf; a NaN l (a NaN or +inf score) keeps out
     # and lse NaN (triton.py's kernel does the same).
     no_key = l_i == 0.0
     l_safe = gl.where(no_key, 1.0, l_i)
     lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    heads_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=S_ROW)
+    heads_s = pid_h * QH + gl.arange(0, QH, layout=S_HEADS)
     l_out = l_safe
     if HAS_SINK and not SPLIT:  # the final out (with splits, _combine_kernel applies the sink)
         sink = gl.load(sink_ptr + heads_s * stride_sink, mask=heads_s < store_heads, other=0.0)
         l_out = _with_sink(l_i, m_i, no_key, sink)
-    out_args = (pid_h * BLOCK_H, store_heads, row, split, num_heads, num_splits, out_ptr, pout_ptr, stride_or,
+    out_args = (pid_h * QH, store_heads, row, split, num_heads, num_splits, out_ptr, pout_ptr, stride_or,
                 stride_oh)
-    if FP8_DS:
+    if HEADS_ON_N:
+        _store_values_heads_on_n(acc_lo, l_out, 0, R, *out_args, SPLIT)
+        _store_values_heads_on_n(acc_hi, l_out, R // 2, R, *out_args, SPLIT)
+    elif FP8_DS:
         _store_values(acc_lo, l_out, 0, R, *out_args, SPLIT)
         _store_values(acc_hi, l_out, R // 2, R, *out_args, SPLIT)
     else:

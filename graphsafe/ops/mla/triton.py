@@ -550,6 +550,16 @@ def _gluon_failed(key: tuple, exc: BaseException) -> None:
                       "running the Triton kernel", RuntimeWarning, stacklevel=4)
 
 
+def heads_on_n(num_heads: int, fp8_ds: bool) -> bool:
+    """Whether the Gluon kernel computes with keys on wgmma's M and the heads on its N
+    (HEADS_ON_N: s^T = k q^T, O^T += V^T p^T): over fp8_ds_mla records, up to 16 heads,
+    where 64-row head tiles would be three quarters padding. Measured on an H200 against
+    the 64-row tiles (`benchmarks/results/h200_s30_fp8_heads_on_n.txt`, graph replays):
+    dense decode at 16 heads, ctx 8192, B 1 / 8 / 32 / 64 / 128: 0.91 / 0.88 / 0.91 / 0.90 /
+    0.88x; ctx 32768, B 64: 0.89x; sparse, K 2048, T 64 / 128: 0.80x."""
+    return fp8_ds and num_heads <= 16
+
+
 # Dense decode on the Gluon kernel: one launch (`IDS_PER_PROGRAM`) where a program walks
 # at most this many key tiles, else two (`IDS_UNCHECKED`, `IDS_CHECKED`). The one launch's
 # branch per key tile costs 2-5% at 32-128 tiles a program; the second launch costs a few
@@ -752,7 +762,7 @@ def _prepare(
     attention = _attention_launch(
             grid, args,
             dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
-                 TOPK_LENGTH=topk_length, HAS_SINK=sink, FP8_DS=fp8_ds),
+                 TOPK_LENGTH=topk_length, HAS_SINK=sink, FP8_DS=fp8_ds, HEADS_ON_N=heads_on_n(num_heads, fp8_ds)),
             dict(
                 R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks,
                 BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
