@@ -283,6 +283,16 @@ def _store_values_heads_on_n(acc, l_out, COL0: gl.constexpr, R: gl.constexpr, he
 
 
 @gluon.jit
+def _qk(q_part, k_part, s, use_acc: gl.constexpr, HEADS_ON_N: gl.constexpr):
+    """One q.k wgmma into the scores s, left in flight: q_part [heads, c] times k_part
+    [keys, c] transposed, or (HEADS_ON_N) the transpose, k_part times q_part transposed."""
+    if HEADS_ON_N:
+        return warpgroup_mma(k_part, q_part.permute((1, 0)), s, use_acc=use_acc, is_async=True)
+    else:
+        return warpgroup_mma(q_part, k_part.permute((1, 0)), s, use_acc=use_acc, is_async=True)
+
+
+@gluon.jit
 def mla_attn_wgmma_kernel(
     q_ptr, kv_ptr, map_ptr, lens_ptr, sink_ptr,
     out_ptr, lse_ptr, pout_ptr, plse_ptr,
@@ -420,36 +430,25 @@ def mla_attn_wgmma_kernel(
         cta_barrier()
         fence_async_shared()
         kp = k_pe.index(stage)
-        if HEADS_ON_N:
-            # s^T = k q^T: the same schedule as below with the operands swapped (keys on M).
-            s = gl.zeros([BLOCK_N, QH], gl.float32, layout=S_MMA)
-            s = warpgroup_mma(kp, q_pe.permute((1, 0)), s, use_acc=False, is_async=True)
-            raw = k_raw.index(stage)
-            _dequantize_half(raw, k_work_lo, 0, c0, c1, LOAD8)
-            fence_async_shared()
-            cta_barrier()
-            half_t: gl.constexpr = R // 2
-            s = warpgroup_mma(k_work_lo, q_nope.slice(0, half_t, dim=1).permute((1, 0)), s, is_async=True)
-            _dequantize_half(raw, k_work_hi, 1, c2, c3, LOAD8)
-            fence_async_shared()
-            cta_barrier()
-            s = warpgroup_mma(k_work_hi, q_nope.slice(half_t, half_t, dim=1).permute((1, 0)), s, is_async=True)
-        elif FP8_DS:
-            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
+        if FP8_DS:
+            if HEADS_ON_N:  # s^T = k q^T: keys on M (`_qk`)
+                s = gl.zeros([BLOCK_N, QH], gl.float32, layout=S_MMA)
+            else:
+                s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
             # The rope part's q.k needs no dequantisation: it runs while the first half of
             # the latent is dequantised, that half's q.k while the second half is. Each
             # thread converts the bytes its own copies wrote.
-            s = warpgroup_mma(q_pe, kp.permute((1, 0)), s, use_acc=False, is_async=True)
+            s = _qk(q_pe, kp, s, False, HEADS_ON_N)
             raw = k_raw.index(stage)
             _dequantize_half(raw, k_work_lo, 0, c0, c1, LOAD8)
             fence_async_shared()
             cta_barrier()
             half: gl.constexpr = R // 2
-            s = warpgroup_mma(q_nope.slice(0, half, dim=1), k_work_lo.permute((1, 0)), s, is_async=True)
+            s = _qk(q_nope.slice(0, half, dim=1), k_work_lo, s, True, HEADS_ON_N)
             _dequantize_half(raw, k_work_hi, 1, c2, c3, LOAD8)
             fence_async_shared()
             cta_barrier()
-            s = warpgroup_mma(q_nope.slice(half, half, dim=1), k_work_hi.permute((1, 0)), s, is_async=True)
+            s = _qk(q_nope.slice(half, half, dim=1), k_work_hi, s, True, HEADS_ON_N)
         else:
             kn = k_nope.index(stage)
             s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
