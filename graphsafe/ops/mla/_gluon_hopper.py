@@ -51,9 +51,10 @@ warpgroup 8 of them) and O^T [R, 16] += V^T p^T (V^T: the working tile seen tran
 warpgroup w accumulates rows 64w ... 64w + 63 of every 128 for all heads). A 64-row head
 tile would be three quarters padding there: the tensor work (and the accumulator, 32
 registers a thread instead of 128) now scales with the 16 heads; q takes 18 KiB, p^T 2.
-The softmax reduces over the keys, across each warpgroup's warps. Measured on an H200
-(benchmarks/NOTES.md): 0.88-0.91x the 64-row tiles' time for dense decode, 0.80x sparse;
-the dequantisation, unchanged, is what bounds it now.
+The softmax reduces over the keys, across each warpgroup's warps. Measured (graph
+replays, benchmarks/NOTES.md "Heads on N"): 0.88-0.92x the 64-row tiles' time for dense
+decode at B 8-128, 0.78-0.80x sparse, on an H100 and an H200; the dequantisation,
+unchanged, is what bounds it now.
 
 `sparse_mla`'s options as in triton.py's kernel (constexprs): `topk_length` (TOPK_LENGTH)
 ends a token's keys as `seq_lens` ends a request's; the attention sink (HAS_SINK) joins

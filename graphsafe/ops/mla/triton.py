@@ -556,7 +556,8 @@ def heads_on_n(num_heads: int, fp8_ds: bool) -> bool:
     where 64-row head tiles would be three quarters padding. Measured on an H200 against
     the 64-row tiles (`benchmarks/results/h200_s30_fp8_heads_on_n.txt`, graph replays):
     dense decode at 16 heads, ctx 8192, B 1 / 8 / 32 / 64 / 128: 0.91 / 0.88 / 0.91 / 0.90 /
-    0.88x; ctx 32768, B 64: 0.89x; sparse, K 2048, T 64 / 128: 0.80x."""
+    0.88x; ctx 32768, B 64: 0.89x; sparse, K 2048, T 64 / 128: 0.80x. On an H100
+    (`h100_s30_fp8_heads_on_n.txt`): 1.03 / 0.92 / 0.90 / 0.91 / 0.88x, 0.88x, 0.78x."""
     return fp8_ds and num_heads <= 16
 
 
@@ -760,21 +761,21 @@ def _prepare(
     where = (device, dtype, head_dim, kv_cache.dtype)
 
     attention = _attention_launch(
-            grid, args,
-            dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
-                 TOPK_LENGTH=topk_length, HAS_SINK=sink, FP8_DS=fp8_ds, HEADS_ON_N=heads_on_n(num_heads, fp8_ds)),
-            dict(
-                R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks,
-                BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
-                DOT_F32=dot_f32,
-                # PTX prefetch: NVIDIA only (not the interpreter, not ROCm); its lines count
-                # 16-bit elements, so not for fp8_ds_mla records (no default config prefetches).
-                PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None and not fp8_ds,
-                LINES=_pow2(triton.cdiv(head_dim, 64), 1),
-                FP8_DS=fp8_ds, FP8_NATIVE=fp8_ds and has_ocp_e4m3(device), TOPK_LENGTH=topk_length, HAS_SINK=sink,
-            ),
-            cfg, where, warpgroup_split_fits(q, kv_cache, cfg, r, p), not sparse, one_dense_launch(plan, cfg),
-        )
+        grid, args,
+        dict(R=r, P=p, BLOCK_SIZE=bs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
+             TOPK_LENGTH=topk_length, HAS_SINK=sink, FP8_DS=fp8_ds, HEADS_ON_N=heads_on_n(num_heads, fp8_ds)),
+        dict(
+            R=r, P=p, BLOCK_SIZE=bs, BLOCK_R=max(_pow2(r) // cfg.value_chunks, 16), CHUNKS=cfg.value_chunks,
+            BLOCK_P=_pow2(p), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPARSE=sparse, SPLIT=split,
+            DOT_F32=dot_f32,
+            # PTX prefetch: NVIDIA only (not the interpreter, not ROCm); its lines count
+            # 16-bit elements, so not for fp8_ds_mla records (no default config prefetches).
+            PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None and not fp8_ds,
+            LINES=_pow2(triton.cdiv(head_dim, 64), 1),
+            FP8_DS=fp8_ds, FP8_NATIVE=fp8_ds and has_ocp_e4m3(device), TOPK_LENGTH=topk_length, HAS_SINK=sink,
+        ),
+        cfg, where, warpgroup_split_fits(q, kv_cache, cfg, r, p), not sparse, one_dense_launch(plan, cfg),
+    )
     if not sparse:
         if paged_tma_fits(q, kv_cache, cfg, r, p):
             attention = _paged_launch(
