@@ -250,37 +250,24 @@ def _dequantize_half(raw_smem, work_smem, H: gl.constexpr, scale_lo, scale_hi, L
 
 @gluon.jit
 def _store_values(acc, l_out, COL0: gl.constexpr, R: gl.constexpr, head0, store_heads, row, split, num_heads,
-                  num_splits, out_ptr, pout_ptr, stride_or, stride_oh, SPLIT: gl.constexpr):
+                  num_splits, out_ptr, pout_ptr, stride_or, stride_oh, SPLIT: gl.constexpr,
+                  HEADS_ON_N: gl.constexpr = False):
     """Value columns [COL0, COL0 + acc's width) of out (`acc / l_out`), or of the split's f32
-    partial; rows from `store_heads` on are not stored (the other launch's, dense)."""
+    partial; rows from `store_heads` on are not stored (the other launch's, dense).
+    acc is [heads, columns], or (HEADS_ON_N) transposed, [columns, heads]."""
     L: gl.constexpr = acc.type.layout
-    o = acc / gl.convert_layout(l_out, gl.SliceLayout(1, L))[:, None]
-    heads = head0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, L))
-    cols = COL0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, L))
-    mask = (heads < store_heads)[:, None]
+    HEAD_AXIS: gl.constexpr = 1 if HEADS_ON_N else 0
+    COL_AXIS: gl.constexpr = 1 - HEAD_AXIS
+    o = acc / gl.expand_dims(gl.convert_layout(l_out, gl.SliceLayout(COL_AXIS, L)), COL_AXIS)
+    heads = head0 + gl.arange(0, acc.shape[HEAD_AXIS], layout=gl.SliceLayout(COL_AXIS, L))
+    cols = gl.expand_dims(COL0 + gl.arange(0, acc.shape[COL_AXIS], layout=gl.SliceLayout(HEAD_AXIS, L)), HEAD_AXIS)
+    mask = gl.expand_dims(heads < store_heads, COL_AXIS)
     if SPLIT:
         part = (row * num_splits + split) * num_heads
-        gl.store(pout_ptr + (part + heads.to(gl.int64))[:, None] * R + cols[None, :], o, mask=mask)
+        gl.store(pout_ptr + gl.expand_dims(part + heads.to(gl.int64), COL_AXIS) * R + cols, o, mask=mask)
     else:
         o_rows = out_ptr + row * stride_or + heads.to(gl.int64) * stride_oh
-        gl.store(o_rows[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
-def _store_values_heads_on_n(acc, l_out, COL0: gl.constexpr, R: gl.constexpr, head0, store_heads, row, split,
-                             num_heads, num_splits, out_ptr, pout_ptr, stride_or, stride_oh, SPLIT: gl.constexpr):
-    """`_store_values` of a transposed accumulator acc [columns, heads] (HEADS_ON_N)."""
-    L: gl.constexpr = acc.type.layout
-    o = acc / gl.convert_layout(l_out, gl.SliceLayout(0, L))[None, :]
-    heads = head0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, L))
-    cols = COL0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, L))
-    mask = (heads < store_heads)[None, :]
-    if SPLIT:
-        part = (row * num_splits + split) * num_heads
-        gl.store(pout_ptr + (part + heads.to(gl.int64))[None, :] * R + cols[:, None], o, mask=mask)
-    else:
-        o_rows = out_ptr + row * stride_or + heads.to(gl.int64) * stride_oh
-        gl.store(o_rows[None, :] + cols[:, None], o.to(out_ptr.dtype.element_ty), mask=mask)
+        gl.store(gl.expand_dims(o_rows, COL_AXIS) + cols, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -393,13 +380,13 @@ def mla_attn_wgmma_kernel(
         l_acc = gl.zeros([BLOCK_N, QH], gl.float32, layout=S_MMA)
         acc_lo = gl.zeros([R // 2, QH], gl.float32, layout=O_HALF)
         acc_hi = gl.zeros([R // 2, QH], gl.float32, layout=O_HALF)
-    elif FP8_DS:
-        l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
-        acc_lo = gl.zeros([BLOCK_H, R // 2], gl.float32, layout=O_HALF)
-        acc_hi = gl.zeros([BLOCK_H, R // 2], gl.float32, layout=O_HALF)
     else:
         l_acc = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_MMA)
-        acc = gl.zeros([BLOCK_H, R], gl.float32, layout=O_MMA)
+        if FP8_DS:
+            acc_lo = gl.zeros([BLOCK_H, R // 2], gl.float32, layout=O_HALF)
+            acc_hi = gl.zeros([BLOCK_H, R // 2], gl.float32, layout=O_HALF)
+        else:
+            acc = gl.zeros([BLOCK_H, R], gl.float32, layout=O_MMA)
     for it in range(n_tiles):
         stage = it % 2
         n0 = start + it * BLOCK_N
@@ -519,12 +506,9 @@ def mla_attn_wgmma_kernel(
         l_out = _with_sink(l_i, m_i, no_key, sink)
     out_args = (pid_h * QH, store_heads, row, split, num_heads, num_splits, out_ptr, pout_ptr, stride_or,
                 stride_oh)
-    if HEADS_ON_N:
-        _store_values_heads_on_n(acc_lo, l_out, 0, R, *out_args, SPLIT)
-        _store_values_heads_on_n(acc_hi, l_out, R // 2, R, *out_args, SPLIT)
-    elif FP8_DS:
-        _store_values(acc_lo, l_out, 0, R, *out_args, SPLIT)
-        _store_values(acc_hi, l_out, R // 2, R, *out_args, SPLIT)
+    if FP8_DS:
+        _store_values(acc_lo, l_out, 0, R, *out_args, SPLIT, HEADS_ON_N)
+        _store_values(acc_hi, l_out, R // 2, R, *out_args, SPLIT, HEADS_ON_N)
     else:
         _store_values(acc, l_out, 0, R, *out_args, SPLIT)
     if SPLIT:
