@@ -79,7 +79,8 @@ to bf16, q's dtype, for the dots; the rope values are read through a bf16 view f
 byte R + 4 R/128. Masked keys load nothing, as for a float cache. On sm_90 DeepSeek's
 records (R = 512) run the Gluon kernel's FP8_DS variant instead (same numerics: the
 products rounded to bf16; its module docstring), also at up to 16 heads, on its 64-head
-tiles (a tile dequantised once for all heads); the dense TMA kernel reads 16-bit rows only.
+tiles' plan (a tile dequantised once for all heads; the heads on wgmma's N, `heads_on_n`);
+the dense TMA kernel reads 16-bit rows only.
 """
 
 from __future__ import annotations
