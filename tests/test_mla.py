@@ -1077,20 +1077,28 @@ launches = []
 """
 
 
-_GLUON_COMPILE_SCRIPT = _gluon_script_head("_gluon_hopper", "async_copy, warpgroup_mma") + r"""
-
-# Record what the launcher binds on an sm_90 device (CPU tensors stand in for CUDA ones);
-# the Triton kernels (the combine, the fallback) are compiled by
-# test_kernels_compile_for_sm90_without_a_gpu.
-def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record each launch, run nothing
-    def launch(*tensors):  # the call's tensors take the placeholders' places
+# graphsafe.launch.bind as the compile scripts replace it: each call of a binding of KERNEL
+# records its arguments (the call's tensors in the placeholders' places), nothing runs.
+_RECORDING_BIND = r"""
+def record(kernel, grid, *args, **kw):
+    def launch(*tensors):
         it = iter(tensors)
-        if kernel is G.mla_attn_wgmma_kernel:
+        if kernel is KERNEL:
             launches.append((tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), dict(kw)))
     return launch
 
 tri.bind = record
 tri.warpgroup_split_fits = lambda *a: True
+"""
+
+
+_GLUON_COMPILE_SCRIPT = _gluon_script_head("_gluon_hopper", "async_copy, warpgroup_mma") + r"""
+
+# Record what the launcher binds on an sm_90 device (CPU tensors stand in for CUDA ones);
+# the Triton kernels (the combine, the fallback) are compiled by
+# test_kernels_compile_for_sm90_without_a_gpu.
+KERNEL = G.mla_attn_wgmma_kernel
+""" + _RECORDING_BIND + r"""
 """ + SPECIALISE_PRELUDE + r"""
 cfg = splits.kernel_config(128, "cuda")
 # Dense calls: 4 splits of 2048 keys (8 tiles a program) launch once (IDS_PER_PROGRAM), one
@@ -1204,6 +1212,71 @@ def test_paged_tma_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     and shared memory within the estimate `paged_tma_fits` decides by and Hopper's 227 KiB."""
     out = compile_for_sm90(_PAGED_COMPILE_SCRIPT, timeout=900)
     assert out.count("compiled") == 3, out
+
+
+_FEW_HEADS_COMPILE_SCRIPT = _gluon_script_head("_gluon_fp8_few_heads", "async_copy, mbarrier, warpgroup_mma") + r"""
+
+KERNEL = G.mla_fp8_few_heads_kernel
+""" + _RECORDING_BIND + r"""
+tri.max_shared_memory = lambda device: 232448  # Hopper's opt-in shared memory per block
+""" + SPECIALISE_PRELUDE + r"""
+from graphsafe.ops.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
+TYPES[torch.uint8] = "u8"
+cfg = splits.kernel_config(128, "cuda")
+tri.few_heads_wide_tiles = lambda heads, device: cfg  # what an sm_90 device gives up to 16 heads
+lens = torch.full((2,), 2048, dtype=torch.int32)
+for page, num_splits in ((64, 4), (64, 1), (16, 4)):
+    q = torch.randn(2, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4096 // page, page, DEEPSEEK_RECORD_BYTES, dtype=torch.uint8)
+    table = torch.arange(4096 // page, dtype=torch.int32).view(2, -1)
+    assert tri.few_heads_fp8_fits(q, kv, cfg, 512, 64)
+    tri.mla_decode(q, kv, table, lens, 0.04, 512, num_splits=num_splits)
+    tri.sparse_mla(q, kv, torch.zeros(2, 64, dtype=torch.int32), 0.04, 512, num_splits=1)  # (not this kernel)
+for args, kw in launches:
+    warps = kw.pop("num_warps")
+    k = triton.compile(specialise(G.mla_fp8_few_heads_kernel, args, kw, GluonASTSource),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    shapes = wgmma_shapes(k)
+    ptx = k.asm["ptx"]
+    print("compiled page", kw["BLOCK_SIZE"], "SPLIT", kw["SPLIT"], "shared", k.metadata.shared, shapes)
+    # Per 64-key tile the consumer scores 16 heads on all keys (N = 16: the rope part and four
+    # 128-column pieces, 4 + 4 x 8 k-steps) and accumulates O^T for the four pieces (2 M-tiles of
+    # 64 rows x 4 k-steps each).
+    assert shapes == {"m64n16k16": 36 + 32}, shapes
+    assert k.metadata.shared <= G.shared_memory_bytes(512, 64) <= 227 * 1024, k.metadata.shared
+    # warp-specialised (the partitions set their registers), the latent converted in hardware
+    assert "setmaxnreg" in ptx and "e4m3x2" in ptx and "cp.async" in ptx
+assert len(launches) == 3, launches  # one launch per dense call, none for sparse_mla
+print("OK")
+"""
+
+
+def test_few_heads_fp8_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
+    """The warp-specialised fp8_ds_mla kernel (sm_90 only, never run by the interpreter),
+    launched as the MLA launcher launches it at 16 heads (pages of 64 and 16, with and
+    without splits), compiles for sm_90 with this Triton: one launch per dense call, N = 16
+    wgmmas with the keys on M, and shared memory within the estimate the launcher decides
+    by and Hopper's 227 KiB."""
+    out = compile_for_sm90(_FEW_HEADS_COMPILE_SCRIPT, timeout=900)
+    assert out.count("compiled") == 3, out
+
+
+def test_few_heads_fp8_fits_dense_records_up_to_16_heads(monkeypatch):
+    """Dense decode over fp8_ds_mla records runs the warp-specialised kernel up to 16 heads
+    (any page size: its producer gathers rows) where the 64-head Gluon kernel would run;
+    more heads, a 16-bit cache, fp16 q and other GPUs keep the other kernels."""
+    _hopper_stand_ins(monkeypatch)
+    cfg = splits.kernel_config(128, "cuda")
+    records = _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64)))
+    fits = lambda q, kv: tri.few_heads_fp8_fits(q, kv, cfg, 512, 64)  # noqa: E731
+    for heads in (1, 8, 16):
+        assert fits(_stand_in_tensor(torch.bfloat16, (2, heads, 576)), records)
+    assert fits(_stand_in_tensor(torch.bfloat16, (2, 16, 576)), _stand_in_tensor(torch.uint8, (256, 16, 656)))
+    assert not fits(_stand_in_tensor(torch.bfloat16, (2, 17, 576)), records)
+    assert not fits(_stand_in_tensor(torch.bfloat16, (2, 16, 576)), _stand_in_tensor(torch.bfloat16, (64, 64, 576)))
+    assert not fits(_stand_in_tensor(torch.float16, (2, 16, 576)), records)
+    monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not fits(_stand_in_tensor(torch.bfloat16, (2, 16, 576)), records)
 
 
 def _hopper_stand_ins(monkeypatch):

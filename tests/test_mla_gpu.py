@@ -104,8 +104,8 @@ def _fp8_close(expected, actual, args):
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
 def test_fp8_ds_decode_deepseek_shapes_match_reference(heads, block_size, num_splits):
     """DeepSeek's fp8_ds_mla records (656 bytes a key) on the kernel this device runs
-    (sm_90: the Gluon kernel's dequantising variant; at 16 heads with the heads on
-    wgmma's N, `tri.heads_on_n`),
+    (sm_90: the Gluon kernel's dequantising variant; at 16 heads the warp-specialised
+    kernel, `tri.few_heads_fp8_fits`),
     against the reference over the dequantized records: random lengths with an empty
     and a full request, a padding block inside a request, garbage ids past the ends;
     records no request reads hold 0xFF (NaN bytes, NaN scales) and change no output bit."""

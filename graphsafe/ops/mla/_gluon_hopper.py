@@ -164,12 +164,13 @@ def _block_ids_in_range(map_row, start, end, num_blocks, BLOCK_SIZE: gl.constexp
 
 
 @gluon.jit
-def _load_q_rows(q_ptr, row_offset, stride_qh, store_heads, q_nope, q_pe, R: gl.constexpr, P: gl.constexpr):
+def _load_q_rows(q_ptr, row_offset, stride_qh, store_heads, q_nope, q_pe, R: gl.constexpr, P: gl.constexpr,
+                 WARPS: gl.constexpr = 8):
     """q's rows of heads [0, QH) (QH = q_nope's rows; heads from `store_heads` on read as 0)
-    into q_nope [QH, R] and q_pe [QH, P], through registers (16-byte loads, 8 warps)."""
+    into q_nope [QH, R] and q_pe [QH, P], through registers (16-byte loads, WARPS warps)."""
     QH: gl.constexpr = q_nope.shape[0]
-    L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # 16 rows x 128 columns
-    LP: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0])  # 16 rows x 64 columns
+    L: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])  # 2 WARPS rows x 128 columns
+    LP: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [WARPS, 1], [1, 0])  # 2 WARPS rows x 64 columns
     heads = gl.arange(0, QH, layout=gl.SliceLayout(1, L))
     cols = gl.arange(0, R, layout=gl.SliceLayout(0, L))
     base = q_ptr + row_offset + heads.to(gl.int64)[:, None] * stride_qh

@@ -80,7 +80,10 @@ byte R + 4 R/128. Masked keys load nothing, as for a float cache. On sm_90 DeepS
 records (R = 512) run the Gluon kernel's FP8_DS variant instead (same numerics: the
 products rounded to bf16; its module docstring), also at up to 16 heads, on its 64-head
 tiles' plan (a tile dequantised once for all heads; the heads on wgmma's N, `heads_on_n`);
-the dense TMA kernel reads 16-bit rows only.
+the dense TMA kernel reads 16-bit rows only. Dense decode over those records at up to 16
+heads runs `_gluon_fp8_few_heads.mla_fp8_few_heads_kernel` (`few_heads_fp8_fits`: producer
+warps dequantise the next tile while a consumer warpgroup multiplies this one; one launch,
+the same grid, plan and partials; a failed compile or a misaligned call runs the one above).
 """
 
 from __future__ import annotations
@@ -533,6 +536,30 @@ def paged_tma_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r
     return module is not None and smem is not None and module.shared_memory_bytes(r, p) <= smem
 
 
+@functools.cache
+def _few_heads_module():
+    """The warp-specialised fp8_ds_mla kernel's module (_gluon_fp8_few_heads.py), or None
+    where this Triton lacks the Gluon ops it uses."""
+    try:
+        from graphsafe.ops.mla import _gluon_fp8_few_heads
+    except (ImportError, AttributeError):
+        return None
+    return _gluon_fp8_few_heads
+
+
+def few_heads_fp8_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
+    """Whether dense decode calls of this signature run `_gluon_fp8_few_heads`' kernel (the
+    runner tests each call's 16-byte alignment): fp8_ds_mla records with the heads on N
+    (`heads_on_n`: up to 16 heads) where the 64-head Gluon kernel would run
+    (`warpgroup_split_fits`: sm_90, bf16 q, 16-byte strides, DeepSeek's records), and
+    the shared memory it needs."""
+    if kv_cache.dtype == q.dtype or not heads_on_n(q.shape[1], True) or not warpgroup_split_fits(q, kv_cache, cfg, r, p):
+        return False
+    module = _few_heads_module()
+    smem = max_shared_memory(q.device)
+    return module is not None and module.supported(r, p) and smem is not None and module.shared_memory_bytes(r, p) <= smem
+
+
 def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
     """Whether a launch with `cfg` runs the Gluon kernel (_gluon_hopper.py): a config that
     asks for it with the kernel's tiles (64 heads, 64 keys), a CUDA sm_90 device (wgmma;
@@ -663,6 +690,27 @@ def _paged_launch(grid, q: torch.Tensor, kv_cache: torch.Tensor, r: int, scalars
     return _gluon_or_fallback(key, paged, lambda: fallback)
 
 
+def _few_heads_launch(grid, device: torch.device, scalars: tuple, r: int, p: int, block_size: int, split: bool,
+                      where: tuple, fallback: Launch) -> Launch:
+    """The dense decode's attention launch over fp8_ds_mla records at up to 16 heads, called
+    with the 9 tensors of the others: `_gluon_fp8_few_heads.mla_fp8_few_heads_kernel` (one
+    launch, ids checked per key) for calls whose q and cache are 16-byte aligned,
+    `fallback` (the 64-head kernel's launch) for the others and for good once it fails to
+    compile (a failed compile launched nothing)."""
+    module = _few_heads_module()
+    key = (*where, "few heads", block_size, split)
+    if key in _GLUON_FAILED:
+        return fallback
+    ph = _placeholder(device)
+    kernel = bind(module.mla_fp8_few_heads_kernel, grid, ph, ph, ph, ph, ph, ph, ph, ph, *scalars, R=r, P=p,
+                  BLOCK_SIZE=block_size, SPLIT=split, PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.NUM_WARPS)
+
+    def few_heads(q, kv, key_map, lens, sink, out, lse, pout, plse):  # (no sink in dense decode)
+        kernel(q, kv, key_map, lens, out, lse, pout, plse)
+
+    return _gluon_or_fallback(key, few_heads, lambda: fallback)
+
+
 def _offset_checked(op: str, attention: Launch) -> Launch:
     """`attention` refusing (`InputError`) an fp8_ds_mla cache whose storage offset is not
     a multiple of 4 bytes (the kernel loads the scales as float32; the strides, part of
@@ -784,6 +832,13 @@ def _prepare(
                 (float(sm_scale) * LOG2E, num_heads, head_tiles, plan.num_splits, plan.tokens_per_split, kv_capacity,
                  nb, nb * bs, key_map.stride(0), num_heads * r, r, num_heads),
                 bs, split, where, attention)
+        elif few_heads_fp8_fits(q, kv_cache, cfg, r, p):
+            attention = _few_heads_launch(
+                grid, device,
+                (float(sm_scale) * LOG2E, num_heads, plan.num_splits, plan.tokens_per_split, kv_capacity, nb * bs,
+                 q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0), num_heads * r, r,
+                 num_heads),
+                r, p, bs, split, where, attention)
 
     if fp8_ds:  # the storage offset is no part of the signature: checked per call
         attention = _offset_checked(op, attention)
