@@ -47,7 +47,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from graphsafe.ops.gluon_compat import cp_async, cta_barrier
-from graphsafe.ops.mla._gluon_hopper import _key_ids, _key_rows, _load_q_rows, _split_bounds, _store_values
+from graphsafe.ops.mla._gluon_hopper import (
+    _key_ids, _key_rows, _load_q_rows, _softmax_end, _softmax_keys, _split_bounds, _store_values,
+)
 
 HEADS = gl.constexpr(16)  # heads a program holds: wgmma's N
 BLOCK_N = gl.constexpr(64)  # keys a tile: wgmma's M
@@ -204,14 +206,7 @@ def _consumer(q_ptr, map_ptr, lens_ptr, out_ptr, lse_ptr, pout_ptr, plse_ptr, q_
         _, _, key_ok = _key_ids(map_row, offs, offs < end, num_slots, BLOCK_SIZE, False)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-        s = gl.where(key_ok[:, None], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        # A head with no valid key so far keeps m = -inf; shift it by 0 (not -inf - -inf).
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[None, :])
-        l_acc = l_acc * alpha[None, :] + p
-        m_i = m_new
+        p, alpha, m_i, l_acc = _softmax_keys(s, key_ok, m_i, l_acc, qk_scale, 0)
 
         p_smem.store(p.to(dtype))
         fence_async_shared()
@@ -224,12 +219,7 @@ def _consumer(q_ptr, map_ptr, lens_ptr, out_ptr, lse_ptr, pout_ptr, plse_ptr, q_
         acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
         mbarrier.arrive(empty.index(stage))  # the stage's last reader is done
 
-    l_i = gl.sum(l_acc, axis=0)
-    # l = 0 exactly when no valid key scored above -inf; a NaN l (a NaN or +inf score) keeps out
-    # and lse NaN (the other kernels do the same).
-    no_key = l_i == 0.0
-    l_safe = gl.where(no_key, 1.0, l_i)
-    lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    _, _, l_safe, lse = _softmax_end(l_acc, m_i, 0)
     out_args = (0, num_heads, row, split, num_heads, num_splits, out_ptr, pout_ptr, stride_or, stride_oh)
     _store_values(acc0, l_safe, 0, R, *out_args, SPLIT, True)
     _store_values(acc1, l_safe, PIECE, R, *out_args, SPLIT, True)

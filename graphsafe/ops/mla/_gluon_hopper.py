@@ -272,6 +272,32 @@ def _store_values(acc, l_out, COL0: gl.constexpr, R: gl.constexpr, head0, store_
 
 
 @gluon.jit
+def _softmax_keys(s, key_ok, m_i, l_acc, qk_scale, KEY_AXIS: gl.constexpr):
+    """One key tile's online-softmax step in base 2, the keys along KEY_AXIS of the scores
+    s: keys not `key_ok` score -inf. Returns (p, alpha, the new running max, l_acc): p =
+    2^(s qk_scale - max), alpha the rescale of what came before, l_acc the per-thread sums
+    (reduced once, by `_softmax_end`). A head with no valid key so far keeps the max -inf
+    and is shifted by 0 (not -inf - -inf)."""
+    s = gl.where(gl.expand_dims(key_ok, 1 - KEY_AXIS), s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=KEY_AXIS))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - gl.expand_dims(m_use, KEY_AXIS))
+    return p, alpha, m_new, l_acc * gl.expand_dims(alpha, KEY_AXIS) + p
+
+
+@gluon.jit
+def _softmax_end(l_acc, m_i, KEY_AXIS: gl.constexpr):
+    """(l, no key, l or 1 where no key, lse) per head from `_softmax_keys`' sums and max:
+    l = 0 exactly when no valid key scored above -inf (lse -inf); a NaN l (a NaN or +inf
+    score) keeps out and lse NaN (triton.py's kernel does the same)."""
+    l_i = gl.sum(l_acc, axis=KEY_AXIS)
+    no_key = l_i == 0.0
+    l_safe = gl.where(no_key, 1.0, l_i)
+    return l_i, no_key, l_safe, gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+
+
+@gluon.jit
 def _qk(q_part, k_part, s, use_acc: gl.constexpr, HEADS_ON_N: gl.constexpr):
     """One q.k wgmma into the scores s, left in flight: q_part [heads, c] times k_part
     [keys, c] transposed, or (HEADS_ON_N) the transpose, k_part times q_part transposed."""
@@ -466,14 +492,7 @@ def mla_attn_wgmma_kernel(
             key_ok = offs < end
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-        s = gl.where(gl.expand_dims(key_ok, 1 - KEY_AXIS), s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=KEY_AXIS))
-        # A row with no valid key so far keeps m = -inf; shift it by 0 (not -inf - -inf).
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - gl.expand_dims(m_use, KEY_AXIS))
-        l_acc = l_acc * gl.expand_dims(alpha, KEY_AXIS) + p
-        m_i = m_new
+        p, alpha, m_i, l_acc = _softmax_keys(s, key_ok, m_i, l_acc, qk_scale, KEY_AXIS)
 
         p_smem.store(p.to(dtype))
         fence_async_shared()
@@ -494,12 +513,7 @@ def mla_attn_wgmma_kernel(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     async_copy.wait_group(0)  # the last copies (masked: they read nothing) before exit
 
-    l_i = gl.sum(l_acc, axis=KEY_AXIS)
-    # l = 0 exactly when no valid key scored above -inf; a NaN l (a NaN or +inf score) keeps out
-    # and lse NaN (triton.py's kernel does the same).
-    no_key = l_i == 0.0
-    l_safe = gl.where(no_key, 1.0, l_i)
-    lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    l_i, no_key, l_safe, lse = _softmax_end(l_acc, m_i, KEY_AXIS)
     heads_s = pid_h * QH + gl.arange(0, QH, layout=S_HEADS)
     l_out = l_safe
     if HAS_SINK and not SPLIT:  # the final out (with splits, _combine_kernel applies the sink)
