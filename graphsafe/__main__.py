@@ -54,6 +54,7 @@ def _run_check(fn: Callable[[], object]) -> tuple[str, str]:
 def cmd_check(args: argparse.Namespace) -> int:
     from graphsafe.backends import device_types_here
     from graphsafe.testing import contract as C
+    from graphsafe.testing.cases import case_for
 
     devices = args.device or device_types_here()
     names = args.op or sorted(_ops())
@@ -74,7 +75,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         device = torch.device(device_type)
         for name in names:
             spec = table[name]
-            case = spec.case
+            case = case_for(spec.name)
             sets = C.example_inputs(case, device, seed=args.seed)
             kernels = [b for b in spec.available_backends(device_type) if b != "reference"]
 

@@ -60,3 +60,24 @@ def backend_available(backend: str, device_type: str) -> bool:
 def device_types_here() -> list[str]:
     """Device types with a usable device in this process, CPU first."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def unavailable_reason(backend: str, device_type: str) -> str:
+    """Why `backend` cannot run on `device_type` here ("" where it can)."""
+    if backend_available(backend, device_type):
+        return ""
+    if backend == "triton":
+        if device_type == "cpu":
+            return "runs on the CPU only through Triton's interpreter (TRITON_INTERPRET=1, tests)"
+        if not _importable("triton"):
+            return "triton is not installed"
+        return f"no {device_type} device here"
+    if backend == "aiter":
+        if device_type != "cuda":
+            return f"runs on ROCm GPUs only, not on {device_type}"
+        if not is_rocm():
+            return "needs a ROCm build of torch"
+        if not torch.cuda.is_available():
+            return "no ROCm device here"
+        return "aiter is not importable"
+    return f"cannot run on {device_type}"

@@ -11,10 +11,18 @@ registers through `torch.library.Library(namespace, "FRAGMENT")`:
 We use `Library.define/impl` rather than `@torch.library.custom_op`: the latter adds
 several microseconds per call (pytorch/pytorch#139500, #177109).
 
-Each backend of an op is one `Backend` record: its impl, optionally a `prepare` that
-binds the impl to one call signature, a `supports` predicate (per-shape fallback to the
-next backend) and its worst-case workspace. Selection, sizing and launch all read these
-records.
+Each backend of an op is one `Backend` record, exported by the backend's module
+(`graphsafe/ops/<family>/{reference,triton,aiter}.py`) and named once by the family's
+`register_op`: its impl, optionally a `prepare` that binds the impl to one call signature,
+a `supports` predicate (per-shape fallback to the next backend, with the reason it gives)
+and its worst-case workspace. Selection, sizing and launch all read these records.
+
+A call's arguments are bound once, into the op's `Call` (a named tuple generated from the
+stub: `spec.call(*args)`), and that one object goes to `check`, the fake, `supports`,
+`prepare` and the debug check: a function whose only parameter is named `call` receives
+it; any other is called with the op's arguments spread (`fn(*call)`), as registries of
+other namespaces written that way expect. The runner `prepare` returns, the hot path,
+takes the op's arguments as the dispatcher passes them.
 
 The kernel registered on each dispatch key keeps a table from the call's *signature*
 (every tensor's shape, strides, dtype and device, and every other argument's value) to a
@@ -27,6 +35,7 @@ the signature and one dict lookup before the runner. `use_backend` clears the ta
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import inspect
@@ -35,12 +44,12 @@ import threading
 import typing
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from graphsafe.backends import AUTO_ORDER, BACKENDS, backend_available
+from graphsafe.backends import AUTO_ORDER, BACKENDS, backend_available, unavailable_reason
 from graphsafe.debug import STATE as debug_state
 from graphsafe.errors import InputError, RegistrationError, as_traced_error
 
@@ -84,20 +93,73 @@ def _resolve(ref: BackendRef | None) -> Impl | None:
 
 
 @dataclass(frozen=True)
+class Support:
+    """A backend's answer to one call signature: `ok`, and where it declines, why (what
+    `python -m graphsafe list --why` prints). Truthy when the backend serves the call."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+SUPPORTED = Support(True)
+
+
+def declined(reason: str) -> Support:
+    """`supports`' answer for a call the backend does not serve, and why."""
+    return Support(False, reason)
+
+
+def as_support(answer: Any) -> Support:
+    """A `supports` function's answer as a `Support` (a plain bool is accepted)."""
+    if isinstance(answer, Support):
+        return answer
+    return SUPPORTED if answer else Support(False, "its supports predicate declined")
+
+
+def takes_call(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` takes the bound call (its only parameter is named `call`)."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params == ["call"]
+
+
+def _call_adapter(fn: Impl | None) -> Impl | None:
+    """`fn` as a function of the bound call: itself where it takes the call, else one that
+    spreads the call's fields as positional arguments."""
+    if fn is None or takes_call(fn):
+        return fn
+
+    def spread(call: tuple) -> Any:
+        return fn(*call)
+
+    spread.__name__ = getattr(fn, "__name__", "spread")
+    spread.__wrapped__ = fn  # type: ignore[attr-defined]
+    return spread
+
+
+@dataclass(frozen=True)
 class Backend:
     """One backend of an op: what selection, workspace sizing and launch all read.
 
-    Every field is a function or a lazy "package.module:function" reference.
+    Every field is a function (or, for registries that must not import a module early,
+    a lazy "package.module:function" reference). graphsafe's own backend modules export
+    their records (`graphsafe.ops.mla.triton.MLA_DECODE`, ...), named by `name`.
 
     * `impl(*args)`: runs the op (inputs already validated).
-    * `prepare(*args) -> runner`: binds the op to the signature of these args (shapes,
+    * `prepare(call) -> runner`: binds the op to the signature of these args (shapes,
       strides, dtypes, devices, scalars) and returns `runner(*args)` for every later call
       with that signature: plans, grids and compiled kernel handles are computed once,
       here. Optional; without it the impl runs as is. With it, `impl` may be omitted
       (it is then `prepare(*args)(*args)`).
-    * `supports(*args) -> bool`: whether this backend runs this signature; False hands
-      the call to the next backend in the order (decided once per signature, never by
-      catching errors per call). Optional: None means every valid input.
+    * `supports(call) -> Support`: whether this backend runs this signature (`SUPPORTED`,
+      or `declined("why")`; a bool is accepted); a decline hands the call to the next
+      backend in the order (decided once per signature, never by catching errors per
+      call). Optional: None means every valid input.
     * `workspace(**shape_params) -> [(shape, dtype), ...]`: the worst-case scratch of one
       call, from shapes; the op's `workspace_specs` takes the largest over the backends
       that may serve a device.
@@ -107,6 +169,7 @@ class Backend:
     prepare: BackendRef | None = None
     supports: BackendRef | None = None
     workspace: BackendRef | None = None
+    name: str = ""  # "aiter", "triton" or "reference"; a key of register_op's dict names it too
 
     def __post_init__(self) -> None:
         if self.impl is None and self.prepare is None:
@@ -129,6 +192,8 @@ class OpSpec:
     overload: Any = None  # torch._ops.OpOverload, set after `define`
     public: Any = None  # the Python function users call (docstring of the stub)
     signature_key: Impl | None = field(default=None, repr=False)  # args -> hashable signature
+    # The op's bound arguments: a named tuple class generated from the stub (`call`).
+    call_type: Any = field(default=None, repr=False)
     # Value checks of the debug switch (graphsafe.debug): index ranges, host-int preconditions.
     debug_check: BackendRef | None = field(default=None, repr=False)
     _tables: dict[str, dict[Any, Impl]] = field(default_factory=dict, repr=False)
@@ -138,9 +203,23 @@ class OpSpec:
     def qualname(self) -> str:
         return f"{self.namespace}::{self.name}"
 
+    def call(self, *args: Any, **kwargs: Any) -> tuple:
+        """The op's arguments bound once (defaults filled in): what check, fake, supports,
+        prepare and the debug check receive. A call passed in is returned as it is."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], self.call_type):
+            return args[0]
+        return self.call_type(*args, **kwargs)
+
+    def _check_call(self, call: tuple) -> None:
+        fn = self._resolved.get(("", "check"))
+        if fn is None:
+            fn = self._resolved[("", "check")] = _call_adapter(self.check)
+        fn(call)
+
     # -- backends -------------------------------------------------------------------
     def _part(self, backend: str, part: str) -> Impl | None:
-        """A resolved field of a backend record (lazy references imported on first use)."""
+        """A resolved field of a backend record (lazy references imported on first use);
+        `supports` and `prepare` as functions of the bound call."""
         key = (backend, part)
         try:
             return self._resolved[key]
@@ -149,11 +228,14 @@ class OpSpec:
         if backend not in self.backends:
             raise KeyError(f"{self.qualname} has no {backend!r} backend; it has {list(self.backends)}")
         fn = _resolve(getattr(self.backends[backend], part))
+        if part in ("supports", "prepare"):
+            fn = _call_adapter(fn)
         if part == "impl" and fn is None:
             prepare = self._part(backend, "prepare")
+            call_type = self.call_type
 
             def fn(*args: Any, **kwargs: Any) -> Any:
-                return prepare(*args, **kwargs)(*args, **kwargs)
+                return prepare(call_type(*args, **kwargs))(*args, **kwargs)
 
             fn.__name__ = f"{self.name}_{backend}"
         self._resolved[key] = fn
@@ -164,11 +246,11 @@ class OpSpec:
         sync; skipped while a CUDA graph is being captured."""
         fn = self._resolved.get(("", "debug_check"))
         if fn is None:
-            fn = self._resolved[("", "debug_check")] = _resolve(self.debug_check)
+            fn = self._resolved[("", "debug_check")] = _call_adapter(_resolve(self.debug_check))
         from graphsafe.debug import checks_can_run
 
         if fn is not None and checks_can_run(*args):
-            fn(*args, **kwargs)
+            fn(self.call(*args, **kwargs))
 
     def backend_impl(self, backend: str) -> Impl:
         """The impl of `backend` (inputs unchecked; prepared afresh on every call)."""
@@ -199,6 +281,30 @@ class OpSpec:
                 return order[: i + 1]
         return order
 
+    def support(self, backend: str, *args: Any, **kwargs: Any) -> Support:
+        """`backend`'s answer to a (valid) call: `SUPPORTED` where its record has no
+        `supports` predicate."""
+        supports = self._part(backend, "supports")
+        return SUPPORTED if supports is None else as_support(supports(self.call(*args, **kwargs)))
+
+    def explain(self, device_type: str, *args: Any, **kwargs: Any) -> list[tuple[str, Support]]:
+        """Every backend of the op on `device_type`, best first, with why it does or does
+        not serve this (valid) call, or, without args, whether it can run there at all:
+        what `python -m graphsafe list --why` prints."""
+        call = self.call(*args, **kwargs) if args or kwargs else None
+        order = self.selection_order(device_type)
+        answers = []
+        for backend in [b for b in BACKENDS if b in self.backends]:
+            if not backend_available(backend, device_type):
+                answers.append((backend, declined(unavailable_reason(backend, device_type))))
+            elif backend not in order:
+                answers.append((backend, declined("not reached: an earlier backend takes every call")))
+            elif call is None:
+                answers.append((backend, SUPPORTED))
+            else:
+                answers.append((backend, self.support(backend, call)))
+        return answers
+
     def serving_backend(self, device_type: str, *args: Any, **kwargs: Any) -> str:
         """The backend a call on `device_type` uses: with call args, the first in
         `selection_order` whose `supports` accepts them; without, the first in the order."""
@@ -207,25 +313,25 @@ class OpSpec:
             raise RegistrationError(f"{self.qualname}: no backend can run on {device_type}")
         if not args and not kwargs:
             return order[0]
+        call = self.call(*args, **kwargs)
         for backend in order:
-            supports = self._part(backend, "supports")
-            if supports is None or supports(*args, **kwargs):
+            if self.support(backend, call):
                 return backend
         return "reference"
 
     def prepare(self, backend: str, *args: Any, **kwargs: Any) -> Impl:
         """`backend`'s runner bound to the signature of these (valid) args."""
         prepare = self._part(backend, "prepare")
-        return prepare(*args, **kwargs) if prepare is not None else self._part(backend, "impl")
+        return prepare(self.call(*args, **kwargs)) if prepare is not None else self._part(backend, "impl")
 
     def runner(self, backend: str) -> Impl:
         """A function that validates its inputs and runs `backend` through its `prepare`,
         as the dispatcher does, without the signature table (for tests and tools)."""
-        check = self.check
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            check(*args, **kwargs)
-            return self.prepare(backend, *args, **kwargs)(*args, **kwargs)
+            call = self.call(*args, **kwargs)
+            self._check_call(call)
+            return self.prepare(backend, call)(*args, **kwargs)
 
         run.__name__ = f"{self.name}[{backend}]"
         return run
@@ -243,9 +349,10 @@ class OpSpec:
             return self._bind(device_type, table, args, kwargs)
 
     def _bind(self, device_type: str, table: dict[Any, Impl], args: tuple, kwargs: dict) -> Impl:
-        """First call of a signature: validate, select, prepare, remember."""
-        self.check(*args, **kwargs)
-        run = self.prepare(self.serving_backend(device_type, *args, **kwargs), *args, **kwargs)
+        """First call of a signature: bind the call, validate, select, prepare, remember."""
+        call = self.call(*args, **kwargs)
+        self._check_call(call)
+        run = self.prepare(self.serving_backend(device_type, call), call)
         try:
             key = self.signature_key(*args, **kwargs)
             hash(key)
@@ -289,13 +396,16 @@ class OpSpec:
 
         return workspace_bytes(*self.workspace_specs(*args, **kwargs))
 
-    # -- testing hooks ----------------------------------------------------------------
-    @property
-    def case(self) -> Any:
-        """The op's test case (input strategy, example inputs, comparison), see graphsafe.testing."""
-        from graphsafe.testing.cases import case_for
 
-        return case_for(self.name)
+def _call_type(stub: Impl) -> type:
+    """The named tuple of the op's arguments, generated from the stub: its fields are the
+    stub's parameters in order, with the stub's defaults."""
+    sig = inspect.signature(stub)
+    names = list(sig.parameters)
+    defaults = [p.default for p in sig.parameters.values() if p.default is not inspect.Parameter.empty]
+    cls = collections.namedtuple(f"{stub.__name__}_call", names, defaults=defaults or None)
+    cls.__doc__ = f"The bound arguments of one `{stub.__name__}` call (graphsafe.registry.OpSpec.call)."
+    return cls
 
 
 def _signature_key(stub: Impl) -> Impl:
@@ -331,6 +441,8 @@ _PREPARED: dict[Any, Impl] = {}
 def _signature_part(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return x.shape, x.stride(), x.dtype, x.device
+    if isinstance(x, tuple):  # a bound call (a named tuple) among them
+        return type(x), tuple(map(_signature_part, x))
     if isinstance(x, dict):
         return tuple(sorted((k, _signature_part(v)) for k, v in x.items()))
     return x
@@ -338,7 +450,8 @@ def _signature_part(x: Any) -> Any:
 
 def prepared(prepare: Impl, *args: Any, **options: Any) -> Impl:
     """`prepare(*args, **options)`'s runner, kept per signature of `args` (tensor metadata,
-    other values) and options, as the dispatcher keeps the ops' runners. For backend entry
+    other values; a bound call counts by its fields) and options, as the dispatcher keeps
+    the ops' runners. For backend entry
     points that take options beside the op's arguments (tuning configs, forced plans):
     tests and benchmarks call them in loops and must not pay a prepare per call. Inputs
     are not validated here."""
@@ -373,19 +486,20 @@ def _make_kernel(spec: OpSpec, device_type: str) -> Impl:
     return kernel
 
 
-def _fake_raising_traced_errors(fake: Impl, check: Impl) -> Impl:
-    """The fake as registered: an InputError leaves it as `as_traced_error(err)`, so that
-    `except graphsafe.InputError` catches it under torch.compile too (see graphsafe.errors).
-    Under dynamic shapes the message would show symbols (`got shape [s17]`): the check is
-    then run again on fake tensors of the call's concrete sizes, so the message is the
-    eager one."""
+def _fake_raising_traced_errors(fake: Impl, check: Impl, call_type: type) -> Impl:
+    """The fake as registered: the call bound once and handed to the fake; an InputError
+    leaves it as `as_traced_error(err)`, so that `except graphsafe.InputError` catches it
+    under torch.compile too (see graphsafe.errors). Under dynamic shapes the message would
+    show symbols (`got shape [s17]`): the check is then run again on fake tensors of the
+    call's concrete sizes, so the message is the eager one."""
+    fake_of_call, check_of_call = _call_adapter(fake), _call_adapter(check)
 
     @functools.wraps(fake)
     def traced_fake(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fake(*args, **kwargs)
+            return fake_of_call(call_type(*args, **kwargs))
         except InputError as err:
-            raise as_traced_error(_concrete_error(err, check, args, kwargs)) from None
+            raise as_traced_error(_concrete_error(err, check_of_call, call_type, args, kwargs)) from None
 
     return traced_fake
 
@@ -397,7 +511,7 @@ def _concrete(x: Any) -> Any:
     return x
 
 
-def _concrete_error(err: InputError, check: Impl, args: tuple, kwargs: dict) -> InputError:
+def _concrete_error(err: InputError, check: Impl, call_type: type, args: tuple, kwargs: dict) -> InputError:
     symbolic = [a for a in args if isinstance(a, torch.SymInt) or (
         isinstance(a, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*a.shape, *a.stride())))]
     if not symbolic:
@@ -412,12 +526,33 @@ def _concrete_error(err: InputError, check: Impl, args: tuple, kwargs: dict) -> 
                 if isinstance(a, torch.Tensor) else _concrete(a)
                 for a in args
             )
-            check(*concrete, **kwargs)
+            check(call_type(*concrete, **kwargs))
     except InputError as concrete_err:
         return concrete_err
     except Exception:  # noqa: BLE001 - keep the symbolic message rather than lose the error
         return err
     return err
+
+
+def _records(qualname: str, backends: dict[str, Backend | BackendRef] | Sequence[Backend]) -> dict[str, Backend]:
+    """`register_op`'s backends as `{name: record}`, each record carrying its name."""
+    if isinstance(backends, dict):
+        named = {}
+        for key, record in backends.items():
+            record = record if isinstance(record, Backend) else Backend(impl=record)
+            if record.name and record.name != key:
+                raise RegistrationError(f"{qualname}: the record of backend {key!r} is named {record.name!r}")
+            named[key] = replace(record, name=key)
+        return named
+    named = {}
+    for record in backends:
+        if not isinstance(record, Backend) or not record.name:
+            raise RegistrationError(f"{qualname}: a backend given in a sequence must be a named Backend record, "
+                                    f"got {record!r}")
+        if record.name in named:
+            raise RegistrationError(f"{qualname}: two records of backend {record.name!r}")
+        named[record.name] = record
+    return named
 
 
 class Registry:
@@ -434,7 +569,7 @@ class Registry:
         *,
         fake: Impl,
         check: Impl,
-        backends: dict[str, Backend | BackendRef],
+        backends: dict[str, Backend | BackendRef] | Sequence[Backend],
         mutates_args: Iterable[str] = (),
         family: str = "",
         debug_check: BackendRef | None = None,
@@ -443,15 +578,18 @@ class Registry:
 
         Args:
             name: op name inside the namespace (`torch.ops.<namespace>.<name>`).
-            fake: the fake impl (in `graphsafe/fake_impls/`): metadata only.
+            fake: the fake impl (graphsafe's: `graphsafe/ops/<family>/fake.py`): metadata only.
             check: input validation shared by the fake and the real impl.
-            backends: `{"reference": fn, "triton": Backend(...), ...}`: a `Backend` record, or
-                just its impl (a function or "pkg.mod:fn"); reference required.
+            backends: the backends' records, each named (`Backend(..., name="triton")`, as
+                the backend modules export them), or `{"reference": fn, "triton":
+                Backend(...), ...}` with a record or just its impl (a function or
+                "pkg.mod:fn") per name; reference required.
             mutates_args: exactly the tensor args the op writes; the op must return None.
             family: the op family folder (`cache`, `ragged`, ...).
             debug_check: value checks run on every call while `graphsafe.debug_checks` is on
                 (index ranges, host-int preconditions; they may sync), a function or
-                "pkg.mod:fn" taking the op's args.
+                "pkg.mod:fn" (graphsafe's debug modules are named lazily: op code never
+                imports them).
         """
         if isinstance(mutates_args, str):
             raise RegistrationError(
@@ -459,13 +597,14 @@ class Registry:
                 f"got the string {mutates_args!r} ('unknown' is never allowed)"
             )
         mutated = tuple(mutates_args)
+        records = _records(f"{self.namespace}::{name}", backends)
         if fake is None or not callable(fake):
             raise RegistrationError(f"{self.namespace}::{name}: a fake impl is required")
         if check is None or not callable(check):
             raise RegistrationError(f"{self.namespace}::{name}: an input check is required")
-        if "reference" not in backends:
+        if "reference" not in records:
             raise RegistrationError(f"{self.namespace}::{name}: a reference backend is required")
-        unknown = set(backends) - set(BACKENDS)
+        unknown = set(records) - set(BACKENDS)
         if unknown:
             raise RegistrationError(f"{self.namespace}::{name}: unknown backends {sorted(unknown)}")
 
@@ -490,16 +629,20 @@ class Registry:
                 mutates_args=mutated,
                 check=check,
                 fake=fake,
-                backends={b: r if isinstance(r, Backend) else Backend(impl=r) for b, r in backends.items()},
+                backends=records,
                 family=family,
                 doc=inspect.getdoc(stub) or "",
                 signature_key=_signature_key(stub),
+                call_type=_call_type(stub),
                 debug_check=debug_check,
             )
-            self.lib.define(name + schema)
+            # pt2_compliant_tag: the op keeps torch.compile's custom-op rules (a schema that
+            # says what it mutates, a fake, no aliasing); opcheck tests them on every op.
+            self.lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
             for device_type, key in DISPATCH_KEYS.items():
                 self.lib.impl(name, _make_kernel(spec, device_type), key)
-            torch.library.register_fake(spec.qualname, _fake_raising_traced_errors(fake, check), lib=self.lib)
+            torch.library.register_fake(spec.qualname, _fake_raising_traced_errors(fake, check, spec.call_type),
+                                        lib=self.lib)
             spec.overload = getattr(getattr(torch.ops, self.namespace), name).default
             self.ops[name] = spec
 

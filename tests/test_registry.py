@@ -16,6 +16,7 @@ import graphsafe
 from graphsafe import backends
 from graphsafe.errors import RegistrationError
 from graphsafe.registry import Backend, new_registry
+from graphsafe.testing import case_for
 
 
 def _ns() -> str:
@@ -345,7 +346,8 @@ def test_default_arguments_reach_the_kernel():
     for name, spec in graphsafe.op_table().items():
         want = {n: p.default for n, p in inspect.signature(spec.public).parameters.items()
                 if p.default is not inspect.Parameter.empty}
-        args = spec.case.inputs(spec.case.interpreter_example or spec.case.example, "cpu", 0)
+        case = case_for(spec.name)
+        args = case.inputs(case.interpreter_example or case.example, "cpu", 0)
         for backend in spec.available_backends("cpu"):
             record = spec.backends[backend]
             parts = {"impl": getattr(record, "impl", record), "prepare": getattr(record, "prepare", None)}
@@ -359,7 +361,7 @@ def test_default_arguments_reach_the_kernel():
                 assert got in (want, {}), f"{name}[{backend}] runner: defaults {got}, schema {want}"
 
     spec = graphsafe.get_op("reshape_and_cache")
-    args = spec.case.inputs(spec.case.example, "cpu", 0)
+    args = case_for(spec.name).inputs(case_for(spec.name).example, "cpu", 0)
     assert args[5] is None and args[6] is None, "the example has caches of the input dtype"
     omitted, explicit = clone_args(args), clone_args(args)
     torch.ops.graphsafe.reshape_and_cache(*omitted[:5])  # k_scale / v_scale omitted
@@ -374,7 +376,7 @@ def test_op_table_introspection():
         assert spec.qualname == f"graphsafe::{name}"
         assert spec.schema.startswith("(")
         assert spec.serving_backend("cpu") in spec.available_backends("cpu")
-        assert callable(spec.fake) and spec.case is not None
+        assert callable(spec.fake) and case_for(spec.name) is not None
 
 
 def test_workspace_bytes_from_shapes():

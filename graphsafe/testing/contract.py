@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphsafe.errors import InputError
 from graphsafe.registry import OpSpec, ops
+from graphsafe.testing.cases import case_for
 from graphsafe.testing.cases import OpCase, Params
 from graphsafe.testing.compare import default_compare, mutated_args
 
@@ -409,7 +410,7 @@ def opcheck_all(device: torch.device | str = "cpu", seed: int = 0) -> dict[str, 
     device = torch.device(device)
     done = {}
     for name, spec in sorted(ops().items()):
-        sets = example_inputs(spec.case, device, seed)
+        sets = example_inputs(case_for(spec.name), device, seed)
         for _, args in sets:
             opcheck_op(spec, args)
         done[name] = len(sets)
@@ -418,8 +419,8 @@ def opcheck_all(device: torch.device | str = "cpu", seed: int = 0) -> dict[str, 
 
 # -- GPU checks ---------------------------------------------------------------------------
 def _compare_case(spec: OpSpec, expected, actual, exp_args, act_args, params) -> None:
-    if spec.case.compare is not None:
-        spec.case.compare(expected, actual, exp_args, act_args, params)
+    if case_for(spec.name).compare is not None:
+        case_for(spec.name).compare(expected, actual, exp_args, act_args, params)
     else:
         default_compare(spec, expected, actual, exp_args, act_args)
 
@@ -427,8 +428,8 @@ def _compare_case(spec: OpSpec, expected, actual, exp_args, act_args, params) ->
 def check_cuda_graph_replay(spec: OpSpec, params: Params, device: torch.device, seeds: tuple[int, int] = (1, 2)) -> None:
     """Capture the op on one input set, copy a second set into the static inputs, replay,
     and compare with eager on the second set (outputs and mutated args)."""
-    static = clone_args(spec.case.inputs(params, device, seeds[0]))
-    fresh = spec.case.inputs(params, device, seeds[1])
+    static = clone_args(case_for(spec.name).inputs(params, device, seeds[0]))
+    fresh = case_for(spec.name).inputs(params, device, seeds[1])
     for s, f in zip(static, fresh):
         if not isinstance(s, torch.Tensor):
             assert s == f, f"{spec.name}: host ints must come from params only ({s!r} != {f!r})"
@@ -464,7 +465,7 @@ def check_cuda_graph_replay(spec: OpSpec, params: Params, device: torch.device, 
 def check_no_host_sync(spec: OpSpec, params: Params, device: torch.device, seed: int = 3) -> None:
     from graphsafe.testing.sync import no_sync
 
-    args = spec.case.inputs(params, device, seed)
+    args = case_for(spec.name).inputs(params, device, seed)
     spec.public(*clone_args(args))  # warm-up: compilation and workspace growth may sync
     torch.cuda.synchronize(device)
     with no_sync():
@@ -478,7 +479,7 @@ def _count_tensors(out: Any) -> int:
 
 def check_allocates_only_outputs(spec: OpSpec, params: Params, device: torch.device, seed: int = 4) -> None:
     """Scratch comes from the workspace: the caching allocator sees the outputs only."""
-    args = spec.case.inputs(params, device, seed)
+    args = case_for(spec.name).inputs(params, device, seed)
     spec.public(*clone_args(args))  # warm-up sizes the workspace
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_stats(device)["allocation.all.allocated"]

@@ -23,6 +23,7 @@ import torch
 from graphsafe.bench.cases.foundation import dispatch_variants
 from graphsafe.bench.harness import Problem, Shapes, bench_case, time_loop_us
 from graphsafe.registry import ops
+from graphsafe.testing.cases import case_for
 
 
 @functools.cache
@@ -89,7 +90,7 @@ def host_cost(device: torch.device, shapes: tuple):
     yield Problem(case="host_cost", shape="floors", impls=_floors(device), unit="us", graph=False,
                   note="host us per call, round-robin medians")
     for name, spec in sorted(ops().items()):
-        case = spec.case
+        case = case_for(spec.name)
         params = case.example if device.type == "cuda" else (case.interpreter_example or case.example)
         args = case.inputs(params, device, 0)
         backend = spec.serving_backend(device.type, *args)
