@@ -43,7 +43,7 @@ def make():
     out["paged_attention_decode B64 32/8 d128 ctx8192 page64"] = ("paged_attention_decode", (
         torch.randn(B, hq, d, generator=g).bfloat16(), kc, vc, torch.randperm(nb, generator=g).view(B, mb).int(),
         torch.full((B,), ctx, dtype=torch.int32), d ** -0.5))
-    from graphsafe.testing.cases.indexer import _make_paged
+    from graphsafe.ops.indexer.cases import _make_paged
     for p in ({"B": 32, "next_n": 1, "H": 64, "D": 128, "block_size": 64, "max_model_len": 8192, "extra_cols": 0},
               {"B": 64, "next_n": 1, "H": 64, "D": 128, "block_size": 64, "max_model_len": 32768, "extra_cols": 0}):
         q8, cache, w, lens, table, length = _make_paged(p, torch.device("cpu"), g)

@@ -10,6 +10,7 @@ import importlib
 import pytest
 import torch
 
+from graphsafe.testing import case_for
 import graphsafe
 from graphsafe import aiter_support
 from graphsafe.testing import contract as C
@@ -32,12 +33,12 @@ def _check_against_reference(name: str, params: dict, seed: int) -> None:
     """The aiter backend on the case's inputs: equal to the reference, unread elements
     never matter, out-of-range ids act as padding, NaN/inf land where the reference's do."""
     spec = graphsafe.get_op(name)
-    args = spec.case.inputs(params, "cpu", seed)
+    args = case_for(spec.name).inputs(params, "cpu", seed)
     assert _supports(name, args), (name, params)
-    C.check_backend_matches_reference(spec, spec.case, "aiter", args, params)
-    C.check_unread_inputs_never_matter(spec, spec.case, "aiter", params, args)
-    C.check_out_of_range_ids_are_padding(spec, spec.case, "aiter", params, args, seed)
-    assert C.check_nonfinite_inputs_agree(spec, spec.case, "aiter", params, args, seed), (name, params)
+    C.check_backend_matches_reference(spec, case_for(spec.name), "aiter", args, params)
+    C.check_unread_inputs_never_matter(spec, case_for(spec.name), "aiter", params, args)
+    C.check_out_of_range_ids_are_padding(spec, case_for(spec.name), "aiter", params, args, seed)
+    assert C.check_nonfinite_inputs_agree(spec, case_for(spec.name), "aiter", params, args, seed), (name, params)
 
 
 # -- the records -----------------------------------------------------------------------
@@ -68,7 +69,7 @@ def test_fp8_mqa_logits_on_gfx950_matches_the_reference(aiter_standin):
 
 def test_fp8_mqa_logits_on_gfx950_propagates_nan(aiter_standin):
     aiter_standin("gfx950")
-    q, k, k_scale, w, ks, ke = graphsafe.get_op(MQA).case.inputs(MQA_PARAMS[0], "cpu", 3)
+    q, k, k_scale, w, ks, ke = case_for(MQA).inputs(MQA_PARAMS[0], "cpu", 3)
     ks, ke = torch.zeros_like(ks), torch.full_like(ke, k.shape[0])
     q.view(torch.uint8)[2, 5, 7] = 0x7F  # one head of query 2: relu(NaN) = NaN
     out = _adapter(MQA).prepare_fp8_mqa_logits(q, k, k_scale, w, ks, ke)(q, k, k_scale, w, ks, ke)
@@ -80,7 +81,7 @@ def test_fp8_mqa_logits_on_gfx950_propagates_nan(aiter_standin):
 @pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
 def test_fp8_mqa_logits_goes_to_triton_off_gfx950(aiter_standin, arch):
     aiter_standin(arch)
-    args = graphsafe.get_op(MQA).case.inputs(MQA_PARAMS[0], "cpu", 0)
+    args = case_for(MQA).inputs(MQA_PARAMS[0], "cpu", 0)
     assert not _supports(MQA, args)
     # Later aiter releases ship a gfx942 Gluon kernel too: the capability table still decides.
     with pytest.MonkeyPatch.context() as mp:
@@ -93,7 +94,7 @@ def test_fp8_mqa_logits_needs_the_gluon_kernel_and_its_shapes(aiter_standin):
     aiter_standin("gfx950")
     import triton
 
-    case = graphsafe.get_op(MQA).case
+    case = case_for(MQA)
     args = case.inputs(MQA_PARAMS[0], "cpu", 0)
     assert _supports(MQA, args)
     with pytest.MonkeyPatch.context() as mp:
@@ -107,7 +108,7 @@ def test_fp8_mqa_logits_needs_the_gluon_kernel_and_its_shapes(aiter_standin):
 
 
 def test_standin_fp8_mqa_logits_is_aiters(aiter_standin):
-    case = graphsafe.get_op(MQA).case
+    case = case_for(MQA)
     aiter_standin("gfx950")
     mqa = importlib.import_module(MQA_MODULE).fp8_mqa_logits
     with pytest.raises(AssertionError, match="power of 2"):
@@ -157,7 +158,7 @@ def test_top_k_prefill_asks_for_the_stable_kernel(aiter_standin):
     aiter_standin("gfx942")
     spec = graphsafe.get_op(PREFILL)
     params = {**_PREFILL_EX, "values": "ties", "ranges": "full"}
-    args = spec.case.inputs(params, "cpu", 5)
+    args = case_for(spec.name).inputs(params, "cpu", 5)
     _adapter(PREFILL).prepare_top_k_per_row_prefill(*args)(*args)
     idx = args[3]
     assert (idx >= 0).all()

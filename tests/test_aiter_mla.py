@@ -15,12 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphsafe.testing import case_for
 import graphsafe
 from graphsafe import registry
 from graphsafe.ops.mla import aiter as adapter
 from graphsafe.ops.mla import aiter_csr, mla_decode_workspace_specs
 from graphsafe.testing import contract as C
-from graphsafe.testing.cases import mla as cases
+from graphsafe.ops.mla import cases as cases
 
 ARCHS = ("gfx942", "gfx950")
 CPU = torch.device("cpu")
@@ -38,7 +39,7 @@ def _sparse_params(heads: int, **over):
 
 
 def _make(op: str, params, seed: int = 0):
-    return graphsafe.get_op(op).case.make(params, CPU, torch.Generator().manual_seed(seed))
+    return case_for(op).make(params, CPU, torch.Generator().manual_seed(seed))
 
 
 def _decode_args(heads: int, seed: int = 0):
@@ -69,13 +70,13 @@ def _check_against_reference(op: str, params, args) -> None:
     padding, NaN/inf in read inputs at the reference's places, a prepared runner reused."""
     spec = graphsafe.get_op(op)
     expected = C.run_backend(spec, "reference", C.clone_args(args))
-    spec.case.compare(expected, C.run_backend(spec, "aiter", C.clone_args(args)), args, args, params)
-    assert C.check_unread_inputs_never_matter(spec, spec.case, "aiter", params, args) > 0
-    assert C.check_out_of_range_ids_are_padding(spec, spec.case, "aiter", params, args)
-    assert C.check_nonfinite_inputs_agree(spec, spec.case, "aiter", params, args)
+    case_for(spec.name).compare(expected, C.run_backend(spec, "aiter", C.clone_args(args)), args, args, params)
+    assert C.check_unread_inputs_never_matter(spec, case_for(spec.name), "aiter", params, args) > 0
+    assert C.check_out_of_range_ids_are_padding(spec, case_for(spec.name), "aiter", params, args)
+    assert C.check_nonfinite_inputs_agree(spec, case_for(spec.name), "aiter", params, args)
     run = spec.prepare("aiter", *args)
     for _ in range(2):
-        spec.case.compare(expected, run(*C.clone_args(args)), args, args, params)
+        case_for(spec.name).compare(expected, run(*C.clone_args(args)), args, args, params)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -207,13 +208,13 @@ def test_the_dispatcher_picks_aiter_only_where_it_serves(aiter_standin, monkeypa
     aiter_standin("gfx950")
     spec = graphsafe.get_op("mla_decode")
     params, args = _decode_args(16)
-    small = spec.case.make(spec.case.example, CPU, torch.Generator().manual_seed(1))
+    small = case_for(spec.name).make(case_for(spec.name).example, CPU, torch.Generator().manual_seed(1))
     monkeypatch.setattr(registry, "backend_available", lambda backend, device_type: True)
     monkeypatch.setattr(registry, "AUTO_ORDER", {"cpu": ("aiter", "triton", "reference")})
     with graphsafe.use_backend(None):  # fresh signature tables, here and on exit
         assert spec.serving_backend("cpu", *args) == "aiter" and spec.serving_backend("cpu", *small) == "triton"
         expected = C.run_backend(spec, "reference", args)
-        spec.case.compare(expected, spec.overload(*C.clone_args(args)), args, args, params)
+        case_for(spec.name).compare(expected, spec.overload(*C.clone_args(args)), args, args, params)
 
 
 # -- the stand-in rejects what aiter rejects ----------------------------------------------

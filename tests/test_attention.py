@@ -27,7 +27,7 @@ from graphsafe.ops.attention import (
 )
 from graphsafe.ops.attention.fp8 import FP8_DTYPE, quantize_per_tensor
 from graphsafe.testing.cases import case_for
-from graphsafe.testing.cases.attention import attention_compare
+from graphsafe.ops.attention.cases import attention_compare
 from graphsafe.workspace import current_workspace_manager, reset_workspace_managers, workspace_bytes
 
 HAS_INTERPRETER = graphsafe.get_op("flash_attn_varlen").available_backends("cpu").count("triton") == 1
@@ -156,7 +156,7 @@ def test_fp8_default_is_off():
     fake/check and every backend default to fp8="off" ("auto" must be asked for)."""
     import inspect
 
-    from graphsafe.fake_impls import attention as fakes
+    from graphsafe.ops.attention import fake as fakes
 
     schema = {a.name: a for a in graphsafe.get_op("flash_attn_varlen").overload._schema.arguments}
     assert schema["fp8"].default_value == "off"

@@ -20,7 +20,7 @@ from graphsafe.ops.attention import (
 from graphsafe.ops.attention.fp8 import FP8_DTYPE, quantize_per_tensor
 from graphsafe.testing import no_sync
 from graphsafe.testing.cases import case_for
-from graphsafe.testing.cases.attention import attention_compare, varlen_uses_fp8_products
+from graphsafe.ops.attention.cases import attention_compare, varlen_uses_fp8_products
 from graphsafe.workspace import current_workspace_manager, reset_workspace_managers, workspace_bytes
 
 pytestmark = pytest.mark.gpu

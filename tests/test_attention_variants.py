@@ -15,7 +15,7 @@ import graphsafe
 from graphsafe.ops.attention import reference
 from graphsafe.ops.attention.fp8 import FP8_DTYPE
 from graphsafe.testing.cases import case_for
-from graphsafe.testing.cases.attention import attention_compare
+from graphsafe.ops.attention.cases import attention_compare
 
 HAS_INTERPRETER = graphsafe.get_op("flash_attn_varlen").available_backends("cpu").count("triton") == 1
 pytestmark = pytest.mark.skipif(not HAS_INTERPRETER, reason="Triton interpreter not enabled")

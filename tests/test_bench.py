@@ -222,7 +222,7 @@ def test_mla_cases_pair_each_bf16_row_with_an_fp8_ds_mla_row_of_656_bytes_a_key(
     """Each CPU shape yields the bf16 problem, then the same shape with the fp8_ds_mla
     cache; the bytes moved differ by exactly the cache reads: 1152 against 656 bytes a key
     (q, out, lse and the block table / indices are the same)."""
-    from graphsafe.bench.cases import mla
+    from graphsafe.ops.mla import bench as mla
 
     assert mla.RECORD == 656
     problems = _mla_problems(name)
@@ -236,8 +236,8 @@ def test_mla_cases_pair_each_bf16_row_with_an_fp8_ds_mla_row_of_656_bytes_a_key(
 
 
 def test_fp8_bench_cache_holds_the_records_of_the_bf16_keys(monkeypatch):
-    from graphsafe.bench.cases import mla
-    from graphsafe.ops.fp8_ds_mla import quantize_records
+    from graphsafe.ops.mla import bench as mla
+    from graphsafe.formats.fp8_ds_mla import quantize_records
 
     kv = torch.randn(3, 4, mla.D).bfloat16()
     monkeypatch.setattr(mla, "QUANT_CHUNK_ROWS", 5)  # chunks that split blocks

@@ -157,9 +157,9 @@ def test_mla_slots_outside_the_cache_write_nothing():
         assert torch.equal(out.reshape(nb * bs, r + p), want), backend
 
 
-# -- fp8_ds_mla caches (uint8 records, graphsafe.ops.fp8_ds_mla) ----------------------------
-from graphsafe.ops import fp8_ds_mla as ds_mla  # noqa: E402
-from graphsafe.testing.cases.cache import compare_mla  # noqa: E402
+# -- fp8_ds_mla caches (uint8 records, graphsafe.formats.fp8_ds_mla) ----------------------------
+from graphsafe.formats import fp8_ds_mla as ds_mla  # noqa: E402
+from graphsafe.ops.cache.cases import compare_mla  # noqa: E402
 
 TILE = ds_mla.TILE
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -292,15 +292,6 @@ def _ds_error(args: tuple) -> str:
     with pytest.raises(graphsafe.InputError) as err:
         graphsafe.concat_and_cache_mla(*args)
     return str(err.value)
-
-
-def test_ds_mla_check_uses_the_record_layout():
-    """The check's copy of the record size (fakes import nothing of graphsafe.ops)."""
-    from graphsafe.fake_impls._checks import ds_mla_record_bytes
-
-    for r, p in ((512, 64), (128, 16), (128, 32), (256, 0), (384, 2)):
-        assert ds_mla_record_bytes(r, p) == ds_mla.record_bytes(r, p)
-    assert ds_mla_record_bytes(512, 64) == ds_mla.DEEPSEEK_RECORD_BYTES
 
 
 def test_ds_mla_check_names_the_argument_the_expected_and_the_actual():

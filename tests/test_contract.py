@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 
 import graphsafe
 from graphsafe.backends import device_types_here
-from graphsafe.testing import contract as C
+from graphsafe.testing import case_for, contract as C
 
 OPS = sorted(graphsafe.op_table())
 DEVICES = device_types_here()
 
 
 def _draw(data, name: str, device: str):
-    case = graphsafe.get_op(name).case
+    case = case_for(name)
     params = data.draw(case.params(), label="params")
     seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
     return params, case.inputs(params, device, seed)
@@ -36,10 +36,11 @@ def test_registry_is_not_empty():
 @pytest.mark.parametrize("name", OPS)
 def test_registration(name):
     spec = graphsafe.get_op(name)
-    assert spec.fake.__module__.startswith("graphsafe.fake_impls."), "fakes live in graphsafe/fake_impls/"
-    assert spec.check.__module__.startswith("graphsafe.fake_impls."), "checks live beside the fakes"
+    fake_module = f"graphsafe.ops.{spec.family}.fake"
+    assert spec.fake.__module__ == fake_module, "fakes live in graphsafe/ops/<family>/fake.py"
+    assert spec.check.__module__ == fake_module, "checks live beside the fakes"
     assert "reference" in spec.backends and "triton" in spec.backends, "every op has reference and triton"
-    assert spec.case.op == name
+    assert case_for(name).op == name
     assert spec.doc and "Args:" in spec.doc, "the docstring documents every argument"
     # mutates_args is exact: the schema marks exactly those args as written.
     written = {a.name for a in spec.overload._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
@@ -55,7 +56,7 @@ def test_registration(name):
 @pytest.mark.parametrize("name", OPS)
 def test_opcheck_examples(name, device):
     spec = graphsafe.get_op(name)
-    for _, args in C.example_inputs(spec.case, torch.device(device)):
+    for _, args in C.example_inputs(case_for(spec.name), torch.device(device)):
         C.opcheck_op(spec, args)
 
 
@@ -98,7 +99,7 @@ def _backend_params():
 def test_backend_matches_reference(name, device, backend, data):
     spec = graphsafe.get_op(name)
     params, args = _draw(data, name, device)
-    C.check_backend_matches_reference(spec, spec.case, backend, args, params)
+    C.check_backend_matches_reference(spec, case_for(spec.name), backend, args, params)
 
 
 def _every_backend_params():
@@ -113,7 +114,7 @@ def test_case_declares_unread_out_of_range_and_nonfinite(name):
     """Every op states what it never reads, which ids it takes, how it treats NaN/inf,
     and has value checks for the debug switch: a new op cannot skip these checks."""
     spec = graphsafe.get_op(name)
-    case = spec.case
+    case = case_for(spec.name)
     for field in ("unread", "out_of_range", "nonfinite"):
         assert getattr(case, field) is not None, (
             f"{name}: OpCase.{field} is not declared (use reads_every_element / takes_no_ids / reads_no_floats "
@@ -126,14 +127,14 @@ def test_case_declares_unread_out_of_range_and_nonfinite(name):
 def test_unread_inputs_never_reach_an_output(name, device, backend, data):
     spec = graphsafe.get_op(name)
     params, args = _draw(data, name, device)
-    C.check_unread_inputs_never_matter(spec, spec.case, backend, params, args)
+    C.check_unread_inputs_never_matter(spec, case_for(spec.name), backend, params, args)
 
 
 @pytest.mark.parametrize("name,device,backend", list(_every_backend_params()))
 def test_unread_inputs_never_reach_an_output_on_edge_cases(name, device, backend):
     spec = graphsafe.get_op(name)
-    for params, args in C.example_inputs(spec.case, torch.device(device)):
-        C.check_unread_inputs_never_matter(spec, spec.case, backend, params, args)
+    for params, args in C.example_inputs(case_for(spec.name), torch.device(device)):
+        C.check_unread_inputs_never_matter(spec, case_for(spec.name), backend, params, args)
 
 
 @pytest.mark.parametrize("name,device,backend", list(_every_backend_params()))
@@ -141,7 +142,7 @@ def test_unread_inputs_never_reach_an_output_on_edge_cases(name, device, backend
 def test_out_of_range_ids_act_as_padding(name, device, backend, data):
     spec = graphsafe.get_op(name)
     params, args = _draw(data, name, device)
-    C.check_out_of_range_ids_are_padding(spec, spec.case, backend, params, args, seed=data.draw(st.integers(0, 99)))
+    C.check_out_of_range_ids_are_padding(spec, case_for(spec.name), backend, params, args, seed=data.draw(st.integers(0, 99)))
 
 
 @pytest.mark.parametrize("name,device,backend", list(_backend_params()))
@@ -149,15 +150,15 @@ def test_out_of_range_ids_act_as_padding(name, device, backend, data):
 def test_nonfinite_inputs_give_the_reference_result(name, device, backend, data):
     spec = graphsafe.get_op(name)
     params, args = _draw(data, name, device)
-    C.check_nonfinite_inputs_agree(spec, spec.case, backend, params, args, seed=data.draw(st.integers(0, 99)))
+    C.check_nonfinite_inputs_agree(spec, case_for(spec.name), backend, params, args, seed=data.draw(st.integers(0, 99)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", OPS)
 def test_debug_switch_refuses_out_of_range_ids(name, device):
     spec = graphsafe.get_op(name)
-    for params, args in C.example_inputs(spec.case, torch.device(device)):
-        C.check_debug_switch_refuses_out_of_range_ids(spec, spec.case, params, args)
+    for params, args in C.example_inputs(case_for(spec.name), torch.device(device)):
+        C.check_debug_switch_refuses_out_of_range_ids(spec, case_for(spec.name), params, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -165,7 +166,7 @@ def test_debug_switch_refuses_out_of_range_ids(name, device):
 def test_bad_inputs_raise_input_error_under_compile(name, device):
     """The same InputError, first line and class, from `torch.compile(fullgraph=True)`."""
     spec = graphsafe.get_op(name)
-    for bad in spec.case.bad_inputs(torch.device(device), torch.Generator().manual_seed(0)):
+    for bad in case_for(spec.name).bad_inputs(torch.device(device), torch.Generator().manual_seed(0)):
         with pytest.raises(graphsafe.InputError) as eager:
             spec.public(*C.clone_args(bad.args))
         for dynamic in (False, True):  # symbolic sizes in the message read as their values
@@ -179,17 +180,17 @@ def test_bad_inputs_raise_input_error_under_compile(name, device):
 @pytest.mark.parametrize("name,device,backend", list(_backend_params()))
 def test_backend_matches_reference_on_edge_cases(name, device, backend):
     spec = graphsafe.get_op(name)
-    for params, args in C.example_inputs(spec.case, torch.device(device)):
-        C.check_backend_matches_reference(spec, spec.case, backend, args, params)
+    for params, args in C.example_inputs(case_for(spec.name), torch.device(device)):
+        C.check_backend_matches_reference(spec, case_for(spec.name), backend, args, params)
 
 
 @pytest.mark.parametrize("name,device,backend", list(_backend_params()))
 def test_repeated_calls_through_the_dispatcher_match_reference(name, device, backend):
     """The per-signature runner (prepared once, launched many times) is right on every call."""
     spec = graphsafe.get_op(name)
-    params = spec.case.interpreter_example or spec.case.example
-    C.check_repeated_calls_match_reference(spec, spec.case, backend, params, torch.device(device))
-    C.check_runner_keeps_no_inputs(spec, spec.case, backend, params, torch.device(device))
+    params = case_for(spec.name).interpreter_example or case_for(spec.name).example
+    C.check_repeated_calls_match_reference(spec, case_for(spec.name), backend, params, torch.device(device))
+    C.check_runner_keeps_no_inputs(spec, case_for(spec.name), backend, params, torch.device(device))
 
 
 def test_every_op_has_a_non_reference_backend_tested_here():
@@ -204,13 +205,13 @@ def test_every_op_has_a_non_reference_backend_tested_here():
 @pytest.mark.parametrize("name", OPS)
 def test_bad_inputs_are_refused_alike(name, device):
     spec = graphsafe.get_op(name)
-    assert C.check_bad_inputs(spec, spec.case, torch.device(device)) >= 3, "each op lists at least 3 bad inputs"
+    assert C.check_bad_inputs(spec, case_for(spec.name), torch.device(device)) >= 3, "each op lists at least 3 bad inputs"
 
 
 @pytest.mark.parametrize("name", OPS)
 def test_fake_never_touches_workspace(name):
     spec = graphsafe.get_op(name)
-    for _, args in C.example_inputs(spec.case, torch.device("cpu")):
+    for _, args in C.example_inputs(case_for(spec.name), torch.device("cpu")):
         C.check_fake_never_touches_workspace(spec, args)
 
 
@@ -218,7 +219,7 @@ def test_fake_never_touches_workspace(name):
 def test_fullgraph_compile_matches_eager(name):
     """Dynamo traces the op through its fake (aot_eager), with no graph break."""
     spec = graphsafe.get_op(name)
-    params, args = C.example_inputs(spec.case, torch.device("cpu"))[0]
+    params, args = C.example_inputs(case_for(spec.name), torch.device("cpu"))[0]
     torch._dynamo.reset()
     compiled = torch.compile(spec.public, fullgraph=True, backend="aot_eager", dynamic=True)
     eager_args, compiled_args = C.clone_args(args), C.clone_args(args)

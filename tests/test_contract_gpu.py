@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphsafe.testing import case_for
 import graphsafe
 from graphsafe.testing import contract as C
 
@@ -17,7 +18,7 @@ CUDA = torch.device("cuda")
 
 
 def _param_sets(name):
-    case = graphsafe.get_op(name).case
+    case = case_for(name)
     return [case.example, *case.edge_cases, *case.gpu_examples]
 
 
@@ -27,9 +28,9 @@ def test_kernels_match_reference_at_realistic_shapes(name):
     backends = [b for b in spec.available_backends("cuda") if b != "reference"]
     assert backends, f"{name}: no kernel backend on this GPU"
     for params in _param_sets(name):
-        args = spec.case.inputs(params, CUDA, seed=7)
+        args = case_for(spec.name).inputs(params, CUDA, seed=7)
         for backend in backends:
-            C.check_backend_matches_reference(spec, spec.case, backend, args, params)
+            C.check_backend_matches_reference(spec, case_for(spec.name), backend, args, params)
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -40,9 +41,9 @@ def test_bound_launches_match_reference_and_skip_the_binder(name):
     backends = [b for b in spec.available_backends("cuda") if b != "reference"]
     for params in _param_sets(name):
         for backend in backends:
-            plain = C.check_repeated_calls_match_reference(spec, spec.case, backend, params, CUDA)
+            plain = C.check_repeated_calls_match_reference(spec, case_for(spec.name), backend, params, CUDA)
             assert plain == 0, f"{name}[{backend}] {params}: {plain} plain launches after the first call"
-            C.check_runner_keeps_no_inputs(spec, spec.case, backend, params, CUDA)
+            C.check_runner_keeps_no_inputs(spec, case_for(spec.name), backend, params, CUDA)
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -71,15 +72,15 @@ def test_reference_backend_also_captures(name):
     """GRAPHSAFE_BACKEND=reference must still give graph-safe, sync-free ops."""
     spec = graphsafe.get_op(name)
     with graphsafe.use_backend("reference"):
-        C.check_cuda_graph_replay(spec, spec.case.example, CUDA)
-        C.check_no_host_sync(spec, spec.case.example, CUDA)
+        C.check_cuda_graph_replay(spec, case_for(spec.name).example, CUDA)
+        C.check_no_host_sync(spec, case_for(spec.name).example, CUDA)
 
 
 @pytest.mark.parametrize("name", OPS)
 def test_inductor_fullgraph_matches_eager(name):
     spec = graphsafe.get_op(name)
-    params = spec.case.example
-    args = spec.case.inputs(params, CUDA, seed=5)
+    params = case_for(spec.name).example
+    args = case_for(spec.name).inputs(params, CUDA, seed=5)
     torch._dynamo.reset()
     compiled = torch.compile(spec.public, fullgraph=True, backend="inductor")
     eager_args, compiled_args = C.clone_args(args), C.clone_args(args)

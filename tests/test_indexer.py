@@ -12,13 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphsafe.testing import case_for
 import graphsafe
 from graphsafe.errors import InputError
-from graphsafe.ops.indexer import layout
+from graphsafe.formats import indexer_k as layout
 from graphsafe.ops.indexer import reference as ref
 from graphsafe.ops.indexer import triton as tri
-from graphsafe.ops.fp8_bits import e4m3_bits, e4m3_bytes_to_f16, round_to_e4m3
-from graphsafe.testing.cases import indexer as cases
+from graphsafe.kernels.fp8_bits import e4m3_bits, e4m3_bytes_to_f16, round_to_e4m3
+from graphsafe.ops.indexer import cases as cases
 from graphsafe.testing.contract import clone_args, run_backend
 
 FP8 = torch.float8_e4m3fn
@@ -30,7 +31,7 @@ def _spec(name):
 
 
 def _inputs(name, params, seed=0):
-    return _spec(name).case.inputs(params, "cpu", seed)
+    return case_for(name).inputs(params, "cpu", seed)
 
 
 # -- oracles: loops over tokens, byte offsets spelled out ------------------------------

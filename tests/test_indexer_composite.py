@@ -10,11 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphsafe.testing import case_for
 import graphsafe
 from graphsafe.errors import InputError, WorkspaceError
 from graphsafe.ops.indexer import plan
 from graphsafe.ops.indexer import reference as ref
-from graphsafe.testing.cases import indexer as cases
+from graphsafe.ops.indexer import cases as cases
 from graphsafe.testing.contract import clone_args, run_backend
 from graphsafe.workspace import current_workspace_manager, workspace_bytes
 
@@ -29,11 +30,11 @@ def _spec(name):
 
 
 def _decode_args(seed=0, **kw):
-    return _spec(DECODE).case.inputs({**cases.EXAMPLE_COMPOSITE_DECODE, **kw}, "cpu", seed)
+    return case_for(DECODE).inputs({**cases.EXAMPLE_COMPOSITE_DECODE, **kw}, "cpu", seed)
 
 
 def _prefill_args(seed=0, **kw):
-    return _spec(PREFILL).case.inputs({**cases.EXAMPLE_COMPOSITE_PREFILL, **kw}, "cpu", seed)
+    return case_for(PREFILL).inputs({**cases.EXAMPLE_COMPOSITE_PREFILL, **kw}, "cpu", seed)
 
 
 def _run(name, backend, args, nested=None):
@@ -130,14 +131,14 @@ def test_prefill_grid(block_size, heads, dim):
 @given(p=cases._params_composite_decode(), seed=st.integers(0, 2**31 - 1))
 def test_decode_drawn_with_every_kernel(p, seed):
     """Drawn shapes, with the nested ops on their Triton kernels too (interpreter)."""
-    args = _spec(DECODE).case.inputs(p, "cpu", seed)
+    args = case_for(DECODE).inputs(p, "cpu", seed)
     check_decode(args, _run(DECODE, "triton", args, nested="triton"), CPU_TOL)
 
 
 @settings(max_examples=8)
 @given(p=cases._params_composite_prefill(), seed=st.integers(0, 2**31 - 1))
 def test_prefill_drawn_with_every_kernel(p, seed):
-    args = _spec(PREFILL).case.inputs(p, "cpu", seed)
+    args = case_for(PREFILL).inputs(p, "cpu", seed)
     check_prefill(args, _run(PREFILL, "triton", args, nested="triton"), CPU_TOL)
 
 
@@ -194,7 +195,7 @@ def _tied_cache(args, d, distinct=3, seed=0):
     nb, bs, _ = cache.shape
     vals = cases.fp8_randn((distinct, d), "cpu", gen)
     pick = torch.randint(0, distinct, (nb, bs), generator=gen)
-    from graphsafe.ops.indexer import layout
+    from graphsafe.formats import indexer_k as layout
 
     v, s = layout.cache_views(cache, d)
     v.copy_(vals[pick].view(torch.uint8))
@@ -246,7 +247,7 @@ def test_new_keys_are_cached_before_they_are_scored(backend):
     """The newest token's key is scored from the cache the step just wrote: its old slot
     holds zeros (logit 0), the new key is large (a large positive logit with positive
     weights), the other keys are small: the top-1 must be the new token."""
-    from graphsafe.ops.indexer import layout
+    from graphsafe.formats import indexer_k as layout
 
     args = list(_decode_custom([8], next_n=1, length=8, topk=1))
     cache, slot = args[0], int(args[4][0])
@@ -425,7 +426,7 @@ def test_paged_logits_without_clean_write_the_valid_columns_only():
     from graphsafe.ops.indexer import triton as tri
 
     p = {**cases.EXAMPLE_PAGED, "B": 3, "max_model_len": 50}
-    q, cache, w, lens, table, length = graphsafe.get_op("fp8_paged_mqa_logits").case.inputs(p, "cpu", 2)
+    q, cache, w, lens, table, length = case_for("fp8_paged_mqa_logits").inputs(p, "cpu", 2)
     lens = torch.tensor([0, 7, 50], dtype=torch.int32)
     full = torch.full((6, 50), float("nan"))
     part = full.clone()
@@ -441,7 +442,7 @@ def test_paged_logits_without_clean_write_the_valid_columns_only():
 def test_mqa_logits_without_clean_skip_dead_tiles_only():
     from graphsafe.ops.indexer import triton as tri
 
-    q, k, k_scale, w, ks, ke = graphsafe.get_op("fp8_mqa_logits").case.inputs(
+    q, k, k_scale, w, ks, ke = case_for("fp8_mqa_logits").inputs(
         {"M": 20, "N": 50, "H": 16, "D": 64, "window": "causal"}, "cpu", 1)
     ks[:], ke[:] = 0, torch.arange(20, dtype=torch.int32) + 1  # causal over the first 20 keys only
     full, part = torch.full((20, 50), float("nan")), torch.full((20, 50), float("nan"))
@@ -486,7 +487,7 @@ def test_nested_ops_are_bound_once_per_signature(name, monkeypatch):
     """The first call of a signature binds the nested ops (OpSpec.bound); later calls run
     their runners directly, and give the same results."""
     with graphsafe.use_backend("triton"):
-        args = _spec(name).case.inputs(_spec(name).case.example, "cpu", 3)
+        args = case_for(name).inputs(case_for(name).example, "cpu", 3)
         first = clone_args(args)
         _spec(name).public(*first)
 

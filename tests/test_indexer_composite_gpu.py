@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphsafe.testing import case_for
 import graphsafe
 from graphsafe.ops.indexer import plan
 from graphsafe.testing import contract as C
@@ -23,7 +24,7 @@ NAMES = (DECODE, PREFILL)
 
 
 def _params(name):
-    case = graphsafe.get_op(name).case
+    case = case_for(name)
     return [case.example, *case.gpu_examples]
 
 
@@ -31,8 +32,8 @@ def _params(name):
 def test_triton_matches_reference_at_realistic_shapes(name):
     spec = graphsafe.get_op(name)
     for params in _params(name):
-        args = spec.case.inputs(params, CUDA, seed=7)
-        C.check_backend_matches_reference(spec, spec.case, "triton", args, params)
+        args = case_for(spec.name).inputs(params, CUDA, seed=7)
+        C.check_backend_matches_reference(spec, case_for(spec.name), "triton", args, params)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -56,7 +57,7 @@ def test_no_caching_allocator_allocation(name):
     """The composites have no outputs: every intermediate comes from the workspace."""
     spec = graphsafe.get_op(name)
     for params in _params(name):
-        args = spec.case.inputs(params, CUDA, seed=4)
+        args = case_for(spec.name).inputs(params, CUDA, seed=4)
         spec.public(*C.clone_args(args))  # warm-up: compilation, workspace growth
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats(CUDA)["allocation.all.allocated"]
@@ -69,9 +70,9 @@ def test_decode_buckets_share_one_reserved_workspace():
     """Warm up once at the largest bucket's max_num_batched_tokens, lock the workspace,
     then capture every bucket (no growth is possible) and replay each with new contexts."""
     spec = graphsafe.get_op(DECODE)
-    base = {**spec.case.gpu_examples[0], "pad": 0.2, "reserve_tokens": 64}
+    base = {**case_for(spec.name).gpu_examples[0], "pad": 0.2, "reserve_tokens": 64}
     buckets = (1, 8, 32, 64)
-    warm = spec.case.inputs({**base, "B": buckets[-1]}, CUDA, seed=0)
+    warm = case_for(spec.name).inputs({**base, "B": buckets[-1]}, CUDA, seed=0)
     spec.public(*warm)
     torch.cuda.synchronize()
     ws = current_workspace_manager(CUDA)
@@ -80,7 +81,7 @@ def test_decode_buckets_share_one_reserved_workspace():
     graphs = []
     with ws.locked():
         for b in buckets:
-            static = C.clone_args(spec.case.inputs({**base, "B": b}, CUDA, seed=1))
+            static = C.clone_args(case_for(spec.name).inputs({**base, "B": b}, CUDA, seed=1))
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -91,7 +92,7 @@ def test_decode_buckets_share_one_reserved_workspace():
                 spec.public(*static)
             graphs.append((b, graph, static))
         for b, graph, static in graphs:
-            fresh = spec.case.inputs({**base, "B": b}, CUDA, seed=b + 10)
+            fresh = case_for(spec.name).inputs({**base, "B": b}, CUDA, seed=b + 10)
             for s, f in zip(static, fresh):
                 if isinstance(s, torch.Tensor):
                     s.copy_(f)
@@ -100,7 +101,7 @@ def test_decode_buckets_share_one_reserved_workspace():
             eager = C.clone_args(fresh)
             spec.public(*eager)
             torch.cuda.synchronize()
-            spec.case.compare(None, None, eager, static, None)
+            case_for(spec.name).compare(None, None, eager, static, None)
     assert ws.size_bytes == size
     del graphs
     torch.cuda.synchronize()
@@ -111,19 +112,19 @@ def test_prefill_reservation_covers_later_captures():
     """A prefill warm-up with (max_num_batched_tokens, max_total_seq_lens) sizes the arena
     for a capture of a smaller prefill with a locked workspace."""
     spec = graphsafe.get_op(PREFILL)
-    big = {**spec.case.gpu_examples[0], "reserve_tokens": 4096, "reserve_keys": 40000}
-    spec.public(*spec.case.inputs(big, CUDA, seed=0))
+    big = {**case_for(spec.name).gpu_examples[0], "reserve_tokens": 4096, "reserve_keys": 40000}
+    spec.public(*case_for(spec.name).inputs(big, CUDA, seed=0))
     torch.cuda.synchronize()
     ws = current_workspace_manager(CUDA)
     with ws.locked():
-        small = {**spec.case.gpu_examples[1], "reserve_tokens": 4096, "reserve_keys": 40000}
+        small = {**case_for(spec.name).gpu_examples[1], "reserve_tokens": 4096, "reserve_keys": 40000}
         C.check_cuda_graph_replay(spec, small, CUDA)
 
 
 def test_decode_step_indexer_under_inductor():
     spec = graphsafe.get_op(DECODE)
-    params = spec.case.gpu_examples[1]
-    args = spec.case.inputs(params, CUDA, seed=5)
+    params = case_for(spec.name).gpu_examples[1]
+    args = case_for(spec.name).inputs(params, CUDA, seed=5)
     t, bs = args[1].shape[0], args[0].shape[1]
     req = torch.arange(args[5].shape[0], dtype=torch.int32, device=CUDA).repeat_interleave(params["next_n"])
 
@@ -136,7 +137,7 @@ def test_decode_step_indexer_under_inductor():
     eager_args, compiled_args = C.clone_args(args), C.clone_args(args)
     want = step(*eager_args)
     got = compiled(*compiled_args)
-    spec.case.compare(None, None, eager_args, compiled_args, params)
+    case_for(spec.name).compare(None, None, eager_args, compiled_args, params)
     # Same top-k sets up to ties: compare the slots of rows whose indices agree exactly.
     same = (eager_args[7][:t] == compiled_args[7][:t]).all(dim=1)
     assert torch.equal(want[same], got[same])

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphsafe.testing import case_for
 import graphsafe
-from graphsafe.bench.cases.indexer import paged_inputs
+from graphsafe.ops.indexer.bench import paged_inputs
 from graphsafe.ops.indexer import reference as ref
 from graphsafe.ops.indexer import triton as tri
 from graphsafe.testing import no_sync
-from graphsafe.testing.cases import indexer as cases
+from graphsafe.ops.indexer import cases as cases
 from graphsafe.testing.contract import clone_args
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +55,7 @@ def test_paged_logits_fp16_path_equals_fp8_path(block_size):
 @pytest.mark.parametrize("window", ["causal", "random", "full"])
 def test_mqa_logits_large(window):
     p = {"M": 2048, "N": 4096 + 77, "H": 64, "D": 128, "window": window}
-    q, k, k_scale, w, ks, ke = graphsafe.get_op("fp8_mqa_logits").case.inputs(p, CUDA, seed=3)
+    q, k, k_scale, w, ks, ke = case_for("fp8_mqa_logits").inputs(p, CUDA, seed=3)
     out = _nan((p["M"], p["N"]))
     tri.mqa_logits_into(out, q, k, k_scale, w, ks, ke)
     cases.compare_logits(ref.fp8_mqa_logits(q, k, k_scale, w, ks, ke), out)
@@ -64,7 +65,7 @@ def test_mqa_logits_large(window):
 def test_quantisation_is_bit_exact_across_devices(fmt):
     """Triton on the GPU == reference on the GPU == reference on the CPU, byte for byte."""
     p = {"T": 8192, "D": 128, "groups": 1, "block_size": 64, "dtype": torch.bfloat16, "scale_fmt": fmt, "strided_cache": False}
-    args = graphsafe.get_op("indexer_k_quant_and_cache").case.inputs(p, "cpu", seed=4)
+    args = case_for("indexer_k_quant_and_cache").inputs(p, "cpu", seed=4)
     cpu = clone_args(args)
     ref.indexer_k_quant_and_cache(*cpu)
     gpu_ref = tuple(a.to(CUDA) if isinstance(a, torch.Tensor) else a for a in args)

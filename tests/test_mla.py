@@ -21,15 +21,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphsafe.testing import case_for
 import graphsafe
-from graphsafe.ops.fp8_ds_mla import dequantize_records, quantize_records, record_bytes
+from graphsafe.formats.fp8_ds_mla import dequantize_records, quantize_records, record_bytes
 from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
 from graphsafe.ops.mla import reference as ref
 from graphsafe.ops.mla import splits
 from graphsafe.ops.mla import triton as tri
 from graphsafe.testing import contract as C
 from graphsafe.testing.compile_scripts import SPECIALISE_PRELUDE
-from graphsafe.testing.cases import mla as cases
+from graphsafe.ops.mla import cases as cases
 
 CPU = torch.device("cpu")
 
@@ -109,14 +110,14 @@ def _check(expected, actual, args=None):
 @given(params=cases._params_decode(), seed=st.integers(0, 2**31 - 1))
 @settings(max_examples=15)
 def test_reference_decode_matches_the_loop_spec(params, seed):
-    args = graphsafe.get_op("mla_decode").case.inputs(params, CPU, seed)
+    args = case_for("mla_decode").inputs(params, CPU, seed)
     _check(naive_decode(*args), ref.mla_decode(*args))
 
 
 @given(params=cases._params_sparse(), seed=st.integers(0, 2**31 - 1))
 @settings(max_examples=15)
 def test_reference_sparse_matches_the_loop_spec(params, seed):
-    args = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, seed)
+    args = case_for("sparse_mla").inputs(params, CPU, seed)
     _check(naive_sparse(*args), ref.sparse_mla(*args))
 
 
@@ -126,7 +127,7 @@ LONG = {"B": 4, "H": 3, "R": 32, "P": 16, "block_size": 16, "max_blocks": 6, "dt
 
 def _decode_args(dtype, lens, seed=0, **over):
     params = {**LONG, "dtype": dtype, **over}
-    q, kv, bt, _, scale, r = graphsafe.get_op("mla_decode").case.inputs(params, CPU, seed)
+    q, kv, bt, _, scale, r = case_for("mla_decode").inputs(params, CPU, seed)
     lens = torch.tensor(lens, dtype=torch.int32)
     # The block table's garbage must sit exactly past the new lengths.
     num_blocks = kv.shape[0]
@@ -164,7 +165,7 @@ def test_triton_decode_with_value_chunks(dtype, r, p, num_splits):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_sparse_with_value_chunks(dtype):
     params = {**cases.EXAMPLE_SPARSE, "T": 3, "K": 70, "R": 24, "P": 8, "num_blocks": 8, "dtype": dtype, "strided": True}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 4)[:5]
+    q, kv, idx, scale, r = case_for("sparse_mla").inputs(params, CPU, 4)[:5]
     idx[1] = -1
     out, lse = tri.sparse_mla(q, kv, idx, scale, r, config=CHUNKED, num_splits=2)
     _check(ref.sparse_mla(q, kv, idx, scale, r), (out, lse))
@@ -174,7 +175,7 @@ def test_triton_sparse_with_value_chunks(dtype):
 @pytest.mark.parametrize("num_splits", [1, 4, 7])
 def test_triton_sparse_with_forced_splits(num_splits):
     params = {**cases.EXAMPLE_SPARSE, "T": 4, "K": 100, "num_blocks": 8, "dtype": torch.bfloat16, "strided": True}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 3)[:5]
+    q, kv, idx, scale, r = case_for("sparse_mla").inputs(params, CPU, 3)[:5]
     idx[1] = -1  # a token without any key
     idx[2, 30:] = -1  # the later splits of a token hold no key
     out, lse = tri.sparse_mla(q, kv, idx, scale, r, num_splits=num_splits)
@@ -228,7 +229,7 @@ def test_single_key_returns_its_first_R_entries(op, backend):
 def test_lse_is_natural_log_and_merges_disjoint_key_sets(backend):
     """Attention over A u B = LSE-weighted merge of attention over A and over B."""
     params = {**cases.EXAMPLE_SPARSE, "T": 3, "K": 48, "num_blocks": 16, "invalid": 0.0, "dtype": torch.float16}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 5)[:5]
+    q, kv, idx, scale, r = case_for("sparse_mla").inputs(params, CPU, 5)[:5]
     idx = torch.stack([torch.randperm(kv.shape[0] * kv.shape[1])[:48] for _ in range(3)]).int()
     spec = graphsafe.get_op("sparse_mla")
     left, right = idx.clone(), idx.clone()
@@ -311,7 +312,7 @@ def test_nan_in_block_0_and_in_unread_rows_never_reaches_decode_outputs(backend,
 @pytest.mark.parametrize("backend,num_splits", RUNS)
 def test_nan_in_slot_0_and_in_unread_rows_never_reaches_sparse_outputs(backend, num_splits):
     params = {**cases.EXAMPLE_SPARSE, "T": 3, "K": 40, "num_blocks": 8, "invalid": 0.25}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 6)[:5]
+    q, kv, idx, scale, r = case_for("sparse_mla").inputs(params, CPU, 6)[:5]
     kv = _with_unread_block_0(kv)
     idx = torch.where(idx >= 0, idx + kv.shape[1], idx)
     idx[1] = -1  # a token without a key: 0 and -inf whatever q and the cache hold
@@ -454,7 +455,7 @@ def test_decode_over_concat_and_cache_mla_matches_attention_on_the_tokens():
 def test_decode_step_compiles_fullgraph_with_triton_kernels():
     """concat_and_cache_mla + mla_decode under torch.compile(fullgraph=True), Triton backend."""
     params = {**LONG, "strided": False}
-    q, kv, bt, lens, scale, r = graphsafe.get_op("mla_decode").case.inputs(params, CPU, 9)
+    q, kv, bt, lens, scale, r = case_for("mla_decode").inputs(params, CPU, 9)
     kv_c, k_pe = torch.randn(4, r).half(), torch.randn(4, kv.shape[2] - r).half()
     slots = torch.tensor([3, 17, -1, 40])
 
@@ -479,7 +480,7 @@ FP8 = {"cache": cases.FP8_DS}  # with dtype bfloat16
 @given(params=cases._params_decode(fp8_only=True), seed=st.integers(0, 2**31 - 1))
 @settings(max_examples=10)
 def test_reference_fp8_ds_decode_matches_the_loop_over_dequantized_rows(params, seed):
-    args = graphsafe.get_op("mla_decode").case.inputs(params, CPU, seed)
+    args = case_for("mla_decode").inputs(params, CPU, seed)
     assert args[1].dtype == torch.uint8 and args[1].shape[2] == record_bytes(params["R"], params["P"])
     _check(naive_decode(*args), ref.mla_decode(*args))
 
@@ -487,7 +488,7 @@ def test_reference_fp8_ds_decode_matches_the_loop_over_dequantized_rows(params, 
 @given(params=cases._params_sparse(fp8_only=True), seed=st.integers(0, 2**31 - 1))
 @settings(max_examples=10)
 def test_reference_fp8_ds_sparse_matches_the_loop_over_dequantized_rows(params, seed):
-    args = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, seed)
+    args = case_for("sparse_mla").inputs(params, CPU, seed)
     _check(naive_sparse(*args), ref.sparse_mla(*args))
 
 
@@ -536,7 +537,7 @@ def test_triton_fp8_ds_decode_with_value_chunks(r):
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_triton_fp8_ds_sparse_with_forced_splits(num_splits, chunks):
     params = {**cases.EXAMPLE_SPARSE_FP8_DS, "T": 4, "K": 70, "R": 256, "P": 32, "num_blocks": 8, "strided": True}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, 3)[:5]
+    q, kv, idx, scale, r = case_for("sparse_mla").inputs(params, CPU, 3)[:5]
     idx[1] = -1  # a token without any key
     idx[2, 30:] = -1  # the later splits of a token hold no key
     args = (q, kv, idx, scale, r)
@@ -622,7 +623,7 @@ def test_fp8_ds_cache_checks_name_the_argument(op):
     records' alignment are checked, with the argument named."""
     spec = graphsafe.get_op(op)
     example = cases.EXAMPLE_DECODE_FP8_DS if op == "mla_decode" else cases.EXAMPLE_SPARSE_FP8_DS
-    q, kv, *rest = spec.case.inputs(example, CPU, 0)[:6 if op == "mla_decode" else 5]
+    q, kv, *rest = case_for(spec.name).inputs(example, CPU, 0)[:6 if op == "mla_decode" else 5]
     ids, scale, r = rest[:-2], rest[-2], rest[-1]
     spec.public(q, kv, *ids, scale, r)  # the valid call
     gapped = torch.zeros((*kv.shape[:2], kv.shape[2] + 2), dtype=torch.uint8)[..., :-2]  # token stride 166
@@ -644,7 +645,7 @@ def test_fp8_ds_cache_storage_offset_is_checked_on_every_triton_call(op):
     only): the Triton runner, whose kernel loads the scales as float32, checks it per call."""
     spec = graphsafe.get_op(op)
     example = cases.EXAMPLE_DECODE_FP8_DS if op == "mla_decode" else cases.EXAMPLE_SPARSE_FP8_DS
-    q, kv, *rest = spec.case.inputs(example, CPU, 0)
+    q, kv, *rest = case_for(spec.name).inputs(example, CPU, 0)
     shifted = torch.empty(kv.numel() + 2, dtype=torch.uint8)[2:].view(kv.shape).copy_(kv)
     match = rf"graphsafe\.{op}: argument 'kv_cache' must be of 4-byte aligned records \(a storage offset.*offset 2"
     with graphsafe.use_backend("triton"):
@@ -719,7 +720,7 @@ def test_workspace_request_is_the_published_worst_case(op):
             assert spec.workspace_bytes(batch=b, num_heads=h, kv_lora_rank=r, max_kv_len=cap, device="cpu") > 0
     else:
         params = {**cases.EXAMPLE_SPARSE, "K": 64}
-        args = spec.case.inputs(params, CPU, 0)
+        args = case_for(spec.name).inputs(params, CPU, 0)
         t, h, r, k = args[0].shape[0], args[0].shape[1], args[4], args[2].shape[1]
         published = sparse_mla_workspace_specs(t, h, r, k, device="cpu", backend="triton")
     assert published, "these shapes split on the CPU planner"
@@ -1013,7 +1014,7 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
 # sm_90 device: hardware e4m3 conversion (FP8_NATIVE, what a CUDA tensor turns on), and
 # once the integer decoding of other targets (compiled for sm_80).
 _FP8_DS_COMPILE_SCRIPT = _RECORD_LAUNCHES + SPECIALISE_PRELUDE + r"""
-from graphsafe.ops.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
+from graphsafe.formats.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
 TYPES[torch.uint8] = "u8"
 for heads in (16, 128):
     cfg = splits.kernel_config(heads, "cuda")
@@ -1114,7 +1115,7 @@ for dtype, dense_splits in ((torch.bfloat16, (4, 1)), (torch.float16, (4,))):
     tri.sparse_mla(q, kv, idx, 0.04, 512, config=cfg, num_splits=1)
 # DeepSeek's fp8_ds_mla records (656 bytes a key): the kernel's FP8_DS variant, at 128 heads
 # (two launches) and (its default there) at 16 (one launch).
-from graphsafe.ops.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
+from graphsafe.formats.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
 TYPES[torch.uint8] = "u8"
 tri.few_heads_wide_tiles = lambda heads, device: cfg  # what an sm_90 device gives up to 16 heads
 kv = torch.zeros(64, 64, DEEPSEEK_RECORD_BYTES, dtype=torch.uint8)
@@ -1220,7 +1221,7 @@ KERNEL = G.mla_fp8_few_heads_kernel
 """ + _RECORDING_BIND + r"""
 tri.max_shared_memory = lambda device: 232448  # Hopper's opt-in shared memory per block
 """ + SPECIALISE_PRELUDE + r"""
-from graphsafe.ops.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
+from graphsafe.formats.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
 TYPES[torch.uint8] = "u8"
 cfg = splits.kernel_config(128, "cuda")
 tri.few_heads_wide_tiles = lambda heads, device: cfg  # what an sm_90 device gives up to 16 heads
@@ -1490,7 +1491,7 @@ def test_fp8_ds_config_changes_only_the_stages(monkeypatch):
 def _sparse_option_args(seed: int = 8, **over):
     """A plain sparse call (fp16; 4 tokens, K = 100 over 8 blocks of 4) whose token 1 has no valid entry."""
     params = {**cases.EXAMPLE_SPARSE, "T": 4, "K": 100, "num_blocks": 8, "invalid": 0.25, **over}
-    q, kv, idx, scale, r = graphsafe.get_op("sparse_mla").case.inputs(params, CPU, seed)[:5]
+    q, kv, idx, scale, r = case_for("sparse_mla").inputs(params, CPU, seed)[:5]
     idx[1] = -1
     return q, kv, idx, scale, r
 

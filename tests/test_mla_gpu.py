@@ -10,15 +10,16 @@ import dataclasses
 import pytest
 import torch
 
+from graphsafe.testing import case_for
 import graphsafe
-from graphsafe.bench.cases.mla import TUNE_TILES, decode_inputs, fp8_cache, sparse_inputs
+from graphsafe.ops.mla.bench import TUNE_TILES, decode_inputs, fp8_cache, sparse_inputs
 from graphsafe.bench.harness import measure_copy_bandwidth, measure_matmul_peak, time_ms
 from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
 from graphsafe.ops.mla import reference as ref
 from graphsafe.ops.mla import splits
 from graphsafe.ops.mla import triton as tri
 from graphsafe.testing import no_sync
-from graphsafe.testing.cases import mla as cases
+from graphsafe.ops.mla import cases as cases
 from graphsafe.workspace import current_workspace_manager
 
 pytestmark = pytest.mark.gpu
@@ -449,7 +450,7 @@ def test_no_host_sync_at_deepseek_shapes(op, heads):
 @pytest.mark.parametrize("heads", [16, 128])
 def test_inductor_fullgraph_decode_step(heads):
     params = {**cases.EXAMPLE_DECODE, **cases.DEEPSEEK, "B": 4, "H": heads, "block_size": 64, "max_blocks": 8, "dtype": torch.bfloat16}
-    args = graphsafe.get_op("mla_decode").case.inputs(params, CUDA, 9)
+    args = case_for("mla_decode").inputs(params, CUDA, 9)
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, kv, bt, lens: graphsafe.mla_decode(q, kv, bt, lens, args[4], args[5]), fullgraph=True)
     _close(graphsafe.mla_decode(*args), compiled(*args[:4]))

@@ -36,7 +36,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import graphsafe
 from graphsafe.metadata import build_prefill
 from graphsafe.models.layers import quant_fp8_per_head
-from graphsafe.ops.indexer.layout import dequantize, quantize, unpack
+from graphsafe.formats.indexer_k import dequantize, quantize, unpack
 from graphsafe.models import DeepseekV32Model, ModelConfig, build_demo_model, demo_hf_config, random_hf_state_dict
 from graphsafe.models.weights import hf_param_shapes
 

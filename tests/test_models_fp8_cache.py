@@ -30,7 +30,7 @@ import torch
 import graphsafe
 from graphsafe.models import ModelConfig, build_demo_model, demo_hf_config
 from graphsafe.models.precision import compare_decoding
-from graphsafe.ops.fp8_ds_mla import dequantize_records, record_bytes
+from graphsafe.formats.fp8_ds_mla import dequantize_records, record_bytes
 
 E4M3_REL = 2.0**-4  # e4m3's relative rounding: 3 mantissa bits
 LOGIT_REL_BOUND = E4M3_REL

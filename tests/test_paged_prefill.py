@@ -13,7 +13,7 @@ import torch
 
 import graphsafe
 from graphsafe.ops.attention import reference
-from graphsafe.testing.cases.attention import attention_compare
+from graphsafe.ops.attention.cases import attention_compare
 
 HAS_INTERPRETER = graphsafe.get_op("paged_attention_prefill").available_backends("cpu").count("triton") == 1
 pytestmark = pytest.mark.skipif(not HAS_INTERPRETER, reason="Triton interpreter not enabled")

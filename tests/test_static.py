@@ -11,6 +11,18 @@ import graphsafe
 PKG = pathlib.Path(graphsafe.__file__).parent
 
 
+# A family's test case and bench case (`cases.py`, `bench.py`) are plugins of the testing
+# and bench layers, not op code: they may sync, launch plainly and import those layers.
+PLUGINS = ("cases.py", "bench.py")
+
+
+def _op_code() -> list[pathlib.Path]:
+    """The op code: every module under graphsafe/ops but the families' plugins, and the
+    kernel helpers the families share (graphsafe/kernels)."""
+    files = [p for p in (PKG / "ops").rglob("*.py") if p.name not in PLUGINS]
+    return sorted(files + list((PKG / "kernels").rglob("*.py")))
+
+
 def _imports(path: pathlib.Path) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     names = []
@@ -23,13 +35,45 @@ def _imports(path: pathlib.Path) -> list[str]:
     return names
 
 
+# What a fake (`graphsafe/ops/<family>/fake.py`) and the checks it shares with the real
+# impls may import: torch, the standard library, the checks and the byte formats; never
+# the workspace, a backend, a kernel or another op.
+FAKE_IMPORTS = ("graphsafe.checks", "graphsafe.formats", "graphsafe.errors")
+
+
+def _fake_files() -> list[pathlib.Path]:
+    return sorted((PKG / "ops").glob("*/fake.py")) + [PKG / "checks.py"]
+
+
 def test_fake_impls_never_import_the_workspace():
-    files = sorted((PKG / "fake_impls").glob("*.py"))
-    assert files
+    files = _fake_files()
+    assert len(files) > 1
     for path in files:
         for name in _imports(path):
-            assert "workspace" not in name, f"{path.name} imports {name}: fakes must not touch the workspace"
-            assert not name.startswith("graphsafe.ops"), f"{path.name} imports {name}: fakes are metadata only"
+            assert "workspace" not in name, f"{path} imports {name}: fakes must not touch the workspace"
+            assert not name.startswith("graphsafe.ops"), f"{path} imports {name}: fakes are metadata only"
+
+
+def test_fakes_import_only_torch_the_checks_and_the_formats():
+    for path in _fake_files():
+        for name in _imports(path):
+            if name.startswith("graphsafe") or name == "graphsafe":
+                assert name in ("graphsafe", "graphsafe.checks") or name.startswith(FAKE_IMPORTS), (
+                    f"{path.relative_to(PKG)} imports {name}: a fake imports only torch, graphsafe.checks and "
+                    "graphsafe.formats")
+            elif name.startswith("."):
+                raise AssertionError(f"{path.relative_to(PKG)}: relative import {name}")
+            else:
+                assert name.split(".")[0] in ("torch", "__future__", "math", "typing", "collections", "dataclasses"), (
+                    f"{path.relative_to(PKG)} imports {name}")
+
+
+def test_formats_are_a_leaf():
+    """The byte formats are read by fakes, references and kernels alike: they import torch
+    and nothing of graphsafe, so any of them can import a format without a cycle."""
+    for path in sorted((PKG / "formats").glob("*.py")):
+        for name in _imports(path):
+            assert not name.startswith("graphsafe"), f"{path.relative_to(PKG)} imports {name}"
 
 
 # Host-device syncs that have no place in a decode op (DESIGN.md rule 5). The runtime
@@ -55,7 +99,7 @@ def _code_lines(path: pathlib.Path) -> dict[int, str]:
 
 def test_op_implementations_have_no_obvious_host_syncs():
     offenders = []
-    for path in sorted((PKG / "ops").rglob("*.py")):
+    for path in _op_code():
         if path.name == "debug.py":  # the debug switch's value checks: they read values by design
             continue
         raw = path.read_text().splitlines()
@@ -96,7 +140,7 @@ def test_triton_kernels_read_only_constexpr_globals():
     (plain numbers, float("-inf"), tables); the CPU interpreter accepts them, so CPU-only
     CI would never see the error. Wrap them in tl.constexpr(...)."""
     offenders = []
-    for path in sorted((PKG / "ops").rglob("*.py")):
+    for path in _op_code():
         tree = ast.parse(path.read_text())
         plain = _plain_constant_globals(tree)
         for fn in _jit_functions(tree):
@@ -119,7 +163,7 @@ ALLOW_PLAIN = "graphsafe: plain-launch"
 
 def test_op_code_launches_kernels_through_bound_launches():
     offenders = []
-    for path in sorted((PKG / "ops").rglob("*.py")):
+    for path in _op_code():
         raw = path.read_text().splitlines()
         jit_names = {fn.name for fn in _jit_functions(ast.parse(path.read_text()))} | {
             n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name) and n.id.endswith("_kernel")
@@ -140,7 +184,7 @@ def test_debug_checks_are_reached_only_through_the_switch():
     registry calls them, by their "module:function" reference, only while
     `graphsafe.debug_checks` is on."""
     offenders = []
-    for path in sorted((PKG / "ops").rglob("*.py")):
+    for path in _op_code():
         if path.name == "debug.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -148,3 +192,14 @@ def test_debug_checks_are_reached_only_through_the_switch():
                 node.module.endswith(".debug") or any(a.name == "debug" for a in node.names)):
                 offenders.append(f"{path.relative_to(PKG)}:{node.lineno}")
     assert not offenders, "op code imports a debug module:\n" + "\n".join(offenders)
+
+
+def test_only_plugins_reach_up_to_the_testing_and_bench_layers():
+    """Op code never imports graphsafe.testing or graphsafe.bench (layers above it); a
+    family's cases.py and bench.py, which those layers load, may."""
+    offenders = []
+    for path in _op_code():
+        for name in _imports(path):
+            if name.startswith(("graphsafe.testing", "graphsafe.bench", "graphsafe.demo", "graphsafe.models")):
+                offenders.append(f"{path.relative_to(PKG)} imports {name}")
+    assert not offenders, "\n".join(offenders)

@@ -18,12 +18,13 @@ import triton.language as tl
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from graphsafe.testing import case_for
 import graphsafe
 from graphsafe.ops.topk import plan
 from graphsafe.ops.topk import reference as ref
 from graphsafe.ops.topk.triton import _radix_search
 from graphsafe.testing import contract as C
-from graphsafe.testing.cases.topk import (
+from graphsafe.ops.topk.cases import (
     assert_topk_rows,
     decode_ranges,
     final_paths,
@@ -79,7 +80,7 @@ def _decode_bounds(seq_lens: torch.Tensor, next_n: int, width: int) -> list[tupl
 @given(data=st.data())
 def test_reference_matches_python_oracle(data):
     for name in (PREFILL, DECODE):
-        case = graphsafe.get_op(name).case
+        case = case_for(name)
         params = data.draw(case.params(), label=name)
         args = C.clone_args(case.inputs(params, "cpu", data.draw(st.integers(0, 2**31 - 1))))
         graphsafe.get_op(name).runner("reference")(*args)
@@ -564,8 +565,8 @@ def test_workspace_request_is_the_declared_worst_case(name):
     from graphsafe.workspace import manager as wm
 
     spec = graphsafe.get_op(name)
-    params = {**spec.case.example}
-    args = spec.case.inputs(params, "cpu", 0)
+    params = {**case_for(spec.name).example}
+    args = case_for(spec.name).inputs(params, "cpu", 0)
     rows, width = args[0].shape
     topk = args[4]
     requested = []

@@ -14,13 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from graphsafe.testing import case_for
 import graphsafe
 from graphsafe.ops.topk import reference as ref
 from graphsafe.testing import contract as C
 from graphsafe.testing import no_sync
 from graphsafe.ops.topk import plan
 from graphsafe.ops.topk import triton_rowwise as rowwise
-from graphsafe.testing.cases.topk import assert_topk_rows, decode_ranges, final_paths, prefill_ranges, rowwise_outcomes
+from graphsafe.ops.topk.cases import assert_topk_rows, decode_ranges, final_paths, prefill_ranges, rowwise_outcomes
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +32,7 @@ PREFILL, DECODE = "top_k_per_row_prefill", "top_k_per_row_decode"
 def _decode_args(rows, width, mode="normal", next_n=1, lens="full", seed=0, topk=2048):
     params = {"B": rows // next_n, "next_n": next_n, "L": width, "topk": topk, "extra_k": 0,
               "values": mode, "lens": lens, "strided": False}
-    return graphsafe.get_op(DECODE).case.inputs(params, CUDA, seed)
+    return case_for(DECODE).inputs(params, CUDA, seed)
 
 
 def _check_decode(args, out):
@@ -72,7 +73,7 @@ def test_decode_mtp_and_short_contexts(next_n):
 )
 def test_prefill_matches_reference(m, n, ranges):
     params = {"M": m, "N": n, "topk": 2048, "extra_k": 0, "values": "normal", "ranges": ranges, "strided": True}
-    args = graphsafe.get_op(PREFILL).case.inputs(params, CUDA, 0)
+    args = case_for(PREFILL).inputs(params, CUDA, 0)
     out = C.clone_args(args)
     _triton().top_k_per_row_prefill(*out)
     expected = C.clone_args(args)
@@ -315,12 +316,12 @@ def test_faster_than_the_reference_at_the_benchmark_shape():
 def test_aiter_adapter_on_rocm():
     pytest.importorskip("aiter")
     spec = graphsafe.get_op(DECODE)
-    for params in spec.case.gpu_examples[:2]:
-        args = spec.case.inputs(params, CUDA, 0)
-        C.check_backend_matches_reference(spec, spec.case, "aiter", args, params)
+    for params in case_for(spec.name).gpu_examples[:2]:
+        args = case_for(spec.name).inputs(params, CUDA, 0)
+        C.check_backend_matches_reference(spec, case_for(spec.name), "aiter", args, params)
     spec = graphsafe.get_op(PREFILL)
-    params = spec.case.gpu_examples[0]
-    C.check_backend_matches_reference(spec, spec.case, "aiter", spec.case.inputs(params, CUDA, 0), params)
+    params = case_for(spec.name).gpu_examples[0]
+    C.check_backend_matches_reference(spec, case_for(spec.name), "aiter", case_for(spec.name).inputs(params, CUDA, 0), params)
 
 
 @triton.jit

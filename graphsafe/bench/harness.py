@@ -3,8 +3,9 @@ bandwidth (or of the matmul peak) measured in the same run, the same for every p
 the same inputs; rows printed as they are measured and, optionally, a JSON file rewritten
 after every row.
 
-A benchmark case is a function registered with `@bench_case("name", Shapes(...))` in a
-module of `graphsafe.bench.cases`; it is called with the device and the shapes to run
+A benchmark case is a function registered with `@bench_case("name", Shapes(...))` in an op
+family's `graphsafe/ops/<family>/bench.py` (or, for cases across families, a module of
+`graphsafe.bench.cases`); it is called with the device and the shapes to run
 (picked by `Shapes.pick`) and yields `Problem`s. Each problem lists its implementations
 (graphsafe and its peers) as zero-argument callables over inputs built once.
 """
@@ -134,11 +135,18 @@ def bench_case(name: str, shapes: Shapes) -> Callable:
 
 
 def load_cases() -> dict[str, BenchCase]:
+    """Every bench case: each op family's (`graphsafe/ops/<family>/bench.py`) and the
+    cross-cutting ones of `graphsafe.bench.cases` (dispatch overhead, host cost)."""
     import importlib
+    import importlib.util
     import pkgutil
 
     import graphsafe.bench.cases as pkg
+    from graphsafe.ops import families
 
+    for family in families():
+        if importlib.util.find_spec(f"graphsafe.ops.{family}.bench") is not None:
+            importlib.import_module(f"graphsafe.ops.{family}.bench")
     for m in sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)):
         importlib.import_module(f"{pkg.__name__}.{m}")
     return CASES

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphsafe.ops.fp8_ds_mla import TILE
+from graphsafe.formats.fp8_ds_mla import TILE
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -59,7 +59,7 @@ class ModelConfig:
     # The per-layer latent MLA cache (written by `concat_and_cache_mla`, read by
     # `sparse_mla`): "auto" stores the model dtype, R + P values a token (1152 bytes for
     # DeepSeek in bf16); "fp8_ds_mla" stores DeepSeek's FP8 record
-    # (`graphsafe.ops.fp8_ds_mla`: R e4m3 bytes, a float32 scale per 128 of them, P bf16
+    # (`graphsafe.formats.fp8_ds_mla`: R e4m3 bytes, a float32 scale per 128 of them, P bf16
     # rope values; 656 bytes for DeepSeek), which needs R a multiple of 128 and P even.
     # Accuracy against the bf16 cache: every latent value is rounded to e4m3 (relative
     # error at most 2^-4, 3 mantissa bits) after scaling its 128-value tile to +-448, the

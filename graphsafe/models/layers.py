@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphsafe.ops.indexer.layout import round_scale_ue8m0
+from graphsafe.formats.indexer_k import round_scale_ue8m0
 
 FP8 = torch.float8_e4m3fn
 # Float constants are written as literals inside traced functions: under

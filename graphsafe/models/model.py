@@ -17,7 +17,7 @@ absorbed `sparse_mla` over the paged cache. This is transformers' semantics: its
 keeps the top `min(index_topk, T)` causal keys of each query and masks the rest.
 
 Latent cache (`ModelConfig.kv_cache_dtype`): "auto" keeps R + P values a token in the
-model dtype; "fp8_ds_mla" keeps DeepSeek's 656-byte FP8 record (`graphsafe.ops.fp8_ds_mla`).
+model dtype; "fp8_ds_mla" keeps DeepSeek's 656-byte FP8 record (`graphsafe.formats.fp8_ds_mla`).
 The same op calls serve both (the ops read the format from the cache tensor): decode
 writes with `concat_and_cache_mla` and reads with `sparse_mla`; prefill writes the
 cache, its dense path attends over the bf16 projections (it never reads the cache),
@@ -45,7 +45,7 @@ from graphsafe.models.parallel import TensorParallel, local_config, shard_tensor
 from graphsafe.models.rope import apply_half, apply_interleaved, rope_tables
 from graphsafe.models.state import HostState
 from graphsafe.models.weights import convert_state_dict
-from graphsafe.ops.fp8_ds_mla import record_bytes
+from graphsafe.formats.fp8_ds_mla import record_bytes
 from graphsafe.ops.indexer.plan import sparse_attn_indexer_decode_workspace, sparse_attn_indexer_prefill_workspace
 from graphsafe.ops.mla import sparse_mla_workspace_specs
 from graphsafe.workspace import current_workspace_manager, workspace_bytes

@@ -11,7 +11,13 @@ import pkgutil
 
 from graphsafe.registry import REGISTRY
 
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg):
+
+def families() -> list[str]:
+    """The op families: the subpackages of `graphsafe.ops`."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg)
+
+
+for _module in families():
     importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = sorted(REGISTRY.ops)

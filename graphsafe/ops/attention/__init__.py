@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphsafe.fake_impls import attention as fakes
+from graphsafe.ops.attention import fake as fakes
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported
 from graphsafe.ops.attention.split_kv import decode_workspace_specs, plan_decode_splits
 from graphsafe.registry import Backend, get_op, register_op

@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from graphsafe.ops.attention.fp8_format import P_SCALE
-from graphsafe.ops.gluon_compat import cp_async, cta_barrier, tma_load
+from graphsafe.kernels.gluon_compat import cp_async, cta_barrier, tma_load
 
 P_LOG2 = gl.constexpr(int(P_SCALE).bit_length() - 1)  # P_SCALE = 2^P_LOG2
 FLT_MIN = gl.constexpr(1.1754943508222875e-38)  # smallest normal float32

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.fake_impls.attention import FP8, output_dtype
+from graphsafe.ops.attention.fake import FP8, output_dtype
 from graphsafe.ops.attention.fp8 import quantize_inputs, quantize_per_tensor
 
 NEG_INF = float("-inf")

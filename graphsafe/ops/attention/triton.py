@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.device_info import compute_capability
-from graphsafe.fake_impls.attention import FP8, output_dtype
+from graphsafe.ops.attention.fake import FP8, output_dtype
 from graphsafe.launch import output_allocator
 from graphsafe.ops.attention import reference
 from graphsafe.ops.attention._triton_decode import bind_combine, bind_paged_decode

@@ -6,7 +6,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from graphsafe.fake_impls import cache as fakes
+from graphsafe.ops.cache import fake as fakes
 from graphsafe.registry import Backend, register_op
 
 
@@ -36,7 +36,7 @@ def concat_and_cache_mla(
       (byte 0x7F, 0xFF for a negative NaN);
     - uint8 with `record = R + 4 * (R // 128) + 2 * P` bytes per token ("fp8_ds_mla",
       DeepSeek-V3.2's FP8 MLA cache, 656 bytes for R = 512, P = 64; R a multiple of 128,
-      P even): token `t`'s record is `graphsafe.ops.fp8_ds_mla.quantize_records(kv_c[t:t+1],
+      P even): token `t`'s record is `graphsafe.formats.fp8_ds_mla.quantize_records(kv_c[t:t+1],
       k_pe[t:t+1])[0]`. Byte by byte:
 
         [0, R)                    `kv_c`, one float8_e4m3fn byte per value: byte c is

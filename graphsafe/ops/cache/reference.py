@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.ops import fp8_ds_mla as ds_mla
+from graphsafe.formats import fp8_ds_mla as ds_mla
 
 FP8_MAX = 448.0
 

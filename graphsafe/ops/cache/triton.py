@@ -10,7 +10,7 @@ through a uint8 view of the cache. Triton's `.to(tl.float8e4nv)` is not used: th
 interpreter rounds it wrongly near exponent boundaries, and the explicit rounding gives
 the same bytes as torch's `.to(torch.float8_e4m3fn)` on every target.
 
-fp8_ds_mla caches (uint8 records, graphsafe.ops.fp8_ds_mla): `_ds_mla_record` writes a
+fp8_ds_mla caches (uint8 records, graphsafe.formats.fp8_ds_mla): `_ds_mla_record` writes a
 token's record byte for byte as `quantize_records` does, with the same float32 operations
 (an amax over each 128-value tile, IEEE divisions by `div_rn`, e4m3 rounding by
 `e4m3_byte`, bfloat16 rounding on the bits), so the bytes equal the reference's on the
@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from graphsafe.launch import bind
-from graphsafe.ops import fp8_ds_mla as ds_mla
-from graphsafe.ops.fp8_bits import FP8_MAX, bf16_rounded_bits, e4m3_byte
+from graphsafe.formats import fp8_ds_mla as ds_mla
+from graphsafe.kernels.fp8_bits import FP8_MAX, bf16_rounded_bits, e4m3_byte
 
 # float32 bits: +inf (every NaN's bits, sign cleared, are above) and the NaN torch's amax gives.
 F32_INF_BITS = tl.constexpr(0x7F800000)

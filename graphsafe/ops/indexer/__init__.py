@@ -6,7 +6,7 @@ K cache layout (DeepGEMM's): `uint8 [num_blocks, block_size, D + 4*G]`. Inside b
 the first `block_size * D` bytes are the e4m3fn values token by token, then
 `block_size * G` float32 scales (token-major); G = D // quant_block_size scales per
 token, G = 1 for DeepSeek-V3.2 (`D + 4`). Slot s is token `s % block_size` of block
-`s // block_size`. Helpers to pack/unpack it: `graphsafe.ops.indexer.layout`.
+`s // block_size`. Helpers to pack/unpack it: `graphsafe.formats.indexer_k`.
 
 The composites `sparse_attn_indexer_decode` / `_prefill` run one layer's whole indexer
 step (vLLM's `sparse_attn_indexer` custom op, split into its decode and prefill halves):
@@ -20,7 +20,7 @@ from typing import Optional
 
 from torch import Tensor
 
-from graphsafe.fake_impls import indexer as fakes
+from graphsafe.ops.indexer import fake as fakes
 from graphsafe.ops.indexer.plan import (
     DEFAULT_MAX_CHUNK_BYTES,
     prefill_chunk_bytes,

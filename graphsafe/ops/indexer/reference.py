@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from graphsafe.ops.cache.reference import scatter_tokens
-from graphsafe.ops.indexer import layout, plan
+from graphsafe.formats import indexer_k as layout
+from graphsafe.ops.indexer import plan
 
 NEG_INF = float("-inf")
 

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from graphsafe.device_info import has_ocp_e4m3, num_sms
 from graphsafe.launch import bind, output_allocator
-from graphsafe.ops.fp8_bits import e4m3_bits, e4m3_bytes_to_f16, round_to_e4m3
+from graphsafe.kernels.fp8_bits import e4m3_bits, e4m3_bytes_to_f16, round_to_e4m3
 from graphsafe.registry import prepared
 
 NEG_INF = tl.constexpr(float("-inf"))  # jit code reads only constexpr globals

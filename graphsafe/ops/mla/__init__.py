@@ -5,7 +5,7 @@ The latent cache `kv_cache [num_blocks, block_size, R + P]` is written by
 DeepSeek) followed by its rope key (P = 64). In the absorbed form a query head is one
 `R + P` vector: `score = sm_scale * q . row` over all R + P entries, and the value of a
 row is its first R entries, so K and V are one read of the cache. The cache may also be
-DeepSeek's FP8 one (fp8_ds_mla, `graphsafe.ops.fp8_ds_mla`: uint8 records of e4m3 latent
+DeepSeek's FP8 one (fp8_ds_mla, `graphsafe.formats.fp8_ds_mla`: uint8 records of e4m3 latent
 bytes, float32 tile scales and bf16 rope values), told apart by its dtype; the ops then
 attend over the dequantized rows (`mla_decode`'s docstring).
 
@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphsafe.fake_impls import mla as fakes
+from graphsafe.ops.mla import fake as fakes
 from graphsafe.ops.mla.splits import triton_mla_decode_workspace, triton_sparse_mla_workspace
 from graphsafe.registry import Backend, register_op
 
@@ -71,7 +71,7 @@ def mla_decode(
     and `lse[b, h]` NaN; a key whose score is -inf has weight 0, yet its value entries
     still enter as `0 * k_j[c]`: an infinite `k_j[c]` (c < R) makes `out[b, h, c]` NaN.
 
-    fp8_ds_mla cache (`kv_cache` uint8; `graphsafe.ops.fp8_ds_mla`): `kv_cache
+    fp8_ds_mla cache (`kv_cache` uint8; `graphsafe.formats.fp8_ds_mla`): `kv_cache
     [num_blocks, block_size, record]`, `record = R + 4 * R/128 + 2 * P` bytes per token
     (656 for R = 512, P = 64). A token's record, byte by byte: `[0, R)` its latent, one
     float8_e4m3fn byte per value; `[R, R + 4 * R/128)` R/128 float32 scales

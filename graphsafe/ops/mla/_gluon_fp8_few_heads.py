@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from graphsafe.ops.gluon_compat import cp_async, cta_barrier
+from graphsafe.kernels.gluon_compat import cp_async, cta_barrier
 from graphsafe.ops.mla._gluon_hopper import (
     _key_ids, _key_rows, _load_q_rows, _softmax_end, _softmax_keys, _split_bounds, _store_values,
 )

@@ -27,7 +27,7 @@ Data flow per key tile (BLOCK_N = 64 keys, 8 warps):
   key rows in shared memory.
 Shared memory: q 72 KiB + 2 stages of keys 144 KiB + p 8 KiB = 224 KiB (Hopper: 227 KiB).
 
-An fp8_ds_mla cache (FP8_DS; DeepSeek's 656-byte records, `graphsafe.ops.fp8_ds_mla`; q
+An fp8_ds_mla cache (FP8_DS; DeepSeek's 656-byte records, `graphsafe.formats.fp8_ds_mla`; q
 bf16; offsets and strides in bytes): the stages hold the tile's raw latent bytes
 `[BLOCK_N, R]` (uint8) and its bf16 rope part `[BLOCK_N, P]`, each copied by cp.async as
 above; each record's four float32 scales are loaded into registers when its copy is
@@ -77,7 +77,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from graphsafe.ops.gluon_compat import cp_async, cta_barrier
+from graphsafe.kernels.gluon_compat import cp_async, cta_barrier
 
 NUM_WARPS = 8
 BLOCK_H = 64  # one wgmma M (a warpgroup's 4 warps x 16 rows)

@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from graphsafe.ops.gluon_compat import cta_barrier, tma_load
+from graphsafe.kernels.gluon_compat import cta_barrier, tma_load
 from graphsafe.ops.mla._gluon_hopper import _in_range, _split_bounds
 
 BLOCK_H = 64  # heads per program: one wgmma M

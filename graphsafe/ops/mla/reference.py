@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.ops.fp8_ds_mla import dequantize_records
+from graphsafe.formats.fp8_ds_mla import dequantize_records
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale: float, kv_lora_rank: int,

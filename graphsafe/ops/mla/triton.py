@@ -68,7 +68,7 @@ probabilities to bf16 as the GPU path does. Its float32 -> bf16 conversion trunc
 there the dequantized keys of an fp8_ds_mla cache (below) are rounded to nearest even
 on their bits first, as the GPU's conversion rounds them.
 
-An fp8_ds_mla cache (uint8 records, `graphsafe.ops.fp8_ds_mla`) runs the same kernel with
+An fp8_ds_mla cache (uint8 records, `graphsafe.formats.fp8_ds_mla`) runs the same kernel with
 FP8_DS on (float caches compile without any of it: a constexpr branch). Its pointers
 and strides count bytes. Per key tile the kernel loads the latent bytes of the keys'
 records, converts them from e4m3 (`float8e4nv` in hardware where `has_ocp_e4m3`;
@@ -99,10 +99,10 @@ from triton.runtime import OutOfResources
 
 from graphsafe.backends import triton_interpreter_enabled
 from graphsafe.device_info import has_ocp_e4m3
-from graphsafe.fake_impls.mla import check_fp8_ds_mla_offset
+from graphsafe.ops.mla.fake import check_fp8_ds_mla_offset
 from graphsafe.launch import bind, output_allocator
-from graphsafe.ops.fp8_bits import bf16_rounded_bits, e4m3_bytes_to_f16
-from graphsafe.ops.fp8_ds_mla import is_fp8_ds_mla
+from graphsafe.kernels.fp8_bits import bf16_rounded_bits, e4m3_bytes_to_f16
+from graphsafe.formats.fp8_ds_mla import is_fp8_ds_mla
 from graphsafe.ops.mla.splits import (
     KernelConfig, SplitPlan, few_heads_wide_tiles, forced_plan, fp8_ds_kernel_config, max_shared_memory,
     partial_specs, plan_launch,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from graphsafe.fake_impls import ragged as fakes
+from graphsafe.ops.ragged import fake as fakes
 from graphsafe.registry import Backend, register_op
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from graphsafe.fake_impls import topk as fakes
+from graphsafe.ops.topk import fake as fakes
 from graphsafe.ops.topk.plan import (
     aiter_workspace_specs,
     aiter_workspace_specs_decode,

@@ -1,6 +1,7 @@
 """Test cases of the ops: how to draw valid inputs, how to compare results, which inputs
-must be refused. One `OpCase` per registered op; the contract tests iterate the registry
-and fail for an op without one.
+must be refused. One `OpCase` per registered op, in its family's
+`graphsafe/ops/<family>/cases.py`; the contract tests iterate the registry and fail for an
+op without one.
 
 A case separates *shape parameters* (a small dict: T, block sizes, dtypes, ...) from the
 *tensors* built from them with a seeded generator, so that hypothesis shrinks shapes,
@@ -12,7 +13,7 @@ wrongly written elements show).
 from __future__ import annotations
 
 import importlib
-import pkgutil
+import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,19 +110,22 @@ _loaded = False
 
 
 def _load() -> None:
-    """Import every module of this package (one per op family); each registers its cases."""
+    """Import every op family's `cases` module; each registers its families' cases."""
     global _loaded
     if _loaded:
         return
-    for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-        importlib.import_module(f"{__name__}.{module}")
+    from graphsafe.ops import families
+
+    for family in families():
+        if importlib.util.find_spec(f"graphsafe.ops.{family}.cases") is not None:
+            importlib.import_module(f"graphsafe.ops.{family}.cases")
     _loaded = True
 
 
 def case_for(op: str) -> OpCase:
     _load()
     if op not in _CASES:
-        raise KeyError(f"graphsafe op {op!r} has no test case in graphsafe/testing/cases/")
+        raise KeyError(f"graphsafe op {op!r} has no test case (graphsafe/ops/<family>/cases.py)")
     return _CASES[op]
 
 

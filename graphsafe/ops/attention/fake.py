@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from graphsafe.fake_impls import _checks as c
+from graphsafe import checks as c
 
 FP8 = torch.float8_e4m3fn
 FP8_MODES = ("auto", "on", "off")

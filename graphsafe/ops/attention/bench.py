@@ -379,7 +379,7 @@ def _varlen_variant_problem(spec, device, model: str, window_left: int, softcap:
 def _sparse_options_problem(device) -> Problem:
     """DeepSeek-V3.2 sparse decode at T = 128, H = 128, K = 2048 with FlashMLA's options:
     a sink per head and per-token lengths drawn in [K/2, K] (bytes count the keys read)."""
-    from graphsafe.bench.cases.mla import sparse_inputs
+    from graphsafe.ops.mla.bench import sparse_inputs
 
     spec = get_op("sparse_mla")
     tokens, heads, topk = (128, 128, 2048) if device.type == "cuda" else (4, 16, 64)

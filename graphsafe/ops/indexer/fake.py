@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.fake_impls import _checks as c
+from graphsafe import checks as c
 
 FP8 = (torch.float8_e4m3fn,)
 U8 = (torch.uint8,)

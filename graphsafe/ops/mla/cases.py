@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.ops.fp8_ds_mla import TILE, dequantize_records, quantize_records, record_bytes
+from graphsafe.formats.fp8_ds_mla import TILE, dequantize_records, quantize_records, record_bytes
 from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
 from graphsafe.testing.tensors import randn
 
@@ -173,7 +173,7 @@ def _set_fp8_ds_value(record: torch.Tensor, col: int, value: float, r: int) -> N
     """Write `value` at column `col` of the token whose fp8_ds_mla record is `record`
     (uint8 [record], in place). A latent column (col < R): the token's row is read back
     (`dequantize_records`), the value put in and the latent quantized again
-    (`quantize_records`), so its tile reads back all NaN (see graphsafe.ops.fp8_ds_mla):
+    (`quantize_records`), so its tile reads back all NaN (see graphsafe.formats.fp8_ds_mla):
     its score is NaN for every head, and out and lse are NaN for every head of every
     query reading it. A rope column: its bf16 bytes, so the score is +-inf or NaN as for
     a float cache (an inf times q's entry)."""

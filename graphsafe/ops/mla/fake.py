@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.fake_impls import _checks as c
+from graphsafe import checks as c
+from graphsafe.formats import fp8_ds_mla
 
-# A uint8 kv_cache is an fp8_ds_mla cache (c.ds_mla_record_bytes).
-TILE = c.DS_MLA_TILE
+# A uint8 kv_cache is an fp8_ds_mla cache (graphsafe.formats.fp8_ds_mla).
+TILE = fp8_ds_mla.TILE
 
 
 def _check_q_and_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> None:
@@ -30,7 +31,7 @@ def _check_q_and_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora
 
 
 def _check_fp8_ds_mla_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> None:
-    """A uint8 cache is an fp8_ds_mla cache (graphsafe.ops.fp8_ds_mla): R a multiple of 128,
+    """A uint8 cache is an fp8_ds_mla cache (graphsafe.formats.fp8_ds_mla): R a multiple of 128,
     P = q.shape[2] - R even, `record_bytes(R, P)` bytes per token, q bf16, and every record
     4-byte aligned (the kernels load its scales as float32: strides and the storage
     offset multiples of 4 bytes)."""
@@ -42,7 +43,7 @@ def _check_fp8_ds_mla_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv
         c.fail(op, "kv_lora_rank", f"a multiple of {TILE} {when}", r)
     if p % 2:
         c.fail(op, "q", f"of last dim R + P with P (the rope width) even {when}", f"P = {p}")
-    c.shape(op, "kv_cache", kv_cache, (None, None, c.ds_mla_record_bytes(r, p)),
+    c.shape(op, "kv_cache", kv_cache, (None, None, fp8_ds_mla.record_bytes(r, p)),
             "[num_blocks, block_size, R + 4 * R/128 + 2 * P] (the fp8_ds_mla record, bytes)")
     if kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4:
         c.fail(op, "kv_cache", f"of 4-byte aligned records (block and token strides multiples of 4) {when}",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.fake_impls import _checks as c
+from graphsafe import checks as c
+from graphsafe.formats import fp8_ds_mla
 
 SLOT_DTYPES = (torch.int64, torch.int32)
 CACHE_FP8 = torch.float8_e4m3fn
-# A uint8 cache of concat_and_cache_mla is an fp8_ds_mla cache (c.ds_mla_record_bytes).
+# A uint8 cache of concat_and_cache_mla is an fp8_ds_mla cache (graphsafe.formats.fp8_ds_mla).
 CACHE_DS_MLA = torch.uint8
 
 
@@ -44,11 +45,11 @@ def _check_ds_mla_layout(op: str, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cac
     `record_bytes(R, P)`-byte record per token, and no `scale` (the records hold theirs)."""
     r, p = kv_c.shape[1], k_pe.shape[1]
     when = "when 'kv_cache' is uint8 (an fp8_ds_mla cache)"
-    if r % c.DS_MLA_TILE != 0 or r == 0:
-        c.fail(op, "kv_c", f"of shape [T, R] with R a positive multiple of {c.DS_MLA_TILE} {when}", f"R = {r}")
+    if r % fp8_ds_mla.TILE != 0 or r == 0:
+        c.fail(op, "kv_c", f"of shape [T, R] with R a positive multiple of {fp8_ds_mla.TILE} {when}", f"R = {r}")
     if p % 2 != 0:
         c.fail(op, "k_pe", f"of shape [T, P] with P even {when}", f"P = {p}")
-    c.shape(op, "kv_cache", kv_cache, (None, None, c.ds_mla_record_bytes(r, p)),
+    c.shape(op, "kv_cache", kv_cache, (None, None, fp8_ds_mla.record_bytes(r, p)),
             "[num_blocks, block_size, R + 4 * R/128 + 2 * P] (fp8_ds_mla records)")
     if scale is not None:
         c.fail(op, "scale", f"None {when}: the records hold their scales",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.ops.fp8_ds_mla import TILE, record_bytes
+from graphsafe.formats.fp8_ds_mla import TILE, record_bytes
 from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
 from graphsafe.testing.tensors import distinct_slots, poison, randn
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.fake_impls import _checks as c
+from graphsafe import checks as c
 
 
 def check_build_ragged_indices_from_dense(indices: torch.Tensor, lengths: torch.Tensor, num_rows: int) -> None:

@@ -6,7 +6,7 @@ randomly placed 64-token blocks. `sparse_mla` (full sweep): T in {1, 64, 128} x 
 K = 2048 distinct slots per token, each token's slots in its own region of the cache (as
 in decode, where every token attends to its own request). Every shape runs twice: with
 the bf16 cache (1152 bytes a key) and, on a row labelled "fp8_ds_mla", with the same
-keys as DeepSeek's FP8 records (`graphsafe.ops.fp8_ds_mla`, 656 bytes a key).
+keys as DeepSeek's FP8 records (`graphsafe.formats.fp8_ds_mla`, 656 bytes a key).
 
 Bytes = the cache rows every query must read once (at the cache's bytes a key) + q +
 out + lse + the block table / indices; flops = 2 * H * keys * (R + P + R) per query.
@@ -27,7 +27,7 @@ import torch
 from graphsafe.bench import flashinfer
 from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.bench.peers import nbytes, op_peers
-from graphsafe.ops.fp8_ds_mla import quantize_records, record_bytes
+from graphsafe.formats.fp8_ds_mla import quantize_records, record_bytes
 from graphsafe.registry import get_op
 
 R, P, D = 512, 64, 576

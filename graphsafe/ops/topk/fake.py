@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.fake_impls import _checks as c
+from graphsafe import checks as c
 
 
 def _check_logits(op: str, logits: torch.Tensor) -> None:

@@ -16,17 +16,6 @@ from graphsafe.errors import InputError
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPES = (torch.float8_e4m3fn,)
-# A uint8 MLA cache is an fp8_ds_mla cache: the layout of graphsafe.ops.fp8_ds_mla, whose
-# record size the checks need (fakes import nothing of graphsafe.ops: tests/test_static.py;
-# tests/test_cache.py checks the two agree). One float32 scale per DS_MLA_TILE latent values.
-DS_MLA_TILE = 128
-
-
-def ds_mla_record_bytes(r: int, p: int) -> int:
-    """`fp8_ds_mla.record_bytes`: R e4m3 bytes, a float32 scale per 128, P bfloat16."""
-    return r + 4 * (r // DS_MLA_TILE) + 2 * p
-
-
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
     return " or ".join(str(d).removeprefix("torch.") for d in dtypes)
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.ops.indexer import layout, plan, reference
+from graphsafe.formats import indexer_k as layout
+from graphsafe.ops.indexer import plan, reference
 from graphsafe.testing.cases import BadInput, OpCase, Params, reads_no_floats, register_case
 from graphsafe.testing.compare import assert_same, exact_compare
 from graphsafe.testing.contract import clone_tensor
