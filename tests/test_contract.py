@@ -228,3 +228,17 @@ def test_fullgraph_compile_matches_eager(name):
     from graphsafe.testing.compare import default_compare
 
     default_compare(spec, expected, actual, eager_args, compiled_args, exact=True)
+
+
+@pytest.mark.parametrize("name,device,backend", list(_every_backend_params()))
+def test_launch_fits_the_workspace_reserved_from_shapes(name, device, backend):
+    """Decide once: the workspace a backend's launch takes is at most what its record
+    reserves from shapes alone, on the example, every edge case and (on a GPU) the
+    realistic shapes: sizing and launch read the same decision."""
+    spec = graphsafe.get_op(name)
+    case = case_for(spec.name)
+    sets = [case.example, *case.edge_cases] + (list(case.gpu_examples) if device == "cuda" else [])
+    if device == "cpu" and case.interpreter_example is not None:
+        sets = [case.interpreter_example, *case.edge_cases]
+    for i, params in enumerate(sets):
+        C.check_launch_fits_the_reservation(spec, case, backend, params, case.inputs(params, device, i))

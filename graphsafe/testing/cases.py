@@ -74,6 +74,11 @@ class OpCase:
     # on the finite elements).
     nonfinite: Callable[[Params, Args, torch.Generator], Args] | None = None
     compare_nonfinite: Callable[..., None] | None = None
+    # workspace_args(params, args) -> (args, kwargs) of `OpSpec.workspace_specs` (the
+    # op's public `*_workspace_specs` helper) for these inputs: the reservation from shapes
+    # that a launch must fit (`contract.check_launch_fits_the_reservation`). Required for
+    # an op with a backend that takes scratch (a record with `workspace`); None otherwise.
+    workspace_args: Callable[[Params, Args], tuple[tuple, dict]] | None = None
 
     def inputs(self, params: Params, device: torch.device | str = "cpu", seed: int = 0) -> Args:
         device = torch.device(device)

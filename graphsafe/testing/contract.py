@@ -397,6 +397,42 @@ def check_fake_never_touches_workspace(spec: OpSpec, args: tuple) -> None:
     assert not calls, f"{spec.name}: the fake impl called the workspace manager: {calls}"
 
 
+def takes_scratch(spec: OpSpec) -> bool:
+    """Whether any backend of the op sizes a workspace (its record names `workspace`)."""
+    return any(record.workspace is not None for record in spec.backends.values())
+
+
+def check_launch_fits_the_reservation(spec: OpSpec, case: OpCase, backend: str, params: Params, args: tuple) -> str:
+    """Sizing and launch agree: a fresh workspace lane reserved from shapes alone
+    (`spec.workspace_specs` for `backend`, the case's `workspace_args`) and then locked
+    serves the call; a launch that asks for more than the reservation is refused by the
+    locked manager (`WorkspaceError`)."""
+    from graphsafe.workspace import current_workspace_manager, workspace_lane
+    from graphsafe.workspace.manager import drop_workspace_manager
+
+    if not takes_scratch(spec):
+        return "no scratch"
+    assert case.workspace_args is not None, f"{spec.name}: a backend takes scratch but OpCase.workspace_args is None"
+    ws_args, ws_kwargs = case.workspace_args(params, args)
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    with workspace_lane(RESERVATION_LANE):
+        manager = current_workspace_manager(device)
+        assert manager.size_bytes == 0, "the reservation lane must start empty"
+        try:
+            specs = spec.workspace_specs(*ws_args, **ws_kwargs, device=device, backend=backend)
+            manager.reserve(*specs, owner=f"{spec.name} reservation")
+            with manager.locked():
+                spec.runner(backend)(*clone_args(args))
+        finally:
+            drop_workspace_manager(device)
+    return "fits"
+
+
+# A workspace lane no op or test uses otherwise: `check_launch_fits_the_reservation` starts
+# it empty and releases it after.
+RESERVATION_LANE = 97
+
+
 def example_inputs(case: OpCase, device: torch.device, seed: int = 0) -> list[tuple[Params, tuple]]:
     params = [case.example, *case.edge_cases]
     return [(p, case.inputs(p, device, seed + i)) for i, p in enumerate(params)]

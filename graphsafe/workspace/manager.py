@@ -372,6 +372,14 @@ def all_workspace_managers() -> list[WorkspaceManager]:
     return list({id(m): m for m in _managers.values()}.values())
 
 
+def drop_workspace_manager(device: torch.device | str | int | None = None) -> None:
+    """Drop the manager (and its arena) of `device` in the current lane; the next request
+    there starts a fresh one. Only where no captured graph uses its arena."""
+    manager = current_workspace_manager(device)
+    for key in [k for k, m in _managers.items() if m is manager]:
+        del _managers[key]
+
+
 def reset_workspace_managers() -> None:
     """Drop every manager and its arena (tests; after destroying captured graphs)."""
     _managers.clear()
