@@ -40,7 +40,44 @@ def cmd_list(args: argparse.Namespace) -> int:
         fallbacks = [b for b, record in spec.backends.items() if record.supports is not None]
         if fallbacks:
             print(f"    per-shape support: {', '.join(fallbacks)} (other shapes go to the next backend)")
+        if args.why:
+            for line in _why(spec, devices):
+                print(f"    {line}")
     return 0
+
+
+def _why(spec, devices: list[str]) -> list[str]:
+    """Per device: why each backend can or cannot run there, then for the op's example
+    shapes (the realistic GPU ones on a GPU) which backend serves them, what it runs
+    (its record's `explain`) and why the backends before it declined."""
+    from graphsafe.testing.cases import case_for
+
+    lines = []
+    case = case_for(spec.name)
+    for device_type in devices:
+        answers = spec.explain(device_type)
+        lines.append(f"why on {device_type}: " + "; ".join(
+            f"{b} {'can run' if a else 'cannot: ' + a.reason}" for b, a in answers))
+        examples = list(case.gpu_examples) if device_type == "cuda" and case.gpu_examples else [case.example]
+        for i, params in enumerate(examples):
+            try:
+                args = case.inputs(params, device_type, i)
+                label = _shape_label(params)
+                served = spec.serving_backend(device_type, *args)
+                order = spec.selection_order(device_type)
+                declined = [f"{b}: {spec.support(b, *args).reason}" for b in order[:order.index(served)]]
+                explain = spec.backends[served].explain
+                what = f" ({explain(spec.call(*args))})" if explain is not None else ""
+                lines.append(f"  {label}: {served}{what}" + (f"; declined: {'; '.join(declined)}" if declined else ""))
+            except Exception as err:  # noqa: BLE001 - a listing never fails on one example
+                lines.append(f"  {_shape_label(params)}: {type(err).__name__}: {err}")
+            finally:
+                args = None
+    return lines
+
+
+def _shape_label(params: dict) -> str:
+    return " ".join(f"{k}={str(v).removeprefix('torch.')}" for k, v in params.items())
 
 
 def _run_check(fn: Callable[[], object]) -> tuple[str, str]:
@@ -207,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphsafe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="every op with its schema and the backend serving it here")
+    ls = sub.add_parser("list", help="every op with its schema and the backend serving it here")
+    ls.add_argument("--why", action="store_true",
+                    help="per device, why each backend can or cannot run, and what serves the op's example shapes")
     check = sub.add_parser("check", help="run the op contract on every op and device here")
     check.add_argument("--op", action="append", help="only this op (repeatable)")
     check.add_argument("--device", action="append", choices=["cpu", "cuda"], help="only this device type (repeatable)")

@@ -69,3 +69,17 @@ def has_ocp_e4m3(device: torch.device | str) -> bool:
         return (rocm_arch(device) or "").startswith(("gfx950", "gfx12"))
     cc = compute_capability(device)
     return cc is not None and cc >= (8, 9)
+
+
+@functools.cache
+def max_shared_memory(device: torch.device) -> int | None:
+    """Opt-in shared memory per block of a CUDA/HIP device (Triton's driver query), or None."""
+    if device.type != "cuda":
+        return None
+    try:
+        from triton.runtime import driver
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - no driver: assume a Hopper-class GPU
+        return None

@@ -19,9 +19,9 @@ and its worst-case workspace. Selection, sizing and launch all read these record
 
 A call's arguments are bound once, into the op's `Call` (a named tuple generated from the
 stub: `spec.call(*args)`), and that one object goes to `check`, the fake, `supports`,
-`prepare` and the debug check: a function whose only parameter is named `call` receives
-it; any other is called with the op's arguments spread (`fn(*call)`), as registries of
-other namespaces written that way expect. The runner `prepare` returns, the hot path,
+`prepare` and the debug check: a function whose first parameter is named `call` (any
+other a keyword-only option) receives it; any other is called with the op's arguments
+spread (`fn(*call)`), as registries of other namespaces written that way expect. The runner `prepare` returns, the hot path,
 takes the op's arguments as the dispatcher passes them.
 
 The kernel registered on each dispatch key keeps a table from the call's *signature*
@@ -120,12 +120,14 @@ def as_support(answer: Any) -> Support:
 
 
 def takes_call(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` takes the bound call (its only parameter is named `call`)."""
+    """Whether `fn` takes the bound call: its first parameter is named `call` and any other
+    is a keyword-only option with a default (tests' and tuning's overrides)."""
     try:
-        params = list(inspect.signature(fn).parameters)
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return False
-    return params == ["call"]
+    return bool(params) and params[0].name == "call" and all(
+        p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty for p in params[1:])
 
 
 def _call_adapter(fn: Impl | None) -> Impl | None:
@@ -170,6 +172,9 @@ class Backend:
     supports: BackendRef | None = None
     workspace: BackendRef | None = None
     name: str = ""  # "aiter", "triton" or "reference"; a key of register_op's dict names it too
+    # explain(call) -> str: what the backend runs for this call (kernel, tiles, plan), for
+    # `python -m graphsafe list --why`. Optional.
+    explain: Impl | None = None
 
     def __post_init__(self) -> None:
         if self.impl is None and self.prepare is None:
@@ -298,7 +303,10 @@ class OpSpec:
             if not backend_available(backend, device_type):
                 answers.append((backend, declined(unavailable_reason(backend, device_type))))
             elif backend not in order:
-                answers.append((backend, declined("not reached: an earlier backend takes every call")))
+                automatic = AUTO_ORDER.get(device_type, ("reference",))
+                answers.append((backend, declined(
+                    f"not chosen automatically on {device_type} (graphsafe.use_backend({backend!r}) forces it)"
+                    if backend not in automatic else "not reached: an earlier backend takes every call")))
             elif call is None:
                 answers.append((backend, SUPPORTED))
             else:

@@ -19,7 +19,8 @@ from graphsafe.testing import case_for
 import graphsafe
 from graphsafe import registry
 from graphsafe.ops.mla import aiter as adapter
-from graphsafe.ops.mla import aiter_csr, mla_decode_workspace_specs
+from graphsafe.ops.mla import mla_decode_workspace_specs
+from graphsafe.ops.mla.kernels import triton_aiter_csr as aiter_csr
 from graphsafe.testing import contract as C
 from graphsafe.ops.mla import cases as cases
 
@@ -36,6 +37,11 @@ def _decode_params(heads: int, **over):
 def _sparse_params(heads: int, **over):
     return {**cases.EXAMPLE_SPARSE, **cases.DEEPSEEK, "T": 4, "H": heads, "block_size": 4, "num_blocks": 6, "K": 40,
             "dtype": BF16, "invalid": 0.25, "strided": False, **over}
+
+
+def _call(op: str, *args):
+    """The op's bound call of `args` (what `supports` and `prepare` take)."""
+    return graphsafe.get_op(op).call(*args)
 
 
 def _make(op: str, params, seed: int = 0):
@@ -84,7 +90,7 @@ def _check_against_reference(op: str, params, args) -> None:
 def test_mla_decode_matches_the_reference(aiter_standin, arch, heads):
     aiter_standin(arch)
     params, args = _decode_args(heads)
-    assert adapter.mla_decode_supports(*args)
+    assert adapter.mla_decode_supports(_call("mla_decode", *args))
     _check_against_reference("mla_decode", params, args)
 
 
@@ -93,7 +99,7 @@ def test_mla_decode_matches_the_reference(aiter_standin, arch, heads):
 def test_sparse_mla_matches_the_reference(aiter_standin, arch, heads):
     aiter_standin(arch)
     params, args = _sparse_args(heads)
-    assert adapter.sparse_mla_supports(*args)
+    assert adapter.sparse_mla_supports(_call("sparse_mla", *args))
     _check_against_reference("sparse_mla", params, args)
 
 
@@ -166,7 +172,7 @@ def test_supports_declines_what_aiter_does_not_serve(aiter_standin, arch):
     aiter_standin(arch)
     _, decode = _decode_args(16)
     _, sparse = _sparse_args(128)
-    assert adapter.mla_decode_supports(*decode) and adapter.sparse_mla_supports(*sparse)
+    assert adapter.mla_decode_supports(_call("mla_decode", *decode)) and adapter.sparse_mla_supports(_call("sparse_mla", *sparse))
     declined = [
         _make("mla_decode", _decode_params(16, dtype=torch.float16)),  # aiter: "unsupport Q dtype"
         _make("mla_decode", _decode_params(32)),  # no gqa-32 kernel in graphsafe's selection
@@ -175,11 +181,11 @@ def test_supports_declines_what_aiter_does_not_serve(aiter_standin, arch):
         _make("mla_decode", _decode_params(16, strided=True)),  # strided q and cache
     ]
     for args in declined:
-        assert not adapter.mla_decode_supports(*args)
-    assert not adapter.sparse_mla_supports(*_make("sparse_mla", _sparse_params(16, dtype=torch.float16)))
-    assert not adapter.sparse_mla_supports(*_make("sparse_mla", _sparse_params(16, strided=True)))
+        assert not adapter.mla_decode_supports(_call("mla_decode", *args))
+    assert not adapter.sparse_mla_supports(_call("sparse_mla", *_make("sparse_mla", _sparse_params(16, dtype=torch.float16))))
+    assert not adapter.sparse_mla_supports(_call("sparse_mla", *_make("sparse_mla", _sparse_params(16, strided=True))))
     q, kv, table, lens, scale, r = decode
-    assert not adapter.mla_decode_supports(q.transpose(0, 1).contiguous().transpose(0, 1), kv, table, lens, scale, r)
+    assert not adapter.mla_decode_supports(_call("mla_decode", q.transpose(0, 1).contiguous().transpose(0, 1), kv, table, lens, scale, r))
     shape = (5, 16, 512, 20)
     specs = mla_decode_workspace_specs(*shape, device="cpu", backend="aiter", head_dim=576, dtype=BF16)
     assert specs and all(dtype == torch.int32 for _, dtype in specs) and (5 * 20,) in [s for s, _ in specs]
@@ -190,7 +196,7 @@ def test_supports_declines_other_architectures_and_older_aiter(aiter_standin, mo
     aiter_standin("gfx90a")
     _, decode = _decode_args(16)
     _, sparse = _sparse_args(16)
-    assert not adapter.mla_decode_supports(*decode) and not adapter.sparse_mla_supports(*sparse)
+    assert not adapter.mla_decode_supports(_call("mla_decode", *decode)) and not adapter.sparse_mla_supports(_call("sparse_mla", *sparse))
     shape = (5, 16, 512, 20)
     assert mla_decode_workspace_specs(*shape, device="cpu", backend="aiter", head_dim=576, dtype=BF16) == []
     # An mla_decode_fwd without the split arguments (the fixture cleared the adapter's cache).
@@ -201,7 +207,7 @@ def test_supports_declines_other_architectures_and_older_aiter(aiter_standin, mo
         raise AssertionError("never called")
 
     monkeypatch.setattr(aiter.mla, "mla_decode_fwd", older)
-    assert not adapter.mla_decode_supports(*decode)
+    assert not adapter.mla_decode_supports(_call("mla_decode", *decode))
 
 
 def test_the_dispatcher_picks_aiter_only_where_it_serves(aiter_standin, monkeypatch):
@@ -317,7 +323,7 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-from graphsafe.ops.mla import aiter_csr as K
+from graphsafe.ops.mla.kernels import triton_aiter_csr as K
 
 def source(fn, pointers, consts):
     sig = {p.name: "constexpr" if p.is_constexpr or p.name in consts else pointers.get(p.name, "i32")
@@ -358,8 +364,8 @@ def test_supports_declines_calls_whose_aiter_partials_are_too_large(aiter_standi
     big = torch.empty(4096, 128, 576, dtype=torch.bfloat16, device=meta)
     indices = torch.empty(4096, 2048, dtype=torch.int32, device=meta)
     assert adapter.split_partial_bytes(4096, 128, 512, meta) > adapter.MAX_SPLIT_PARTIAL_BYTES
-    assert not adapter.sparse_mla_supports(big, cache, indices, 0.1, 512)
-    assert adapter.sparse_mla_supports(big[:64], cache, indices[:64], 0.1, 512)
+    assert not adapter.sparse_mla_supports(_call("sparse_mla", big, cache, indices, 0.1, 512))
+    assert adapter.sparse_mla_supports(_call("sparse_mla", big[:64], cache, indices[:64], 0.1, 512))
     table = torch.empty(128, 64, dtype=torch.int32, device=meta)
     lens = torch.empty(128, dtype=torch.int32, device=meta)
-    assert adapter.mla_decode_supports(big[:128], cache, table, lens, 0.1, 512)
+    assert adapter.mla_decode_supports(_call("mla_decode", big[:128], cache, table, lens, 0.1, 512))

@@ -26,8 +26,9 @@ import graphsafe
 from graphsafe.formats.fp8_ds_mla import dequantize_records, quantize_records, record_bytes
 from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
 from graphsafe.ops.mla import reference as ref
-from graphsafe.ops.mla import splits
+from graphsafe.ops.mla import plan as mla_plan
 from graphsafe.ops.mla import triton as tri
+from graphsafe.ops.mla.kernels import triton_split_kv as split_kv
 from graphsafe.testing import contract as C
 from graphsafe.testing.compile_scripts import SPECIALISE_PRELUDE
 from graphsafe.ops.mla import cases as cases
@@ -149,7 +150,7 @@ def test_triton_decode_with_forced_splits(dtype, num_splits):
 # The 64-head GPU tiles hold the value columns as two chunks (value_chunks=2); the same
 # code path at interpreter-sized tiles, with R a multiple of the chunk (32), a ragged one
 # (24: the second chunk partly masked) and R = 16 (the second chunk all padding).
-CHUNKED = splits.KernelConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, value_chunks=2)
+CHUNKED = mla_plan.KernelConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, value_chunks=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -667,10 +668,10 @@ def test_fp8_ds_cache_storage_offset_is_checked_on_every_triton_call(op):
 )
 def test_split_plan_covers_the_capacity_with_nonempty_splits(rows, heads, capacity, block_n, sms, min_tokens):
     head_tiles = -(-heads // 16)
-    plan = splits.plan_kv_splits(
+    plan = mla_plan.plan_kv_splits(
         rows=rows, head_tiles=head_tiles, kv_capacity=capacity, block_n=block_n, num_sms=sms, min_tokens_per_split=min_tokens
     )
-    assert 1 <= plan.num_splits <= splits.MAX_SPLITS
+    assert 1 <= plan.num_splits <= mla_plan.MAX_SPLITS
     assert plan.tokens_per_split % block_n == 0 and plan.tokens_per_split > 0
     assert plan.num_splits * plan.tokens_per_split >= capacity, "every key position belongs to a split"
     if capacity > 0:
@@ -681,7 +682,7 @@ def test_split_plan_covers_the_capacity_with_nonempty_splits(rows, heads, capaci
 
 def test_planner_reads_shapes_only():
     """The plan is a function of shapes and the SM count: no tensor reaches it."""
-    for fn in (splits.plan_kv_splits, splits.plan_launch, mla_decode_workspace_specs, sparse_mla_workspace_specs):
+    for fn in (mla_plan.plan_kv_splits, mla_plan.plan_launch, mla_decode_workspace_specs, sparse_mla_workspace_specs):
         for name, param in inspect.signature(fn).parameters.items():
             assert "len" not in name or name == "max_kv_len", f"{fn.__name__} takes {name}"
             assert param.annotation not in (torch.Tensor, "torch.Tensor", "Tensor"), f"{fn.__name__}({name})"
@@ -690,9 +691,9 @@ def test_planner_reads_shapes_only():
 @pytest.mark.parametrize("rows,heads,capacity", [(64, 16, 8192), (128, 16, 32768), (64, 128, 8192), (64, 16, 2048), (128, 128, 4096)])
 def test_gpu_plans_fill_whole_waves_at_the_bench_shapes(rows, heads, capacity):
     """Equal-length programs on num_sms * ctas_per_sm slots: no straggling last wave."""
-    cfg = splits.kernel_config(heads, "cuda")
+    cfg = mla_plan.kernel_config(heads, "cuda")
     tiles = -(-heads // cfg.block_h)
-    plan = splits.plan_kv_splits(
+    plan = mla_plan.plan_kv_splits(
         rows=rows, head_tiles=tiles, kv_capacity=capacity, block_n=cfg.block_n, num_sms=132, ctas_per_sm=cfg.ctas_per_sm
     )
     programs, slots = rows * tiles * plan.num_splits, 132 * cfg.ctas_per_sm
@@ -701,8 +702,8 @@ def test_gpu_plans_fill_whole_waves_at_the_bench_shapes(rows, heads, capacity):
 
 
 def test_plan_splits_a_lone_long_request_across_the_gpu():
-    plan = splits.plan_kv_splits(rows=1, head_tiles=1, kv_capacity=32768, block_n=32, num_sms=132, ctas_per_sm=2)
-    assert plan.num_splits >= 100 and plan.tokens_per_split >= splits.MIN_TOKENS_PER_SPLIT
+    plan = mla_plan.plan_kv_splits(rows=1, head_tiles=1, kv_capacity=32768, block_n=32, num_sms=132, ctas_per_sm=2)
+    assert plan.num_splits >= 100 and plan.tokens_per_split >= mla_plan.MIN_TOKENS_PER_SPLIT
 
 
 @pytest.mark.parametrize("op", ["mla_decode", "sparse_mla"])
@@ -750,14 +751,14 @@ def test_many_head_tiles_follow_the_shared_memory_of_the_device():
     """64x64 tiles in two value chunks where the device offers Hopper's 227 KiB; the older
     64x16 tiles on 163 KiB (A100); 16-head tiles on consumer GPUs and MI300 (64 KiB).
     Head counts up to 32 never depend on it."""
-    wide = splits.kernel_config(128, "cuda", 232448)
+    wide = mla_plan.kernel_config(128, "cuda", 232448)
     assert (wide.block_h, wide.block_n, wide.num_warps, wide.num_stages, wide.value_chunks) == (64, 64, 8, 2, 2)
-    assert splits.kernel_config(128, "cuda") == wide, "unknown shared memory: a Hopper-class GPU"
-    assert (splits.kernel_config(128, "cuda", 166912).block_h, splits.kernel_config(128, "cuda", 166912).block_n) == (64, 16)
-    assert splits.kernel_config(128, "cuda", 65536).block_h == 16
+    assert mla_plan.kernel_config(128, "cuda") == wide, "unknown shared memory: a Hopper-class GPU"
+    assert (mla_plan.kernel_config(128, "cuda", 166912).block_h, mla_plan.kernel_config(128, "cuda", 166912).block_n) == (64, 16)
+    assert mla_plan.kernel_config(128, "cuda", 65536).block_h == 16
     for heads in (1, 16, 32):
-        assert splits.kernel_config(heads, "cuda", 65536) == splits.kernel_config(heads, "cuda", 232448)
-    assert splits.max_shared_memory(torch.device("cpu")) is None
+        assert mla_plan.kernel_config(heads, "cuda", 65536) == mla_plan.kernel_config(heads, "cuda", 232448)
+    assert mla_plan.max_shared_memory(torch.device("cpu")) is None
 
 
 class _StandInKernel:
@@ -794,9 +795,9 @@ def test_launch_drops_a_stage_when_shared_memory_runs_out(monkeypatch):
 
     fits = {"stages": 1}
     kernel = _StandInKernel("attn", lambda n: OutOfResources(240000, 232448, "shared") if n > fits["stages"] else None)
-    monkeypatch.setattr(tri, "_mla_attn_kernel", kernel)
+    monkeypatch.setattr(split_kv, "mla_attn_kernel", kernel)
     monkeypatch.setattr(tri, "_STAGES", {})
-    cfg = splits.KernelConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, value_chunks=2)
+    cfg = mla_plan.KernelConfig(block_h=64, block_n=64, num_warps=8, num_stages=3, value_chunks=2)
     x = torch.zeros(4)
     launch = tri._triton_launch((1,), (x, x), _VARIANT, cfg, _WHERE)
     launch(x, x)
@@ -812,15 +813,26 @@ def test_launch_drops_a_stage_when_shared_memory_runs_out(monkeypatch):
         tri._triton_launch((1,), (x, x), _VARIANT, cfg, _WHERE)(x, x)
 
 
+def _stand_in_kernel_module(monkeypatch, kernel: str, module) -> None:
+    """`plan.kernel_module(kernel)` (the choice and the runner ask it) answers `module`."""
+    real = mla_plan.kernel_module
+
+    def stand_in(name):
+        return module if name == kernel else real(name)
+
+    monkeypatch.setattr(mla_plan, "kernel_module", stand_in)
+    monkeypatch.setattr(tri, "kernel_module", stand_in)
+
+
 def _stand_in_kernels(monkeypatch, gluon, attn):
     """The MLA runner with stand-ins for its Gluon kernel (`gluon`) and Triton kernel
     (`attn`), and no failure or pipeline depth remembered yet."""
     import types
 
-    monkeypatch.setattr(tri, "_mla_attn_kernel", attn)
+    monkeypatch.setattr(split_kv, "mla_attn_kernel", attn)
     module = types.SimpleNamespace(mla_attn_wgmma_kernel=gluon, NUM_WARPS=8, IDS_UNCHECKED=0, IDS_CHECKED=1,
                                    IDS_PER_PROGRAM=2)
-    monkeypatch.setattr(tri, "_gluon_module", lambda: module)
+    _stand_in_kernel_module(monkeypatch, "gluon_wgmma", module)
     monkeypatch.setattr(tri, "_GLUON_FAILED", set())
     monkeypatch.setattr(tri, "_STAGES", {})
 
@@ -835,7 +847,7 @@ def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch
     gluon = _StandInKernel("gluon", lambda n: RuntimeError("PassManager::run failed"))
     attn = _StandInKernel("attn")
     _stand_in_kernels(monkeypatch, gluon, attn)
-    cfg = splits.kernel_config(128, "cuda")
+    cfg = mla_plan.kernel_config(128, "cuda")
     x = torch.zeros(64)
     bind = lambda: tri._attention_launch((1,), (x, x), _VARIANT, _VARIANT, cfg, _WHERE, True, True, True)  # noqa: E731
 
@@ -867,7 +879,7 @@ def test_dense_calls_launch_the_gluon_kernel_once_for_short_splits(monkeypatch, 
     gluon, attn = object(), object()
     monkeypatch.setattr(tri, "bind", bind)
     _stand_in_kernels(monkeypatch, gluon, attn)
-    cfg = splits.kernel_config(128, "cuda")
+    cfg = mla_plan.kernel_config(128, "cuda")
     x = torch.zeros(64)
     tri._attention_launch((1,), (x, x), _VARIANT, _VARIANT, cfg, _WHERE, True, True, one_launch)(x, x)
     assert runs == ([("gluon", 2)] if one_launch else [("gluon", 0), ("gluon", 1)]), runs
@@ -878,9 +890,9 @@ def test_dense_calls_launch_the_gluon_kernel_once_for_short_splits(monkeypatch, 
     runs.clear()
     tri._attention_launch((1,), (x, x), _VARIANT, _VARIANT, cfg, _WHERE, False, True, one_launch)(x, x)
     assert runs == [("triton", False), ("triton", True)], "the Triton kernel: always two launches"
-    most = tri.ONE_LAUNCH_MAX_TILES
+    most = mla_plan.ONE_LAUNCH_MAX_TILES
     for tokens, one in ((most * cfg.block_n, True), (most * cfg.block_n + 1, False), (cfg.block_n, True)):
-        assert tri.one_dense_launch(splits.SplitPlan(1, tokens), cfg) == one, tokens
+        assert mla_plan.one_dense_launch(mla_plan.SplitPlan(1, tokens), cfg) == one, tokens
 
 
 def test_a_gluon_compile_failure_stays_with_its_variant(monkeypatch):
@@ -898,7 +910,7 @@ def test_a_gluon_compile_failure_stays_with_its_variant(monkeypatch):
 
     monkeypatch.setattr(tri, "bind", bind)
     _stand_in_kernels(monkeypatch, gluon, attn)
-    cfg = splits.kernel_config(128, "cuda")
+    cfg = mla_plan.kernel_config(128, "cuda")
     x = torch.zeros(64)
     with_sink, plain = ({**_VARIANT, "SPARSE": True, "HAS_SINK": sink} for sink in (True, False))
     with pytest.warns(RuntimeWarning, match="did not compile"):
@@ -913,9 +925,9 @@ def test_heads_go_on_n_for_fp8_records_up_to_16_heads():
     """The Gluon kernel's HEADS_ON_N variant (keys on wgmma's M, heads on its N): fp8_ds_mla
     records with up to 16 heads; 16-bit caches and more heads keep the 64-row head tiles."""
     for heads in (1, 8, 16):
-        assert tri.heads_on_n(heads, True) and not tri.heads_on_n(heads, False)
+        assert mla_plan.heads_on_n(heads, True) and not mla_plan.heads_on_n(heads, False)
     for heads in (17, 64, 128):
-        assert not tri.heads_on_n(heads, True)
+        assert not mla_plan.heads_on_n(heads, True)
 
 
 def test_direct_calls_reuse_one_runner_per_signature_and_overrides(monkeypatch):
@@ -934,7 +946,7 @@ def test_direct_calls_reuse_one_runner_per_signature_and_overrides(monkeypatch):
 def test_kernel_config_tiles_are_legal_dot_shapes():
     for heads in (1, 16, 17, 32, 64, 128):
         for dev in ("cpu", "cuda"):
-            cfg = splits.kernel_config(heads, dev)
+            cfg = mla_plan.kernel_config(heads, dev)
             assert cfg.block_h >= 16 and cfg.block_n >= 16
             assert cfg.block_h & (cfg.block_h - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0
 
@@ -955,7 +967,8 @@ try:
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
 import torch
-from graphsafe.ops.mla import splits, triton as tri
+from graphsafe.ops.mla import plan as mla_plan, triton as tri
+from graphsafe.ops.mla.kernels import triton_split_kv as split_kv
 
 launches = []
 
@@ -970,7 +983,7 @@ tri.bind = record
 
 _COMPILE_SCRIPT = _RECORD_LAUNCHES + SPECIALISE_PRELUDE + r"""
 for heads in (16, 128):
-    cfg = splits.kernel_config(heads, "cuda")
+    cfg = mla_plan.kernel_config(heads, "cuda")
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
     kv = torch.randn(64, 64, 576, dtype=torch.bfloat16)
     table = torch.arange(64, dtype=torch.int32).view(2, 32)
@@ -987,11 +1000,11 @@ for fn, args, kw in launches:
     seen.add(key)
     opts = {"num_warps": kw.pop("num_warps"), "num_stages": kw.pop("num_stages", 2)}
     if kw.get("BLOCK_H") == 64:  # recorded on CPU tensors: what a CUDA tensor turns on
-        kw["PREFETCH"] = splits.kernel_config(128, "cuda").l2_prefetch
+        kw["PREFETCH"] = mla_plan.kernel_config(128, "cuda").l2_prefetch
     k = triton.compile(specialise(fn, args, kw), target=GPUTarget("cuda", 90, 32), options=opts)
     wgmma = "wgmma.mma_async" in k.asm["ptx"]
     print("compiled", fn.__name__, kw.get("BLOCK_H"), kw.get("SPARSE"), kw.get("SPLIT"), "shared", k.metadata.shared, "wgmma", wgmma)
-    if fn.__name__ == "_mla_attn_kernel" and kw["BLOCK_H"] == 64:
+    if fn.__name__ == "mla_attn_kernel" and kw["BLOCK_H"] == 64:
         assert wgmma, "64-head tiles must use wgmma"
         # The default no longer prefetches into L2 (measured slower on an H200): the PTX
         # carries the prefetch exactly when the config asks for it.
@@ -1007,7 +1020,7 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     227 KiB of shared memory, by compiling the GPU launches for sm_90 with ptxas."""
     out = compile_for_sm90(_COMPILE_SCRIPT, timeout=900)
     # Dense calls launch the kernel twice, without and with the per-key id check.
-    assert out.count("compiled _mla_attn_kernel") == 10 and "compiled _combine_kernel" in out, out
+    assert out.count("compiled mla_attn_kernel") == 10 and "compiled combine_kernel" in out, out
 
 
 # The fp8_ds_mla variants (DeepSeek's 656-byte records) as the launcher binds them for an
@@ -1017,7 +1030,7 @@ _FP8_DS_COMPILE_SCRIPT = _RECORD_LAUNCHES + SPECIALISE_PRELUDE + r"""
 from graphsafe.formats.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
 TYPES[torch.uint8] = "u8"
 for heads in (16, 128):
-    cfg = splits.kernel_config(heads, "cuda")
+    cfg = mla_plan.kernel_config(heads, "cuda")
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
     kv = torch.zeros(64, 64, DEEPSEEK_RECORD_BYTES, dtype=torch.uint8)
     table = torch.arange(64, dtype=torch.int32).view(2, 32)
@@ -1025,14 +1038,14 @@ for heads in (16, 128):
     tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=4)
     idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
     tri.sparse_mla(q, kv, idx, 0.04, 512, config=cfg, num_splits=1)
-attn = [(args, kw) for fn, args, kw in launches if fn is tri._mla_attn_kernel]
+attn = [(args, kw) for fn, args, kw in launches if fn is split_kv.mla_attn_kernel]
 assert all(kw["FP8_DS"] and not kw["FP8_NATIVE"] for _, kw in attn), "CPU tensors: the integer decoding"
 assert len(attn) == 6, len(attn)  # per head count: dense without and with the id check, sparse
 targets = [(args, {**kw, "FP8_NATIVE": True}, 90) for args, kw in attn]
 targets.append((attn[-1][0], dict(attn[-1][1]), 80))
 for args, kw, arch in targets:
     opts = {"num_warps": kw.pop("num_warps"), "num_stages": kw.pop("num_stages", 2)}
-    k = triton.compile(specialise(tri._mla_attn_kernel, args, kw), target=GPUTarget("cuda", arch, 32), options=opts)
+    k = triton.compile(specialise(split_kv.mla_attn_kernel, args, kw), target=GPUTarget("cuda", arch, 32), options=opts)
     ptx = k.asm["ptx"]
     native = "e4m3x2" in ptx  # cvt.rn.f16x2.e4m3x2: the hardware conversion
     print("compiled sm", arch, kw["BLOCK_H"], kw["SPARSE"], kw["SPLIT"], kw["CHECK_IDS"], "native", native,
@@ -1058,7 +1071,7 @@ def _gluon_script_head(kernel_module: str, hopper_ops: str) -> str:
     """The head of a script compiling one of the MLA Gluon kernel modules (`kernel_module`,
     imported as G): NO_BACKEND (the test skips) where this Triton lacks Gluon or the Hopper
     ops the module uses (`hopper_ops`); the module itself is imported outside that guard, so
-    an ImportError of its own fails the test. Then torch, splits, the Triton backend (tri)
+    an ImportError of its own fails the test. Then torch, the plan (mla_plan), the Triton backend (tri)
     and an empty `launches` list."""
     return f"""
 import sys
@@ -1070,9 +1083,10 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import {hopper_ops}
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-from graphsafe.ops.mla import {kernel_module} as G
+from graphsafe.ops.mla.kernels import {kernel_module} as G
 import torch
-from graphsafe.ops.mla import splits, triton as tri
+from graphsafe.ops.mla import plan as mla_plan, triton as tri
+from graphsafe.ops.mla.kernels import triton_split_kv as split_kv
 
 launches = []
 """
@@ -1089,11 +1103,11 @@ def record(kernel, grid, *args, **kw):
     return launch
 
 tri.bind = record
-tri.warpgroup_split_fits = lambda *a: True
+mla_plan.warpgroup_split_fits = lambda *a: True
 """
 
 
-_GLUON_COMPILE_SCRIPT = _gluon_script_head("_gluon_hopper", "async_copy, warpgroup_mma") + r"""
+_GLUON_COMPILE_SCRIPT = _gluon_script_head("gluon_wgmma", "async_copy, warpgroup_mma") + r"""
 
 # Record what the launcher binds on an sm_90 device (CPU tensors stand in for CUDA ones);
 # the Triton kernels (the combine, the fallback) are compiled by
@@ -1101,9 +1115,9 @@ _GLUON_COMPILE_SCRIPT = _gluon_script_head("_gluon_hopper", "async_copy, warpgro
 KERNEL = G.mla_attn_wgmma_kernel
 """ + _RECORDING_BIND + r"""
 """ + SPECIALISE_PRELUDE + r"""
-cfg = splits.kernel_config(128, "cuda")
+cfg = mla_plan.kernel_config(128, "cuda")
 # Dense calls: 4 splits of 2048 keys (8 tiles a program) launch once (IDS_PER_PROGRAM), one
-# split (32 tiles) twice (IDS_UNCHECKED, IDS_CHECKED): `tri.one_dense_launch`.
+# split (32 tiles) twice (IDS_UNCHECKED, IDS_CHECKED): `mla_plan.one_dense_launch`.
 for dtype, dense_splits in ((torch.bfloat16, (4, 1)), (torch.float16, (4,))):
     q = torch.randn(2, 128, 576, dtype=dtype)
     kv = torch.randn(64, 64, 576, dtype=dtype)
@@ -1117,7 +1131,7 @@ for dtype, dense_splits in ((torch.bfloat16, (4, 1)), (torch.float16, (4,))):
 # (two launches) and (its default there) at 16 (one launch).
 from graphsafe.formats.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
 TYPES[torch.uint8] = "u8"
-tri.few_heads_wide_tiles = lambda heads, device: cfg  # what an sm_90 device gives up to 16 heads
+mla_plan.few_heads_wide_tiles = lambda heads, device: cfg  # what an sm_90 device gives up to 16 heads
 kv = torch.zeros(64, 64, DEEPSEEK_RECORD_BYTES, dtype=torch.uint8)
 for heads, config, num_splits in ((128, cfg, 1), (16, None, 4)):
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
@@ -1164,7 +1178,7 @@ def test_warpgroup_split_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90
     assert out.count("compiled") == 11 and out.count("fp8_ds") == 5, out
 
 
-_PAGED_COMPILE_SCRIPT = _gluon_script_head("_gluon_paged", "mbarrier, tma, warpgroup_mma") + r"""
+_PAGED_COMPILE_SCRIPT = _gluon_script_head("gluon_paged_tma", "mbarrier, tma, warpgroup_mma") + r"""
 
 def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the paged kernel's launches
     def launch(*tensors):  # the call's tensors take the placeholders' places; descriptors stay
@@ -1179,16 +1193,16 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the page
     return launch
 
 tri.bind = record
-tri.warpgroup_split_fits = lambda *a: True
-tri.max_shared_memory = lambda device: 232448  # Hopper's opt-in shared memory per block
+mla_plan.warpgroup_split_fits = lambda *a: True
+mla_plan.max_shared_memory = lambda device: 232448  # Hopper's opt-in shared memory per block
 """ + SPECIALISE_PRELUDE + r"""
-cfg = splits.kernel_config(128, "cuda")
+cfg = mla_plan.kernel_config(128, "cuda")
 for dtype, page, num_splits in ((torch.bfloat16, 64, 1), (torch.bfloat16, 64, 4), (torch.float16, 128, 4)):
     q = torch.randn(2, 128, 576, dtype=dtype)
     kv = torch.randn(64, page, 576, dtype=dtype)
     table = torch.arange(64, dtype=torch.int32).view(2, 32)
     lens = torch.full((2,), 2048, dtype=torch.int32)
-    assert tri.paged_tma_fits(q, kv, cfg, 512, 64)
+    assert mla_plan.paged_tma_fits(q, kv, cfg, 512, 64)
     tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=num_splits)
 for args, kw in launches:
     warps = kw.pop("num_warps")
@@ -1215,22 +1229,22 @@ def test_paged_tma_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     assert out.count("compiled") == 3, out
 
 
-_FEW_HEADS_COMPILE_SCRIPT = _gluon_script_head("_gluon_fp8_few_heads", "async_copy, mbarrier, warpgroup_mma") + r"""
+_FEW_HEADS_COMPILE_SCRIPT = _gluon_script_head("gluon_fp8_few_heads", "async_copy, mbarrier, warpgroup_mma") + r"""
 
 KERNEL = G.mla_fp8_few_heads_kernel
 """ + _RECORDING_BIND + r"""
-tri.max_shared_memory = lambda device: 232448  # Hopper's opt-in shared memory per block
+mla_plan.max_shared_memory = lambda device: 232448  # Hopper's opt-in shared memory per block
 """ + SPECIALISE_PRELUDE + r"""
 from graphsafe.formats.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
 TYPES[torch.uint8] = "u8"
-cfg = splits.kernel_config(128, "cuda")
-tri.few_heads_wide_tiles = lambda heads, device: cfg  # what an sm_90 device gives up to 16 heads
+cfg = mla_plan.kernel_config(128, "cuda")
+mla_plan.few_heads_wide_tiles = lambda heads, device: cfg  # what an sm_90 device gives up to 16 heads
 lens = torch.full((2,), 2048, dtype=torch.int32)
 for page, num_splits in ((64, 4), (64, 1), (16, 4)):
     q = torch.randn(2, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4096 // page, page, DEEPSEEK_RECORD_BYTES, dtype=torch.uint8)
     table = torch.arange(4096 // page, dtype=torch.int32).view(2, -1)
-    assert tri.few_heads_fp8_fits(q, kv, cfg, 512, 64)
+    assert mla_plan.few_heads_fp8_fits(q, kv, cfg, 512, 64)
     tri.mla_decode(q, kv, table, lens, 0.04, 512, num_splits=num_splits)
     tri.sparse_mla(q, kv, torch.zeros(2, 64, dtype=torch.int32), 0.04, 512, num_splits=1)  # (not this kernel)
 for args, kw in launches:
@@ -1267,9 +1281,9 @@ def test_few_heads_fp8_fits_dense_records_up_to_16_heads(monkeypatch):
     (any page size: its producer gathers rows) where the 64-head Gluon kernel would run;
     more heads, a 16-bit cache, fp16 q and other GPUs keep the other kernels."""
     _hopper_stand_ins(monkeypatch)
-    cfg = splits.kernel_config(128, "cuda")
+    cfg = mla_plan.kernel_config(128, "cuda")
     records = _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64)))
-    fits = lambda q, kv: tri.few_heads_fp8_fits(q, kv, cfg, 512, 64)  # noqa: E731
+    fits = lambda q, kv: mla_plan.few_heads_fp8_fits(q, kv, cfg, 512, 64)  # noqa: E731
     for heads in (1, 8, 16):
         assert fits(_stand_in_tensor(torch.bfloat16, (2, heads, 576)), records)
     assert fits(_stand_in_tensor(torch.bfloat16, (2, 16, 576)), _stand_in_tensor(torch.uint8, (256, 16, 656)))
@@ -1284,7 +1298,7 @@ def _hopper_stand_ins(monkeypatch):
     """A stand-in sm_90 device for the fit checks: the capability, Hopper's shared memory,
     no HIP."""
     monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(tri, "max_shared_memory", lambda device: 232448)
+    monkeypatch.setattr(mla_plan, "max_shared_memory", lambda device: 232448)
     monkeypatch.setattr(tri.torch.version, "hip", None)
 
 
@@ -1304,9 +1318,9 @@ def test_paged_tma_fits_only_views_tma_can_read(monkeypatch):
     not); other page sizes, a slice of q's heads, padded pages, an fp8_ds_mla cache and
     other GPUs keep the 64-head Gluon kernel."""
     _hopper_stand_ins(monkeypatch)
-    cfg = splits.kernel_config(128, "cuda")
+    cfg = mla_plan.kernel_config(128, "cuda")
     q = _stand_in_tensor(torch.bfloat16, (2, 128, 576))
-    fits = lambda q, kv: tri.paged_tma_fits(q, kv, cfg, 512, 64)  # noqa: E731
+    fits = lambda q, kv: mla_plan.paged_tma_fits(q, kv, cfg, 512, 64)  # noqa: E731
     assert fits(q, _stand_in_tensor(torch.bfloat16, (64, 64, 576)))
     assert fits(q, _stand_in_tensor(torch.bfloat16, (32, 128, 576)))
     assert not fits(q, _stand_in_tensor(torch.bfloat16, (256, 16, 576)))  # 64 keys would span 4 pages
@@ -1325,64 +1339,67 @@ def test_few_heads_decode_takes_the_tma_kernels_tiles_and_workspace(monkeypatch)
     sparse_mla over 16-bit caches, other GPUs); over an fp8_ds_mla cache both ops may run
     them; the published workspaces cover the larger of the two plans."""
     _hopper_stand_ins(monkeypatch)
-    monkeypatch.setattr(splits, "num_sms", lambda device: 132)
-    splits._plan.cache_clear()
+    monkeypatch.setattr(mla_plan, "num_sms", lambda device: 132)
+    mla_plan._plan.cache_clear()
     cuda = torch.device("cuda", 0)
     try:
-        wide = splits.few_heads_wide_tiles(16, cuda)
+        wide = mla_plan.few_heads_wide_tiles(16, cuda)
         assert wide is not None and (wide.block_h, wide.block_n, wide.warpgroup_split) == (64, 64, True)
-        assert splits.few_heads_wide_tiles(128, cuda) is None  # 128 heads have them anyway
+        assert mla_plan.few_heads_wide_tiles(128, cuda) is None  # 128 heads have them anyway
         for batch, ctx in ((1, 8192), (8, 8192), (64, 8192), (64, 32768)):
-            _, narrow = splits.plan_launch(batch, 16, ctx, cuda)
-            _, broad = splits.plan_launch(batch, 16, ctx, cuda, wide)
-            specs = splits.triton_mla_decode_workspace(batch, 16, 512, ctx, cuda)
-            assert specs == splits.partial_specs(batch, 16, 512, max(narrow, broad, key=lambda p: p.num_splits))
+            _, narrow = mla_plan.plan_launch(batch, 16, ctx, cuda)
+            _, broad = mla_plan.plan_launch(batch, 16, ctx, cuda, wide)
+            specs = mla_plan.mla_decode_workspace(batch, 16, 512, ctx, cuda)
+            assert specs == mla_plan.partial_specs(batch, 16, 512, max(narrow, broad, key=lambda p: p.num_splits))
             # sparse_mla over an fp8_ds_mla cache takes them too (topk = ctx keys)
-            specs = splits.triton_sparse_mla_workspace(batch, 16, 512, ctx, cuda)
-            assert specs == splits.partial_specs(batch, 16, 512, max(narrow, broad, key=lambda p: p.num_splits))
+            specs = mla_plan.sparse_mla_workspace(batch, 16, 512, ctx, cuda)
+            assert specs == mla_plan.partial_specs(batch, 16, 512, max(narrow, broad, key=lambda p: p.num_splits))
         monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-        assert splits.few_heads_wide_tiles(16, cuda) is None
+        assert mla_plan.few_heads_wide_tiles(16, cuda) is None
     finally:
-        splits._plan.cache_clear()
+        mla_plan._plan.cache_clear()
 
 
 def test_few_heads_dense_decode_prepares_the_tma_kernels_plan(monkeypatch):
     """The runner of a 16-head dense decode plans with the 64-head tiles when the TMA kernel
     fits the call's signature, with its own tiles when it does not; sparse_mla keeps its own."""
-    wide = splits.kernel_config(128, "cuda")
-    monkeypatch.setattr(tri, "few_heads_wide_tiles", lambda num_heads, device: wide)
+    wide = mla_plan.kernel_config(128, "cuda")
+    monkeypatch.setattr(mla_plan, "few_heads_wide_tiles", lambda num_heads, device: wide)
     planned = []
-    plan = tri.plan_launch
-    monkeypatch.setattr(tri, "plan_launch", lambda *a: planned.append(a[-1]) or plan(*a))
+    plan = mla_plan.plan_launch
+    monkeypatch.setattr(mla_plan, "plan_launch", lambda *a: planned.append(a[-1]) or plan(*a))
     args = _decode_args(torch.float32, [3, 0, 50, 96])
     for fits in (True, False):
-        monkeypatch.setattr(tri, "paged_tma_fits", lambda *a, fits=fits: fits)
+        monkeypatch.setattr(mla_plan, "paged_tma_fits", lambda *a, fits=fits: fits)
         monkeypatch.setattr(tri, "_paged_launch", lambda *a: (lambda *t: None))  # (no sm_90 here: nothing runs)
-        tri.prepare_mla_decode(*args)
-    assert planned == [wide, None], planned
+        tri.prepare_mla_decode(graphsafe.get_op("mla_decode").call(*args))
+    own = mla_plan.kernel_config(args[0].shape[1], "cpu")  # (the choice names the head count's own tiles)
+    assert planned == [wide, own], planned
     planned.clear()
     q, kv = args[0], args[1]
-    tri.prepare_sparse_mla(q, kv, torch.zeros(q.shape[0], 8, dtype=torch.int32), 0.1, args[5])
-    assert planned == [None], planned
+    tri.prepare_sparse_mla(graphsafe.get_op("sparse_mla").call(
+        q, kv, torch.zeros(q.shape[0], 8, dtype=torch.int32), 0.1, args[5]))
+    assert planned == [own], planned
 
 
 def test_few_heads_fp8_ds_prepares_the_64_head_tiles_where_the_gluon_kernel_fits(monkeypatch):
     """Up to 16 heads over an fp8_ds_mla cache, dense and sparse runners plan with the
     64-head tiles when the Gluon kernel fits the call's signature (it dequantises a tile
     once for all heads), with the fp8 cache's own tiles when it does not."""
-    wide = splits.kernel_config(128, "cuda")
-    monkeypatch.setattr(tri, "few_heads_wide_tiles", lambda num_heads, device: wide)
+    wide = mla_plan.kernel_config(128, "cuda")
+    monkeypatch.setattr(mla_plan, "few_heads_wide_tiles", lambda num_heads, device: wide)
     monkeypatch.setattr(tri, "bind", lambda *a, **kw: (lambda *t: None))  # (no sm_90 here: nothing runs)
     planned = []
-    plan = tri.plan_launch
-    monkeypatch.setattr(tri, "plan_launch", lambda *a: planned.append(a[-1]) or plan(*a))
+    plan = mla_plan.plan_launch
+    monkeypatch.setattr(mla_plan, "plan_launch", lambda *a: planned.append(a[-1]) or plan(*a))
     args = _decode_args(torch.bfloat16, [3, 0, 50, 96], R=128, P=16, **FP8)
     q, kv = args[0], args[1]
     for fits in (True, False):
-        monkeypatch.setattr(tri, "warpgroup_split_fits", lambda *a, fits=fits: fits)
-        tri.prepare_mla_decode(*args)
-        tri.prepare_sparse_mla(q, kv, torch.zeros(q.shape[0], 8, dtype=torch.int32), 0.1, args[5])
-    own = splits.fp8_ds_kernel_config(q.shape[1], q.device)
+        monkeypatch.setattr(mla_plan, "warpgroup_split_fits", lambda *a, fits=fits: fits)
+        tri.prepare_mla_decode(graphsafe.get_op("mla_decode").call(*args))
+        tri.prepare_sparse_mla(graphsafe.get_op("sparse_mla").call(
+            q, kv, torch.zeros(q.shape[0], 8, dtype=torch.int32), 0.1, args[5]))
+    own = mla_plan.fp8_ds_kernel_config(q.shape[1], q.device)
     assert planned == [wide, wide, own, own], planned
 
 
@@ -1403,7 +1420,7 @@ def test_paged_kernel_compile_failure_runs_the_other_launch(monkeypatch):
 
     monkeypatch.setattr(tri, "bind", bind)
     monkeypatch.setattr(tri, "_GLUON_FAILED", set())
-    monkeypatch.setattr(tri, "_paged_module", lambda: types.SimpleNamespace(
+    _stand_in_kernel_module(monkeypatch, "gluon_paged_tma", types.SimpleNamespace(
         mla_decode_tma_kernel=object(), tma_descriptors=lambda q, kv, r: (q, q, kv, kv), CONSUMER_REGS=232,
         LOADER_REGS=24, NUM_WARPS=4))
     x = torch.zeros(64)
@@ -1427,7 +1444,7 @@ def test_warpgroup_split_takes_deepseek_fp8_ds_records(monkeypatch):
     kernel, which then sizes its shared memory for the records; records of another
     latent width (R = 256) keep the Triton kernel, and the dense TMA kernel takes 16-bit
     caches only."""
-    gluon = tri._gluon_module()
+    gluon = mla_plan.kernel_module("gluon_wgmma")
     if gluon is None:
         pytest.skip("this triton has no Gluon")
     _hopper_stand_ins(monkeypatch)
@@ -1437,26 +1454,26 @@ def test_warpgroup_split_takes_deepseek_fp8_ds_records(monkeypatch):
         asked.append(fp8_ds)
         return 1
 
-    monkeypatch.setattr(tri, "_gluon_module", lambda: types.SimpleNamespace(
+    _stand_in_kernel_module(monkeypatch, "gluon_wgmma", types.SimpleNamespace(
         BLOCK_H=64, BLOCK_N=64, shared_memory_bytes=smem, fp8_ds_supported=gluon.fp8_ds_supported))
-    cfg = splits.kernel_config(128, "cuda")
+    cfg = mla_plan.kernel_config(128, "cuda")
     q = _stand_in_tensor(torch.bfloat16, (2, 128, 576))
-    assert tri.warpgroup_split_fits(q, _stand_in_tensor(torch.bfloat16, (64, 64, 576)), cfg, 512, 64)
+    assert mla_plan.warpgroup_split_fits(q, _stand_in_tensor(torch.bfloat16, (64, 64, 576)), cfg, 512, 64)
     records = _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64)))
-    assert tri.warpgroup_split_fits(q, records, cfg, 512, 64)
+    assert mla_plan.warpgroup_split_fits(q, records, cfg, 512, 64)
     assert asked == [False, True]
-    assert not tri.paged_tma_fits(q, records, cfg, 512, 64)
-    assert not tri.warpgroup_split_fits(_stand_in_tensor(torch.float16, (2, 128, 576)), records, cfg, 512, 64)
+    assert not mla_plan.paged_tma_fits(q, records, cfg, 512, 64)
+    assert not mla_plan.warpgroup_split_fits(_stand_in_tensor(torch.float16, (2, 128, 576)), records, cfg, 512, 64)
     q256 = _stand_in_tensor(torch.bfloat16, (2, 128, 320))
-    assert tri.warpgroup_split_fits(q256, _stand_in_tensor(torch.bfloat16, (64, 64, 320)), cfg, 256, 64)
-    assert not tri.warpgroup_split_fits(q256, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(256, 64))), cfg,
+    assert mla_plan.warpgroup_split_fits(q256, _stand_in_tensor(torch.bfloat16, (64, 64, 320)), cfg, 256, 64)
+    assert not mla_plan.warpgroup_split_fits(q256, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(256, 64))), cfg,
                                         256, 64)
 
 
 def test_fp8_ds_shared_memory_fits_hopper():
     """The fp8_ds_mla variant's shared memory (q, two stages of latent bytes and rope
     values, one bf16 working tile, p) fits Hopper's 227 KiB, as the bf16 variant's does."""
-    G = tri._gluon_module()
+    G = mla_plan.kernel_module("gluon_wgmma")
     if G is None:
         pytest.skip("this triton has no Gluon")
     fp8 = G.shared_memory_bytes(512, 64, fp8_ds=True)
@@ -1467,24 +1484,24 @@ def test_fp8_ds_shared_memory_fits_hopper():
 
 def test_warpgroup_split_needs_a_hopper_gpu():
     """On the CPU (and so under the interpreter) the Gluon kernel is never chosen."""
-    cfg = splits.kernel_config(128, "cuda")
+    cfg = mla_plan.kernel_config(128, "cuda")
     assert cfg.warpgroup_split
     q = torch.randn(1, 128, 576, dtype=torch.bfloat16)
-    assert not tri.warpgroup_split_applies(q, q, cfg, 512, 64)
-    assert not splits.kernel_config(128, "cpu").warpgroup_split
+    assert not mla_plan.warpgroup_split_applies(q, q, cfg, 512, 64)
+    assert not mla_plan.kernel_config(128, "cpu").warpgroup_split
 
 
 def test_fp8_ds_config_changes_only_the_stages(monkeypatch):
     """The fp8_ds_mla tiles differ from the bf16 cache's in pipeline stages only (16 heads),
     so the split plan, and the workspace sized from it, stay the same."""
-    monkeypatch.setattr(splits, "max_shared_memory", lambda device: 232448)  # sm_90
+    monkeypatch.setattr(mla_plan, "max_shared_memory", lambda device: 232448)  # sm_90
     cuda = torch.device("cuda", 0)
     for heads in (16, 128):
-        base, fp8 = splits.kernel_config(heads, "cuda", 232448), splits.fp8_ds_kernel_config(heads, cuda)
+        base, fp8 = mla_plan.kernel_config(heads, "cuda", 232448), mla_plan.fp8_ds_kernel_config(heads, cuda)
         assert (fp8.block_h, fp8.block_n, fp8.ctas_per_sm, fp8.value_chunks) == (
             base.block_h, base.block_n, base.ctas_per_sm, base.value_chunks)
         assert fp8.num_stages == (3 if heads <= 16 else base.num_stages)
-    assert splits.fp8_ds_kernel_config(16, CPU) == splits.kernel_config(16, "cpu")
+    assert mla_plan.fp8_ds_kernel_config(16, CPU) == mla_plan.kernel_config(16, "cpu")
 
 
 # -- sparse_mla's FlashMLA options: attn_sink and topk_length -------------------------------
@@ -1571,7 +1588,7 @@ def test_entries_right_of_topk_length_are_never_read(backend, num_splits):
 # in its epilogue) and two (the sink in the combine).
 _OPTIONS_COMPILE_SCRIPT = _RECORD_LAUNCHES + SPECIALISE_PRELUDE + r"""
 for heads in (16, 128):
-    cfg = splits.kernel_config(heads, "cuda")
+    cfg = mla_plan.kernel_config(heads, "cuda")
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
     kv = torch.randn(64, 64, 576, dtype=torch.bfloat16)
     idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
@@ -1580,13 +1597,13 @@ for heads in (16, 128):
         tri.sparse_mla(q, kv, idx, 0.04, 512, sink, length, config=cfg, num_splits=num_splits)
 assert len(launches) == 6, len(launches)  # per head count: attention; attention and combine
 for fn, args, kw in launches:
-    assert kw["HAS_SINK"] and (fn is tri._combine_kernel or kw["TOPK_LENGTH"]), kw
+    assert kw["HAS_SINK"] and (fn is split_kv.combine_kernel or kw["TOPK_LENGTH"]), kw
     opts = {"num_warps": kw.pop("num_warps"), "num_stages": kw.pop("num_stages", 2)}
     if kw.get("BLOCK_H") == 64:  # recorded on CPU tensors: what a CUDA tensor turns on
-        kw["PREFETCH"] = splits.kernel_config(128, "cuda").l2_prefetch
+        kw["PREFETCH"] = mla_plan.kernel_config(128, "cuda").l2_prefetch
     k = triton.compile(specialise(fn, args, kw), target=GPUTarget("cuda", 90, 32), options=opts)
     print("compiled", fn.__name__, kw.get("BLOCK_H"), kw.get("SPLIT"), "shared", k.metadata.shared)
-    if fn is tri._mla_attn_kernel and kw["BLOCK_H"] == 64:
+    if fn is split_kv.mla_attn_kernel and kw["BLOCK_H"] == 64:
         assert "wgmma.mma_async" in k.asm["ptx"], "64-head tiles must use wgmma"
         assert k.metadata.shared <= 227 * 1024, k.metadata.shared
 print("OK")
@@ -1598,7 +1615,7 @@ def test_sparse_option_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     plan and the sink's combine, compile for sm_90 at 16 and 128 heads; the 64-head tiles
     on wgmma within Hopper's shared memory."""
     out = compile_for_sm90(_OPTIONS_COMPILE_SCRIPT, timeout=900)
-    assert out.count("compiled _mla_attn_kernel") == 4 and out.count("compiled _combine_kernel") == 2, out
+    assert out.count("compiled mla_attn_kernel") == 4 and out.count("compiled combine_kernel") == 2, out
 
 
 # The Gluon kernel with both options (64-head tiles, bf16): one split (the sink in its
@@ -1609,10 +1626,10 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import async_copy, warpgroup_mma
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-from graphsafe.ops.mla import _gluon_hopper as G
-tri.warpgroup_split_fits = lambda *a: True
+from graphsafe.ops.mla.kernels import gluon_wgmma as G
+mla_plan.warpgroup_split_fits = lambda *a: True
 """ + SPECIALISE_PRELUDE + r"""
-cfg = splits.kernel_config(128, "cuda")
+cfg = mla_plan.kernel_config(128, "cuda")
 q = torch.randn(2, 128, 576, dtype=torch.bfloat16)
 kv = torch.randn(64, 64, 576, dtype=torch.bfloat16)
 idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)

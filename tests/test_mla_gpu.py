@@ -16,7 +16,7 @@ from graphsafe.ops.mla.bench import TUNE_TILES, decode_inputs, fp8_cache, sparse
 from graphsafe.bench.harness import measure_copy_bandwidth, measure_matmul_peak, time_ms
 from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
 from graphsafe.ops.mla import reference as ref
-from graphsafe.ops.mla import splits
+from graphsafe.ops.mla import plan as mla_plan
 from graphsafe.ops.mla import triton as tri
 from graphsafe.testing import no_sync
 from graphsafe.ops.mla import cases as cases
@@ -69,7 +69,7 @@ def test_lone_long_request_uses_many_splits_and_matches_reference(heads):
     """B = 1 at 32k tokens: the plan spreads the request over the GPU (256 splits of 128
     tokens for 16 heads), and the combine merges them."""
     q, kv, bt, _, scale, r = decode_inputs(1, heads, 32768, CUDA, seed=14)
-    _, plan = splits.plan_launch(1, heads, 32768, CUDA)
+    _, plan = mla_plan.plan_launch(1, heads, 32768, CUDA)
     assert plan.num_splits >= 64, plan
     for n in (32768, 30001, 5):
         args = (q, kv, bt, torch.tensor([n], dtype=torch.int32, device=CUDA), scale, r)
@@ -90,8 +90,8 @@ def test_sparse_deepseek_shapes_match_reference(dtype, heads, num_splits):
 def _gluon_serves_fp8(q, kv, heads) -> bool:
     """Whether this device runs the fp8_ds_mla cache on the Gluon kernel (sm_90), with the
     tiles the runner picks for `heads`."""
-    cfg = splits.few_heads_wide_tiles(heads, CUDA) or splits.fp8_ds_kernel_config(heads, CUDA)
-    return tri.warpgroup_split_applies(q, kv, cfg, R, D - R)
+    cfg = mla_plan.few_heads_wide_tiles(heads, CUDA) or mla_plan.fp8_ds_kernel_config(heads, CUDA)
+    return mla_plan.warpgroup_split_applies(q, kv, cfg, R, D - R)
 
 
 def _fp8_close(expected, actual, args):
@@ -106,7 +106,7 @@ def _fp8_close(expected, actual, args):
 def test_fp8_ds_decode_deepseek_shapes_match_reference(heads, block_size, num_splits):
     """DeepSeek's fp8_ds_mla records (656 bytes a key) on the kernel this device runs
     (sm_90: the Gluon kernel's dequantising variant; at 16 heads the warp-specialised
-    kernel, `tri.few_heads_fp8_fits`),
+    kernel, `mla_plan.few_heads_fp8_fits`),
     against the reference over the dequantized records: random lengths with an empty
     and a full request, a padding block inside a request, garbage ids past the ends;
     records no request reads hold 0xFF (NaN bytes, NaN scales) and change no output bit."""
@@ -183,7 +183,7 @@ def test_tuning_and_fallback_tiles_match_reference(tiles):
     """Every tile set the tune bench times (the fallbacks for GPUs with less shared memory
     among them) is correct, dense and sparse, with splits."""
     heads, t = tiles
-    cfg = splits.KernelConfig(*t)
+    cfg = mla_plan.KernelConfig(*t)
     q, kv, bt, _, scale, r = decode_inputs(6, heads, 2048, CUDA, seed=11)
     args = (q, kv, bt, _random_lens(6, 2048, 11), scale, r)
     _close(ref.mla_decode(*args), tri.mla_decode(*args, config=cfg))
@@ -204,10 +204,10 @@ def test_wide_tiles_fit_the_shared_memory_of_hopper():
     Gluon launch falls back to the Triton kernel, and that one to one stage (correct,
     slower): flag both."""
     _sm90()
-    cfg, _ = splits.plan_launch(4, 128, 4096, CUDA)
-    assert (cfg.block_n, cfg.value_chunks, cfg.warpgroup_split) == (64, 2, True), (cfg, splits.max_shared_memory(CUDA))
+    cfg, _ = mla_plan.plan_launch(4, 128, 4096, CUDA)
+    assert (cfg.block_n, cfg.value_chunks, cfg.warpgroup_split) == (64, 2, True), (cfg, mla_plan.max_shared_memory(CUDA))
     q, kv, bt, lens, scale, r = decode_inputs(4, 128, 4096, CUDA, seed=13)
-    assert tri.warpgroup_split_applies(q, kv, cfg, r, q.shape[-1] - r)
+    assert mla_plan.warpgroup_split_applies(q, kv, cfg, r, q.shape[-1] - r)
     tri.mla_decode(q, kv, bt, lens, scale, r)
     tri.sparse_mla(*sparse_inputs(4, 128, 2048, CUDA, seed=13))
     assert not tri._GLUON_FAILED, f"the Gluon kernel did not compile: {tri._GLUON_FAILED}"
@@ -237,8 +237,8 @@ def test_warpgroup_split_kernel_edges_match_reference(dtype, r, block_size):
     bt = bt.view(batch, -1).to(torch.int32)
     q = torch.randn(batch, heads, r + p, generator=gen, device=CUDA, dtype=dtype)
     scale = (r + p) ** -0.5
-    cfg, _ = splits.plan_launch(batch, 128, capacity, CUDA)
-    assert tri.warpgroup_split_applies(q, kv, cfg, r, p)
+    cfg, _ = mla_plan.plan_launch(batch, 128, capacity, CUDA)
+    assert mla_plan.warpgroup_split_applies(q, kv, cfg, r, p)
     def poisoned(call):
         for numel, dt in ((batch * heads * r, dtype), (batch * heads, torch.float32)):
             del_me = torch.full((numel,), float("nan"), dtype=dt, device=CUDA)
@@ -265,7 +265,7 @@ def test_warpgroup_split_kernel_edges_match_reference(dtype, r, block_size):
 @pytest.mark.parametrize("page", [64, 128])
 @pytest.mark.parametrize("heads", [128, 80, 16])
 def test_paged_tma_kernel_matches_reference(monkeypatch, dtype, page, heads):
-    """The dense decode's TMA kernel (_gluon_paged.py) on its own edges: lengths at and
+    """The dense decode's TMA kernel (kernels/gluon_paged_tma.py) on its own edges: lengths at and
     around the 64-key tile and the tile pair (0, 1, 63, 64, 65, 127, 128, 129, full),
     block ids outside the cache inside a sequence (-1, past the end, negative), NaN in the
     cache rows past each sequence's end (the cut tile's rows TMA reads), a partial head
@@ -294,8 +294,8 @@ def test_paged_tma_kernel_matches_reference(monkeypatch, dtype, page, heads):
             kv[bt[b, n // page].clamp(0, num_blocks - 1), n % page:] = float("nan")
     q = torch.randn(batch, heads, r + p, generator=gen, device=CUDA, dtype=dtype)
     scale = (r + p) ** -0.5
-    cfg = splits.few_heads_wide_tiles(heads, CUDA) or splits.plan_launch(batch, heads, capacity, CUDA)[0]
-    assert tri.paged_tma_fits(q, kv, cfg, r, p)
+    cfg = mla_plan.few_heads_wide_tiles(heads, CUDA) or mla_plan.plan_launch(batch, heads, capacity, CUDA)[0]
+    assert mla_plan.paged_tma_fits(q, kv, cfg, r, p)
     for num_splits in (None, 1, 3):
         expected = ref.mla_decode(q, kv, bt, lens, scale, r)
         for numel, dt in ((batch * heads * r, dtype), (batch * heads, torch.float32)):
@@ -317,8 +317,8 @@ def test_warpgroup_split_takes_strided_inputs_it_can_copy(layout):
         q = torch.cat([q, torch.randn(*q.shape[:2], pad, device=CUDA, dtype=q.dtype)], -1)[..., : q.shape[-1]]
     else:
         kv = torch.cat([kv, torch.randn(*kv.shape[:2], pad, device=CUDA, dtype=kv.dtype)], -1)[..., : kv.shape[-1]]
-    cfg, _ = splits.plan_launch(6, 128, 2048, CUDA)
-    assert tri.warpgroup_split_applies(q, kv, cfg, r, q.shape[-1] - r) == (pad == 16)
+    cfg, _ = mla_plan.plan_launch(6, 128, 2048, CUDA)
+    assert mla_plan.warpgroup_split_applies(q, kv, cfg, r, q.shape[-1] - r) == (pad == 16)
     args = (q, kv, bt, lens, scale, r)
     _close(ref.mla_decode(*args), tri.mla_decode(*args))
     _close(ref.mla_decode(*args), tri.mla_decode(*args, num_splits=3))
@@ -502,9 +502,9 @@ def test_sparse_options_match_reference(heads, num_splits):
     sink, length = _sparse_options(32, heads, 2048, 31)
     args = (q, kv, idx, scale, r, sink, length)
     assert graphsafe.get_op("sparse_mla").serving_backend("cuda", *args) == "triton"
-    cfg, _ = splits.plan_launch(32, heads, 2048, CUDA)
+    cfg, _ = mla_plan.plan_launch(32, heads, 2048, CUDA)
     gluon = torch.version.hip is None and torch.cuda.get_device_capability(CUDA) == (9, 0) and heads == 128
-    assert tri.warpgroup_split_applies(q, kv, cfg, r, q.shape[-1] - r) == gluon
+    assert mla_plan.warpgroup_split_applies(q, kv, cfg, r, q.shape[-1] - r) == gluon
     out, lse = tri.sparse_mla(*args, num_splits=num_splits)
     _close(ref.sparse_mla(*args), (out, lse))
     assert torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))  # a +inf sink

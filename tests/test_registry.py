@@ -15,7 +15,7 @@ from torch import Tensor
 import graphsafe
 from graphsafe import backends
 from graphsafe.errors import RegistrationError
-from graphsafe.registry import Backend, new_registry
+from graphsafe.registry import Backend, new_registry, takes_call
 from graphsafe.testing import case_for
 
 
@@ -348,15 +348,19 @@ def test_default_arguments_reach_the_kernel():
                 if p.default is not inspect.Parameter.empty}
         case = case_for(spec.name)
         args = case.inputs(case.interpreter_example or case.example, "cpu", 0)
+        # A function taking the bound call gets the stub's defaults through the call's type.
+        assert spec.call_type._field_defaults == want, f"{name}: call defaults {spec.call_type._field_defaults}"
         for backend in spec.available_backends("cpu"):
             record = spec.backends[backend]
             parts = {"impl": getattr(record, "impl", record), "prepare": getattr(record, "prepare", None)}
             for part, fn in parts.items():
-                if fn is not None:
+                if fn is not None and not takes_call(resolve(fn)):
                     got = defaults(resolve(fn), want)
                     assert got == want, f"{name}[{backend}].{part}: defaults {got}, schema {want}"
             if parts["prepare"] is not None:
-                runner = resolve(parts["prepare"])(*clone_args(args))
+                prepare = resolve(parts["prepare"])
+                bound = clone_args(args)
+                runner = prepare(spec.call(*bound)) if takes_call(prepare) else prepare(*bound)
                 got = defaults(runner, want)
                 assert got in (want, {}), f"{name}[{backend}] runner: defaults {got}, schema {want}"
 
@@ -384,3 +388,28 @@ def test_workspace_bytes_from_shapes():
     for spec in graphsafe.op_table().values():
         if all(record.workspace is None for record in spec.backends.values()):
             assert spec.workspace_bytes() == 0
+
+
+def test_list_why_says_why_each_backend_can_or_cannot_run(capsys):
+    """`python -m graphsafe list --why`: per op and device, each backend's reason, and for
+    the op's example shapes the serving backend (with what it runs, where its record
+    explains it)."""
+    from graphsafe.__main__ import main
+
+    assert main(["list", "--why"]) == 0
+    out = capsys.readouterr().out
+    table = graphsafe.op_table()
+    for name in table:
+        assert f"graphsafe::{name}(" in out
+    assert out.count("why on cpu: ") == len(table)
+    assert "aiter cannot: runs on ROCm GPUs only, not on cpu" in out
+    assert "Error" not in out, out
+
+
+def test_explain_names_the_mla_kernel_plan_and_cache(monkeypatch):
+    """The Triton MLA record explains its choice: kernels, tiles, splits and cache format."""
+    spec = graphsafe.get_op("sparse_mla")
+    case = case_for("sparse_mla")
+    args = case.inputs(case.example, "cpu", 0)
+    text = spec.backends["triton"].explain(spec.call(*args))
+    assert text.startswith("triton_split_kv; tiles 16 heads x 16 keys") and "float16 cache" in text, text

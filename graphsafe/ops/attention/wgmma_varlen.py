@@ -28,7 +28,7 @@ from triton.runtime import OutOfResources
 
 from graphsafe.device_info import num_sms
 from graphsafe.launch import Launch, bind
-from graphsafe.ops.mla.splits import max_shared_memory
+from graphsafe.device_info import max_shared_memory
 
 LOG2E = 1.4426950408889634
 # What a failed Gluon compile raises (RuntimeError: a failed MLIR pass).

@@ -11,7 +11,7 @@ attend over the dequantized rows (`mla_decode`'s docstring).
 
 Split-KV scratch (f32 partial outputs and LSEs) comes from the workspace manager; its
 size is a function of shapes only (`mla_decode_workspace_specs`,
-`sparse_mla_workspace_specs`, see `splits.py` for why never of sequence lengths).
+`sparse_mla_workspace_specs`, see `plan.py` for why never of sequence lengths).
 
 Backends: `triton` (`prepare_*` bind the kernels to a call signature once), `aiter` on
 ROCm gfx942 / gfx950 for the shapes it has kernels for (its `supports` predicates hand
@@ -26,28 +26,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from graphsafe.ops.mla import fake as fakes
-from graphsafe.ops.mla.splits import triton_mla_decode_workspace, triton_sparse_mla_workspace
-from graphsafe.registry import Backend, register_op
+from graphsafe.ops.mla import aiter, fake, reference, triton
+from graphsafe.registry import register_op
 
 __all__ = ["mla_decode", "sparse_mla", "mla_decode_workspace_specs", "sparse_mla_workspace_specs"]
 
 
 @register_op(
     "mla_decode",
-    fake=fakes.fake_mla_decode,
-    check=fakes.check_mla_decode,
+    fake=fake.fake_mla_decode,
+    check=fake.check_mla_decode,
     debug_check="graphsafe.ops.mla.debug:debug_check_mla_decode",
     family="mla",
-    backends={
-        "reference": "graphsafe.ops.mla.reference:mla_decode",
-        "triton": Backend(prepare="graphsafe.ops.mla.triton:prepare_mla_decode", workspace=triton_mla_decode_workspace),
-        "aiter": Backend(
-            prepare="graphsafe.ops.mla.aiter:prepare_mla_decode",
-            supports="graphsafe.ops.mla.aiter:mla_decode_supports",
-            workspace="graphsafe.ops.mla.aiter:mla_decode_workspace",
-        ),
-    },
+    backends=(reference.MLA_DECODE, triton.MLA_DECODE, aiter.MLA_DECODE),
 )
 def mla_decode(
     q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, sm_scale: float, kv_lora_rank: int
@@ -128,22 +119,11 @@ def mla_decode(
 
 @register_op(
     "sparse_mla",
-    fake=fakes.fake_sparse_mla,
-    check=fakes.check_sparse_mla,
+    fake=fake.fake_sparse_mla,
+    check=fake.check_sparse_mla,
     debug_check="graphsafe.ops.mla.debug:debug_check_sparse_mla",
     family="mla",
-    backends={
-        "reference": "graphsafe.ops.mla.reference:sparse_mla",
-        "triton": Backend(
-            prepare="graphsafe.ops.mla.triton:prepare_sparse_mla",
-            workspace=triton_sparse_mla_workspace,
-        ),
-        "aiter": Backend(
-            prepare="graphsafe.ops.mla.aiter:prepare_sparse_mla",
-            supports="graphsafe.ops.mla.aiter:sparse_mla_supports",
-            workspace="graphsafe.ops.mla.aiter:sparse_mla_workspace",
-        ),
-    },
+    backends=(reference.SPARSE_MLA, triton.SPARSE_MLA, aiter.SPARSE_MLA),
 )
 def sparse_mla(
     q: Tensor,

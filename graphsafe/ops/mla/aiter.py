@@ -73,7 +73,7 @@ from typing import Any
 import torch
 
 from graphsafe import aiter_support, device_info
-from graphsafe.ops.mla.aiter_csr import bind_decode_csr, bind_mask_empty, bind_sparse_csr, num_chunks
+from graphsafe.registry import SUPPORTED, Backend, Support, declined
 from graphsafe.workspace import current_workspace_manager
 
 DEEPSEEK_R, DEEPSEEK_D = 512, 576
@@ -113,22 +113,41 @@ def _shapes_supported(num_heads: int, head_dim: int, kv_lora_rank: int, dtype: t
     return dtype == torch.bfloat16 and deepseek and num_heads in AITER_HEADS
 
 
-def _usable(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, width: int) -> bool:
+@functools.cache
+def _csr():
+    """kernels/triton_aiter_csr.py (imported at the first prepare: `import graphsafe` never
+    imports triton)."""
+    from graphsafe.ops.mla.kernels import triton_aiter_csr
+
+    return triton_aiter_csr
+
+
+def _support(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, width: int) -> Support:
     if not aiter_support.serves(op, q.device):
-        return False
+        return declined(f"the capability table does not list {device_info.rocm_arch(q.device)} for aiter's {op} "
+                        "(graphsafe.aiter_support)")
     rows, heads, d = q.shape
     num_blocks, block_size = kv_cache.shape[:2]
-    flat_cache = kv_cache.stride(2) == 1 and kv_cache.stride(1) == d and kv_cache.stride(0) == block_size * d
-    return (
-        _shapes_supported(heads, d, kv_lora_rank, q.dtype)
-        and kv_cache.dtype == q.dtype
-        and q.is_contiguous()
-        and flat_cache
-        and num_blocks * block_size < INT32_LIMIT
-        and rows * width < INT32_LIMIT
-        and split_partial_bytes(rows, heads, kv_lora_rank, q.device) <= MAX_SPLIT_PARTIAL_BYTES
-        and _takes_split_keywords()
-    )
+    if not _shapes_supported(heads, d, kv_lora_rank, q.dtype):
+        return declined(f"aiter's MLA kernels take bf16 q of head dim {DEEPSEEK_D} (kv_lora_rank {DEEPSEEK_R}) with "
+                        f"{' or '.join(map(str, AITER_HEADS))} heads; got {q.dtype} q of head dim {d} "
+                        f"(kv_lora_rank {kv_lora_rank}) with {heads} heads")
+    if kv_cache.dtype != q.dtype:
+        return declined(f"the adapter reads a cache of q's dtype; got a {kv_cache.dtype} cache (fp8_ds_mla: Triton)")
+    if not q.is_contiguous():
+        return declined(f"aiter reads q contiguous; got strides {q.stride()}")
+    if not (kv_cache.stride(2) == 1 and kv_cache.stride(1) == d and kv_cache.stride(0) == block_size * d):
+        return declined(f"aiter reads the cache as contiguous blocks of contiguous rows; got strides {kv_cache.stride()}")
+    if num_blocks * block_size >= INT32_LIMIT or rows * width >= INT32_LIMIT:
+        return declined(f"aiter's slots and CSR are int32: {num_blocks * block_size} cache slots and "
+                        f"{rows * width} CSR entries must stay below 2**31")
+    partials = split_partial_bytes(rows, heads, kv_lora_rank, q.device)
+    if partials > MAX_SPLIT_PARTIAL_BYTES:
+        return declined(f"aiter would allocate {partials >> 20} MiB of split partials per call, outside the "
+                        f"workspace (at most {MAX_SPLIT_PARTIAL_BYTES >> 20} MiB)")
+    if not _takes_split_keywords():
+        return declined(f"the installed aiter's mla_decode_fwd lacks {', '.join(sorted(NEEDED_KEYWORDS))}")
+    return SUPPORTED
 
 
 def split_partial_bytes(rows: int, num_heads: int, kv_lora_rank: int, device) -> int:
@@ -136,21 +155,22 @@ def split_partial_bytes(rows: int, num_heads: int, kv_lora_rank: int, device) ->
     return rows * num_kv_splits(rows, device) * num_heads * (kv_lora_rank + 1) * 4
 
 
-def mla_decode_supports(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank) -> bool:
+def mla_decode_supports(call) -> Support:
     """Whether aiter serves this signature: the capability table lists q's architecture
     for `mla_decode`; bf16; head dim 576 with kv_lora_rank 512; H 16 or 128; contiguous
     q; a cache of contiguous blocks of contiguous rows; slots and `B * capacity` below
     2**31; aiter's own split partials at most MAX_SPLIT_PARTIAL_BYTES; an `mla_decode_fwd` taking `num_kv_splits`, `num_kv_splits_indptr` and
     `return_lse`. The registry hands other signatures to the next backend (Triton)."""
-    width = block_table.shape[1] * kv_cache.shape[1]
-    return _usable("mla_decode", q, kv_cache, kv_lora_rank, width)
+    width = call.block_table.shape[1] * call.kv_cache.shape[1]
+    return _support("mla_decode", call.q, call.kv_cache, call.kv_lora_rank, width)
 
 
-def sparse_mla_supports(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None) -> bool:
+def sparse_mla_supports(call) -> Support:
     """As `mla_decode_supports`, for `sparse_mla` (`T * K` below 2**31), without an
     attention sink or `topk_length` (not adapted: Triton serves them)."""
-    return attn_sink is None and topk_length is None and _usable("sparse_mla", q, kv_cache, kv_lora_rank,
-                                                                  indices.shape[1])
+    if call.attn_sink is not None or call.topk_length is not None:
+        return declined("the adapter passes no attention sink or topk_length to aiter (Triton serves them)")
+    return _support("sparse_mla", call.q, call.kv_cache, call.kv_lora_rank, call.indices.shape[1])
 
 
 def num_kv_splits(rows: int, device: torch.device | str | None) -> int:
@@ -164,7 +184,7 @@ def _csr_specs(rows: int, width: int) -> list[tuple[tuple[int, ...], torch.dtype
     """qo_indptr, kv_indptr, kv_indices (every position may hold a key), kv_last_page_lens,
     num_kv_splits_indptr, and the per-chunk key counts and their running sums."""
     i32 = torch.int32
-    cells = rows * num_chunks(width)
+    cells = rows * _csr().num_chunks(width)
     return [((rows + 1,), i32), ((rows + 1,), i32), ((max(1, rows * width),), i32), ((rows,), i32),
             ((rows + 1,), i32), ((cells,), i32), ((cells,), i32)]
 
@@ -204,7 +224,7 @@ def _bind_attend(q: torch.Tensor, kv_lora_rank: int, sm_scale: float, splits: in
     rows, heads, head_dim = q.shape
     device, dtype, scale = q.device, q.dtype, float(sm_scale)
     decode_fwd = _mla_decode_fwd()
-    mask_empty = bind_mask_empty(q, rows, heads, kv_lora_rank)
+    mask_empty = _csr().bind_mask_empty(q, rows, heads, kv_lora_rank)
 
     def attend(q, kv_cache, qo_indptr, kv_indptr, kv_indices, last_page_lens, splits_indptr):
         out = torch.empty((rows, heads, kv_lora_rank), dtype=dtype, device=device)
@@ -239,10 +259,11 @@ def _csr_attend(owner: str, device: torch.device, specs: tuple, count, scatter, 
     return run
 
 
-def prepare_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
+def prepare_mla_decode(call):
     """The aiter runner of `mla_decode` for calls with this signature (one
     `mla_decode_supports` accepts): the split count, workspace specs and the CSR kernels
     are fixed here; a call writes the CSR and calls aiter."""
+    q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank = call
     rows, heads, _ = q.shape
     device = q.device
     if rows == 0:
@@ -250,7 +271,7 @@ def prepare_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_ran
     num_blocks, block_size = kv_cache.shape[:2]
     specs = tuple(_csr_specs(rows, block_table.shape[1] * block_size))
     splits = num_kv_splits(rows, device)
-    count, scatter = bind_decode_csr(block_table, seq_lens, q, num_blocks, block_size, splits)
+    count, scatter = _csr().bind_decode_csr(block_table, seq_lens, q, num_blocks, block_size, splits)
     attend = _bind_attend(q, kv_lora_rank, sm_scale, splits)
 
     attend_csr = _csr_attend("mla_decode", device, specs, count, scatter, attend)
@@ -261,9 +282,10 @@ def prepare_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_ran
     return run
 
 
-def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None):
+def prepare_sparse_mla(call):
     """The aiter runner of `sparse_mla` for calls with this signature (one
     `sparse_mla_supports` accepts), as `prepare_mla_decode`."""
+    q, kv_cache, indices, sm_scale, kv_lora_rank = call[:5]
     rows, heads, _ = q.shape
     device = q.device
     if rows == 0:
@@ -271,7 +293,7 @@ def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=N
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     specs = tuple(_csr_specs(rows, indices.shape[1]))
     splits = num_kv_splits(rows, device)
-    count, scatter = bind_sparse_csr(indices, q, num_slots, splits)
+    count, scatter = _csr().bind_sparse_csr(indices, q, num_slots, splits)
     attend = _bind_attend(q, kv_lora_rank, sm_scale, splits)
 
     attend_csr = _csr_attend("sparse_mla", device, specs, count, scatter, attend)
@@ -282,14 +304,26 @@ def prepare_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=N
     return run
 
 
+MLA_DECODE = Backend(name="aiter", prepare=prepare_mla_decode, supports=mla_decode_supports,
+                     workspace=mla_decode_workspace)
+SPARSE_MLA = Backend(name="aiter", prepare=prepare_sparse_mla, supports=sparse_mla_supports,
+                     workspace=sparse_mla_workspace)
+
+
+def _call(op: str, *args):
+    from graphsafe.registry import get_op
+
+    return get_op(op).call(*args)
+
+
 def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
     """aiter's `mla_decode` (a signature `mla_decode_supports` accepts), prepared afresh."""
     args = (q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank)
-    return prepare_mla_decode(*args)(*args)
+    return prepare_mla_decode(_call("mla_decode", *args))(*args)
 
 
 def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None):
     """aiter's `sparse_mla` (a signature `sparse_mla_supports` accepts, so no sink or
     `topk_length`), prepared afresh."""
     args = (q, kv_cache, indices, sm_scale, kv_lora_rank)
-    return prepare_sparse_mla(*args)(*args)
+    return prepare_sparse_mla(_call("sparse_mla", *args))(*args)

@@ -16,7 +16,7 @@ gathered keys in f32 and the [H, keys] scores; where that would need more than ~
 it is left out and the shape label says so ("no eager").
 
 `mla_tune` compares kernel tiles and split counts at the anchor shapes (for picking the
-defaults in splits.kernel_config / plan_kv_splits on a new GPU): `TUNE_TILES` says
+defaults in plan.kernel_config / plan_kv_splits on a new GPU): `TUNE_TILES` says
 what each candidate tests.
 """
 
@@ -186,7 +186,7 @@ def _tiles_label(c) -> str:
 
 
 def _tune_impls(call, heads: int, cfg, splits_list) -> dict:
-    from graphsafe.ops.mla.splits import KernelConfig
+    from graphsafe.ops.mla.plan import KernelConfig
 
     impls = {f"default {_tiles_label(cfg)}": lambda: call()}
     for t in TUNE_TILES[heads]:
@@ -208,7 +208,7 @@ def _tune_impls(call, heads: int, cfg, splits_list) -> dict:
 def mla_tune(device: torch.device, shapes: tuple):
     """Tiles and split counts of the Triton kernel at the anchor shapes (graphsafe only)."""
     from graphsafe.ops.mla import triton as backend
-    from graphsafe.ops.mla.splits import plan_launch
+    from graphsafe.ops.mla.plan import plan_launch
 
     for heads, ctx in ((h, c) for kind, h, c in shapes if kind == "decode"):
         args = decode_inputs(64, heads, ctx, device)

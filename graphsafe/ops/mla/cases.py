@@ -345,6 +345,18 @@ def _bad_decode(device, gen):
     ]
 
 
+def _workspace_decode(params: Params, args) -> tuple[tuple, dict]:
+    """`mla_decode_workspace_specs(B, H, R, max_blocks * block_size, head_dim=, dtype=)`."""
+    q, kv, block_table, _, _, r = args
+    return (q.shape[0], q.shape[1], r, block_table.shape[1] * kv.shape[1]), {"head_dim": q.shape[2], "dtype": q.dtype}
+
+
+def _workspace_sparse(params: Params, args) -> tuple[tuple, dict]:
+    """`sparse_mla_workspace_specs(T, H, R, K, head_dim=, dtype=)`."""
+    q, _, indices, _, r = args[:5]
+    return (q.shape[0], q.shape[1], r, indices.shape[1]), {"head_dim": q.shape[2], "dtype": q.dtype}
+
+
 register_case(
     OpCase(
         op="mla_decode",
@@ -352,6 +364,7 @@ register_case(
         example=EXAMPLE_DECODE,
         make=_make_decode,
         compare=compare_attention,
+        workspace_args=_workspace_decode,
         bad_inputs=_bad_decode,
         unread=_unread_decode,
         out_of_range=_out_of_range_decode,
@@ -521,6 +534,7 @@ register_case(
         example=EXAMPLE_SPARSE,
         make=_make_sparse,
         compare=compare_attention,
+        workspace_args=_workspace_sparse,
         bad_inputs=_bad_sparse,
         unread=_unread_sparse,
         out_of_range=_out_of_range_sparse,

@@ -12,11 +12,12 @@ import torch
 from graphsafe.debug import ids_in_range, table_entries_read, values_at_least, values_at_most
 
 
-def debug_check_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank) -> None:
+def debug_check_mla_decode(call) -> None:
     """`seq_lens` at most `max_blocks * block_size` (longer requests would be cut; a length
     <= 0 is documented as "no key" and passes); every block-table entry of a position below
     its request's length in `[0, num_blocks)` or -1 (entries past it are never read)."""
     op = "mla_decode"
+    kv_cache, block_table, seq_lens = call.kv_cache, call.block_table, call.seq_lens
     num_blocks, block_size = kv_cache.shape[:2]
     max_blocks = block_table.shape[1]
     capacity = max_blocks * block_size
@@ -25,10 +26,11 @@ def debug_check_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora
     ids_in_range(op, "block_table", block_table, num_blocks, used=used, what="block ids")
 
 
-def debug_check_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None) -> None:
+def debug_check_sparse_mla(call) -> None:
     """Every entry of `indices` the op reads (all, or those left of `topk_length[t]`) in
     `[0, num_blocks * block_size)` or -1; `topk_length` within `[0, K]`."""
     op = "sparse_mla"
+    kv_cache, indices, topk_length = call.kv_cache, call.indices, call.topk_length
     num_blocks, block_size = kv_cache.shape[:2]
     used = None
     if topk_length is not None:

@@ -60,16 +60,10 @@ def check_fp8_ds_mla_offset(op: str, kv_cache: torch.Tensor) -> None:
                "uint8 (an fp8_ds_mla cache)", f"storage offset {kv_cache.storage_offset()}")
 
 
-def check_mla_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    kv_lora_rank: int,
-) -> None:
+def check_mla_decode(call) -> None:
     op = "mla_decode"
-    _check_q_and_cache(op, q, kv_cache, kv_lora_rank)
+    q, kv_cache, block_table, seq_lens = call.q, call.kv_cache, call.block_table, call.seq_lens
+    _check_q_and_cache(op, q, kv_cache, call.kv_lora_rank)
     b = q.shape[0]
     c.tensor(op, "block_table", block_table, dtypes=(torch.int32,), ndim=2, device=q.device)
     c.shape(op, "block_table", block_table, (b, None), "[B, max_blocks]")
@@ -86,22 +80,15 @@ def _outputs(q: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Te
     return out, lse
 
 
-def fake_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
-    check_mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank)
-    return _outputs(q, kv_lora_rank)
+def fake_mla_decode(call):
+    check_mla_decode(call)
+    return _outputs(call.q, call.kv_lora_rank)
 
 
-def check_sparse_mla(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    kv_lora_rank: int,
-    attn_sink: torch.Tensor | None = None,
-    topk_length: torch.Tensor | None = None,
-) -> None:
+def check_sparse_mla(call) -> None:
     op = "sparse_mla"
-    _check_q_and_cache(op, q, kv_cache, kv_lora_rank)
+    q, indices, attn_sink, topk_length = call.q, call.indices, call.attn_sink, call.topk_length
+    _check_q_and_cache(op, q, call.kv_cache, call.kv_lora_rank)
     c.tensor(op, "indices", indices, dtypes=(torch.int32,), ndim=2, device=q.device)
     c.shape(op, "indices", indices, (q.shape[0], None), "[T, K]")
     c.last_dim_contiguous(op, "indices", indices)
@@ -114,6 +101,6 @@ def check_sparse_mla(
         c.last_dim_contiguous(op, "topk_length", topk_length)
 
 
-def fake_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None):
-    check_sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink, topk_length)
-    return _outputs(q, kv_lora_rank)
+def fake_sparse_mla(call):
+    check_sparse_mla(call)
+    return _outputs(call.q, call.kv_lora_rank)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.formats.fp8_ds_mla import dequantize_records
+from graphsafe.registry import Backend
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale: float, kv_lora_rank: int,
@@ -107,3 +108,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank):
 def sparse_mla(q, kv_cache, indices, sm_scale, kv_lora_rank, attn_sink=None, topk_length=None):
     keys, valid = sparse_keys(kv_cache, indices, topk_length)
     return attend(q, key_rows(keys, valid, kv_lora_rank), valid, sm_scale, kv_lora_rank, attn_sink)
+
+
+MLA_DECODE = Backend(name="reference", impl=mla_decode)
+SPARSE_MLA = Backend(name="reference", impl=sparse_mla)

@@ -1,6 +1,6 @@
 """Hopper (sm_90) dense MLA decode in Gluon: page tiles by TMA, two warpgroups taking turns.
 
-Why a third kernel: `_gluon_hopper.mla_attn_wgmma_kernel` runs one tile at a time (cp.async
+Why a third kernel: `gluon_wgmma.mla_attn_wgmma_kernel` runs one tile at a time (cp.async
 load, q.k, softmax, p.V, nothing in flight across the steps) and scores each tile with
 N = 32 wgmmas, whose q operand is read from shared memory twice as often per product as
 with N = 64. At 128 heads it keeps the tensor pipe busy 48% of the time (FlashInfer's
@@ -27,7 +27,7 @@ under A's softmax), and nothing stays in flight across a loop iteration (ptxas
 serialises a wgmma pipeline across the back edge when registers run short).
 
 Keys: tile t covers positions start + 64 t ... of the program's split (the plan of
-splits.py, as both other kernels: same grid, same partials, `_combine_kernel`). A tile
+plan.py, as both other kernels: same grid, same partials, `combine_kernel`). A tile
 whose block id is outside the cache, or that lies past the sequence, is copied from rows
 past the end of the cache view (TMA writes zeros there) and its scores are masked; the
 last tile of a sequence, cut by its end, is copied and its value rows past the end are
@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from graphsafe.kernels.gluon_compat import cta_barrier, tma_load
-from graphsafe.ops.mla._gluon_hopper import _in_range, _split_bounds
+from graphsafe.ops.mla.kernels.gluon_wgmma import _in_range, _split_bounds
 
 BLOCK_H = 64  # heads per program: one wgmma M
 BLOCK_N = 64  # keys per tile

@@ -10,7 +10,7 @@ split for p @ V); the probabilities go through shared memory (`p_smem`), where e
 warpgroup reads the other's half of p.
 
 Program = (64-head tile, split, query), the grid and split plan of the Triton kernel
-(splits.py), so both kernels fill the same workspace partials and share `_combine_kernel`.
+(plan.py), so both kernels fill the same workspace partials and share `combine_kernel`.
 
 Data flow per key tile (BLOCK_N = 64 keys, 8 warps):
 - cp.async copies a tile's rows (`[BLOCK_N, R]` and `[BLOCK_N, P]`, gathered through the

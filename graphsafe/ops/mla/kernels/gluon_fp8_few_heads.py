@@ -1,7 +1,7 @@
 """Hopper (sm_90) dense MLA decode over fp8_ds_mla records at up to 16 heads, in Gluon:
 warp-specialised, the dequantisation in producer warps beside the products.
 
-Why a fourth kernel: `_gluon_hopper.mla_attn_wgmma_kernel` (HEADS_ON_N) runs the copies,
+Why a fourth kernel: `gluon_wgmma.mla_attn_wgmma_kernel` (HEADS_ON_N) runs the copies,
 the dequantisation, q.k, the softmax and p @ V of each tile in the same 8 warps, one
 after the other: one CTA of 8 warps per SM, about 3.3 us a tile on an H100 at B 64, and
 every way of putting more tiles in flight there added instructions to those warps and
@@ -26,7 +26,7 @@ Every working buffer is its own allocation written by one store: Triton's hazard
 does not tell slices of one buffer apart and would put a barrier between stores into it.
 
 Program = (split, request) as the other kernels' grid at up to 16 heads (one head tile);
-same plan, partials and `_combine_kernel`. Ids are checked per key (as the other kernels'
+same plan, partials and `combine_kernel`. Ids are checked per key (as the other kernels'
 checked launch), so one launch. Shared memory: q [16, R + P] 18 KiB, two working stages
 [64, R + P] 144 KiB, the raw latent [64, R] 32 KiB, p^T 2 KiB (196 KiB). Requirements
 (`triton.few_heads_fp8_fits`): sm_90, bf16 q of at most 16 heads, DeepSeek's records
@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from graphsafe.kernels.gluon_compat import cp_async, cta_barrier
-from graphsafe.ops.mla._gluon_hopper import (
+from graphsafe.ops.mla.kernels.gluon_wgmma import (
     _key_ids, _key_rows, _load_q_rows, _softmax_end, _softmax_keys, _split_bounds, _store_values,
 )
 
