@@ -218,11 +218,11 @@ def few_heads_wide_tiles(num_heads: int, device: torch.device) -> KernelConfig |
     """The tiles dense decode with up to 16 heads runs on sm_90 where the cache's layout lets
     the TMA kernel run (kernels/gluon_paged_tma.py; the runner decides per call signature): its 64-head
     tiles, a quarter used at 16 heads, or None on other devices. Measured on an H200 at 16
-    heads against the 16-head Triton tiles (`benchmarks/results/h200_s27_mla_paged_tuning.txt`):
+    heads against the 16-head Triton tiles (`benchmarks/results/h200/2026-11-26-1413_mla_paged_tuning.txt`):
     B 1 0.014 vs 0.024 ms, B 8 0.041 vs 0.045, B 64 0.197 vs 0.204, B 128 0.380 vs 0.421
     (ctx 8192). Over an fp8_ds_mla cache both ops take them where the 64-head Gluon kernel
     runs (triton.py decides): 0.24 vs 0.35 ms at B 64 (dense), 0.138 vs 0.185 ms sparse at
-    T 128, K 2048 (H200, `benchmarks/results/h200_s29_fp8_gluon.txt`). The workspaces cover
+    T 128, K 2048 (H200, `benchmarks/results/h200/2026-11-26-1652_fp8_gluon.txt`). The workspaces cover
     both plans (`workspace_specs` reads the same candidates)."""
     if device.type != "cuda" or num_heads > 16 or torch.version.hip is not None:
         return None
@@ -393,10 +393,10 @@ def heads_on_n(num_heads: int, fp8_ds: bool) -> bool:
     """Whether the Gluon kernel computes with keys on wgmma's M and the heads on its N
     (HEADS_ON_N: s^T = k q^T, O^T += V^T p^T): over fp8_ds_mla records, up to 16 heads,
     where 64-row head tiles would be three quarters padding. Measured on an H200 against
-    the 64-row tiles (`benchmarks/results/h200_s30_fp8_heads_on_n.txt`, graph replays):
+    the 64-row tiles (`benchmarks/results/h200/2026-11-26-1900_fp8_heads_on_n.txt`, graph replays):
     dense decode at 16 heads, ctx 8192, B 1 / 8 / 32 / 64 / 128: 0.91 / 0.88 / 0.91 / 0.90 /
     0.88x; ctx 32768, B 64: 0.89x; sparse, K 2048, T 64 / 128: 0.80x. On an H100
-    (`h100_s30_fp8_heads_on_n.txt`): 1.03 / 0.92 / 0.90 / 0.91 / 0.88x, 0.88x, 0.78x."""
+    (`h100/2026-11-26-1919_fp8_heads_on_n.txt`): 1.03 / 0.92 / 0.90 / 0.91 / 0.88x, 0.88x, 0.78x."""
     return fp8_ds and num_heads <= 16
 
 
