@@ -274,3 +274,33 @@ def test_variant_rows_pair_each_variant_with_the_plain_shape_and_count_only_the_
     decode_plain, decode_window = pairs[0]
     assert decode_window.bytes < decode_plain.bytes
     assert problems[-1].case == "sparse_mla" and "topk_length" in problems[-1].shape
+
+
+def test_flashmla_peer_is_never_required():
+    """FlashMLA rows only where `import flash_mla` works on sm_90: off CUDA every peer
+    function returns no impls (and says nothing on the CPU); vLLM's head padding for its
+    64/128-head sparse decode appends zero heads."""
+    from graphsafe.bench import flashmla
+    from graphsafe.ops.mla import bench as mla
+
+    cpu = torch.device("cpu")
+    assert flashmla.unavailable(cpu) == "flashmla: CUDA only"
+    args = mla.with_fp8_cache(mla.sparse_inputs(4, 16, 32, cpu, region=64))
+    assert flashmla.sparse_decode_peers(*args, (None, None), 2) == ({}, "")
+    q = torch.randn(3, 16, 8)
+    padded = flashmla.pad_heads(q, 64)
+    assert padded.shape == (3, 64, 8) and torch.equal(padded[:, :16], q) and not padded[:, 16:].any()
+    assert flashmla.pad_heads(q, 16) is q
+
+
+def test_peer_ratio_note_covers_every_external_peer():
+    from graphsafe.bench.harness import Row
+    from graphsafe.bench.peers import ratio_note
+
+    def row(impl, ms):
+        return Row(case="c", shape="s", impl=impl, median_ms=ms, eager_ms=None, bytes=0, flops=0, gbps=None,
+                   pct_bandwidth=None, tflops=None, pct_peak=None, speedup_vs_first=None, unit="ms", error=None)
+
+    rows = [row("graphsafe[triton]", 0.3), row("reference eager", 3.0), row("flashmla sparse decode", 0.2),
+            row("flashinfer MLA fa3", 0.6)]
+    assert ratio_note(rows) == "graphsafe / flashmla sparse decode = 1.50; graphsafe / flashinfer MLA fa3 = 0.50"

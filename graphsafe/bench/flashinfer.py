@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from graphsafe.bench.peers import same_picks
+from graphsafe.bench.peers import ratio_note as peer_ratio_note, same_picks
 
 WORKSPACE_BYTES = 256 * 2**20
 BF16 = torch.bfloat16  # the dtype FlashInfer's prebuilt kernels were built for
@@ -273,14 +273,8 @@ def topk_decode_peers(logits, lengths, topk, graphsafe_indices) -> tuple[dict, s
 
 
 def ratio_note(rows: list) -> str:
-    """"graphsafe / <peer> = r" for each FlashInfer row of a problem, from its first
-    (graphsafe) row: > 1 means graphsafe is slower."""
-    if not rows or rows[0].error is not None:
-        return ""
-    first = rows[0].median_ms
-    parts = [f"graphsafe / {r.impl} = {first / r.median_ms:.2f}" for r in rows[1:]
-             if r.impl.startswith(PREFIX) and r.error is None and r.median_ms > 0]
-    return "; ".join(parts)
+    """"graphsafe / <peer> = r" for each FlashInfer row of a problem (`peers.ratio_note`)."""
+    return peer_ratio_note(rows, (PREFIX,))
 
 
 __all__ = ["unavailable", "mla_decode_peers", "paged_decode_peers", "ragged_prefill_peers", "topk_decode_peers",

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from graphsafe.bench import flashinfer
+from graphsafe.bench import peers
 
 
 @dataclass
@@ -634,7 +634,7 @@ def _run_case(case: BenchCase, shapes: tuple, device: torch.device, ceilings: Ce
                 log.add(row, deadline.elapsed())
                 echo(format_row(row))
                 rows.append(row)
-            note = "; ".join(x for x in (problem.note, flashinfer.ratio_note(rows)) if x)
+            note = "; ".join(x for x in (problem.note, peers.ratio_note(rows)) if x)
             if note:
                 echo(f"  note: {note}")
             if deadline.hit:

@@ -42,3 +42,18 @@ def same_picks(values: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> float:
     a = torch.sort(values.gather(1, a.long()), dim=1).values
     b = torch.sort(values.gather(1, b.long()), dim=1).values
     return (a == b).all(dim=1).float().mean().item()
+
+
+# The labels of the external peers' rows (graphsafe.bench.flashinfer, graphsafe.bench.flashmla).
+PEER_PREFIXES = ("flashinfer", "flashmla")
+
+
+def ratio_note(rows: list, prefixes: tuple[str, ...] = PEER_PREFIXES) -> str:
+    """"graphsafe / <peer> = r" for each external peer's row of a problem (labels starting
+    with one of `prefixes`), from its first (graphsafe) row: > 1 means graphsafe is slower."""
+    if not rows or rows[0].error is not None:
+        return ""
+    first = rows[0].median_ms
+    parts = [f"graphsafe / {r.impl} = {first / r.median_ms:.2f}" for r in rows[1:]
+             if r.impl.startswith(prefixes) and r.error is None and r.median_ms > 0]
+    return "; ".join(parts)

@@ -1,12 +1,19 @@
 """Benchmarks of the MLA attention ops (DeepSeek dims: R = 512, P = 64; bf16 queries).
 
-`mla_decode` (full sweep): B in {1, 64, 128} x H in {16, 128} x ctx in {4096, 32768},
-plus the DESIGN.md anchor B=64, H=16, ctx=8192; every request holds `ctx` cached tokens in
-randomly placed 64-token blocks. `sparse_mla` (full sweep): T in {1, 64, 128} x H in {16, 128} with
-K = 2048 distinct slots per token, each token's slots in its own region of the cache (as
-in decode, where every token attends to its own request). Every shape runs twice: with
-the bf16 cache (1152 bytes a key) and, on a row labelled "fp8_ds_mla", with the same
-keys as DeepSeek's FP8 records (`graphsafe.formats.fp8_ds_mla`, 656 bytes a key).
+`mla_decode`: B x H x ctx (default the DESIGN anchor B=64, H=16, ctx=8192 and B=64, H=128 at
+8192 and 32768; `--full`: B in {1, 64, 128} x H in {16, 128} x ctx in {4096, 32768}); every
+request holds `ctx` cached tokens in randomly placed 64-token blocks. `sparse_mla`:
+DeepSeek-V3.2's decode, T tokens (b requests of s_q queries) x H in {16, 64, 128} with
+K = 2048 distinct slots per token, each token's slots in its own region of the cache.
+`sparse_mla_prefill`: thousands of query tokens over one flat cache (DeepSeek-V3.2's sparse
+prefill; d_qk 512 is DeepSeek-V4's head). Every shape runs with the bf16 cache (1152 bytes
+a key) and, on a row labelled "fp8_ds_mla", with the same keys as DeepSeek's FP8 records
+(`graphsafe.formats.fp8_ds_mla`, 656 bytes a key).
+
+Peers on the same tensors, outputs compared: FlashInfer's MLA decode (fa3, fa2; bf16) and
+FlashMLA (`graphsafe.bench.flashmla`: dense bf16 decode, sparse decode over the fp8_ds_mla
+cache with 16 heads padded to 64 as vLLM does, `flash_mla_sparse_fwd` for prefill), each
+where it is installed; the note gives graphsafe / peer ratios.
 
 Bytes = the cache rows every query must read once (at the cache's bytes a key) + q +
 out + lse + the block table / indices; flops = 2 * H * keys * (R + P + R) per query.
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.bench import flashinfer
+from graphsafe.bench import flashinfer, flashmla
 from graphsafe.bench.harness import Problem, Shapes, bench_case
 from graphsafe.bench.peers import nbytes, op_peers
 from graphsafe.formats.fp8_ds_mla import quantize_records, record_bytes
@@ -75,21 +82,24 @@ def sparse_inputs(tokens: int, heads: int, topk: int, device: torch.device, regi
     return q, kv_cache, indices, D**-0.5, R
 
 
-def fp8_cache(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The fp8_ds_mla cache `[num_blocks, block_size, 656]` uint8 holding the keys of the
-    bf16 cache `kv_cache [num_blocks, block_size, 576]` (`quantize_records`, in chunks of
+def fp8_cache(kv_cache: torch.Tensor, kv_lora_rank: int = R) -> torch.Tensor:
+    """The fp8_ds_mla cache `[num_blocks, block_size, record]` uint8 holding the keys of the
+    bf16 cache `kv_cache [num_blocks, block_size, R + P]` (`quantize_records`, in chunks of
     QUANT_CHUNK_ROWS rows: the float32 temporaries of a GB-sized cache at once would not fit)."""
-    rows = kv_cache.reshape(-1, D)
-    out = torch.empty(rows.shape[0], RECORD, dtype=torch.uint8, device=kv_cache.device)
+    d = kv_cache.shape[-1]
+    record = record_bytes(kv_lora_rank, d - kv_lora_rank)
+    rows = kv_cache.reshape(-1, d)
+    out = torch.empty(rows.shape[0], record, dtype=torch.uint8, device=kv_cache.device)
     for start in range(0, rows.shape[0], QUANT_CHUNK_ROWS):
         part = rows[start : start + QUANT_CHUNK_ROWS]
-        out[start : start + QUANT_CHUNK_ROWS] = quantize_records(part[:, :R], part[:, R:])
-    return out.view(*kv_cache.shape[:2], RECORD)
+        out[start : start + QUANT_CHUNK_ROWS] = quantize_records(part[:, :kv_lora_rank], part[:, kv_lora_rank:])
+    return out.view(*kv_cache.shape[:2], record)
 
 
 def with_fp8_cache(args: tuple) -> tuple:
-    """`decode_inputs` / `sparse_inputs` with their cache (argument 1) as fp8_ds_mla records."""
-    return (args[0], fp8_cache(args[1]), *args[2:])
+    """`decode_inputs` / `sparse_inputs` (or any MLA op's args, kv_lora_rank last) with their
+    cache (argument 1) as fp8_ds_mla records."""
+    return (args[0], fp8_cache(args[1], args[-1]), *args[2:])
 
 
 def cache_bytes_per_key(kv_cache: torch.Tensor) -> int:
@@ -97,12 +107,13 @@ def cache_bytes_per_key(kv_cache: torch.Tensor) -> int:
     return kv_cache.shape[-1] * kv_cache.element_size()
 
 
-def _label(kind: str, rows: int, heads: int, keys: int, eager: bool, fp8: bool = False) -> str:
-    return (f"{kind}={rows} H={heads} {'ctx' if kind == 'B' else 'K'}={keys}" + (" fp8_ds_mla" if fp8 else "")
-            + ("" if eager else " (no eager)"))
+def _label(kind: str, rows: int, heads: int, keys: int, eager: bool, fp8: bool = False, extra: str = "") -> str:
+    return (f"{kind}={rows} H={heads} {'ctx' if kind == 'B' else 'K'}={keys}" + (f" {extra}" if extra else "")
+            + (" fp8_ds_mla" if fp8 else "") + ("" if eager else " (no eager)"))
 
 
-def _problem(spec, args, device, rows: int, heads: int, keys: int, kind: str, extra_bytes: int) -> Problem:
+def _problem(spec, args, device, rows: int, heads: int, keys: int, kind: str, extra_bytes: int,
+             extra_label: str = "") -> Problem:
     eager = _eager_bytes(rows, heads, keys) <= EAGER_LIMIT_BYTES
     impls = op_peers(spec, args, device)
     if not eager:
@@ -114,7 +125,7 @@ def _problem(spec, args, device, rows: int, heads: int, keys: int, kind: str, ex
     flops = 2 * rows * heads * keys * (D + R)
     return Problem(
         case=spec.name,
-        shape=_label(kind, rows, heads, keys, eager, fp8=kv_cache.dtype == torch.uint8),
+        shape=_label(kind, rows, heads, keys, eager, fp8=kv_cache.dtype == torch.uint8, extra=extra_label),
         impls=impls,
         bytes=total,
         flops=flops,
@@ -136,30 +147,76 @@ def mla_decode(device: torch.device, shapes: tuple):
     for batch, heads, ctx in shapes:
         args = decode_inputs(batch, heads, ctx, device)
         problem = _problem(spec, args, device, batch, heads, ctx, "B", nbytes(args[2], args[3]))
-        fi_impls, fi_note = flashinfer.mla_decode_peers(*args, spec.public(*args))
-        problem.impls.update(fi_impls)
-        problem.note = "; ".join(x for x in (problem.note, fi_note) if x)
+        ours = spec.public(*args)
+        _add_peers(problem, flashinfer.mla_decode_peers(*args, ours), flashmla.dense_decode_peers(*args, ours))
         yield problem
-        del problem, fi_impls
+        del problem, ours
         args = with_fp8_cache(args)
         yield _problem(spec, args, device, batch, heads, ctx, "B", nbytes(args[2], args[3]))
         del args
 
 
-# (tokens, heads, K slots per token, cache slots per token's region)
+def _add_peers(problem: Problem, *peers: tuple[dict, str]) -> None:
+    """The external peers' impls and notes (`graphsafe.bench.flashinfer`, `.flashmla`)."""
+    for impls, note in peers:
+        problem.impls.update(impls)
+        problem.note = "; ".join(x for x in (problem.note, note) if x)
+
+
+# DeepSeek-V3.2's decode: (tokens T, heads, K slots per token, cache slots per token's
+# region, queries per request s_q); T = requests * s_q. Heads 128 (TP1), 64 (TP2), 16 (TP8:
+# FlashMLA's peer pads them to 64, as vLLM does).
 @bench_case("sparse_mla", Shapes(
-    default=((128, 16, 2048, 8192), (128, 128, 2048, 8192)),
-    full=tuple((t, h, 2048, 8192) for t in (1, 64, 128) for h in (16, 128)),
-    cpu=((4, 16, 64, 256),),
+    default=((128, 128, 2048, 8192, 2), (256, 128, 2048, 8192, 2), (128, 64, 2048, 8192, 2), (128, 16, 2048, 8192, 2)),
+    full=tuple((b * s, h, 2048, 8192, s) for b in (1, 8, 32, 64, 128) for s in (1, 2) for h in (16, 64, 128)),
+    cpu=((4, 16, 64, 256, 2),),
 ))
 def sparse_mla(device: torch.device, shapes: tuple):
     spec = get_op("sparse_mla")
-    for tokens, heads, topk, region in shapes:
+    for tokens, heads, topk, region, s_q in shapes:
         args = sparse_inputs(tokens, heads, topk, device, region=region)
-        yield _problem(spec, args, device, tokens, heads, topk, "T", nbytes(args[2]))
+        requests = f"b={tokens // s_q}x{s_q}"
+        yield _problem(spec, args, device, tokens, heads, topk, "T", nbytes(args[2]), requests)
         args = with_fp8_cache(args)
-        yield _problem(spec, args, device, tokens, heads, topk, "T", nbytes(args[2]))
-        del args
+        problem = _problem(spec, args, device, tokens, heads, topk, "T", nbytes(args[2]), requests)
+        _add_peers(problem, flashmla.sparse_decode_peers(*args, spec.public(*args), s_q))
+        yield problem
+        del args, problem
+
+
+# DeepSeek-V3.2's sparse prefill: (query tokens, heads, q.k width R + P, K, cache keys). Each
+# token attends to K distinct keys of one flat bf16 cache; graphsafe reads it as 64-slot
+# pages, bf16 and (R a multiple of 128) as fp8_ds_mla records; FlashMLA's
+# `flash_mla_sparse_fwd` reads the bf16 rows. d_qk 512 is DeepSeek-V4's head (R = 448).
+@bench_case("sparse_mla_prefill", Shapes(
+    default=((4096, 128, 576, 2048, 32768),),
+    full=((4096, 128, 576, 2048, 32768), (4096, 64, 576, 2048, 32768), (4096, 128, 512, 2048, 32768)),
+    cpu=((16, 16, 192, 32, 256),),
+))
+def sparse_mla_prefill(device: torch.device, shapes: tuple):
+    spec = get_op("sparse_mla")
+    for tokens, heads, d_qk, topk, keys in shapes:
+        gen = _gen(device)
+        r = d_qk - P
+        kv = torch.randn((keys, d_qk), generator=gen, device=device, dtype=torch.bfloat16)
+        q = torch.randn((tokens, heads, d_qk), generator=gen, device=device, dtype=torch.bfloat16)
+        indices = torch.rand((tokens, keys), generator=gen, device=device).argsort(dim=1)[:, :topk].to(torch.int32)
+        scale = d_qk**-0.5
+        args = (q, kv.view(keys // BLOCK_SIZE, BLOCK_SIZE, d_qk), indices, scale, r)
+        flops = 2 * tokens * heads * topk * (d_qk + r)
+        for fp8 in (False, True) if r % 128 == 0 else (False,):
+            call = with_fp8_cache(args) if fp8 else args
+            impls = {f"graphsafe[{spec.serving_backend(device.type)}]": (lambda call=call: spec.public(*call))}
+            problem = Problem(case="sparse_mla_prefill",
+                              shape=f"s_q={tokens} H={heads} d_qk={d_qk} K={topk} keys={keys}"
+                              + (" fp8_ds_mla" if fp8 else ""),
+                              impls=impls, bytes=nbytes(q, indices) + tokens * heads * r * 2
+                              + min(keys, tokens * topk) * cache_bytes_per_key(call[1]),
+                              flops=flops, bound="compute")
+            _add_peers(problem, flashmla.sparse_prefill_peers(q, kv, indices, scale, r, spec.public(*call)))
+            yield problem
+            del problem, call
+        del args, kv, q, indices
 
 
 # mla_tune candidates: (block_h, block_n, num_warps, num_stages, ctas_per_sm, value_chunks
