@@ -28,7 +28,7 @@ class InputError(GraphsafeError, ValueError):
 
 
 class RegistrationError(GraphsafeError):
-    """An op was registered in a way that breaks the op contract (see DESIGN.md)."""
+    """An op was registered in a way that breaks the op contract (see docs/design.md)."""
 
 
 class WorkspaceError(GraphsafeError):

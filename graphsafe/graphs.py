@@ -14,7 +14,7 @@ field's pad value (slot -1, seq_len 0: the ops do nothing there). With `static=`
 buffers of a metadata builder serve as those static inputs, and steps built in place
 are not copied at all.
 
-`capture()` follows the design's order (DESIGN.md, "Metadata builders and graphs"):
+`capture()` follows the design's order (docs/design.md, "Metadata, graphs and models"):
 1. `reserve(max_bucket)` sizes the workspace for the worst case (one growth, no dry run);
 2. every bucket runs `warmup_steps` times on a side stream, largest first: Triton and
    Inductor compile, specialise and autotune there, never inside a capture;

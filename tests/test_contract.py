@@ -1,4 +1,4 @@
-"""The op contract (DESIGN.md), checked for every registered op: no op can skip it.
+"""The op contract (docs/design.md), checked for every registered op: no op can skip it.
 
 Parametrised over the registry, so a new op is picked up without editing this file, and
 fails here until it has a fake, a reference and a Triton backend, a test case, and

@@ -71,3 +71,22 @@ def test_ci_installs_bounded_versions():
     for package in ("triton", "numpy", "hypothesis", "pytest", "transformers"):
         assert package in names, f"{package} is not pinned in scripts/constraints.txt"
     assert all("==" in p for p in pins), pins
+
+
+def test_performance_page_is_generated_from_the_results():
+    """docs/performance.md is what benchmarks/performance_page.py makes of the bench JSON in
+    benchmarks/results (a new result without a regenerated page fails here)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("performance_page", ROOT / "benchmarks" / "performance_page.py")
+    page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page)
+    assert page.main(["--check"]) == 0, "run: python benchmarks/performance_page.py"
+    text = (ROOT / "docs" / "performance.md").read_text()
+    for image in re.findall(r"\]\((img/[^)]+)\)", text):
+        assert (ROOT / "docs" / image).is_file(), image
+
+
+def test_docs_are_linked_from_the_readme_and_cited_design_exists():
+    assert "docs/design.md" in README and "docs/performance.md" in README
+    assert (ROOT / "docs" / "design.md").is_file()

@@ -76,7 +76,7 @@ def test_formats_are_a_leaf():
             assert not name.startswith("graphsafe"), f"{path.relative_to(PKG)} imports {name}"
 
 
-# Host-device syncs that have no place in a decode op (DESIGN.md rule 5). The runtime
+# Host-device syncs that have no place in a decode op (docs/design.md, "The op contract"). The runtime
 # check is sync-debug "error" on the GPU; this catches them on CPU-only CI too. Strings
 # and comments are ignored; a line that must sync (a one-time capability probe, never on
 # the hot path) says so with the pragma `# graphsafe: allow-sync (<why>)`.

@@ -1,4 +1,4 @@
-"""The op contract as executable checks (DESIGN.md, "Rules every op follows").
+"""The op contract as executable checks (docs/design.md, "The op contract").
 
 Each `check_*` function raises AssertionError (or the op's own error) on a violation.
 The pytest suite parametrises them over the registry; `python -m graphsafe check` runs

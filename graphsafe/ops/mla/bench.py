@@ -1,6 +1,6 @@
 """Benchmarks of the MLA attention ops (DeepSeek dims: R = 512, P = 64; bf16 queries).
 
-`mla_decode`: B x H x ctx (default the DESIGN anchor B=64, H=16, ctx=8192 and B=64, H=128 at
+`mla_decode`: B x H x ctx (default the design anchor B=64, H=16, ctx=8192 and B=64, H=128 at
 8192 and 32768; `--full`: B in {1, 64, 128} x H in {16, 128} x ctx in {4096, 32768}); every
 request holds `ctx` cached tokens in randomly placed 64-token blocks. `sparse_mla`:
 DeepSeek-V3.2's decode, T tokens (b requests of s_q queries) x H in {16, 64, 128} with
@@ -133,7 +133,7 @@ def _problem(spec, args, device, rows: int, heads: int, keys: int, kind: str, ex
     )
 
 
-# (batch, heads, ctx); by default the DESIGN.md anchor (memory-bound), the FlashInfer
+# (batch, heads, ctx); by default the design anchor (memory-bound), the FlashInfer
 # comparison's B=64 H=128 ctx=8192 (issue 17) and the compute-bound
 # 128 heads at 32k.
 @bench_case("mla_decode", Shapes(
