@@ -13,7 +13,7 @@ import torch
 from graphsafe.testing import case_for
 import graphsafe
 from graphsafe.ops.attention import aiter as adapter
-from graphsafe.ops.attention import aiter_prep
+from graphsafe.ops.attention.kernels import triton_sequence_bounds
 from graphsafe.ops.attention.reference import sequence_bounds
 from graphsafe.testing import contract as C
 
@@ -101,7 +101,7 @@ def test_sequence_bounds_kernel():
     cu_q = torch.tensor([2, 9, 5, 14, 10**6, -3], dtype=torch.int32)
     cu_k = torch.tensor([-5, 7, 3, 20, 31, 8], dtype=torch.int32)
     bq, bk = torch.empty(6, dtype=torch.int32), torch.empty(6, dtype=torch.int32)
-    aiter_prep.bind_sequence_bounds(cu_q, 5, 24, 30)(cu_q, cu_k, bq, bk)
+    triton_sequence_bounds.bind_sequence_bounds(cu_q, 5, 24, 30)(cu_q, cu_k, bq, bk)
     assert bq.tolist() == [2, 9, 9, 14, 24, 24] and bk.tolist() == [0, 7, 7, 20, 30, 30]
 
 

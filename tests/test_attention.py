@@ -468,7 +468,7 @@ def test_varlen_kernel_mla_head_dims():
 def _quantise_with_kernels(q, k, v):
     """The fp8 path's quantisation launches on their own: prepare (reset the slots),
     amax of q/k/v in one launch, k and V^T in one launch."""
-    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention.kernels import triton_quant as Q
 
     tk, hk, d = k.shape
     k8 = torch.full((tk, hk, d), float("nan"), dtype=torch.float32).to(FP8_DTYPE)  # poison
@@ -486,7 +486,7 @@ def test_quantisation_kernels_are_bit_exact(tokens):
     """The Triton per-tensor amax and quantisation equal torch's, also on values where the
     interpreter's own fp32 -> e4m3 cast is wrong (carries into the next binade,
     subnormals, ties to even); V^T is v transposed with zeroed padding columns."""
-    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention.kernels import triton_quant as Q
 
     special = torch.tensor(
         [448.0, 31.8, 15.9, 0.00117, 2**-10, 3 * 2**-10, 2**-9 * 1.5, 17.0, 19.0, -31.9, 0.0, 240.0, 232.0, 247.9, -0.0,
@@ -562,7 +562,7 @@ def test_quantisation_division_is_exact_for_every_bf16():
 
 @needs_triton
 def test_v_transpose_copy_of_fp8_inputs():
-    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention.kernels import triton_quant as Q
 
     v = torch.randn(21, 2, 2, 32).to(FP8_DTYPE)[:, :, 1]  # strided
     vt = torch.full((2, 32, Q.vt_columns(21)), 3.0).to(FP8_DTYPE)
@@ -700,7 +700,7 @@ def test_varlen_workspace_helper_covers_the_fp8_call():
 @needs_triton
 def test_fp8_probe_kernel_logic_in_the_interpreter():
     """The probe's own kernel and expected values agree (on the GPU it decides 'auto')."""
-    from graphsafe.ops.attention._triton_quant import run_fp8_probe
+    from graphsafe.ops.attention.kernels.triton_quant import run_fp8_probe
 
     assert run_fp8_probe(torch.device("cpu"))
 

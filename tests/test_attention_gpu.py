@@ -141,7 +141,7 @@ def test_quantisation_kernels_bit_exact_on_gpu():
     """amax of q/k/v (one launch, atomic max), k / V^T quantisation (one launch) and the q
     copy equal `quantize_per_tensor` bit for bit at a Llama prefill shape; V^T padding is
     zero."""
-    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention.kernels import triton_quant as Q
 
     gen = torch.Generator(device=CUDA).manual_seed(0)
     tk = 4096 * 8 + 5  # not a multiple of 16: V^T has padding columns
@@ -336,7 +336,7 @@ def test_strided_sinks_are_read_by_their_stride(op):
         assert torch.equal(getattr(graphsafe, op)(*args[:-1], view), reference), op
 
 
-# -- the sm_90 Gluon kernel of flash_attn_varlen (ops/attention/_gluon_prefill.py) ----------------
+# -- the sm_90 Gluon kernel of flash_attn_varlen (ops/attention/kernels/gluon_prefill.py) ----------------
 # (lens_q, lens_k, Hq, Hk, D, dtype, causal): one tile; ragged lengths with 1-token sequences;
 # more keys than queries (chunked prefill); more queries than keys (rows that see no key);
 # empty sequences at D = 64; every sequence short (64-row tiles); a long GQA batch (the

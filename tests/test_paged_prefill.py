@@ -247,7 +247,7 @@ def test_kernel_keeps_max_len_a_runtime_int():
     block table's capacity in tokens) specialised to 1, the ptxas of Triton 3.6 segfaults
     on the paged prefill kernel at 3 stages (reproduced for sm_90a; Triton 3.9's ptxas
     does not). The edge case of one block of one token runs the kernel there on a GPU."""
-    from graphsafe.ops.attention import _triton_paged_prefill as kernels
+    from graphsafe.ops.attention.kernels import triton_paged_prefill as kernels
 
     kernel = kernels._paged_prefill_kernel
     # A JITFunction keeps the list itself; under the interpreter, the decorator's kwargs.

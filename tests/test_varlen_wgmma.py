@@ -1,4 +1,4 @@
-"""The sm_90 Gluon kernel of `flash_attn_varlen` (ops/attention/_gluon_prefill.py) on the CPU.
+"""The sm_90 Gluon kernel of `flash_attn_varlen` (ops/attention/kernels/gluon_prefill.py) on the CPU.
 
 Gluon cannot run in Triton's interpreter, so here: its launches, as `prepare_flash_attn_varlen`
 binds them, compile for sm_90 (wgmma shapes and shared memory checked in the PTX); where it
@@ -37,9 +37,10 @@ try:
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
 # Outside the guard: an ImportError of the kernel's own module fails the test.
-from graphsafe.ops.attention import _gluon_prefill as G
+from graphsafe.ops.attention.kernels import gluon_prefill as G
 import torch
-from graphsafe.ops.attention import _triton_prefill, _triton_quant, triton as T, wgmma_varlen as W
+from graphsafe.ops.attention import triton as T, wgmma_varlen as W
+from graphsafe.ops.attention.kernels import triton_prefill, triton_quant
 
 launches = []
 KERNELS = {G.varlen_fwd_wgmma_kernel: "wgmma", G.varlen_fwd_ws_kernel: "ws", G.varlen_fwd_tma_kernel: "tma"}
@@ -58,7 +59,7 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluo
             launches.append((kernel, tuple(take(a) for a in args), dict(kw)))
     return launch
 
-for module in (W, _triton_prefill, _triton_quant):
+for module in (W, triton_prefill, triton_quant):
     module.bind = record
 T.wgmma_varlen_fits = lambda *a: True  # the names prepare_flash_attn_varlen calls
 T.wgmma_varlen_fp8_fits = lambda *a: True
@@ -517,7 +518,7 @@ def test_quantised_inputs_bind_the_fp8_gluon_launch_on_copies(fp8_binds):
     """bf16/fp16 inputs the op quantises bind the launch on fp8 copies of q and k (per-tensor
     descale slots), the workspace then holds the q copy too, and a call the Gluon launch
     does not run (here: every call) runs the Triton kernel, which quantises q itself."""
-    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention.kernels import triton_quant as Q
 
     q, k, v, cu, _, max_q, max_k, scale, causal, *_ = _varlen_args()
     args = (q, k, v, cu, cu, max_q, max_k, scale, causal, None, None, None, "on")

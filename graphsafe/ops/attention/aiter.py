@@ -12,10 +12,10 @@ itself never calls another backend.
   fmha v3 asm or CK `mha_varlen_fwd`; bottom-right causal alignment, a row that sees no
   key is 0). aiter uses `cu_seqlens` as given (asm_mha_varlen_fwd.cu / CK
   mha_varlen_fwd_kernels.cu: no clamping), so a Triton launch
-  (aiter_prep.bind_sequence_bounds) first writes graphsafe's bounds (running maximum,
+  (kernels/triton_sequence_bounds.py) first writes graphsafe's bounds (running maximum,
   clamped to [0, T]) into workspace int32 buffers, and those are passed. aiter's output
   is `torch::empty`: rows outside every sequence (before the first, at or past the last)
-  are zeroed afterwards (`_triton_quant.bind_prepare`). Only bf16/fp16 with `fp8="off"`:
+  are zeroed afterwards (`kernels/triton_quant.bind_prepare`). Only bf16/fp16 with `fp8="off"`:
   aiter's fp8 type is e4m3fnuz on gfx942 (aiter/utility/dtypes.py), and its fp8 varlen
   path is not graphsafe's per-tensor quantisation. At least one sequence: aiter rejects
   B = 0 ("batch size must be postive"). Calls with no output element, no key row or a
@@ -56,8 +56,8 @@ from __future__ import annotations
 import torch
 
 from graphsafe import aiter_support
-from graphsafe.ops.attention import aiter_prep
-from graphsafe.ops.attention._triton_quant import bind_prepare
+from graphsafe.ops.attention.kernels import triton_sequence_bounds
+from graphsafe.ops.attention.kernels.triton_quant import bind_prepare
 from graphsafe.workspace import current_workspace_manager
 
 # Head sizes ceil(max/8)*8 above this are rejected by aiter's varlen TORCH_CHECKs.
@@ -110,7 +110,7 @@ def prepare_flash_attn_varlen(
 
     varlen = aiter.flash_attn_varlen_func
     specs = (((batch + 1,), torch.int32), ((batch + 1,), torch.int32))
-    bounds = aiter_prep.bind_sequence_bounds(cu_seqlens_q, batch, tq, tk)
+    bounds = triton_sequence_bounds.bind_sequence_bounds(cu_seqlens_q, batch, tq, tk)
     zero_outside = bind_prepare(q, batch, tq, hq * dv, False)
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,

@@ -1,5 +1,5 @@
 """The numbers of the fp8 prefill path that the reference (`fp8.py`) and the Triton
-kernels (`_triton_quant.py`, `_triton_prefill.py`) share. A leaf module: it imports
+kernels (`kernels/triton_quant.py`, `kernels/triton_prefill.py`) share. A leaf module: it imports
 nothing of graphsafe, so both sides can import it without importing each other."""
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ from graphsafe.device_info import compute_capability
 from graphsafe.ops.attention.fake import FP8, output_dtype
 from graphsafe.launch import output_allocator
 from graphsafe.ops.attention import reference
-from graphsafe.ops.attention._triton_decode import bind_combine, bind_paged_decode
-from graphsafe.ops.attention._triton_prefill import bind_varlen
-from graphsafe.ops.attention._triton_quant import (
+from graphsafe.ops.attention.kernels.triton_decode import bind_combine, bind_paged_decode
+from graphsafe.ops.attention.kernels.triton_prefill import bind_varlen
+from graphsafe.ops.attention.kernels.triton_quant import (
     AMAX_Q,
     DESCALE_K,
     DESCALE_Q,

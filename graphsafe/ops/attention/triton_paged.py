@@ -13,8 +13,8 @@ import torch
 
 from graphsafe.device_info import compute_capability
 from graphsafe.launch import output_allocator
-from graphsafe.ops.attention._triton_paged_prefill import bind_paged_prefill
-from graphsafe.ops.attention._triton_quant import bind_prepare
+from graphsafe.ops.attention.kernels.triton_paged_prefill import bind_paged_prefill
+from graphsafe.ops.attention.kernels.triton_quant import bind_prepare
 
 
 def paged_prefill_config(device: torch.device, d: int, dv: int, group: int, max_seqlen_q: int

@@ -1,4 +1,4 @@
-"""Where `flash_attn_varlen` runs its sm_90 Gluon kernels (_gluon_prefill.py), and their launch.
+"""Where `flash_attn_varlen` runs its sm_90 Gluon kernels (kernels/gluon_prefill.py), and their launch.
 
 Three Gluon kernels serve the plain bf16/fp16 call on Hopper (a positive softmax scale,
 no variant: window, softcap, sinks), chosen by `varlen_kernel`:
@@ -42,10 +42,10 @@ def _gluon_module():
     """The kernel's module, or None where this Triton has no Gluon (imported on first use:
     CPU runs and other GPUs never need it)."""
     try:
-        from graphsafe.ops.attention import _gluon_prefill
+        from graphsafe.ops.attention.kernels import gluon_prefill
     except (ImportError, AttributeError):  # no Gluon, or one without the Hopper ops used
         return None
-    return _gluon_prefill
+    return gluon_prefill
 
 
 def _compile_failed(key: tuple, exc: Exception) -> None:

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from graphsafe.launch import Launch, bind
-from graphsafe.ops.attention._triton_quant import sequence_bounds
-from graphsafe.ops.attention._triton_softcap import tanh_of_exp2
+from graphsafe.ops.attention.kernels.triton_quant import sequence_bounds
+from graphsafe.ops.attention.kernels.triton_softcap import tanh_of_exp2
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
@@ -202,7 +202,7 @@ def bind_paged_prefill(
     """The kernel bound to these inputs' shapes and strides, into a contiguous
     `[Tq, Hq, Dv]` output: `launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
     k_scale, v_scale, sinks, out)`; it writes every row of every sequence (the caller
-    zeroes the rows outside them: `_triton_quant.bind_prepare`). bf16/fp16 caches read no
+    zeroes the rows outside them: `triton_quant.bind_prepare`). bf16/fp16 caches read no
     scales and `sinks_stride=None` (no sinks) none: pass any tensor of the device there (e.g. q).
     `config` is (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages); BLOCK_M is raised to
     the group size when smaller. None when there is nothing to compute."""

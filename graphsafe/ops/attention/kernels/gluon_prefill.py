@@ -1,7 +1,7 @@
 """Hopper (sm_90) kernels of `flash_attn_varlen` in Gluon: bf16/fp16, wgmma with the two
 products of a key tile in flight together.
 
-Why: Triton's kernel (_triton_prefill.py) waits for each product before the next starts:
+Why: Triton's kernel (triton_prefill.py) waits for each product before the next starts:
 q.k of a tile, its softmax, then p.V, so the tensor cores idle through every softmax
 (3.35 ms, 329 TFLOP/s on an H200 at 8 x 4096 causal, 32/8 heads; FlashAttention-3 1.74).
 Here the q.k of tile j + 1 is issued, and then p.V of tile j, before the softmax of tile
@@ -124,7 +124,7 @@ def tma_descriptors_fp8(like: torch.Tensor, q_view: tuple, k_view: tuple, vt_sha
 @gluon.jit
 def _sequence_bounds(cu_ptr, b, total, num_warps: gl.constexpr):
     """Rows `[start, end)` of sequence b: the running maximum of cu_seqlens clamped to
-    `[0, total]` (`_triton_quant.sequence_bounds`, written again: a Gluon kernel cannot
+    `[0, total]` (`triton_quant.sequence_bounds`, written again: a Gluon kernel cannot
     call a `triton.jit` helper). Never outside the tensor, whatever cu holds."""
     CHUNK: gl.constexpr = 32 * num_warps
     IDS: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])

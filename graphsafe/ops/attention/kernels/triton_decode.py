@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from graphsafe.launch import Launch, bind
-from graphsafe.ops.attention._triton_softcap import tanh_of_exp2
+from graphsafe.ops.attention.kernels.triton_softcap import tanh_of_exp2
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # kernels may only read constexpr globals
