@@ -22,10 +22,15 @@ ARCHS = ("gfx942", "gfx950")
 NAN = float("nan")
 
 
+def _call(args, name: str = VARLEN):
+    """The op's bound call of `args` (what `supports` and `prepare` take)."""
+    return graphsafe.get_op(name).call(*args)
+
+
 def _aiter(name: str, args):
     """The adapter's runner on `args` (supports must accept them)."""
-    assert getattr(adapter, f"supports_{name}")(*args), name
-    return getattr(adapter, f"prepare_{name}")(*args)(*args)
+    assert getattr(adapter, f"supports_{name}")(_call(args, name)), name
+    return getattr(adapter, f"prepare_{name}")(_call(args, name))(*args)
 
 
 def _compare(name: str, args, actual):
@@ -59,7 +64,7 @@ def test_varlen_matches_the_reference_on_the_case(aiter_standin, arch, params):
     aiter_standin(arch)
     spec = graphsafe.get_op(VARLEN)
     args = case_for(spec.name).inputs(params, "cpu", 0)
-    assert adapter.supports_flash_attn_varlen(*args)
+    assert adapter.supports_flash_attn_varlen(_call(args))
     C.check_backend_matches_reference(spec, case_for(spec.name), "aiter", args, params)
     C.check_unread_inputs_never_matter(spec, case_for(spec.name), "aiter", params, args)
     C.check_out_of_range_ids_are_padding(spec, case_for(spec.name), "aiter", params, args, 0)
@@ -119,9 +124,9 @@ def test_varlen_supports_per_the_table(aiter_standin):
     args = _varlen_inputs([0, 4, 9], [0, 6, 20])
     for arch in ARCHS:
         aiter_standin(arch)
-        assert adapter.supports_flash_attn_varlen(*args), arch
+        assert adapter.supports_flash_attn_varlen(_call(args)), arch
     aiter_standin("gfx90a")
-    assert not adapter.supports_flash_attn_varlen(*args)
+    assert not adapter.supports_flash_attn_varlen(_call(args))
     aiter_standin("gfx950")
     q, k, v, cu_q, cu_k = args[:5]
     fp8 = torch.float8_e4m3fn
@@ -133,7 +138,7 @@ def test_varlen_supports_per_the_table(aiter_standin):
         "head 264": (q.new_zeros(24, 4, 264), k.new_zeros(30, 2, 264), v, *args[3:]),
     }
     for what, bad in declined.items():
-        assert not adapter.supports_flash_attn_varlen(*bad), what
+        assert not adapter.supports_flash_attn_varlen(_call(bad)), what
 
 
 def test_standin_varlen_rejects_what_aiter_would_misread(aiter_standin):
