@@ -21,9 +21,9 @@ from graphsafe.ops.attention import (
     flash_attn_varlen_workspace,
     fp8_prefill_supported,
     paged_attention_decode_workspace,
+    plan,
     plan_decode_splits,
     reference,
-    split_kv,
 )
 from graphsafe.ops.attention.fp8 import FP8_DTYPE, quantize_per_tensor
 from graphsafe.testing.cases import case_for
@@ -159,7 +159,7 @@ def test_fp8_default_is_off():
     schema = {a.name: a for a in graphsafe.get_op("flash_attn_varlen").overload._schema.arguments}
     assert schema["fp8"].default_value == "off"
     # The fake, the check, prepare and the debug check take the bound call: its defaults are the stub's.
-    kernels = (_triton().flash_attn_varlen, _triton().prepare_flash_attn_varlen) if HAS_INTERPRETER else ()
+    kernels = (_triton().flash_attn_varlen,) if HAS_INTERPRETER else ()
     call_type = graphsafe.get_op("flash_attn_varlen").call_type
     for fn in (call_type, reference.flash_attn_varlen, *kernels):
         assert inspect.signature(fn).parameters["fp8"].default == "off", fn
@@ -398,13 +398,13 @@ def test_split_plan_uses_shapes_only():
     """The plan is a function of (B, Hk, capacity, SMs): no seq_lens argument exists, so a
     graph captured at short lengths keeps a valid plan for long ones (vLLM #51119)."""
     for b, hk, cap, sms in ((1, 8, 4096, 132), (64, 8, 4096, 132), (128, 8, 32768, 132), (1, 1, 64, 132)):
-        s = split_kv.num_kv_splits(b, hk, cap, sms, 64)
-        assert 1 <= s <= split_kv.MAX_SPLITS
-        assert s == 1 or math.ceil(cap / 64) // s >= split_kv.MIN_TILES_PER_SPLIT
-    assert split_kv.num_kv_splits(1, 8, 4096, 132, 64) == 16  # 4096 tokens: 64 tiles of 4
-    assert split_kv.num_kv_splits(64, 8, 4096, 132, 64) == 2  # 512 programs -> 1024 >= 4 x 132
-    assert split_kv.num_kv_splits(128, 8, 4096, 132, 64) == 1
-    assert split_kv.num_kv_splits(0, 8, 4096, 132, 64) == 1
+        s = plan.num_kv_splits(b, hk, cap, sms, 64)
+        assert 1 <= s <= plan.MAX_SPLITS
+        assert s == 1 or math.ceil(cap / 64) // s >= plan.MIN_TILES_PER_SPLIT
+    assert plan.num_kv_splits(1, 8, 4096, 132, 64) == 16  # 4096 tokens: 64 tiles of 4
+    assert plan.num_kv_splits(64, 8, 4096, 132, 64) == 2  # 512 programs -> 1024 >= 4 x 132
+    assert plan.num_kv_splits(128, 8, 4096, 132, 64) == 1
+    assert plan.num_kv_splits(0, 8, 4096, 132, 64) == 1
 
 
 @needs_triton

@@ -21,9 +21,9 @@ FP8 = torch.float8_e4m3fn
 
 
 def _kernel(*args, config=None):
-    from graphsafe.ops.attention import triton_paged
+    from graphsafe.ops.attention import triton as T
 
-    return triton_paged.paged_attention_prefill(*args, config=config)
+    return T.paged_attention_prefill(*args, config=config)
 
 
 def _cu(lens: list[int]) -> torch.Tensor:

@@ -14,7 +14,7 @@ overlap). Each warpgroup owns 64 query rows; per key tile it computes
 - acc += p V with p in registers (the score tile's layout is the A operand's: no shuffle)
   and V [BLOCK_N, Dv] from shared memory.
 
-Three kernels share that loop (`wgmma_varlen.varlen_kernel` picks):
+Three kernels share that loop (`plan.varlen_kernel` picks):
 - `varlen_fwd_tma_kernel` (128-row blocks, D = Dv = 128 or MLA prefill's D = 192,
   Dv = 128, heads contiguous): persistent (a program per SM walks the work tiles,
   sequence by sequence) and warp-specialised: one loader warp issues a TMA copy per
@@ -47,7 +47,7 @@ blocks, other GPUs, the CPU interpreter, which cannot run Gluon): sequence bound
 alignment, a row that sees no key writes 0, NaN scores keep their row NaN, rows outside
 every sequence are the prepare kernel's.
 
-Only imported where Gluon exists (Triton >= 3.4); `wgmma_varlen.wgmma_varlen_fits` says
+Only imported where Gluon exists (Triton >= 3.4); `plan.gluon_plan` says
 where the kernels run.
 """
 
