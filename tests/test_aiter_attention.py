@@ -13,7 +13,7 @@ import torch
 from graphsafe.testing import case_for
 import graphsafe
 from graphsafe.ops.attention import aiter as adapter
-from graphsafe.ops.attention import aiter_prep
+from graphsafe.ops.attention.kernels import triton_sequence_bounds
 from graphsafe.ops.attention.reference import sequence_bounds
 from graphsafe.testing import contract as C
 
@@ -22,10 +22,15 @@ ARCHS = ("gfx942", "gfx950")
 NAN = float("nan")
 
 
+def _call(args, name: str = VARLEN):
+    """The op's bound call of `args` (what `supports` and `prepare` take)."""
+    return graphsafe.get_op(name).call(*args)
+
+
 def _aiter(name: str, args):
     """The adapter's runner on `args` (supports must accept them)."""
-    assert getattr(adapter, f"supports_{name}")(*args), name
-    return getattr(adapter, f"prepare_{name}")(*args)(*args)
+    assert getattr(adapter, f"supports_{name}")(_call(args, name)), name
+    return getattr(adapter, f"prepare_{name}")(_call(args, name))(*args)
 
 
 def _compare(name: str, args, actual):
@@ -59,7 +64,7 @@ def test_varlen_matches_the_reference_on_the_case(aiter_standin, arch, params):
     aiter_standin(arch)
     spec = graphsafe.get_op(VARLEN)
     args = case_for(spec.name).inputs(params, "cpu", 0)
-    assert adapter.supports_flash_attn_varlen(*args)
+    assert adapter.supports_flash_attn_varlen(_call(args))
     C.check_backend_matches_reference(spec, case_for(spec.name), "aiter", args, params)
     C.check_unread_inputs_never_matter(spec, case_for(spec.name), "aiter", params, args)
     C.check_out_of_range_ids_are_padding(spec, case_for(spec.name), "aiter", params, args, 0)
@@ -101,7 +106,7 @@ def test_sequence_bounds_kernel():
     cu_q = torch.tensor([2, 9, 5, 14, 10**6, -3], dtype=torch.int32)
     cu_k = torch.tensor([-5, 7, 3, 20, 31, 8], dtype=torch.int32)
     bq, bk = torch.empty(6, dtype=torch.int32), torch.empty(6, dtype=torch.int32)
-    aiter_prep.bind_sequence_bounds(cu_q, 5, 24, 30)(cu_q, cu_k, bq, bk)
+    triton_sequence_bounds.bind_sequence_bounds(cu_q, 5, 24, 30)(cu_q, cu_k, bq, bk)
     assert bq.tolist() == [2, 9, 9, 14, 24, 24] and bk.tolist() == [0, 7, 7, 20, 30, 30]
 
 
@@ -119,9 +124,9 @@ def test_varlen_supports_per_the_table(aiter_standin):
     args = _varlen_inputs([0, 4, 9], [0, 6, 20])
     for arch in ARCHS:
         aiter_standin(arch)
-        assert adapter.supports_flash_attn_varlen(*args), arch
+        assert adapter.supports_flash_attn_varlen(_call(args)), arch
     aiter_standin("gfx90a")
-    assert not adapter.supports_flash_attn_varlen(*args)
+    assert not adapter.supports_flash_attn_varlen(_call(args))
     aiter_standin("gfx950")
     q, k, v, cu_q, cu_k = args[:5]
     fp8 = torch.float8_e4m3fn
@@ -133,7 +138,7 @@ def test_varlen_supports_per_the_table(aiter_standin):
         "head 264": (q.new_zeros(24, 4, 264), k.new_zeros(30, 2, 264), v, *args[3:]),
     }
     for what, bad in declined.items():
-        assert not adapter.supports_flash_attn_varlen(*bad), what
+        assert not adapter.supports_flash_attn_varlen(_call(bad)), what
 
 
 def test_standin_varlen_rejects_what_aiter_would_misread(aiter_standin):

@@ -21,9 +21,9 @@ from graphsafe.ops.attention import (
     flash_attn_varlen_workspace,
     fp8_prefill_supported,
     paged_attention_decode_workspace,
+    plan,
     plan_decode_splits,
     reference,
-    split_kv,
 )
 from graphsafe.ops.attention.fp8 import FP8_DTYPE, quantize_per_tensor
 from graphsafe.testing.cases import case_for
@@ -156,12 +156,12 @@ def test_fp8_default_is_off():
     fake/check and every backend default to fp8="off" ("auto" must be asked for)."""
     import inspect
 
-    from graphsafe.ops.attention import fake as fakes
-
     schema = {a.name: a for a in graphsafe.get_op("flash_attn_varlen").overload._schema.arguments}
     assert schema["fp8"].default_value == "off"
-    kernels = (_triton().flash_attn_varlen, _triton().prepare_flash_attn_varlen) if HAS_INTERPRETER else ()
-    for fn in (fakes.check_flash_attn_varlen, fakes.fake_flash_attn_varlen, reference.flash_attn_varlen, *kernels):
+    # The fake, the check, prepare and the debug check take the bound call: its defaults are the stub's.
+    kernels = (_triton().flash_attn_varlen,) if HAS_INTERPRETER else ()
+    call_type = graphsafe.get_op("flash_attn_varlen").call_type
+    for fn in (call_type, reference.flash_attn_varlen, *kernels):
         assert inspect.signature(fn).parameters["fp8"].default == "off", fn
 
 def test_public_ops_on_cpu_and_empty_rows_give_zero():
@@ -398,13 +398,13 @@ def test_split_plan_uses_shapes_only():
     """The plan is a function of (B, Hk, capacity, SMs): no seq_lens argument exists, so a
     graph captured at short lengths keeps a valid plan for long ones (vLLM #51119)."""
     for b, hk, cap, sms in ((1, 8, 4096, 132), (64, 8, 4096, 132), (128, 8, 32768, 132), (1, 1, 64, 132)):
-        s = split_kv.num_kv_splits(b, hk, cap, sms, 64)
-        assert 1 <= s <= split_kv.MAX_SPLITS
-        assert s == 1 or math.ceil(cap / 64) // s >= split_kv.MIN_TILES_PER_SPLIT
-    assert split_kv.num_kv_splits(1, 8, 4096, 132, 64) == 16  # 4096 tokens: 64 tiles of 4
-    assert split_kv.num_kv_splits(64, 8, 4096, 132, 64) == 2  # 512 programs -> 1024 >= 4 x 132
-    assert split_kv.num_kv_splits(128, 8, 4096, 132, 64) == 1
-    assert split_kv.num_kv_splits(0, 8, 4096, 132, 64) == 1
+        s = plan.num_kv_splits(b, hk, cap, sms, 64)
+        assert 1 <= s <= plan.MAX_SPLITS
+        assert s == 1 or math.ceil(cap / 64) // s >= plan.MIN_TILES_PER_SPLIT
+    assert plan.num_kv_splits(1, 8, 4096, 132, 64) == 16  # 4096 tokens: 64 tiles of 4
+    assert plan.num_kv_splits(64, 8, 4096, 132, 64) == 2  # 512 programs -> 1024 >= 4 x 132
+    assert plan.num_kv_splits(128, 8, 4096, 132, 64) == 1
+    assert plan.num_kv_splits(0, 8, 4096, 132, 64) == 1
 
 
 @needs_triton
@@ -468,7 +468,7 @@ def test_varlen_kernel_mla_head_dims():
 def _quantise_with_kernels(q, k, v):
     """The fp8 path's quantisation launches on their own: prepare (reset the slots),
     amax of q/k/v in one launch, k and V^T in one launch."""
-    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention.kernels import triton_quant as Q
 
     tk, hk, d = k.shape
     k8 = torch.full((tk, hk, d), float("nan"), dtype=torch.float32).to(FP8_DTYPE)  # poison
@@ -486,7 +486,7 @@ def test_quantisation_kernels_are_bit_exact(tokens):
     """The Triton per-tensor amax and quantisation equal torch's, also on values where the
     interpreter's own fp32 -> e4m3 cast is wrong (carries into the next binade,
     subnormals, ties to even); V^T is v transposed with zeroed padding columns."""
-    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention.kernels import triton_quant as Q
 
     special = torch.tensor(
         [448.0, 31.8, 15.9, 0.00117, 2**-10, 3 * 2**-10, 2**-9 * 1.5, 17.0, 19.0, -31.9, 0.0, 240.0, 232.0, 247.9, -0.0,
@@ -562,7 +562,7 @@ def test_quantisation_division_is_exact_for_every_bf16():
 
 @needs_triton
 def test_v_transpose_copy_of_fp8_inputs():
-    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention.kernels import triton_quant as Q
 
     v = torch.randn(21, 2, 2, 32).to(FP8_DTYPE)[:, :, 1]  # strided
     vt = torch.full((2, 32, Q.vt_columns(21)), 3.0).to(FP8_DTYPE)
@@ -700,7 +700,7 @@ def test_varlen_workspace_helper_covers_the_fp8_call():
 @needs_triton
 def test_fp8_probe_kernel_logic_in_the_interpreter():
     """The probe's own kernel and expected values agree (on the GPU it decides 'auto')."""
-    from graphsafe.ops.attention._triton_quant import run_fp8_probe
+    from graphsafe.ops.attention.kernels.triton_quant import run_fp8_probe
 
     assert run_fp8_probe(torch.device("cpu"))
 

@@ -14,6 +14,7 @@ from graphsafe.ops.attention import (
     flash_attn_varlen_workspace,
     fp8_prefill_supported,
     paged_attention_decode_workspace,
+    plan,
     plan_decode_splits,
     reference,
 )
@@ -141,7 +142,7 @@ def test_quantisation_kernels_bit_exact_on_gpu():
     """amax of q/k/v (one launch, atomic max), k / V^T quantisation (one launch) and the q
     copy equal `quantize_per_tensor` bit for bit at a Llama prefill shape; V^T padding is
     zero."""
-    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention.kernels import triton_quant as Q
 
     gen = torch.Generator(device=CUDA).manual_seed(0)
     tk = 4096 * 8 + 5  # not a multiple of 16: V^T has padding columns
@@ -228,7 +229,7 @@ def test_fp8_gluon_kernel_against_emulation(descale, causal):
     wgmma, V^T tiles from 16-token-aligned frames: these sequences start anywhere):
     against the reference's emulation, and near the Triton fp8 kernel, with per-tensor,
     per-(sequence, head), missing and negative descales; no NaN from the padding rows."""
-    from graphsafe.ops.attention import wgmma_varlen
+    from graphsafe.ops.attention import triton as T_
 
     case = case_for("flash_attn_varlen")
     params = {**FP8_GLUON, "causal": causal, "descale": "tensor" if descale == "negative" else descale}
@@ -236,7 +237,7 @@ def test_fp8_gluon_kernel_against_emulation(descale, causal):
     if descale == "negative":
         args[9] = -args[9]
     q, k, v = args[:3]
-    if not wgmma_varlen.wgmma_varlen_fp8_fits(q, k, v, args[5], False):
+    if not plan.gluon_fp8_plan(q, k, v, args[5], False):
         pytest.skip("the fp8 Gluon kernel serves sm_90 GPUs only")
     k[k.shape[0] - 9 :] = float("nan")  # padding rows: no sequence reads them
     v[v.shape[0] - 9 :] = float("nan")
@@ -245,7 +246,7 @@ def test_fp8_gluon_kernel_against_emulation(descale, causal):
     triton_kernel = T.flash_attn_varlen(*args, config=(64, 128, 4, 3))
     emulated = reference.flash_attn_varlen(*args)
     torch.cuda.synchronize()
-    assert not wgmma_varlen._FAILED, wgmma_varlen._FAILED
+    assert not T_._FAILED, T_._FAILED
     assert not actual.isnan().any()
     scale = 1.0 if args[11] is None else args[11].abs().max().item()
     vmax = torch.nan_to_num(v.float(), nan=0.0).abs().max().item() * scale
@@ -255,13 +256,13 @@ def test_fp8_gluon_kernel_against_emulation(descale, causal):
 
 def test_fp8_gluon_kernel_graph_replay():
     """The fp8 Gluon kernel captured once and replayed with new fp8 inputs and lengths."""
-    from graphsafe.ops.attention import wgmma_varlen
+    from graphsafe.ops.attention import triton as T_
 
     case = case_for("flash_attn_varlen")
     args = list(case.inputs({**FP8_GLUON, "lens_q": [1000, 1000, 500, 0, 1500]}, CUDA, seed=32))
-    if not wgmma_varlen.wgmma_varlen_fp8_fits(*args[:3], args[5], False):
+    if not plan.gluon_fp8_plan(*args[:3], args[5], False):
         pytest.skip("the fp8 Gluon kernel serves sm_90 GPUs only")
-    runner = _triton().prepare_flash_attn_varlen(*args)
+    runner = _triton().prepare_flash_attn_varlen(graphsafe.get_op("flash_attn_varlen").call(*args))
     runner(*args)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -274,7 +275,7 @@ def test_fp8_gluon_kernel_graph_replay():
     graph.replay()
     expected = reference.flash_attn_varlen(*args)
     torch.cuda.synchronize()
-    assert not wgmma_varlen._FAILED
+    assert not T_._FAILED
     vmax = args[2].float().abs().max().item() * args[11].abs().max().item()
     attention_compare(expected, out, vmax, torch.bfloat16, True, args[2].shape[0], "fp8 Gluon graph replay")
 
@@ -336,7 +337,7 @@ def test_strided_sinks_are_read_by_their_stride(op):
         assert torch.equal(getattr(graphsafe, op)(*args[:-1], view), reference), op
 
 
-# -- the sm_90 Gluon kernel of flash_attn_varlen (ops/attention/_gluon_prefill.py) ----------------
+# -- the sm_90 Gluon kernel of flash_attn_varlen (ops/attention/kernels/gluon_prefill.py) ----------------
 # (lens_q, lens_k, Hq, Hk, D, dtype, causal): one tile; ragged lengths with 1-token sequences;
 # more keys than queries (chunked prefill); more queries than keys (rows that see no key);
 # empty sequences at D = 64; every sequence short (64-row tiles); a long GQA batch (the
@@ -347,7 +348,7 @@ def _wgmma_case(lens_q, lens_k, hq, hk, d, dtype, causal, kernel, dv=None, layou
 
 
 _RAGGED = [300, 1, 77, 1000]
-# kernel: the Gluon kernel the case must run (wgmma_varlen.varlen_kernel): "tma" for 128-row
+# kernel: the Gluon kernel the case must run (plan.varlen_kernel): "tma" for 128-row
 # blocks with contiguous heads, "ws" with padded heads, "wgmma" for 64-row blocks and D = 64.
 WGMMA_VARLEN_CASES = {
     "one-tile": _wgmma_case([128], [128], 4, 4, 128, torch.bfloat16, True, "tma"),
@@ -415,17 +416,17 @@ def _max_err(a, b):
 
 def _skip_unless_wgmma(args):
     """Skip where the Gluon kernel does not serve the call (not an sm_90 GPU, no Gluon)."""
-    from graphsafe.ops.attention.wgmma_varlen import wgmma_varlen_fits
+    from graphsafe.ops.attention.plan import gluon_plan
 
     q, k, v, _, _, max_seqlen_q, _, scale = args[:8]
-    if not wgmma_varlen_fits(q, k, v, max_seqlen_q, scale, False):
+    if not gluon_plan(q, k, v, max_seqlen_q, scale, False):
         pytest.skip("the Gluon varlen kernel serves sm_90 GPUs only")
 
 
 def _assert_gluon_compiled():
-    from graphsafe.ops.attention import wgmma_varlen
+    from graphsafe.ops.attention import triton as T_
 
-    assert not wgmma_varlen._FAILED, f"the Gluon kernel did not compile for {wgmma_varlen._FAILED}: Triton ran"
+    assert not T_._FAILED, f"the Gluon kernel did not compile for {T_._FAILED}: Triton ran"
 
 
 @pytest.mark.parametrize("case", list(WGMMA_VARLEN_CASES))
@@ -433,16 +434,14 @@ def test_varlen_wgmma_kernel_against_reference(case):
     """The Gluon kernel (the default bf16/fp16 path on sm_90) against the float32 reference:
     within twice the Triton kernel's error (or 2e-2), no NaN (the NaN rows past the last
     sequence are never read)."""
-    from graphsafe.ops.attention import wgmma_varlen
-
     lens_q, lens_k, hq, hk, d, dv, dtype, causal, layout, kernel = WGMMA_VARLEN_CASES[case]
     q, k, v, cu_q, cu_k = _wgmma_inputs(lens_q, lens_k, hq, hk, d, dtype, seed=25, dv=dv, layout=layout)
     args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), d**-0.5, causal)
     _skip_unless_wgmma(args)
-    assert wgmma_varlen.varlen_kernel(max(lens_q), d, dv, wgmma_varlen.tma_views(q, k, v)) == kernel
+    assert plan.varlen_kernel(max(lens_q), d, dv, plan.tma_views(q, k, v)) == kernel
     T = _triton()
     actual = T.flash_attn_varlen(*args)
-    triton_kernel = T.flash_attn_varlen(*args, config=T.varlen_config(CUDA, d, dv, False, max(lens_q)))
+    triton_kernel = T.flash_attn_varlen(*args, config=plan.varlen_config(CUDA, d, dv, False, max(lens_q)))
     expected = _float_reference(args)
     torch.cuda.synchronize()
     _assert_gluon_compiled()
@@ -460,7 +459,7 @@ def test_varlen_wgmma_graph_replay_with_new_lengths(d, dv):
     q, k, v, cu_q, cu_k = _wgmma_inputs(lens, lens, 8, 2, d, torch.bfloat16, seed=26, dv=dv)
     args = (q, k, v, cu_q, cu_k, 600, 600, d**-0.5, True)
     _skip_unless_wgmma(args)
-    runner = _triton().prepare_flash_attn_varlen(*args)
+    runner = _triton().prepare_flash_attn_varlen(graphsafe.get_op("flash_attn_varlen").call(*args))
     runner(*args)  # warm-up: the kernels compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -495,7 +494,7 @@ def test_varlen_wgmma_misaligned_inputs_run_the_triton_kernel():
     T = _triton()
     aligned = T.flash_attn_varlen(q, k, *rest)
     misaligned = T.flash_attn_varlen(shifted, k, *rest)
-    triton_kernel = T.flash_attn_varlen(shifted, k, *rest, config=T.varlen_config(CUDA, 128, 128, False, 1000))
+    triton_kernel = T.flash_attn_varlen(shifted, k, *rest, config=plan.varlen_config(CUDA, 128, 128, False, 1000))
     torch.cuda.synchronize()
     _assert_gluon_compiled()
     assert torch.equal(misaligned, triton_kernel), "the misaligned call ran the Triton kernel"

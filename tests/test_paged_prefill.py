@@ -21,9 +21,9 @@ FP8 = torch.float8_e4m3fn
 
 
 def _kernel(*args, config=None):
-    from graphsafe.ops.attention import triton_paged
+    from graphsafe.ops.attention import triton as T
 
-    return triton_paged.paged_attention_prefill(*args, config=config)
+    return T.paged_attention_prefill(*args, config=config)
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -247,7 +247,7 @@ def test_kernel_keeps_max_len_a_runtime_int():
     block table's capacity in tokens) specialised to 1, the ptxas of Triton 3.6 segfaults
     on the paged prefill kernel at 3 stages (reproduced for sm_90a; Triton 3.9's ptxas
     does not). The edge case of one block of one token runs the kernel there on a GPU."""
-    from graphsafe.ops.attention import _triton_paged_prefill as kernels
+    from graphsafe.ops.attention.kernels import triton_paged_prefill as kernels
 
     kernel = kernels._paged_prefill_kernel
     # A JITFunction keeps the list itself; under the interpreter, the decorator's kwargs.

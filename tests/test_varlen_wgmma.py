@@ -1,8 +1,8 @@
-"""The sm_90 Gluon kernel of `flash_attn_varlen` (ops/attention/_gluon_prefill.py) on the CPU.
+"""The sm_90 Gluon kernel of `flash_attn_varlen` (ops/attention/kernels/gluon_prefill.py) on the CPU.
 
 Gluon cannot run in Triton's interpreter, so here: its launches, as `prepare_flash_attn_varlen`
 binds them, compile for sm_90 (wgmma shapes and shared memory checked in the PTX); where it
-runs (`wgmma_varlen_fits`, on stand-in sm_90 tensors); the launch's fallback to the Triton
+runs (`plan.gluon_plan`, on stand-in sm_90 tensors); the launch's fallback to the Triton
 kernel (misaligned inputs, a failed compile); and when `prepare_flash_attn_varlen` binds
 it at all. Its numerics are checked on the GPU (tests/test_attention_gpu.py).
 """
@@ -17,8 +17,9 @@ import warnings
 import pytest
 import torch
 
+import graphsafe
+from graphsafe.ops.attention import plan as P
 from graphsafe.ops.attention import triton as T
-from graphsafe.ops.attention import wgmma_varlen as W
 from graphsafe.testing.compile_scripts import SPECIALISE_PRELUDE
 
 # -- compiled for sm_90, without a GPU ---------------------------------------------------------
@@ -37,9 +38,10 @@ try:
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
 # Outside the guard: an ImportError of the kernel's own module fails the test.
-from graphsafe.ops.attention import _gluon_prefill as G
+from graphsafe.ops.attention.kernels import gluon_prefill as G
 import torch
-from graphsafe.ops.attention import _triton_prefill, _triton_quant, triton as T, wgmma_varlen as W
+from graphsafe.ops.attention import plan as P, triton as T
+from graphsafe.ops.attention.kernels import triton_prefill, triton_quant
 
 launches = []
 KERNELS = {G.varlen_fwd_wgmma_kernel: "wgmma", G.varlen_fwd_ws_kernel: "ws", G.varlen_fwd_tma_kernel: "tma"}
@@ -58,10 +60,12 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluo
             launches.append((kernel, tuple(take(a) for a in args), dict(kw)))
     return launch
 
-for module in (W, _triton_prefill, _triton_quant):
+for module in (T, triton_prefill, triton_quant):
     module.bind = record
-T.wgmma_varlen_fits = lambda *a: True  # the names prepare_flash_attn_varlen calls
-T.wgmma_varlen_fp8_fits = lambda *a: True
+# The names choose_flash_attn_varlen calls: every call gets its shapes' Gluon plan (as on sm_90).
+P.gluon_plan = lambda q, k, v, max_q, *a: P.gluon_plan_for(
+    P.varlen_kernel(max_q, q.shape[2], v.shape[2], P.tma_views(q, k, v)), max_q, q.shape[2])
+P.gluon_fp8_plan = lambda q, k, v, max_q, variants, copies=False: P.gluon_plan_for("tma-fp8", max_q, q.shape[2], copies)
 """ + SPECIALISE_PRELUDE + r"""
 # (dtype, D, Dv, max_seqlen_q, head stride of q): every kernel, causal or not, bf16; fp16
 # for one launch of each kernel. Heads padded to 144 columns: no TMA view ("ws").
@@ -116,12 +120,12 @@ for kernel, args, kw in launches:
         want[shape] = want.get(shape, 0) + copies * count
     assert shapes == want, (shapes, want)
     assert k.metadata.shared <= 227 * 1024, k.metadata.shared
-    # wgmma_varlen_fits decides from this estimate: it must cover what the compiler allocates.
+    # gluon_plan decides from this estimate: it must cover what the compiler allocates.
     if fp8:
-        need = W.fp8_shared_memory(G, *tiles, d, dv)
+        need = P.fp8_shared_memory(G, *tiles, d, dv)
     else:
         stages, q_buffers = (kw["STAGES"], kw.get("Q_BUFFERS", 2)) if ws else (2, 1)
-        assert q_buffers == (W.tma_q_buffers(d) if kind == "tma" else 2 if ws else 1)
+        assert q_buffers == (P.tma_q_buffers(d) if kind == "tma" else 2 if ws else 1)
         need = G.shared_memory_bytes(*tiles, d, dv, stages, q_buffers)
     assert k.metadata.shared <= need, (k.metadata.shared, need, tiles)
 kinds = sorted(KERNELS[kernel] for kernel, _, _ in launches)
@@ -136,7 +140,7 @@ def test_gluon_varlen_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     causal or not; 64- and 128-row tiles; heads contiguous or padded), compile for sm_90
     with this Triton: which kernel runs, the wgmma shapes and counts of the q.k and p.V
     products, and shared memory within Hopper's 227 KiB and within the estimate
-    `wgmma_varlen_fits` decides by."""
+    `plan.gluon_plan` decides by."""
     out = compile_for_sm90(_GLUON_COMPILE_SCRIPT, timeout=900)
     print(out)
     assert out.count("compiled") == 17, out
@@ -144,7 +148,7 @@ def test_gluon_varlen_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
 
 # -- where the Gluon kernel runs -----------------------------------------------------------------
 def _gluon_module():
-    module = W._gluon_module()
+    module = P.gluon_module()
     if module is None:
         pytest.skip("this Triton has no Gluon (or not the Hopper ops the kernel uses)")
     return module
@@ -158,14 +162,14 @@ def sm90(monkeypatch):
     """A stand-in sm_90 CUDA device (CUDA, not HIP; capability, shared memory); returns the
     monkeypatch to change either."""
     _gluon_module()
-    monkeypatch.setattr(W.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(W, "max_shared_memory", lambda device: SM90_SHARED)
-    monkeypatch.setattr(W.torch.version, "hip", None)
+    monkeypatch.setattr(P.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(P, "max_shared_memory", lambda device: SM90_SHARED)
+    monkeypatch.setattr(P.torch.version, "hip", None)
     return monkeypatch
 
 
 def _stand_in(dtype, shape, stride=None):
-    """A CUDA tensor's shape, strides and dtype (all `wgmma_varlen_fits` reads), contiguous
+    """A CUDA tensor's shape, strides and dtype (all `gluon_plan` reads), contiguous
     unless `stride` is given."""
     if stride is None:
         stride = (shape[1] * shape[2], shape[2], 1)
@@ -182,7 +186,7 @@ def _qkv(dtype=torch.bfloat16, d=128, dv=None, k_dtype=None, v_dtype=None, q_str
 
 
 def _fits(q, k, v, max_seqlen_q=300, scale=0.08, variants=False):
-    return W.wgmma_varlen_fits(q, k, v, max_seqlen_q, scale, variants)
+    return P.gluon_plan(q, k, v, max_seqlen_q, scale, variants) is not None
 
 
 @pytest.mark.parametrize("max_seqlen_q", [40, 4096])
@@ -197,7 +201,7 @@ def test_mla_prefill_head_dims_fit_with_128_row_blocks_and_tma_views(sm90, dtype
     """D = 192, Dv = 128 runs the TMA kernel: with 128-row blocks and heads contiguous
     (TMA's 2-D view); 64-row blocks and padded heads run the Triton kernel."""
     assert _fits(*_qkv(dtype, 192, 128), 4096)
-    assert W.varlen_kernel(4096, 192, 128, True) == "tma"
+    assert P.varlen_kernel(4096, 192, 128, True) == "tma"
     assert not _fits(*_qkv(dtype, 192, 128), 64)
     assert not _fits(*_qkv(dtype, 192, 128, q_stride=(8 * 208, 208, 1)), 4096)
 
@@ -243,7 +247,7 @@ def test_strided_rows_fit_where_the_copies_can_use_them(sm90):
 
 
 def _fp8_fits(max_seqlen_q=300, variants=False, **kw):
-    return W.wgmma_varlen_fp8_fits(*_qkv(FP8, **kw), max_seqlen_q, variants)
+    return P.gluon_fp8_plan(*_qkv(FP8, **kw), max_seqlen_q, variants) is not None
 
 
 def test_fp8_inputs_fit_the_fp8_kernel_at_d128_with_tma_views(sm90):
@@ -258,13 +262,13 @@ def test_fp8_inputs_fit_the_fp8_kernel_at_d128_with_tma_views(sm90):
         "D 192 / Dv 128": _fp8_fits(d=192, dv=128),
         "padded heads (no TMA view)": _fp8_fits(q_stride=(8 * 144, 144, 1)),
         "token stride of 16 k + 8 bytes": _fp8_fits(q_stride=(8 * 128 + 8, 128, 1)),
-        "bf16 k": W.wgmma_varlen_fp8_fits(*_qkv(FP8, k_dtype=torch.bfloat16), 300, False),
-        "bf16 q (quantised inside the op)": W.wgmma_varlen_fp8_fits(*_qkv(torch.bfloat16), 300, False),
+        "bf16 k": P.gluon_fp8_plan(*_qkv(FP8, k_dtype=torch.bfloat16), 300, False),
+        "bf16 q (quantised inside the op)": P.gluon_fp8_plan(*_qkv(torch.bfloat16), 300, False),
     }
     assert not any(declined.values()), declined
-    need = W.fp8_shared_memory(_gluon_module(), 128, 128, 128, 128)
+    need = P.fp8_shared_memory(_gluon_module(), 128, 128, 128, 128)
     for smem, fits in ((need, True), (need - 1, False), (None, False)):
-        sm90.setattr(W, "max_shared_memory", lambda device, s=smem: s)
+        sm90.setattr(P, "max_shared_memory", lambda device, s=smem: s)
         assert _fp8_fits() == fits, smem
 
 
@@ -272,10 +276,10 @@ def test_hip_and_other_gpus_run_the_triton_kernel(sm90):
     q, k, v = _qkv()
     assert _fits(q, k, v)
     for capability in ((10, 0), (8, 0), (9, 1)):
-        sm90.setattr(W.torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        sm90.setattr(P.torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert not _fits(q, k, v), capability
-    sm90.setattr(W.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    sm90.setattr(W.torch.version, "hip", "6.2")
+    sm90.setattr(P.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    sm90.setattr(P.torch.version, "hip", "6.2")
     assert not _fits(q, k, v)
 
 
@@ -287,15 +291,15 @@ def test_the_gluon_kernel_needs_its_shared_memory(sm90, d, dv, head_stride, max_
     max_seqlen_q and D; the warp-specialised kernels' stages and two q buffers); not when
     the device's is unknown. One case per kernel and tile shape."""
     q_stride = None if head_stride is None else (8 * head_stride, head_stride, 1)
-    kernel = W.varlen_kernel(max_seqlen_q, d, dv, head_stride is None)
-    block_m, block_n = W.wgmma_varlen_tiles(max_seqlen_q, d)
-    ws = W.warp_specialisation(kernel, d)
+    kernel = P.varlen_kernel(max_seqlen_q, d, dv, head_stride is None)
+    block_m, block_n = P.wgmma_varlen_tiles(max_seqlen_q, d)
+    ws = P.warp_specialisation(kernel, d)
     assert (ws is not None) == (block_m == 128 and d >= 128)
-    stages, q_buffers = (2, 1) if ws is None else (ws[0], W.tma_q_buffers(d) if kernel == "tma" else 2)
+    stages, q_buffers = (2, 1) if ws is None else (ws[0], P.tma_q_buffers(d) if kernel == "tma" else 2)
     need = _gluon_module().shared_memory_bytes(block_m, block_n, d, dv, stages, q_buffers)
     assert need <= SM90_SHARED
     for smem, fits in ((need, True), (need - 1, False), (None, False)):
-        sm90.setattr(W, "max_shared_memory", lambda device, s=smem: s)
+        sm90.setattr(P, "max_shared_memory", lambda device, s=smem: s)
         assert _fits(*_qkv(d=d, dv=dv, q_stride=q_stride), max_seqlen_q) == fits, smem
 
 
@@ -303,7 +307,7 @@ def test_the_gluon_kernel_never_runs_on_the_cpu():
     """Real CPU tensors (and so the interpreter) always get the Triton kernel."""
     q = torch.zeros(16, 4, 128, dtype=torch.bfloat16)
     k = torch.zeros(16, 2, 128, dtype=torch.bfloat16)
-    assert not W.wgmma_varlen_fits(q, k, k, 16, 0.08, False)
+    assert not P.gluon_plan(q, k, k, 16, 0.08, False)
 
 
 # -- the launch: the Triton kernel for misaligned calls and failed compiles --------------------
@@ -344,10 +348,11 @@ def _bind_stand_ins(monkeypatch, error=None):
     real = _gluon_module()
     gluon = _StandInKernel(inspect.signature(real.varlen_fwd_wgmma_kernel.fn), error)
     module = types.SimpleNamespace(varlen_fwd_wgmma_kernel=gluon)
-    monkeypatch.setattr(W, "_gluon_module", lambda: module)
-    monkeypatch.setattr(W, "_FAILED", set())
+    monkeypatch.setattr(P, "gluon_module", lambda: module)
+    monkeypatch.setattr(T, "_FAILED", set())
     q = torch.zeros(64, 4, 128, dtype=torch.bfloat16)
-    return gluon, lambda triton_launch: W.bind_wgmma_varlen(q, q, q, 2, 32, 0.08, True, triton_launch)
+    gluon_plan = P.gluon_plan_for("wgmma", 32, 128)
+    return gluon, lambda triton_launch: T.bind_wgmma_varlen(q, q, q, 2, 32, 0.08, True, gluon_plan, triton_launch)
 
 
 def _call_tensors(q_offset=0):
@@ -379,7 +384,7 @@ def test_misaligned_q_runs_the_triton_kernel(monkeypatch):
     bind(triton_launch)(*call)
     assert not gluon.calls and len(triton_launch.calls) == 1
     assert all(a is b for a, b in zip(triton_launch.calls[0], call, strict=True))
-    assert not W._FAILED
+    assert not T._FAILED
 
 
 def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch):
@@ -395,7 +400,7 @@ def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch
         launch(*call)
     assert (len(gluon.calls), len(triton_launch.calls)) == (1, 1), "the failed compile: Triton ran the call"
     assert all(a is b for a, b in zip(triton_launch.calls[0], call, strict=True))
-    assert W._FAILED == {(torch.bfloat16, 128, 128, 64, 128, True, "wgmma", None)}  # 64-row tiles: one partition
+    assert T._FAILED == {(torch.bfloat16, 128, 128, 64, 128, True, "wgmma", None)}  # 64-row tiles: one partition
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch(*call)
@@ -413,18 +418,31 @@ def _varlen_args(window_left=-1, softcap=0.0, sinks=None):
     return (q, k, v, cu, cu, 14, 14, 0.125, True, None, None, None, "off", window_left, softcap, sinks)
 
 
+def _call(args):
+    return graphsafe.get_op("flash_attn_varlen").call(*args)
+
+
+def _prepare(args, config=None):
+    """`prepare_flash_attn_varlen`'s runner of `args`; with `config`, the Choice made with
+    that override of the Triton kernel's tiles."""
+    call = _call(args)
+    if config is None:
+        return T.prepare_flash_attn_varlen(call)
+    return T.bind_flash_attn_varlen(call, P.choose_flash_attn_varlen(call, config))
+
+
 @pytest.fixture
 def binds(monkeypatch):
-    """Stand-ins on the triton module: `wgmma_varlen_fits` holds for every plain call (as on
-    sm_90; variants declined, as the real one does) and `bind_wgmma_varlen` records its
+    """Stand-ins: `plan.gluon_plan` gives a Gluon plan for every plain call (as on sm_90;
+    variants declined, as the real one does) and `triton.bind_wgmma_varlen` records its
     binding and wraps the Triton launch. Returns (fits calls, bindings, Gluon launches)."""
     fits_calls, bindings, launches = [], [], []
 
     def fits(q, k, v, max_seqlen_q, scale, variants):
         fits_calls.append(variants)
-        return not variants
+        return None if variants else P.gluon_plan_for("wgmma", max_seqlen_q, q.shape[2])
 
-    def bind(q, k, v, num_seqs, max_seqlen_q, scale, causal, triton_launch):
+    def bind(q, k, v, num_seqs, max_seqlen_q, scale, causal, gluon, triton_launch):
         bindings.append((num_seqs, max_seqlen_q, scale, causal))
 
         def launch(*tensors):
@@ -433,7 +451,7 @@ def binds(monkeypatch):
 
         return launch
 
-    monkeypatch.setattr(T, "wgmma_varlen_fits", fits)
+    monkeypatch.setattr(P, "gluon_plan", fits)
     monkeypatch.setattr(T, "bind_wgmma_varlen", bind)
     return fits_calls, bindings, launches
 
@@ -443,9 +461,9 @@ def test_plain_calls_bind_and_run_the_gluon_launch(binds):
     call's sequences, max_seqlen_q, scale and causality, and each call goes through it."""
     fits_calls, bindings, launches = binds
     args = _varlen_args()
-    out = T.prepare_flash_attn_varlen(*args)(*args)
+    out = _prepare(args)(*args)
     assert fits_calls == [False] and bindings == [(2, 14, 0.125, True)] and len(launches) == 1
-    triton_kernel = T.flash_attn_varlen(*args, config=T.varlen_config(args[0].device, 64, 64, False, 14))
+    triton_kernel = T.flash_attn_varlen(*args, config=P.varlen_config(args[0].device, 64, 64, False, 14))
     assert torch.equal(out, triton_kernel), "the wrapped Triton launch computed the call"
 
 
@@ -453,8 +471,8 @@ def test_a_window_wider_than_the_keys_is_no_variant(binds):
     """window_left >= Tk hides no key (the Triton kernel compiles it as no window): the
     Gluon launch is bound; one key narrower is a variant."""
     fits_calls, bindings, _ = binds
-    T.prepare_flash_attn_varlen(*_varlen_args(window_left=24))
-    T.prepare_flash_attn_varlen(*_varlen_args(window_left=23))
+    _prepare(_varlen_args(window_left=24))
+    _prepare(_varlen_args(window_left=23))
     assert fits_calls == [False, True] and len(bindings) == 1
 
 
@@ -463,7 +481,7 @@ def test_variants_never_bind_the_gluon_launch(binds, variant):
     fits_calls, bindings, _ = binds
     options = {"window": {"window_left": 3}, "softcap": {"softcap": 30.0},
                "sinks": {"sinks": torch.zeros(4)}}[variant]
-    T.prepare_flash_attn_varlen(*_varlen_args(**options))
+    _prepare(_varlen_args(**options))
     assert fits_calls == [True] and not bindings, "asked with variants=True, never bound"
 
 
@@ -471,24 +489,24 @@ def test_a_config_override_never_binds_the_gluon_launch(binds):
     """`config` (tests, benchmarks) asks for the Triton kernel's tiles: the Triton kernel."""
     _, bindings, _ = binds
     args = _varlen_args()
-    T.prepare_flash_attn_varlen(*args, config=(16, 16, 4, 1))(*args)
-    T.prepare_flash_attn_varlen(*args, config=T.varlen_config(args[0].device, 64, 64, False, 14))(*args)
+    _prepare(args, config=(16, 16, 4, 1))(*args)
+    _prepare(args, config=P.varlen_config(args[0].device, 64, 64, False, 14))(*args)
     assert not bindings
 
 
 @pytest.fixture
 def fp8_binds(monkeypatch):
-    """Stand-ins: `wgmma_varlen_fp8_fits` holds unless there is a variant, and
-    `bind_wgmma_varlen_fp8` records what it is bound with (returns the Triton launch, or
-    for copies a launch that reports it did not run)."""
+    """Stand-ins: `plan.gluon_fp8_plan` gives the fp8 plan unless there is a variant, and
+    `triton.bind_wgmma_varlen_fp8` records what it is bound with (returns the Triton
+    launch, or for copies a launch that reports it did not run)."""
     bindings = []
 
-    def bind(q, k, vt_shape, num_seqs, max_seqlen_q, scale, causal, descale_strides, triton_launch, copies=False):
-        bindings.append((q.dtype, vt_shape, num_seqs, max_seqlen_q, causal, descale_strides, copies))
+    def bind(q, k, vt_shape, num_seqs, max_seqlen_q, scale, causal, descale_strides, gluon, triton_launch):
+        bindings.append((q.dtype, vt_shape, num_seqs, max_seqlen_q, causal, descale_strides, gluon.copies))
         return triton_launch if triton_launch is not None else (lambda *tensors: False)
 
-    monkeypatch.setattr(T, "wgmma_varlen_fp8_fits",
-                        lambda q, k, v, max_seqlen_q, variants, copies=False: not variants)
+    monkeypatch.setattr(P, "gluon_fp8_plan", lambda q, k, v, max_seqlen_q, variants, copies=False: None if variants
+                        else P.gluon_plan_for("tma-fp8", max_seqlen_q, q.shape[2], copies))
     monkeypatch.setattr(T, "bind_wgmma_varlen_fp8", bind)
     return bindings
 
@@ -507,8 +525,8 @@ def test_fp8_inputs_bind_the_fp8_gluon_launch(fp8_binds):
     """fp8 inputs bind the fp8 Gluon launch with the V^T copy's shape [Hk, Dv, Tk padded
     to 16] and each descale's (sequence, head) strides; per-(sequence, head) descales
     keep theirs."""
-    T.prepare_flash_attn_varlen(*_fp8_args())
-    T.prepare_flash_attn_varlen(*_fp8_args(descale_shape=(2, 2)))
+    _prepare(_fp8_args())
+    _prepare(_fp8_args(descale_shape=(2, 2)))
     assert fp8_binds == [(FP8, (2, 64, 32), 2, 14, True, ((0, 0),) * 3, False),
                          (FP8, (2, 64, 32), 2, 14, True, ((2, 1),) * 3, False)]
 
@@ -517,23 +535,23 @@ def test_quantised_inputs_bind_the_fp8_gluon_launch_on_copies(fp8_binds):
     """bf16/fp16 inputs the op quantises bind the launch on fp8 copies of q and k (per-tensor
     descale slots), the workspace then holds the q copy too, and a call the Gluon launch
     does not run (here: every call) runs the Triton kernel, which quantises q itself."""
-    from graphsafe.ops.attention import _triton_quant as Q
+    from graphsafe.ops.attention.kernels import triton_quant as Q
 
     q, k, v, cu, _, max_q, max_k, scale, causal, *_ = _varlen_args()
     args = (q, k, v, cu, cu, max_q, max_k, scale, causal, None, None, None, "on")
-    out = T.prepare_flash_attn_varlen(*args)(*args)
+    out = _prepare(args)(*args)
     assert fp8_binds == [(torch.float16, (2, 64, 32), 2, 14, True, ((0, 0),) * 3, True)]
-    specs = T.varlen_workspace_specs(24, 24, 4, 2, 64, 64, True, q_copy=True)
+    specs = list(P.varlen_scratch(24, 24, 4, 2, 64, 64, True, q_copy=True))
     assert specs[-1] == ((24, 4, 64), FP8) and specs[-2] == ((Q.SCALE_SLOTS,), torch.float32)
-    assert T.flash_attn_varlen_workspace(24, 24, 4, 2, 64, 64) == specs, "the worst case has the q copy"
-    triton_kernel = T.flash_attn_varlen(*args, config=T.varlen_config(q.device, 64, 64, True, 14))
+    assert P.flash_attn_varlen_workspace(24, 24, 4, 2, 64, 64) == specs, "the worst case has the q copy"
+    triton_kernel = T.flash_attn_varlen(*args, config=P.varlen_config(q.device, 64, 64, True, 14))
     assert torch.equal(out, triton_kernel)
 
 
 def test_fp8_variants_and_config_overrides_keep_the_triton_kernel(fp8_binds):
-    T.prepare_flash_attn_varlen(*_fp8_args(softcap=30.0))
-    T.prepare_flash_attn_varlen(*_fp8_args(sinks=torch.zeros(4)))
-    T.prepare_flash_attn_varlen(*_fp8_args(), config=(16, 16, 4, 1))
+    _prepare(_fp8_args(softcap=30.0))
+    _prepare(_fp8_args(sinks=torch.zeros(4)))
+    _prepare(_fp8_args(), config=(16, 16, 4, 1))
     q, k, v, cu, _, max_q, max_k, scale, causal, *_ = _varlen_args()
-    T.prepare_flash_attn_varlen(q, k, v, cu, cu, max_q, max_k, scale, causal, None, None, None, "on", 3)
+    _prepare((q, k, v, cu, cu, max_q, max_k, scale, causal, None, None, None, "on", 3))
     assert not fp8_binds

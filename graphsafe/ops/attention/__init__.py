@@ -7,6 +7,10 @@ Public helpers besides the ops: `paged_attention_decode_workspace` /
 `flash_attn_varlen_workspace` (worst-case scratch from shapes, to size the workspace
 before a CUDA-graph capture), `fp8_prefill_supported(device)` (the cached fp8 probe) and
 `plan_decode_splits` (the shape-only split-KV plan).
+
+Backends, each a record of its module: `reference.py` (the executable spec), `triton.py`
+(Triton and, on sm_90, Gluon kernels; what runs is decided once per call signature in
+`plan.py`), `aiter.py` (ROCm, `flash_attn_varlen`). Kernels in `kernels/`.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from graphsafe.ops.attention import aiter, reference, triton
 from graphsafe.ops.attention import fake as fakes
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported
-from graphsafe.ops.attention.split_kv import decode_workspace_specs, plan_decode_splits
-from graphsafe.registry import Backend, get_op, register_op
+from graphsafe.ops.attention.plan import plan_decode_splits
+from graphsafe.registry import get_op, register_op
 
 __all__ = [
     "flash_attn_varlen",
@@ -65,14 +70,7 @@ def flash_attn_varlen_workspace(
     check=fakes.check_paged_attention_decode,
     family="attention",
     debug_check="graphsafe.ops.attention.debug:debug_check_paged_attention_decode",
-    backends={
-        "reference": "graphsafe.ops.attention.reference:paged_attention_decode",
-        "triton": Backend(
-            "graphsafe.ops.attention.triton:paged_attention_decode",
-            prepare="graphsafe.ops.attention.triton:prepare_paged_attention_decode",
-            workspace=decode_workspace_specs,
-        ),
-    },
+    backends=(reference.PAGED_ATTENTION_DECODE, triton.PAGED_ATTENTION_DECODE),
 )
 def paged_attention_decode(
     q: Tensor,
@@ -165,18 +163,7 @@ def paged_attention_decode(
     check=fakes.check_flash_attn_varlen,
     family="attention",
     debug_check="graphsafe.ops.attention.debug:debug_check_flash_attn_varlen",
-    backends={
-        "reference": "graphsafe.ops.attention.reference:flash_attn_varlen",
-        "triton": Backend(
-            "graphsafe.ops.attention.triton:flash_attn_varlen",
-            prepare="graphsafe.ops.attention.triton:prepare_flash_attn_varlen",
-            workspace="graphsafe.ops.attention.triton:flash_attn_varlen_workspace",
-        ),
-        "aiter": Backend(
-            prepare="graphsafe.ops.attention.aiter:prepare_flash_attn_varlen",
-            supports="graphsafe.ops.attention.aiter:supports_flash_attn_varlen",
-        ),
-    },
+    backends=(reference.FLASH_ATTN_VARLEN, triton.FLASH_ATTN_VARLEN, aiter.FLASH_ATTN_VARLEN),
 )
 def flash_attn_varlen(
     q: Tensor,
@@ -284,10 +271,7 @@ def flash_attn_varlen(
     check=fakes.check_paged_attention_prefill,
     family="attention",
     debug_check="graphsafe.ops.attention.debug:debug_check_paged_attention_prefill",
-    backends={
-        "reference": "graphsafe.ops.attention.reference:paged_attention_prefill",
-        "triton": Backend(prepare="graphsafe.ops.attention.triton_paged:prepare_paged_attention_prefill"),
-    },
+    backends=(reference.PAGED_ATTENTION_PREFILL, triton.PAGED_ATTENTION_PREFILL),
 )
 def paged_attention_prefill(
     q: Tensor,

@@ -1,21 +1,22 @@
 """aiter backend of `flash_attn_varlen` (ROCm: gfx942 and gfx950, see graphsafe.aiter_support).
 
 Read against aiter v0.1.20-46-ge4048607a5 (ROCm/aiter e4048607a535); file and function
-names cited. The records' `supports` predicates (`supports_*`) accept a call signature
-only where `aiter_support.serves` lists the device's architecture for the op and aiter's
-kernel exists for the shapes and dtypes with graphsafe's semantics; the registry hands
-every other signature to the next backend (Triton), once per signature. The adapter
-itself never calls another backend.
+names cited. The record's `supports` predicate (`supports_flash_attn_varlen`, taking the
+bound call) answers `SUPPORTED` only where `aiter_support.serves` lists the device's
+architecture for the op and aiter's kernel exists for the shapes and dtypes with
+graphsafe's semantics, else `declined(why)`; the registry hands every other signature to
+the next backend (Triton), once per signature. The adapter itself never calls another
+backend. Nothing here imports aiter or triton before the first prepare.
 
 * `flash_attn_varlen` -> `aiter.flash_attn_varlen_func(q, k, v, cu_q, cu_k,
   max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=, causal=)` (aiter/ops/mha.py;
   fmha v3 asm or CK `mha_varlen_fwd`; bottom-right causal alignment, a row that sees no
   key is 0). aiter uses `cu_seqlens` as given (asm_mha_varlen_fwd.cu / CK
   mha_varlen_fwd_kernels.cu: no clamping), so a Triton launch
-  (aiter_prep.bind_sequence_bounds) first writes graphsafe's bounds (running maximum,
+  (kernels/triton_sequence_bounds.py) first writes graphsafe's bounds (running maximum,
   clamped to [0, T]) into workspace int32 buffers, and those are passed. aiter's output
   is `torch::empty`: rows outside every sequence (before the first, at or past the last)
-  are zeroed afterwards (`_triton_quant.bind_prepare`). Only bf16/fp16 with `fp8="off"`:
+  are zeroed afterwards (`kernels/triton_quant.bind_prepare`). Only bf16/fp16 with `fp8="off"`:
   aiter's fp8 type is e4m3fnuz on gfx942 (aiter/utility/dtypes.py), and its fp8 varlen
   path is not graphsafe's per-tensor quantisation. At least one sequence: aiter rejects
   B = 0 ("batch size must be postive"). Calls with no output element, no key row or a
@@ -55,9 +56,8 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe import aiter_support
-from graphsafe.ops.attention import aiter_prep
-from graphsafe.ops.attention._triton_quant import bind_prepare
+from graphsafe import aiter_support, device_info
+from graphsafe.registry import SUPPORTED, Backend, Support, declined
 from graphsafe.workspace import current_workspace_manager
 
 # Head sizes ceil(max/8)*8 above this are rejected by aiter's varlen TORCH_CHECKs.
@@ -66,38 +66,46 @@ VARLEN_OWNER = "flash_attn_varlen"
 
 
 # -- varlen prefill -------------------------------------------------------------------------
-def supports_flash_attn_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None,
-):
+def supports_flash_attn_varlen(call) -> Support:
     """The architectures of the capability table; bf16/fp16 inputs with `fp8="off"`
     (fp8 goes to Triton); at least one sequence (aiter: "batch size must be postive");
     head dims that aiter's TORCH_CHECKs take after padding them to a multiple of 8
     (<= 256); no sliding window, softcap or sinks (not adapted: Triton serves them)."""
+    q, v = call.q, call.v
+    if not aiter_support.serves("flash_attn_varlen", q.device):
+        archs = ", ".join(aiter_support.CAPABILITIES["flash_attn_varlen"].archs)
+        return declined(f"aiter serves flash_attn_varlen on {archs}; this device is "
+                        f"{device_info.rocm_arch(q.device) or q.device.type}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return declined(f"q is {q.dtype}: the aiter adapter takes bfloat16/float16 inputs (fp8 inputs run on Triton)")
+    if call.fp8 != "off":
+        return declined(f"fp8={call.fp8!r}: aiter's fp8 varlen path is not graphsafe's per-tensor quantisation "
+                        "(Triton serves it; pass fp8='off' for aiter)")
+    if call.cu_seqlens_q.shape[0] < 2:
+        return declined("no sequence (cu_seqlens_q has 1 entry): aiter rejects a batch size of 0")
     head = max(q.shape[-1], v.shape[-1])
-    return (
-        aiter_support.serves("flash_attn_varlen", q.device)
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and fp8 == "off"
-        and cu_seqlens_q.shape[0] >= 2
-        and -(-head // 8) * 8 <= MAX_VARLEN_HEAD
-        and window_left == -1
-        and softcap == 0.0
-        and sinks is None
-    )
+    if -(-head // 8) * 8 > MAX_VARLEN_HEAD:
+        return declined(f"head dim {head} (padded to {-(-head // 8) * 8}) is over {MAX_VARLEN_HEAD}, "
+                        "the largest aiter's varlen kernels take")
+    if call.window_left != -1:
+        return declined(f"window_left={call.window_left}: the sliding window is not adapted to aiter (Triton serves "
+                        "it)")
+    if call.softcap != 0.0:
+        return declined(f"softcap={call.softcap}: the softcap is not adapted to aiter (Triton serves it)")
+    if call.sinks is not None:
+        return declined("sinks: attention sinks are not adapted to aiter (Triton serves them)")
+    return SUPPORTED
 
 
-def prepare_flash_attn_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None,
-):
+def prepare_flash_attn_varlen(call):
     """The runner of this (supported) call signature: the bounds launch, aiter's call and
     the launch zeroing the rows outside every sequence, bound here."""
+    q, k, v = call.q, call.k, call.v
     tq, hq, _ = q.shape
     tk, dv = k.shape[0], v.shape[-1]
-    batch = cu_seqlens_q.shape[0] - 1
+    batch = call.cu_seqlens_q.shape[0] - 1
     shape, dtype, device = (tq, hq, dv), q.dtype, q.device
-    if tq * hq * dv == 0 or tk == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+    if tq * hq * dv == 0 or tk == 0 or call.max_seqlen_q == 0 or call.max_seqlen_k == 0:
         # No output element, or no row that sees a key: 0 everywhere (the contract).
         def run_zeros(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                       q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0,
@@ -108,9 +116,12 @@ def prepare_flash_attn_varlen(
 
     import aiter
 
+    from graphsafe.ops.attention.kernels.triton_quant import bind_prepare
+    from graphsafe.ops.attention.kernels.triton_sequence_bounds import bind_sequence_bounds
+
     varlen = aiter.flash_attn_varlen_func
     specs = (((batch + 1,), torch.int32), ((batch + 1,), torch.int32))
-    bounds = aiter_prep.bind_sequence_bounds(cu_seqlens_q, batch, tq, tk)
+    bounds = bind_sequence_bounds(call.cu_seqlens_q, batch, tq, tk)
     zero_outside = bind_prepare(q, batch, tq, hq * dv, False)
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
@@ -126,3 +137,7 @@ def prepare_flash_attn_varlen(
         return out
 
     return run
+
+
+# -- the records ------------------------------------------------------------------------------
+FLASH_ATTN_VARLEN = Backend(name="aiter", prepare=prepare_flash_attn_varlen, supports=supports_flash_attn_varlen)

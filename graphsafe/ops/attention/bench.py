@@ -155,7 +155,7 @@ def _varlen_peers(q, k, v, seqs: int, n: int, scale: float, device) -> tuple[dic
 
 
 # Alternative fp8 tile configs (BLOCK_M, BLOCK_N, num_warps, num_stages) timed next to
-# the default (`triton.varlen_config`: on Hopper 64 x 128 / 4 warps / 3 stages at
+# the default (`plan.varlen_config`: on Hopper 64 x 128 / 4 warps / 3 stages at
 # D <= 128, 64 x 64 at D = 192, two CTAs per SM) on fp8 inputs: the earlier default of
 # one CTA of 128 x 128 tiles per SM, and 128 x 64.
 FP8_CONFIG_VARIANTS = {128: [(128, 128, 8, 3), (128, 64, 8, 3)], 192: [(128, 128, 8, 2), (128, 64, 8, 3)]}
@@ -165,7 +165,7 @@ def _fp8_impls(public, q, k, v, cu, n: int, scale: float) -> dict:
     """graphsafe's fp8 path quantising inside the op (bf16 in and out), on pre-quantised
     fp8 inputs (also with other tile configs), the quantisation launches alone, and the
     bf16 path for the ratio."""
-    from graphsafe.ops.attention import triton as T
+    from graphsafe.ops.attention import plan, triton as T
     from graphsafe.ops.attention.fp8 import quantize_per_tensor
     from graphsafe.workspace import current_workspace_manager
 
@@ -188,7 +188,7 @@ def _fp8_impls(public, q, k, v, cu, n: int, scale: float) -> dict:
     def quantise_only():
         """The three launches before the attention kernel (workspace as in the op)."""
         vt, k8w, scales = current_workspace_manager(q.device).get_simultaneous(
-            *T.varlen_workspace_specs(tq, tk, hq, hk, d, dv, quantize=True), owner="bench"
+            *plan.varlen_scratch(tq, tk, hq, hk, d, dv, quantize=True), owner="bench"
         )
         quantise(q, k, v, cu, out, k8w, vt, scales)
 
@@ -200,9 +200,11 @@ def _with_triton_kernel_row(impls: dict, args: tuple, d: int, dv: int, n: int) -
     """`impls` with "graphsafe triton kernel" right after the first (default) row: the
     bf16/fp16 Triton kernel with its own tiles (the kernel the Gluon one replaces on
     sm_90; elsewhere the default row runs it too), its runner prepared once as the op's is."""
-    from graphsafe.ops.attention import triton as T
+    from graphsafe.ops.attention import plan, triton as T
 
-    runner = T.prepare_flash_attn_varlen(*args[:9], config=T.varlen_config(args[0].device, d, dv, False, n))
+    call = get_op("flash_attn_varlen").call(*args[:9])
+    runner = T.bind_flash_attn_varlen(call, plan.choose_flash_attn_varlen(call, plan.varlen_config(args[0].device, d, dv,
+                                                                                                    False, n)))
     (first, run_first), *rest = impls.items()
     return {first: run_first, "graphsafe triton kernel": lambda: runner(*args[:9]), **dict(rest)}
 

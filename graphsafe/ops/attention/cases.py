@@ -123,6 +123,14 @@ def _make_decode(p: Params, device, gen):
             *_variants(p, hq, device, gen))
 
 
+def _decode_workspace_args(p: Params, args: Args) -> tuple[tuple, dict]:
+    """`paged_attention_decode_workspace`'s arguments for these inputs: their shapes."""
+    q, _, v_cache, block_table = args[:4]
+    b, hq, d = q.shape
+    _, block_size, hk, dv = v_cache.shape
+    return (b, hq, hk, dv, block_table.shape[1], block_size), {"head_dim": d}
+
+
 def _compare_decode(expected, actual, exp_args, act_args, params):
     v_cache, v_scale = exp_args[2], exp_args[7]
     attention_compare(
@@ -260,6 +268,7 @@ register_case(
         example=EXAMPLE_DECODE,
         make=_make_decode,
         compare=_compare_decode,
+        workspace_args=_decode_workspace_args,
         bad_inputs=_bad_decode,
         unread=_unread_decode,
         out_of_range=_out_of_range_decode,
@@ -380,6 +389,14 @@ def varlen_uses_fp8_products(args) -> bool:
 
     q, mode = args[0], args[12]
     return q.dtype == FP8 or quantize_inputs(mode, q.dtype, q.device)
+
+
+def _varlen_workspace_args(p: Params, args: Args) -> tuple[tuple, dict]:
+    """`flash_attn_varlen_workspace`'s arguments for these inputs: their shapes, and `fp8`
+    unless the call keeps bf16/fp16 (fp8 inputs, or "on"/"auto", may take the fp8 path)."""
+    q, k, v = args[:3]
+    fp8 = q.dtype == FP8 or args[12] != "off"
+    return (q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2]), {"fp8": fp8}
 
 
 def _compare_varlen(expected, actual, exp_args, act_args, params):
@@ -562,6 +579,7 @@ register_case(
         example=EXAMPLE_VARLEN,
         make=_make_varlen,
         compare=_compare_varlen,
+        workspace_args=_varlen_workspace_args,
         bad_inputs=_bad_varlen,
         unread=_unread_varlen,
         out_of_range=_out_of_range_varlen,

@@ -4,7 +4,7 @@ values: a host sync per call, so only while the switch is on).
 Each raises `graphsafe.InputError` naming the op, the argument, the allowed range and
 the first offending value, for inputs the ops accept and define (ids out of range act
 as padding, cu_seqlens are cut at the tensors' ends) but that are almost surely a bug
-in the caller.
+in the caller. Each takes the op's bound call (`OpSpec.call`).
 """
 
 from __future__ import annotations
@@ -43,16 +43,17 @@ def _check_paged(op, k_cache, block_table, seq_lens, first_visible) -> torch.Ten
     return lengths
 
 
-def debug_check_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None,
-                                       v_scale=None, window_left=-1, softcap=0.0, sinks=None) -> None:
+def debug_check_paged_attention_decode(call) -> None:
     """`seq_lens` within `[0, max_blocks_per_seq * block_size]`; the block-table entries
     a request reads (those of its first `ceil(seq_lens[b] / block_size)` blocks, less
     the blocks wholly before a sliding window) are block ids in `[0, num_blocks)` or -1
     (padding)."""
+    window_left = call.window_left
+
     def first_visible(lengths):
         return lengths - 1 - window_left if window_left >= 0 else torch.zeros_like(lengths)
 
-    _check_paged("paged_attention_decode", k_cache, block_table, seq_lens, first_visible)
+    _check_paged("paged_attention_decode", call.k_cache, call.block_table, call.seq_lens, first_visible)
 
 
 def _check_cu_seqlens(op: str, arg: str, cu: torch.Tensor, total: int, max_len: int, max_arg: str) -> None:
@@ -62,28 +63,25 @@ def _check_cu_seqlens(op: str, arg: str, cu: torch.Tensor, total: int, max_len: 
     max_of_differences_at_most(op, arg, cu, max_len, max_arg)
 
 
-def debug_check_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-                                  q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1,
-                                  softcap=0.0, sinks=None) -> None:
+def debug_check_flash_attn_varlen(call) -> None:
     """cu_seqlens_q / cu_seqlens_k: entries in `[0, Tq]` / `[0, Tk]`, non-decreasing, and
     no sequence longer than `max_seqlen_q` / `max_seqlen_k`."""
     op = "flash_attn_varlen"
-    _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
-    _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    _check_cu_seqlens(op, "cu_seqlens_q", call.cu_seqlens_q, call.q.shape[0], call.max_seqlen_q, "max_seqlen_q")
+    _check_cu_seqlens(op, "cu_seqlens_k", call.cu_seqlens_k, call.k.shape[0], call.max_seqlen_k, "max_seqlen_k")
 
 
-def debug_check_paged_attention_prefill(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
-                                        scale, causal, k_scale=None, v_scale=None, window_left=-1, softcap=0.0,
-                                        sinks=None) -> None:
+def debug_check_paged_attention_prefill(call) -> None:
     """cu_seqlens_q as for `flash_attn_varlen`; `seq_lens` and the block-table entries
     read (from the block of the first query row's window) as for
     `paged_attention_decode`."""
     op = "paged_attention_prefill"
-    _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    cu_seqlens_q, window_left = call.cu_seqlens_q, call.window_left
+    _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, call.q.shape[0], call.max_seqlen_q, "max_seqlen_q")
     lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).detach().long()
 
     def first_visible(lengths):
         # Row 0 sits at key position len_k - len_q; its window starts window_left before.
         return lengths - lens_q - window_left if window_left >= 0 else torch.zeros_like(lengths)
 
-    _check_paged(op, k_cache, block_table, seq_lens, first_visible)
+    _check_paged(op, call.k_cache, call.block_table, call.seq_lens, first_visible)

@@ -1,5 +1,6 @@
 """Fakes and input checks of the GQA attention ops (`paged_attention_decode`,
-`paged_attention_prefill`, `flash_attn_varlen`)."""
+`paged_attention_prefill`, `flash_attn_varlen`). Each takes the op's bound call
+(`OpSpec.call`: a named tuple of the stub's arguments)."""
 
 from __future__ import annotations
 
@@ -54,31 +55,19 @@ def _check_paged_cache(op: str, q: torch.Tensor, k_cache, v_cache, block_table, 
     c.fp8_cache_scale(op, "v_scale", v_scale, v_cache, dev, "when the caches are float8_e4m3fn")
 
 
-def check_paged_attention_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    window_left: int = -1,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-) -> None:
+def check_paged_attention_decode(call) -> None:
     op = "paged_attention_decode"
+    q = call.q
     c.tensor(op, "q", q, dtypes=c.HALF_DTYPES, ndim=3)
-    _check_paged_cache(op, q, k_cache, v_cache, block_table, seq_lens, q.shape[0], k_scale, v_scale)
-    check_variants(op, window_left, softcap, sinks, q.shape[1], q.device)
+    _check_paged_cache(op, q, call.k_cache, call.v_cache, call.block_table, call.seq_lens, q.shape[0], call.k_scale,
+                       call.v_scale)
+    check_variants(op, call.window_left, call.softcap, call.sinks, q.shape[1], q.device)
 
 
-def fake_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
-                                window_left=-1, softcap=0.0, sinks=None):
-    check_paged_attention_decode(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale,
-                                 window_left, softcap, sinks)
-    b, hq, _ = q.shape
-    return q.new_empty((b, hq, v_cache.shape[3]))
+def fake_paged_attention_decode(call):
+    check_paged_attention_decode(call)
+    b, hq, _ = call.q.shape
+    return call.q.new_empty((b, hq, call.v_cache.shape[3]))
 
 
 def _check_cu_seqlens(op: str, arg: str, cu: torch.Tensor, device: torch.device, batch: int | None) -> int:
@@ -94,36 +83,22 @@ def _check_cu_seqlens(op: str, arg: str, cu: torch.Tensor, device: torch.device,
     return batch
 
 
-def check_paged_attention_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    max_seqlen_q: int,
-    scale: float,
-    causal: bool,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    window_left: int = -1,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-) -> None:
+def check_paged_attention_prefill(call) -> None:
     op = "paged_attention_prefill"
+    q = call.q
     c.tensor(op, "q", q, dtypes=c.HALF_DTYPES, ndim=3)
-    batch = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.device, None)
-    _check_paged_cache(op, q, k_cache, v_cache, block_table, seq_lens, batch, k_scale, v_scale)
-    if max_seqlen_q < 0:
-        c.fail(op, "max_seqlen_q", "an int >= 0", max_seqlen_q)
-    check_variants(op, window_left, softcap, sinks, q.shape[1], q.device)
+    batch = _check_cu_seqlens(op, "cu_seqlens_q", call.cu_seqlens_q, q.device, None)
+    _check_paged_cache(op, q, call.k_cache, call.v_cache, call.block_table, call.seq_lens, batch, call.k_scale,
+                       call.v_scale)
+    if call.max_seqlen_q < 0:
+        c.fail(op, "max_seqlen_q", "an int >= 0", call.max_seqlen_q)
+    check_variants(op, call.window_left, call.softcap, call.sinks, q.shape[1], q.device)
 
 
-def fake_paged_attention_prefill(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale,
-                                 causal, k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
-    check_paged_attention_prefill(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale,
-                                  causal, k_scale, v_scale, window_left, softcap, sinks)
-    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[3]))
+def fake_paged_attention_prefill(call):
+    check_paged_attention_prefill(call)
+    q = call.q
+    return q.new_empty((q.shape[0], q.shape[1], call.v_cache.shape[3]))
 
 
 def _check_descale(op: str, arg: str, descale, q: torch.Tensor, batch, hk) -> None:
@@ -142,25 +117,10 @@ def output_dtype(q_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if q_dtype == FP8 else q_dtype
 
 
-def check_flash_attn_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-    causal: bool,
-    q_descale: torch.Tensor | None = None,
-    k_descale: torch.Tensor | None = None,
-    v_descale: torch.Tensor | None = None,
-    fp8: str = "off",
-    window_left: int = -1,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-) -> None:
+def check_flash_attn_varlen(call) -> None:
     op = "flash_attn_varlen"
+    q, k, v, cu_seqlens_q, cu_seqlens_k = call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k
+    max_seqlen_q, max_seqlen_k, fp8 = call.max_seqlen_q, call.max_seqlen_k, call.fp8
     c.tensor(op, "q", q, dtypes=(*c.HALF_DTYPES, FP8), ndim=3)
     dev = q.device
     hq, d = q.shape[1:]
@@ -182,17 +142,12 @@ def check_flash_attn_varlen(
         c.fail(op, "fp8", "one of 'auto', 'on', 'off'", repr(fp8))
     for name, x in (("q", q), ("k", k), ("v", v)):
         c.last_dim_contiguous(op, name, x)
-    for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+    for name, x in (("q_descale", call.q_descale), ("k_descale", call.k_descale), ("v_descale", call.v_descale)):
         _check_descale(op, name, x, q, batch, hk)
-    check_variants(op, window_left, softcap, sinks, hq, dev)
+    check_variants(op, call.window_left, call.softcap, call.sinks, hq, dev)
 
 
-def fake_flash_attn_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None,
-):
-    check_flash_attn_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-        q_descale, k_descale, v_descale, fp8, window_left, softcap, sinks,
-    )
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=output_dtype(q.dtype))
+def fake_flash_attn_varlen(call):
+    check_flash_attn_varlen(call)
+    q = call.q
+    return q.new_empty((q.shape[0], q.shape[1], call.v.shape[2]), dtype=output_dtype(q.dtype))

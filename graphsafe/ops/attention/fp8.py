@@ -4,7 +4,7 @@ and the per-tensor quantisation the reference uses (the seed PR vLLM #42509 patt
 Quantisation of one tensor x (bf16/fp16): `descale = max(amax(|x|), AMAX_EPS) / 448`
 (float32, IEEE division; NaN when x holds a NaN or inf anywhere), `x8 = clamp(x /
 descale, -448, 448)` rounded to nearest-even float8_e4m3fn (NaN stays NaN). The Triton kernels
-(`_triton_quant.py`) compute the very same bits; the constants both use live in the leaf
+(`kernels/triton_quant.py`) compute the very same bits; the constants both use live in the leaf
 module `fp8_format.py`.
 """
 
@@ -58,7 +58,7 @@ def fp8_prefill_supported(device: torch.device | str) -> bool:
 
 def _run_probe(device: torch.device) -> bool:
     try:
-        from graphsafe.ops.attention._triton_quant import run_fp8_probe
+        from graphsafe.ops.attention.kernels.triton_quant import run_fp8_probe
 
         return run_fp8_probe(device)
     except Exception:  # noqa: BLE001 - any failure (no Triton, no fp8 codegen) means "unsupported"

@@ -1,6 +1,7 @@
 """Reference backend of the GQA attention ops: the executable spec, vectorised PyTorch in
 float32. No host sync, no Python loops over tokens or requests: ragged batches are
-padded to the caller's `max_seqlen_*` (host ints) and masked.
+padded to the caller's `max_seqlen_*` (host ints) and masked. The records (`Backend`)
+at the bottom.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 
 from graphsafe.ops.attention.fake import FP8, output_dtype
 from graphsafe.ops.attention.fp8 import quantize_inputs, quantize_per_tensor
+from graphsafe.registry import Backend
 
 NEG_INF = float("-inf")
 
@@ -204,3 +206,9 @@ def paged_attention_prefill(
     out = _attend_padded(qp, keys, values, lens_q, lens_k, token_ok, _score_scale(scale, k_cache, k_scale), causal,
                          window_left, softcap, sinks, v_scale if k_cache.dtype == FP8 else None)
     return _fresh(_unpad(out, cu_q, tq, max_seqlen_q), q.dtype)
+
+
+# -- the records --------------------------------------------------------------------------
+PAGED_ATTENTION_DECODE = Backend(name="reference", impl=paged_attention_decode)
+FLASH_ATTN_VARLEN = Backend(name="reference", impl=flash_attn_varlen)
+PAGED_ATTENTION_PREFILL = Backend(name="reference", impl=paged_attention_prefill)

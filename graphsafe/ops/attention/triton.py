@@ -1,93 +1,76 @@
-"""Triton backend of the GQA attention ops: per-signature runners, configs and scratch.
+"""Triton backend of the GQA attention ops: the records, and the per-signature runners.
 
-Kernels live in `_triton_decode.py` (paged decode + split combine), `_triton_prefill.py`
-(varlen FlashAttention-2 forward) and `_triton_quant.py` (fp8 quantisation). The
-`prepare_*` functions run once per call signature (the registry keeps their runners):
-plans, tile configs, grids, workspace specs and every launch are bound there
-(`graphsafe.launch.bind`). A runner allocates the output, takes its scratch from the
-workspace manager and calls the bound launches with tensors only. Every host int comes
-from shapes or arguments.
+What runs is decided in `plan.py`: each `prepare_*` (the records' `prepare`, run once per
+call signature; the registry keeps the runner) calls `plan.choose_*(call)` once and binds
+the launches the Choice names (`graphsafe.launch.bind`). A runner allocates the output,
+takes the Choice's scratch from the workspace manager and calls the bound launches with
+tensors only. Every host int comes from shapes or arguments.
+
+The kernels (kernels/, imported by the first prepare, so that importing graphsafe never
+imports triton): `triton_decode.py` (paged decode + split combine), `triton_prefill.py`
+(varlen FlashAttention-2 forward), `triton_paged_prefill.py`, `triton_quant.py` (the fp8
+path's quantisation, and zeroing the output rows outside every sequence) and, on sm_90,
+`gluon_prefill.py` (varlen's Gluon kernels, bound here by `bind_wgmma_varlen` and
+`bind_wgmma_varlen_fp8` with the runtime fallback the Choice lists: the Triton kernel
+for a misaligned call or a Gluon kernel that failed to compile).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from graphsafe.device_info import compute_capability
-from graphsafe.ops.attention.fake import FP8, output_dtype
-from graphsafe.launch import output_allocator
-from graphsafe.ops.attention import reference
-from graphsafe.ops.attention._triton_decode import bind_combine, bind_paged_decode
-from graphsafe.ops.attention._triton_prefill import bind_varlen
-from graphsafe.ops.attention._triton_quant import (
-    AMAX_Q,
-    DESCALE_K,
-    DESCALE_Q,
-    DESCALE_V,
-    EMULATE_FP8_CAST,
-    ONE,
-    SCALE_SLOTS,
-    bind_amax,
-    bind_prepare,
-    bind_quantize_kv,
-    bind_quantize_q,
-    vt_columns,
-)
-from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
-from graphsafe.ops.attention.split_kv import decode_block_n, plan_decode_splits
-from graphsafe.ops.attention.wgmma_varlen import (
-    bind_wgmma_varlen,
-    bind_wgmma_varlen_fp8,
-    wgmma_varlen_fits,
-    wgmma_varlen_fp8_fits,
-)
+from graphsafe.device_info import num_sms
+from graphsafe.launch import Launch, bind, output_allocator
+from graphsafe.ops.attention import plan, reference
+from graphsafe.ops.attention.fake import output_dtype
+from graphsafe.ops.attention.fp8_format import AMAX_Q, DESCALE_K, DESCALE_Q, DESCALE_V, ONE, vt_columns
+from graphsafe.registry import Backend, get_op
 from graphsafe.workspace import current_workspace_manager
 
 DECODE_OWNER = "paged_attention_decode"
 VARLEN_OWNER = "flash_attn_varlen"
 # The runners pass `scales` itself as the pointer to q's amax (no view to cut per call).
 assert AMAX_Q == 0
+LOG2E = 1.4426950408889634
 
 
-def _hopper_or_newer(device: torch.device) -> bool:
-    cc = compute_capability(device)
-    return cc is not None and cc >= (9, 0)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 # -- paged decode -------------------------------------------------------------------------
-def decode_config(device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). 3 stages keep ~3 K/V tiles in flight per program."""
-    stages = 3 if device.type == "cuda" and _hopper_or_newer(device) else 2
-    return decode_block_n(device), 4, stages
+def prepare_paged_attention_decode(call):
+    """The runner of this call signature (the record's `prepare`): the plan's split count,
+    the decode launch and (with more than one split) the combine launch and the partials'
+    workspace specs, with the variants (`window_left`, `softcap`, whether there are
+    `sinks`: host arguments of the signature) bound into them. A call makes 1 launch, or
+    2 with splits."""
+    return bind_paged_attention_decode(call, plan.choose_paged_attention_decode(call))
 
 
-def prepare_paged_attention_decode(
-    q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None, window_left=-1, softcap=0.0,
-    sinks=None, *, num_splits=None,
-):
-    """The runner of this call signature: the split plan, the decode launch and (with
-    more than one split) the combine launch and the partials' workspace specs, fixed
-    here, with the variants (`window_left`, `softcap`, whether there are `sinks`: host
-    arguments of the signature) bound into them. A call makes 1 launch, or 2 with
-    splits. `num_splits` (tests only) overrides the shape-based plan."""
+def bind_paged_attention_decode(call, choice: plan.DecodeChoice):
+    """The runner of `call`'s signature running `choice`."""
+    q = call.q
     b, hq, _ = q.shape
-    _, block_size, hk, dv = v_cache.shape
-    shape, dtype, device = (b, hq, dv), q.dtype, q.device
-    new_out = output_allocator(shape, dtype, device)
+    dv = call.v_cache.shape[3]
+    device = q.device
+    new_out = output_allocator((b, hq, dv), q.dtype, device)
 
-    if b == 0 or hq == 0:
+    if choice.path == "empty":
         def run_empty(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
                       window_left=-1, softcap=0.0, sinks=None):
             return new_out()
 
         return run_empty
 
-    if num_splits is None:
-        num_splits = plan_decode_splits(b, hk, block_table.shape[1], block_size, device)
-    kv_fp8 = k_cache.dtype.itemsize == 1
-    decode = bind_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale, num_splits, decode_config(device),
-                               window_left, softcap, sinks)
-    if num_splits == 1:
+    from graphsafe.ops.attention.kernels.triton_decode import bind_combine, bind_paged_decode
+
+    kv_fp8 = choice.kv_fp8
+    decode = bind_paged_decode(q, call.k_cache, call.v_cache, call.block_table, call.seq_lens, call.scale,
+                               choice.num_splits, choice.config, kv_fp8, call.window_left, call.softcap, call.sinks)
+    if choice.path == "one-split":
         def run(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
                 window_left=-1, softcap=0.0, sinks=None):
             out = new_out()
@@ -100,8 +83,8 @@ def prepare_paged_attention_decode(
 
         return run
 
-    specs = (((b, hq, num_splits, dv), torch.float32), ((b, hq, num_splits), torch.float32))
-    combine = bind_combine(q, b, hq, dv, num_splits, sinks)
+    specs = choice.workspace  # the partials (plan.split_scratch)
+    combine = bind_combine(q, b, hq, dv, choice.num_splits, call.sinks)
 
     def run_split(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None,
                   window_left=-1, softcap=0.0, sinks=None):
@@ -122,66 +105,72 @@ def paged_attention_decode(
     q, k_cache, v_cache, block_table, seq_lens, scale, k_scale=None, v_scale=None, window_left=-1, softcap=0.0,
     sinks=None, *, num_splits=None,
 ):
-    """One call, prepared afresh. `num_splits` (tests only) overrides the shape-based plan."""
-    args = (q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale, window_left, softcap, sinks)
-    return prepare_paged_attention_decode(*args, num_splits=num_splits)(*args)
+    """One call, prepared afresh (tests). `num_splits` overrides the shape-based plan."""
+    call = get_op("paged_attention_decode").call(q, k_cache, v_cache, block_table, seq_lens, scale, k_scale, v_scale,
+                                                 window_left, softcap, sinks)
+    return bind_paged_attention_decode(call, plan.choose_paged_attention_decode(call, num_splits))(*call)
+
+
+# -- paged prefill ------------------------------------------------------------------------
+def prepare_paged_attention_prefill(call):
+    """The runner of this call signature (the record's `prepare`): the plan's tiles, the
+    grid and both launches fixed here. A call makes 2 launches: zero the output rows
+    outside every sequence (`triton_quant.bind_prepare`), then attention. No workspace."""
+    return bind_paged_attention_prefill(call, plan.choose_paged_attention_prefill(call))
+
+
+def bind_paged_attention_prefill(call, choice: plan.PagedPrefillChoice):
+    """The runner of `call`'s signature running `choice`."""
+    q, k_cache, v_cache = call.q, call.k_cache, call.v_cache
+    tq, hq, _ = q.shape
+    dv = v_cache.shape[3]
+    new_out = output_allocator((tq, hq, dv), q.dtype, q.device)
+    if choice.path == "empty":
+        def run_empty(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, causal,
+                      k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
+            return new_out()
+
+        return run_empty
+
+    from graphsafe.ops.attention.kernels.triton_paged_prefill import bind_paged_prefill
+    from graphsafe.ops.attention.kernels.triton_quant import bind_prepare
+
+    num_seqs = call.cu_seqlens_q.shape[0] - 1
+    zero_rows = bind_prepare(q, num_seqs, tq, hq * dv, False)  # not None: the output has elements
+    sinks_stride = None if call.sinks is None else call.sinks.stride(0)
+    attend = bind_paged_prefill(q, k_cache, v_cache, call.block_table, call.seq_lens, num_seqs, call.max_seqlen_q,
+                                call.scale, call.causal, call.window_left, call.softcap, sinks_stride, choice.config,
+                                choice.kv_fp8)
+    kv_fp8 = choice.kv_fp8
+
+    def run(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, causal,
+            k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None):
+        out = new_out()
+        zero_rows(out, cu_seqlens_q, out)
+        if attend is not None:
+            if not kv_fp8:
+                k_scale = v_scale = q  # bf16/fp16 caches read no scale: placeholders
+            attend(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale,
+                   q if sinks is None else sinks, out)
+        return out
+
+    return run
+
+
+def paged_attention_prefill(
+    q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, causal,
+    k_scale=None, v_scale=None, window_left=-1, softcap=0.0, sinks=None, *,
+    config=None,
+):
+    """One call, prepared afresh (tests and benchmarks). `config` overrides (BLOCK_M,
+    BLOCK_N, num_warps, num_stages)."""
+    call = get_op("paged_attention_prefill").call(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                                                  max_seqlen_q, scale, causal, k_scale, v_scale, window_left, softcap,
+                                                  sinks)
+    return bind_paged_attention_prefill(call, plan.choose_paged_attention_prefill(call, config))(*call)
 
 
 # -- varlen prefill -----------------------------------------------------------------------
-def varlen_config(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) from shapes and host ints only.
-
-    fp8 on Hopper: 128 x 128 tiles (fp8 wgmma m64n128k32; one CTA of two warpgroups per
-    SM at ~255 registers, no spills in the key loop), 3 stages of K and V^T tiles
-    (115 KB of shared memory at D = 128; 2 stages at D = 192). bf16/fp16: 128 x 64."""
-    if device.type != "cuda":
-        return 16, 16, 4, 1  # interpreter: small tiles, so tiny tests cover several blocks
-    wide = max(d, dv) > 128
-    block_m = 128 if max_seqlen_q > 64 else 64
-    num_warps = 8 if block_m == 128 else 4
-    hopper = _hopper_or_newer(device)
-    stages = 3 if hopper and not wide else 2
-    if fp8 and hopper:
-        # Measured on an H200, 8 x 4096 causal, fp8 inputs: 64 x 128 / 4 warps / 3 stages
-        # 1.83 ms vs 2.02 for 128 x 128 / 8 warps (D=128, GQA and MHA alike); at D=192,
-        # 64 x 64 / 4 warps / 3 stages 1.33 vs 1.43 ms. Two CTAs per SM overlap one CTA's
-        # softmax with the other's MMAs.
-        return (64, 64, 4, 3) if wide else (64, 128, 4, 3)
-    if fp8 and not wide:  # (sm89 has 99 KB of shared memory per block)
-        return block_m, 128, num_warps, stages
-    return block_m, 64, num_warps, stages
-
-
-def varlen_workspace_specs(
-    total_q: int, total_k: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, quantize: bool,
-    q_copy: bool = False,
-):
-    """Scratch of one fp8 call: V^T (fp8, token-contiguous rows padded to 16 tokens), k in
-    fp8 when quantising bf16/fp16 inputs, the float32 scale slots
-    (`_triton_quant.SCALE_SLOTS`) and, `q_copy`, q in fp8 (the sm_90 Gluon kernel reads q
-    from memory; the Triton kernel quantises q tile by tile itself). The bf16/fp16 path
-    needs none."""
-    specs = [((num_kv_heads, head_dim_v, vt_columns(total_k)), FP8)]
-    if quantize:
-        specs += [((total_k, num_kv_heads, head_dim), FP8)]
-    specs += [((SCALE_SLOTS,), torch.float32)]
-    if quantize and q_copy:
-        specs += [((total_q, num_q_heads, head_dim), FP8)]
-    return specs
-
-
-def flash_attn_varlen_workspace(
-    total_q: int, total_k: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, fp8: bool = True,
-):
-    """This backend's worst case for one call (the record's `workspace`): the fp8 path
-    quantising bf16/fp16 inputs for the sm_90 Gluon kernel, with a q copy (fp8 inputs and
-    the Triton kernel need less); nothing when `fp8` is False."""
-    if not fp8:
-        return []
-    return varlen_workspace_specs(total_q, total_k, num_q_heads, num_kv_heads, head_dim, head_dim_v, quantize=True,
-                                  q_copy=True)
-
-
 def prepare_fp8_quantisation(q, k, v, cu_seqlens_q, quantize=True):
     """The fp8 path's launches before the attention kernel, bound to these shapes and
     strides (the op's own runners use it; public for tests and the benchmark).
@@ -192,6 +181,8 @@ def prepare_fp8_quantisation(q, k, v, cu_seqlens_q, quantize=True):
     k and v (one launch) and k, V^T quantised into `k8` (contiguous `[Tk, Hk, D]`) and
     `vt` (contiguous `[Hk, Dv, vt_columns(Tk)]`, one launch); without (fp8 inputs) V^T
     is a transposed copy of v and `k8` is not used (pass None)."""
+    from graphsafe.ops.attention.kernels.triton_quant import bind_amax, bind_prepare, bind_quantize_kv
+
     tq, hq, _ = q.shape
     prep = bind_prepare(q, cu_seqlens_q.shape[0] - 1, tq, hq * v.shape[2], True)
     to_fp8 = bind_quantize_kv(k, v, quantize)  # None when k and v have no token (or head)
@@ -218,31 +209,29 @@ def _descale_strides(x: torch.Tensor | None) -> tuple[int, int]:
     return (x.stride(0), x.stride(1)) if x is not None and x.dim() == 2 else (0, 0)
 
 
-def prepare_flash_attn_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-    q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None, *,
-    config=None,
-):
-    """The runner of this call signature. `fp8` is resolved here ("auto": the cached
-    per-device probe), with the tile config, the workspace specs and every launch.
-    A call makes 2 launches (zero the output tail, attention) on the bf16/fp16 path,
-    4 quantising bf16/fp16 inputs (reset + tail, amax, k and V^T, attention; 5 where the
-    sm_90 fp8 Gluon kernel runs: it reads a quantised copy of q) and 3 on fp8 inputs
-    (reset + tail, V^T, attention). The variants (window, softcap, whether
-    there are sinks) are constexprs of the attention launch; `sinks` itself is a tensor
-    argument per call. `config` (tests and benchmarks only) overrides (BLOCK_M, BLOCK_N,
-    num_warps, num_stages)."""
+def prepare_flash_attn_varlen(call):
+    """The runner of this call signature (the record's `prepare`): the plan (`fp8`
+    resolved, "auto" by the cached per-device probe; the kernels in the order they are
+    tried, the tiles, the scratch) and every launch. A call makes 2 launches (zero the
+    output tail, attention) on the bf16/fp16 path, 4 quantising bf16/fp16 inputs (reset +
+    tail, amax, k and V^T, attention; 5 where the sm_90 fp8 Gluon kernel runs: it reads a
+    quantised copy of q) and 3 on fp8 inputs (reset + tail, V^T, attention). The variants
+    (window, softcap, whether there are sinks) are constexprs of the attention launch;
+    `sinks` itself is a tensor argument per call."""
+    return bind_flash_attn_varlen(call, plan.choose_flash_attn_varlen(call))
+
+
+def bind_flash_attn_varlen(call, choice: plan.VarlenChoice):
+    """The runner of `call`'s signature running `choice`."""
+    if choice.path == "reference":
+        # fp8 asked of a GPU without fp8 matrix units (or working fp8 codegen): the slow, exact PyTorch path.
+        return reference.flash_attn_varlen
+    q, k, v = call.q, call.k, call.v
     device = q.device
     tq, hq, d = q.shape
     tk, hk, dv = v.shape
-    quantize = quantize_inputs(fp8, q.dtype, device)
-    use_fp8 = q.dtype == FP8 or quantize
-    if use_fp8 and device.type == "cuda" and not fp8_prefill_supported(device):
-        # No fp8 matrix units (or no working fp8 codegen): the slow, exact PyTorch path.
-        return reference.flash_attn_varlen
-    shape, dtype = (tq, hq, dv), output_dtype(q.dtype)
-    new_out = output_allocator(shape, dtype, device)
-    if tq * hq * dv == 0:
+    new_out = output_allocator((tq, hq, dv), output_dtype(q.dtype), device)
+    if choice.path == "empty":
         def run_empty(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                       q_descale=None, k_descale=None, v_descale=None, fp8="off",
                       window_left=-1, softcap=0.0, sinks=None):
@@ -250,24 +239,26 @@ def prepare_flash_attn_varlen(
 
         return run_empty
 
-    explicit_config = config is not None
-    config = config or varlen_config(device, d, dv, use_fp8, max_seqlen_q)
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    emulate = EMULATE_FP8_CAST and device.type == "cpu"
-    sinks_stride = None if sinks is None else sinks.stride(0)
-    variants = {"window_left": window_left, "softcap": softcap, "sinks_stride": sinks_stride}
-    # (A window of every key is none: `bind_varlen` compiles it away; the Gluon kernels take no variant.)
-    has_variant = (0 <= window_left < tk) or softcap != 0.0 or sinks is not None
+    from graphsafe.ops.attention.kernels.triton_prefill import bind_varlen
+    from graphsafe.ops.attention.kernels.triton_quant import EMULATE_FP8_CAST, bind_prepare, bind_quantize_q
 
-    if not use_fp8:
+    max_seqlen_q, scale, causal = call.max_seqlen_q, call.scale, call.causal
+    num_seqs = call.cu_seqlens_q.shape[0] - 1
+    emulate = EMULATE_FP8_CAST and device.type == "cpu"
+    sinks_stride = None if call.sinks is None else call.sinks.stride(0)
+    variants = {"window_left": call.window_left, "softcap": call.softcap, "sinks_stride": sinks_stride}
+    gluon = choice.gluon  # tried first where set; the Triton kernel (kernels[-1]) takes what it cannot
+    attends = bool(choice.kernels)  # False: no row has work, nothing to launch
+    specs = choice.workspace
+
+    if choice.path == "16-bit":
         zero_tail = bind_prepare(q, num_seqs, tq, hq * dv, False)  # not None: out has elements
         attend = bind_varlen(
             q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1), v.stride(2)),
-            max_seqlen_q, scale, causal, None, False, config, emulate, tk, **variants,
-        )
-        if attend is not None and not explicit_config and wgmma_varlen_fits(q, k, v, max_seqlen_q, scale, has_variant):
-            # sm_90: the Gluon kernel (a config override asks for the Triton kernel's tiles).
-            attend = bind_wgmma_varlen(q, k, v, num_seqs, max_seqlen_q, scale, causal, attend)
+            max_seqlen_q, scale, causal, None, False, choice.config, emulate, tk, **variants,
+        ) if attends else None
+        if gluon is not None:
+            attend = bind_wgmma_varlen(q, k, v, num_seqs, max_seqlen_q, scale, causal, gluon, attend)
 
         def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                 q_descale=None, k_descale=None, v_descale=None, fp8="off",
@@ -283,22 +274,21 @@ def prepare_flash_attn_varlen(
     # fp8: V^T [Hk, Dv, Tk_pad] from the workspace, seen by the kernel as [Tk, Hk, Dv].
     columns = vt_columns(tk)
     vt_strides = (1, dv * columns, columns)
-    quantise = prepare_fp8_quantisation(q, k, v, cu_seqlens_q, quantize)
+    quantize = choice.path == "quantise"
+    quantise = prepare_fp8_quantisation(q, k, v, call.cu_seqlens_q, quantize)
 
     if quantize:
         # k8 is contiguous; every descale is a [1] scale slot.
         attend = bind_varlen(
             q, num_seqs, hk, dv, (hk * d, d), vt_strides, max_seqlen_q, scale, causal, ((0, 0),) * 3, True,
-            config, emulate, tk, q_quant=True, **variants,
-        )
-        gluon = quantise_q = None
-        if attend is not None and not explicit_config and wgmma_varlen_fp8_fits(
-                q, k, v, max_seqlen_q, has_variant, copies=True):
+            choice.config, emulate, tk, q_quant=True, **variants,
+        ) if attends else None
+        copies = quantise_q = None
+        if gluon is not None:
             # sm_90: q, k quantised into fp8 copies for the fp8 Gluon kernel (it reads q by TMA).
-            gluon = bind_wgmma_varlen_fp8(q, k, (hk, dv, columns), num_seqs, max_seqlen_q, scale, causal,
-                                          ((0, 0),) * 3, None, copies=True)
+            copies = bind_wgmma_varlen_fp8(q, k, (hk, dv, columns), num_seqs, max_seqlen_q, scale, causal,
+                                           ((0, 0),) * 3, gluon, None)
             quantise_q = bind_quantize_q(q)
-        specs = tuple(varlen_workspace_specs(tq, tk, hq, hk, d, dv, True, q_copy=gluon is not None))
 
         def run_quantised(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                           q_descale=None, k_descale=None, v_descale=None, fp8="off",
@@ -309,10 +299,10 @@ def prepare_flash_attn_varlen(
             if attend is None:
                 return out
             k_descale, v_descale = scales[DESCALE_K : DESCALE_K + 1], scales[DESCALE_V : DESCALE_V + 1]
-            if gluon is not None:
+            if copies is not None:
                 quantise_q(q, q8[0], scales)
-                if gluon(q8[0], k8, vt, out, cu_seqlens_q, cu_seqlens_k, scales[DESCALE_Q : DESCALE_Q + 1],
-                         k_descale, v_descale, q):
+                if copies(q8[0], k8, vt, out, cu_seqlens_q, cu_seqlens_k, scales[DESCALE_Q : DESCALE_Q + 1],
+                          k_descale, v_descale, q):
                     return out
             # The Triton kernel quantises q itself, from its amax (slot 0: `scales`).
             attend(q, k8, vt, out, cu_seqlens_q, cu_seqlens_k, scales, k_descale, v_descale,
@@ -321,17 +311,15 @@ def prepare_flash_attn_varlen(
 
         return run_quantised
 
-    specs = tuple(varlen_workspace_specs(tq, tk, hq, hk, d, dv, False))
-    descale_strides = tuple(_descale_strides(x) for x in (q_descale, k_descale, v_descale))
+    descale_strides = tuple(_descale_strides(x) for x in (call.q_descale, call.k_descale, call.v_descale))
     attend = bind_varlen(
         q, num_seqs, hk, dv, (k.stride(0), k.stride(1)), vt_strides, max_seqlen_q, scale, causal,
-        descale_strides, True, config, emulate, tk, **variants,
-    )
-    if attend is not None and not explicit_config and wgmma_varlen_fp8_fits(q, k, v, max_seqlen_q, has_variant):
-        # sm_90: the fp8 Gluon kernel (a config override asks for the Triton kernel's tiles).
+        descale_strides, True, choice.config, emulate, tk, **variants,
+    ) if attends else None
+    if gluon is not None:
         attend = bind_wgmma_varlen_fp8(q, k, (hk, dv, columns), num_seqs, max_seqlen_q, scale, causal,
-                                       descale_strides, attend)
-    needs_one = q_descale is None or k_descale is None or v_descale is None
+                                       descale_strides, gluon, attend)
+    needs_one = call.q_descale is None or call.k_descale is None or call.v_descale is None
 
     def run_fp8_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                        q_descale=None, k_descale=None, v_descale=None, fp8="off",
@@ -356,8 +344,148 @@ def flash_attn_varlen(
     q_descale=None, k_descale=None, v_descale=None, fp8="off", window_left=-1, softcap=0.0, sinks=None, *,
     config=None,
 ):
-    """One call, prepared afresh. `config` (tests and benchmarks only) overrides
-    (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-            q_descale, k_descale, v_descale, fp8, window_left, softcap, sinks)
-    return prepare_flash_attn_varlen(*args, config=config)(*args)
+    """One call, prepared afresh (tests and benchmarks). `config` overrides the Triton
+    kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages), and so asks for that kernel."""
+    call = get_op("flash_attn_varlen").call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                                            causal, q_descale, k_descale, v_descale, fp8, window_left, softcap, sinks)
+    return bind_flash_attn_varlen(call, plan.choose_flash_attn_varlen(call, config))(*call)
+
+
+# -- varlen prefill: the sm_90 Gluon launches and their runtime fallback ---------------------
+# Signatures (dtype, head dims, tiles, causal, kernel, warp specialisation) whose Gluon kernel failed to compile.
+_FAILED: set[tuple] = set()
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed Gluon compile raises (RuntimeError: a failed MLIR pass)."""
+    import triton
+    from triton.runtime import OutOfResources
+
+    return (OutOfResources, triton.CompilationError, RuntimeError)
+
+
+def _compile_failed(key: tuple, exc: Exception) -> None:
+    """Remember that the Gluon kernel of signature `key` did not compile (its later calls
+    and bindings run the Triton kernel at once) and say so, once per signature."""
+    if key not in _FAILED:
+        _FAILED.add(key)
+        warnings.warn(f"graphsafe flash_attn_varlen: the sm_90 Gluon kernel did not compile for {key} ({exc}); "
+                      "running the Triton kernel", RuntimeWarning, stacklevel=3)
+
+
+def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,
+                      scale: float, causal: bool, gluon: plan.GluonPlan, triton_launch: Launch) -> Launch:
+    """A launch with `triton_launch`'s arguments, `(q, k, v, out, cu_q, cu_k, *rest)` into a
+    contiguous `out` [Tq, Hq, Dv]: the Gluon kernel of plan `gluon` (which reads no `rest`:
+    descales and sinks, placeholders here) for 16-byte aligned q, k, v, else
+    `triton_launch` (the Choice's next kernel), as for every call once the Gluon kernel
+    failed to compile."""
+    module = plan.gluon_module()
+    tq, hq, d = q.shape
+    tk, hk, dv = v.shape
+    kernel, block_m, block_n, ws = gluon.kernel, gluon.block_m, gluon.block_n, gluon.warp_spec
+    num_m_blocks = _cdiv(max_seqlen_q, block_m)
+    key = (q.dtype, d, dv, block_m, block_n, causal, kernel, ws)
+    errors = _compile_errors()
+    wgmma = None
+    if key not in _FAILED:
+        work = num_m_blocks * num_seqs * hq
+        meta = {"GROUP": hq // hk, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal}
+        sizes = (scale * LOG2E, hq, num_m_blocks, tq, tk)
+        if kernel == "tma":  # persistent: a program per SM walks the work tiles
+            stages, consumer_regs, loader_regs = ws
+            descriptors = module.tma_descriptors(q, k, v, block_n)  # templates: each call's q, k, v
+            wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
+                         q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8)
+                         hq * dv, dv, *(0,) * 6, *sizes, num_seqs, **meta, DK=d, DV=dv, STAGES=stages,
+                         CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=False,
+                         Q_BUFFERS=gluon.q_buffers, num_warps=4)
+        else:
+            args = (q, q, q, q, q, q,  # placeholders: only their device is read
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq * d, d, *sizes)
+            if kernel == "wgmma":
+                wgmma = bind(module.varlen_fwd_wgmma_kernel, (work,), *args, **meta, D=d, num_warps=block_m // 16)
+            else:
+                stages, consumer_regs, loader_regs = ws
+                wgmma = bind(module.varlen_fwd_ws_kernel, (min(work, num_sms(q.device)),), *args, num_seqs, **meta,
+                             D=d, STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
+
+    # The TMA kernel's descale pointers (read by its fp8 variant only): placeholders.
+    placeholders = 3 if kernel == "tma" else 0
+
+    def launch(q, k, v, out, cu_q, cu_k, *rest):
+        nonlocal wgmma
+        if wgmma is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+            try:
+                return wgmma(q, k, v, out, cu_q, cu_k, *(q,) * placeholders)
+            except errors as exc:  # nothing ran: the Triton kernel runs the call
+                wgmma = None
+                _compile_failed(key, exc)
+        triton_launch(q, k, v, out, cu_q, cu_k, *rest)
+
+    return launch
+
+
+def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int, int, int], num_seqs: int,
+                          max_seqlen_q: int, scale: float, causal: bool,
+                          descale_strides: tuple[tuple[int, int], ...], gluon: plan.GluonPlan,
+                          triton_launch: Launch | None) -> Launch:
+    """A launch with `triton_launch`'s arguments, `(q, k, vt, out, cu_q, cu_k, q_descale,
+    k_descale, v_descale, sinks)` (fp8 q, k; V^T `vt` of shape `vt_shape`; out contiguous
+    [Tq, Hq, Dv]): the fp8 Gluon kernel of plan `gluon` (which reads no sinks: a
+    placeholder here) for 16-byte aligned q, k, vt, else `triton_launch` (the Choice's
+    next kernel). `descale_strides`: each descale's (sequence, kv head) strides, (0, 0)
+    for one value per tensor. `gluon.copies`: q and k are bf16/fp16 inputs whose
+    contiguous fp8 copies each call passes instead; then `triton_launch` may be None, and
+    a call the Gluon kernel cannot run (a failed compile) returns False for the caller
+    to run the Triton kernel its own way (on q as given)."""
+    module = plan.gluon_module()
+    tq, hq, d = q.shape
+    tk, hk = k.shape[:2]
+    like = torch.empty(0, dtype=torch.float8_e4m3fn, device=q.device)
+    if gluon.copies:
+        q_view, k_view = (q.shape, hq * d), (k.shape, hk * d)
+    else:
+        q_view, k_view = (q.shape, q.stride(0)), (k.shape, k.stride(0))
+    dv = vt_shape[1]
+    block_m, block_n, ws = gluon.block_m, gluon.block_n, gluon.warp_spec
+    num_m_blocks = _cdiv(max_seqlen_q, block_m)
+    key = (q.dtype, d, dv, block_m, block_n, causal, gluon.kernel, ws)
+    errors = _compile_errors()
+    wgmma = None
+    if key not in _FAILED:
+        stages, consumer_regs, loader_regs = ws
+        work = num_m_blocks * num_seqs * hq
+        descriptors = module.tma_descriptors_fp8(like, q_view, k_view, vt_shape, block_n)  # templates
+        strides = tuple(x for pair in descale_strides for x in pair)
+        wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
+                     q, q, q, q, q, q,  # out, cu_q, cu_k, the descales: only their device is read
+                     hq * dv, dv, *strides, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
+                     GROUP=hq // hk, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DK=d, DV=dv, STAGES=stages,
+                     CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, Q_BUFFERS=gluon.q_buffers,
+                     num_warps=4)
+
+    def launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks) -> bool:
+        """Whether the call ran (False only without a `triton_launch`: the caller runs it)."""
+        nonlocal wgmma
+        if wgmma is not None and not (q.data_ptr() | k.data_ptr() | vt.data_ptr()) & 15:
+            try:
+                wgmma(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale)
+                return True
+            except errors as exc:  # nothing ran: the Triton kernel runs the call
+                wgmma = None
+                _compile_failed(key, exc)
+        if triton_launch is None:
+            return False
+        triton_launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks)
+        return True
+
+    return launch
+
+
+# -- the records ------------------------------------------------------------------------------
+PAGED_ATTENTION_DECODE = Backend(name="triton", prepare=prepare_paged_attention_decode,
+                                 workspace=plan.decode_workspace_specs)
+FLASH_ATTN_VARLEN = Backend(name="triton", prepare=prepare_flash_attn_varlen,
+                            workspace=plan.flash_attn_varlen_workspace)
+PAGED_ATTENTION_PREFILL = Backend(name="triton", prepare=prepare_paged_attention_prefill)

@@ -31,7 +31,19 @@ import triton.language as tl
 from graphsafe.backends import triton_interpreter_enabled
 from graphsafe.device_info import num_sms
 from graphsafe.launch import Launch, bind
-from graphsafe.ops.attention.fp8_format import AMAX_EPS, FP8_MAX
+from graphsafe.ops.attention.fp8_format import (
+    AMAX_EPS,
+    AMAX_K,
+    AMAX_Q,
+    AMAX_V,
+    DESCALE_K,
+    DESCALE_Q,
+    DESCALE_V,
+    FP8_MAX,
+    ONE,
+    SCALE_SLOTS,
+    vt_columns,
+)
 
 EMULATE_FP8_CAST = triton_interpreter_enabled()
 _EPS = tl.constexpr(AMAX_EPS)
@@ -63,17 +75,7 @@ def cast_fp8(x, EMULATE: tl.constexpr):
     return x.to(tl.float8e4nv)
 
 
-# Scale slots of the fp8 path's float32 scratch `scales[SCALE_SLOTS]`: amax of q, k, v
-# (atomic max targets, zeroed by the prepare kernel first), descales of k and v (written
-# by the quantise kernel) and of q (written by the q quantise kernel, which the sm_90
-# Gluon kernel's path runs), and a constant 1.0 (stands in for descales a caller left
-# out). The attention kernels read the q amax, the descales and the 1.0 through pointers
-# of their own: each starts a 16-byte group, as a bound launch needs of its tensors
-# (`graphsafe.launch`: a misaligned one takes Triton's slow binder), and the q amax is
-# slot 0, so `scales` itself points at it. (A power of two: the prepare kernel resets
-# them with one arange.)
-SCALE_SLOTS = 32
-AMAX_Q, AMAX_K, AMAX_V, DESCALE_K, DESCALE_V, ONE, DESCALE_Q = 0, 1, 2, 4, 8, 12, 16
+# The scale slots of the fp8 path's float32 scratch (fp8_format.SCALE_SLOTS), as constexprs.
 _SCALE_SLOTS = tl.constexpr(SCALE_SLOTS)
 _AMAX_Q = tl.constexpr(AMAX_Q)
 _AMAX_K = tl.constexpr(AMAX_K)
@@ -327,11 +329,6 @@ def bind_amax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Launch:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         D=d, DV=dv, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4,
     )
-
-
-def vt_columns(n_tokens: int) -> int:
-    """Token columns of a V^T buffer: T rounded up to 16 (16-byte aligned fp8 rows)."""
-    return -(-n_tokens // 16) * 16
 
 
 def bind_quantize_kv(k: torch.Tensor, v: torch.Tensor, quant: bool = True) -> Launch | None:

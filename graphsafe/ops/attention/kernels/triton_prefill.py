@@ -52,8 +52,8 @@ import triton
 import triton.language as tl
 
 from graphsafe.launch import Launch, bind
-from graphsafe.ops.attention._triton_quant import cast_fp8, descale_of, quantize_values, sequence_bounds
-from graphsafe.ops.attention._triton_softcap import tanh_of_exp2
+from graphsafe.ops.attention.kernels.triton_quant import cast_fp8, descale_of, quantize_values, sequence_bounds
+from graphsafe.ops.attention.kernels.triton_softcap import tanh_of_exp2
 from graphsafe.ops.attention.fp8_format import P_SCALE
 
 LOG2E = 1.4426950408889634

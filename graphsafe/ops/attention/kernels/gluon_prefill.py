@@ -1,7 +1,7 @@
 """Hopper (sm_90) kernels of `flash_attn_varlen` in Gluon: bf16/fp16, wgmma with the two
 products of a key tile in flight together.
 
-Why: Triton's kernel (_triton_prefill.py) waits for each product before the next starts:
+Why: Triton's kernel (triton_prefill.py) waits for each product before the next starts:
 q.k of a tile, its softmax, then p.V, so the tensor cores idle through every softmax
 (3.35 ms, 329 TFLOP/s on an H200 at 8 x 4096 causal, 32/8 heads; FlashAttention-3 1.74).
 Here the q.k of tile j + 1 is issued, and then p.V of tile j, before the softmax of tile
@@ -14,7 +14,7 @@ overlap). Each warpgroup owns 64 query rows; per key tile it computes
 - acc += p V with p in registers (the score tile's layout is the A operand's: no shuffle)
   and V [BLOCK_N, Dv] from shared memory.
 
-Three kernels share that loop (`wgmma_varlen.varlen_kernel` picks):
+Three kernels share that loop (`plan.varlen_kernel` picks):
 - `varlen_fwd_tma_kernel` (128-row blocks, D = Dv = 128 or MLA prefill's D = 192,
   Dv = 128, heads contiguous): persistent (a program per SM walks the work tiles,
   sequence by sequence) and warp-specialised: one loader warp issues a TMA copy per
@@ -47,7 +47,7 @@ blocks, other GPUs, the CPU interpreter, which cannot run Gluon): sequence bound
 alignment, a row that sees no key writes 0, NaN scores keep their row NaN, rows outside
 every sequence are the prepare kernel's.
 
-Only imported where Gluon exists (Triton >= 3.4); `wgmma_varlen.wgmma_varlen_fits` says
+Only imported where Gluon exists (Triton >= 3.4); `plan.gluon_plan` says
 where the kernels run.
 """
 
@@ -124,7 +124,7 @@ def tma_descriptors_fp8(like: torch.Tensor, q_view: tuple, k_view: tuple, vt_sha
 @gluon.jit
 def _sequence_bounds(cu_ptr, b, total, num_warps: gl.constexpr):
     """Rows `[start, end)` of sequence b: the running maximum of cu_seqlens clamped to
-    `[0, total]` (`_triton_quant.sequence_bounds`, written again: a Gluon kernel cannot
+    `[0, total]` (`triton_quant.sequence_bounds`, written again: a Gluon kernel cannot
     call a `triton.jit` helper). Never outside the tensor, whatever cu holds."""
     CHUNK: gl.constexpr = 32 * num_warps
     IDS: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])

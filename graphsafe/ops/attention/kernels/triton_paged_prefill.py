@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from graphsafe.launch import Launch, bind
-from graphsafe.ops.attention._triton_quant import sequence_bounds
-from graphsafe.ops.attention._triton_softcap import tanh_of_exp2
+from graphsafe.ops.attention.kernels.triton_quant import sequence_bounds
+from graphsafe.ops.attention.kernels.triton_softcap import tanh_of_exp2
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
@@ -197,15 +197,16 @@ def bind_paged_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
     num_seqs: int, max_seqlen_q: int, scale: float, causal: bool, window_left: int, softcap: float,
     sinks_stride: int | None,
-    config: tuple[int, int, int, int],
+    config: tuple[int, int, int, int], kv_fp8: bool,
 ) -> Launch | None:
     """The kernel bound to these inputs' shapes and strides, into a contiguous
     `[Tq, Hq, Dv]` output: `launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
     k_scale, v_scale, sinks, out)`; it writes every row of every sequence (the caller
-    zeroes the rows outside them: `_triton_quant.bind_prepare`). bf16/fp16 caches read no
+    zeroes the rows outside them: `triton_quant.bind_prepare`). bf16/fp16 caches read no
     scales and `sinks_stride=None` (no sinks) none: pass any tensor of the device there (e.g. q).
     `config` is (BLOCK_M rows, BLOCK_N keys, num_warps, num_stages); BLOCK_M is raised to
-    the group size when smaller. None when there is nothing to compute."""
+    the group size when smaller. `kv_fp8`: the caches are float8_e4m3fn (the plan's
+    `PagedPrefillChoice.kv_fp8`). None when there is nothing to compute."""
     tq, hq, d = q.shape
     num_blocks, block_size, hk, dv = v_cache.shape
     group = hq // hk
@@ -215,7 +216,6 @@ def bind_paged_prefill(
     num_q_blocks = triton.cdiv(max_seqlen_q, block_q)
     if num_seqs == 0 or num_q_blocks == 0 or tq == 0 or hq == 0:
         return None
-    kv_fp8 = k_cache.dtype.itemsize == 1
     # fp8 caches: head tiles of at least 32 columns. Triton 3.6 on sm_90 reads shared memory
     # out of bounds (compute-sanitizer) for a [64, 16] fp8 V tile converted for the P.V dot.
     least = 32 if kv_fp8 else 16

@@ -5,7 +5,7 @@ share the KV head, so every cached K/V row is read once per request: scores are 
 `tl.dot` of the group's queries [BLOCK_G, D] with a tile of keys, online softmax in fp32
 with exp2 (log2(e) folded into the scale). Each request divides its own length (read on
 the device) evenly among the splits; the split count itself is fixed from shapes on the
-host (split_kv.py). With one split the kernel writes the output; otherwise it writes a
+host (plan.py). With one split the kernel writes the output; otherwise it writes a
 normalised partial output and its log2-sum-exp, and `_combine_kernel` merges them.
 `bind_paged_decode` and `bind_combine` bind the two launches to a call signature.
 
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from graphsafe.launch import Launch, bind
-from graphsafe.ops.attention._triton_softcap import tanh_of_exp2
+from graphsafe.ops.attention.kernels.triton_softcap import tanh_of_exp2
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # kernels may only read constexpr globals
@@ -220,13 +220,14 @@ def _combine_kernel(
 
 def bind_paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, num_splits: int, config: tuple[int, int, int], window_left: int = -1, softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
+    scale: float, num_splits: int, config: tuple[int, int, int], kv_fp8: bool, window_left: int = -1,
+    softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> Launch:
     """The decode kernel bound to these inputs' shapes and strides and to the variants
     (`window_left`, `softcap`, whether there are `sinks`), into a contiguous `[B, Hq, Dv]`
     output: `launch(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale, sinks,
-    out, part_o, part_lse)`. bf16/fp16 caches read no scales, a call without sinks reads
+    out, part_o, part_lse)`. `kv_fp8`: the caches are float8_e4m3fn (the plan's
+    `DecodeChoice.kv_fp8`); bf16/fp16 caches read no scales, a call without sinks reads
     none, and one split writes no partials: pass any tensor of the device there (e.g. q,
     out). With several splits the partials leave the sinks out (the combine adds them).
     Two launches of the kernel, without and with the per-token id check (see the kernel)."""
@@ -248,7 +249,7 @@ def bind_paged_decode(
         cap_log2, cap_rate,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_FP8=k_cache.dtype.itemsize == 1, CHECK_IDS=check,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_FP8=kv_fp8, CHECK_IDS=check,
         HAS_WINDOW=window_left >= 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None and num_splits == 1,
         num_warps=num_warps, num_stages=num_stages,
     ) for check in (False, True))

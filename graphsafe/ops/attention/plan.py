@@ -1,0 +1,517 @@
+"""The decisions of the attention ops' Triton backend, made once per call signature.
+
+`choose_<op>(call) -> <Op>Choice` reads the op's bound call (shapes, strides, dtypes,
+device, host ints; never tensor values) and decides everything its launches need: the
+path and kernel(s), the tiles, the split-KV plan, whether the cache is fp8, and the
+scratch all of that takes. `triton.prepare_<op>` calls it once per signature and binds
+what it chose. The records' workspace functions (the worst case from shapes alone,
+before a CUDA-graph capture) build the scratch with the same functions from the same
+candidates, so sizing and launch cannot disagree.
+
+* `paged_attention_decode`: the split-KV plan. The split count is a HOST decision made
+  from shapes only -- batch size, KV heads, the cache capacity of a request
+  (`max_blocks_per_seq * block_size`) -- and the device's SM count. Never from
+  `seq_lens` values: a choice made while a CUDA graph is captured is frozen into the
+  graph, so one that depended on the lengths seen at capture would be wrong for every
+  later replay (vLLM #51119). Inside the kernel each request divides ITS OWN length
+  (read on the device) evenly among the splits, so short requests still spread over
+  every split and long ones are never truncated. Several splits write partials to the
+  workspace (`split_scratch`) and a combine launch reduces them.
+* `flash_attn_varlen`: the path (bf16/fp16, fp8 quantising bf16/fp16 inputs, fp8
+  inputs, or the reference where fp8 was asked of a GPU without working fp8 matrix
+  units), the Triton FA2 kernel's tiles (`varlen_config`) and, on sm_90, a Gluon kernel
+  (kernels/gluon_prefill.py) tried first. Three Gluon kernels serve the plain
+  bf16/fp16 call (a positive softmax scale, no variant: window, softcap, sinks), chosen
+  by `varlen_kernel`:
+  - "tma": persistent, warp-specialised, K/V/q by TMA: 128-row blocks at D = Dv = 128
+    and at MLA prefill's D = 192, Dv = 128, for q, k, v whose heads are contiguous (TMA
+    reads them as 2-D [tokens, heads * head dim]);
+  - "ws": the same with 16-byte cp.async copies, for D = Dv = 128 in other layouts;
+  - "wgmma": one partition, for 64-row blocks (every sequence short) and D = Dv = 64.
+  The fp8 paths run the "tma" kernel with fp8 wgmma ("tma-fp8") at D = Dv = 128 and
+  128-row blocks (`gluon_fp8_plan`): on fp8 inputs (q, k as given, V^T from its
+  transposed copy) and on bf16/fp16 inputs, from the fp8 copies of q, k and V^T the op
+  quantises them into (then the scratch holds the q copy too). The Choice lists the
+  kernels in the order they are tried: a call the Gluon kernel cannot take at run time
+  (q, k or v not 16-byte aligned, or a Gluon compile that failed: a warning says so
+  once) runs the next, the Triton kernel, with the same plan.
+* `paged_attention_prefill`: the Triton kernel's tiles (`paged_prefill_config`).
+
+Pure Python: triton is never imported here at module level (Gluon's kernel module only
+lazily, to ask its shared memory and whether this Triton has Gluon at all).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from graphsafe.device_info import compute_capability, num_sms
+from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
+from graphsafe.ops.attention.fp8_format import FP8_DTYPE, SCALE_SLOTS, vt_columns
+from graphsafe.workspace import workspace_bytes
+
+Specs = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _hopper_or_newer(device: torch.device) -> bool:
+    cc = compute_capability(device)
+    return cc is not None and cc >= (9, 0)
+
+
+def kv_cache_fp8(k_cache: torch.Tensor) -> bool:
+    """Whether a paged K/V cache holds float8_e4m3fn (then `k_scale`/`v_scale` are read):
+    decided here, once per signature, for the launches of both paged ops."""
+    return k_cache.dtype == FP8_DTYPE
+
+
+# -- paged decode -------------------------------------------------------------------------
+# Tokens per tile of the decode kernel. The interpreter (CPU) uses small tiles so tests
+# at tiny shapes still cover multi-tile loops and several splits.
+DECODE_BLOCK_N = {"cuda": 64, "cpu": 16}
+# Enough resident programs per SM to hide memory latency and even out the last wave.
+PROGRAMS_PER_SM = 4
+# A split must cover at least this many tiles of the worst-case length, or the combine
+# pass costs more than the parallelism gains.
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
+
+
+def decode_block_n(device: torch.device | str) -> int:
+    return DECODE_BLOCK_N.get(torch.device(device).type, DECODE_BLOCK_N["cuda"])
+
+
+def decode_config(device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). 3 stages keep ~3 K/V tiles in flight per program."""
+    stages = 3 if device.type == "cuda" and _hopper_or_newer(device) else 2
+    return decode_block_n(device), 4, stages
+
+
+def num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, sms: int, block_n: int) -> int:
+    """KV splits per (request, KV head): enough programs for `PROGRAMS_PER_SM * sms`,
+    each split covering at least `MIN_TILES_PER_SPLIT` tiles of `max_kv_len`."""
+    programs = batch * num_kv_heads
+    if programs <= 0 or max_kv_len <= 0:
+        return 1
+    useful = max(1, _cdiv(max_kv_len, block_n) // MIN_TILES_PER_SPLIT)
+    wanted = _cdiv(PROGRAMS_PER_SM * sms, programs)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def plan_decode_splits(
+    batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int, device: torch.device | str
+) -> int:
+    """The split count the Triton decode kernel uses for these shapes on `device`."""
+    return num_kv_splits(batch, num_kv_heads, max_blocks_per_seq * block_size, num_sms(device), decode_block_n(device))
+
+
+def split_scratch(batch: int, num_q_heads: int, head_dim_v: int, num_splits: int) -> Specs:
+    """The decode's scratch with `num_splits` splits (its one definition): per-split
+    outputs `[B, Hq, S, Dv]` f32 and log2-sum-exp `[B, Hq, S]` f32; nothing for one split
+    (the kernel then writes the output directly)."""
+    if num_splits == 1:
+        return ()
+    return (((batch, num_q_heads, num_splits, head_dim_v), torch.float32),
+            ((batch, num_q_heads, num_splits), torch.float32))
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    """How one `paged_attention_decode` signature runs.
+
+    `path`: "empty" (no request or no query head: nothing launches), "one-split" (the
+    decode kernel writes the output) or "split-kv" (`num_splits` partials per (request,
+    KV head) into `workspace`, then the combine kernel). `config`: the decode kernel's
+    (BLOCK_N, num_warps, num_stages). `kv_fp8`: the caches are float8_e4m3fn (the
+    kernel reads `k_scale`/`v_scale`)."""
+
+    path: str
+    num_splits: int
+    config: tuple[int, int, int]
+    kv_fp8: bool
+    workspace: Specs
+
+
+def choose_paged_attention_decode(call, num_splits: int | None = None) -> DecodeChoice:
+    """The decode's plan for this call signature (module docstring). `num_splits` (tests
+    only) overrides the shape-based split count."""
+    b, hq, _ = call.q.shape
+    _, block_size, hk, dv = call.v_cache.shape
+    device = call.q.device
+    if num_splits is None:
+        num_splits = plan_decode_splits(b, hk, call.block_table.shape[1], block_size, device)
+    path = "empty" if b == 0 or hq == 0 else "one-split" if num_splits == 1 else "split-kv"
+    workspace = () if path == "empty" else split_scratch(b, hq, dv, num_splits)
+    return DecodeChoice(path, num_splits, decode_config(device), kv_cache_fp8(call.k_cache), workspace)
+
+
+def decode_workspace_specs(
+    batch_size: int, num_q_heads: int, num_kv_heads: int, head_dim_v: int, max_blocks_per_seq: int, block_size: int,
+    device: torch.device | str | None = None, head_dim: int | None = None,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Scratch of one Triton decode call on `device` (the registry passes it; default: the
+    current CUDA device, else the CPU), from shapes: `split_scratch` of the split count
+    `choose_paged_attention_decode` takes for these shapes (`plan_decode_splits`).
+    `head_dim` (a parameter every backend's workspace function takes) does not change
+    the Triton kernel's scratch."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    splits = plan_decode_splits(batch_size, num_kv_heads, max_blocks_per_seq, block_size, device)
+    return list(split_scratch(batch_size, num_q_heads, head_dim_v, splits))
+
+
+# -- paged prefill ------------------------------------------------------------------------
+def paged_prefill_config(device: torch.device, d: int, dv: int, group: int, max_seqlen_q: int
+                         ) -> tuple[int, int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) from shapes and host ints only.
+
+    CUDA: 128 rows (8 warps) when a sequence's query block fills them
+    (`max_seqlen_q * group > 64`), else 64 (4 warps); 64 keys per tile; 3 stages on
+    Hopper at head dims <= 128, 2 otherwise. Head dims > 128 take 64 rows (the fp32
+    accumulator of 128 x 256 would spill). The interpreter (CPU): 16 x 16 tiles, so tiny
+    tests cover several query blocks and key tiles."""
+    if device.type != "cuda":
+        return 16, 16, 4, 1
+    wide = max(d, dv) > 128
+    block_m = 128 if max_seqlen_q * group > 64 and not wide else 64
+    return block_m, 64, 8 if block_m == 128 else 4, 3 if _hopper_or_newer(device) and not wide else 2
+
+
+@dataclass(frozen=True)
+class PagedPrefillChoice:
+    """How one `paged_attention_prefill` signature runs: `path` "empty" (the output has
+    no element: nothing launches) or "triton" (zero the rows outside every sequence, then
+    the kernel, with `config` (BLOCK_M, BLOCK_N, num_warps, num_stages)); `kv_fp8` as for
+    decode. No scratch: one program covers all keys of its query block (no split-KV)."""
+
+    path: str
+    config: tuple[int, int, int, int]
+    kv_fp8: bool
+
+
+def choose_paged_attention_prefill(call, config: tuple[int, int, int, int] | None = None) -> PagedPrefillChoice:
+    """The paged prefill's plan for this call signature. `config` (tests and benchmarks
+    only) overrides (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    tq, hq, d = call.q.shape
+    hk, dv = call.v_cache.shape[2:]
+    path = "empty" if tq * hq * dv == 0 else "triton"
+    config = config or paged_prefill_config(call.q.device, d, dv, hq // hk, call.max_seqlen_q)
+    return PagedPrefillChoice(path, config, kv_cache_fp8(call.k_cache))
+
+
+# -- varlen prefill: the Triton kernel -----------------------------------------------------
+def varlen_config(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the Triton kernel, from shapes and host
+    ints only.
+
+    fp8 on Hopper: 128 x 128 tiles (fp8 wgmma m64n128k32; one CTA of two warpgroups per
+    SM at ~255 registers, no spills in the key loop), 3 stages of K and V^T tiles
+    (115 KB of shared memory at D = 128; 2 stages at D = 192). bf16/fp16: 128 x 64."""
+    if device.type != "cuda":
+        return 16, 16, 4, 1  # interpreter: small tiles, so tiny tests cover several blocks
+    wide = max(d, dv) > 128
+    block_m = 128 if max_seqlen_q > 64 else 64
+    num_warps = 8 if block_m == 128 else 4
+    hopper = _hopper_or_newer(device)
+    stages = 3 if hopper and not wide else 2
+    if fp8 and hopper:
+        # Measured on an H200, 8 x 4096 causal, fp8 inputs: 64 x 128 / 4 warps / 3 stages
+        # 1.83 ms vs 2.02 for 128 x 128 / 8 warps (D=128, GQA and MHA alike); at D=192,
+        # 64 x 64 / 4 warps / 3 stages 1.33 vs 1.43 ms. Two CTAs per SM overlap one CTA's
+        # softmax with the other's MMAs.
+        return (64, 64, 4, 3) if wide else (64, 128, 4, 3)
+    if fp8 and not wide:  # (sm89 has 99 KB of shared memory per block)
+        return block_m, 128, num_warps, stages
+    return block_m, 64, num_warps, stages
+
+
+# -- varlen prefill: the sm_90 Gluon kernels ----------------------------------------------
+def max_shared_memory(device: torch.device) -> int | None:
+    """Opt-in shared memory per block of a CUDA/HIP device (Triton's driver query,
+    `graphsafe.ops.mla.splits.max_shared_memory`, imported here on first use: importing
+    this family must not import another), or None."""
+    from graphsafe.ops.mla.splits import max_shared_memory as query
+
+    return query(device)
+
+
+@functools.cache
+def gluon_module():
+    """The Gluon kernels' module (kernels/gluon_prefill.py), or None where this Triton has
+    no Gluon (imported on first use: CPU runs and other GPUs never need it)."""
+    try:
+        from graphsafe.ops.attention.kernels import gluon_prefill
+    except (ImportError, AttributeError):  # no Gluon, or one without the Hopper ops used
+        return None
+    return gluon_prefill
+
+
+def _sm90_gluon(device: torch.device):
+    """The Gluon kernels' module where they can run on `device` (an sm_90 CUDA GPU, not
+    HIP, a Triton with Gluon), else None."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    module = gluon_module()
+    if module is None or torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    return module
+
+
+def tma_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether q, k and v can be read by TMA as 2-D [tokens, heads * head dim]: each
+    head's row follows the previous head's (head stride = head dim), and there are
+    tokens (a descriptor has no empty dimension)."""
+    return all(x.stride(1) == x.shape[2] and x.shape[0] > 0 for x in (q, k, v))
+
+
+def varlen_kernel(max_seqlen_q: int, d: int, dv: int, tma: bool) -> str | None:
+    """Which 16-bit Gluon kernel serves these shapes (module docstring), or None: the
+    Triton kernel."""
+    long_rows = max_seqlen_q > 64  # 128-row blocks
+    if long_rows and tma and (d, dv) in ((128, 128), (192, 128)):
+        return "tma"
+    if long_rows and d == dv == 128:
+        return "ws"
+    if d == dv and d in (64, 128):
+        return "wgmma"
+    return None
+
+
+def wgmma_varlen_tiles(max_seqlen_q: int, d: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): 128 query rows (two warpgroups) unless every sequence is
+    short; 128 keys a tile at D = 128 and 192, 64 at D = 64 (measured on an H200, 8 x 4096
+    causal, 32/8 heads: D = 128 2.60 ms with 128 keys vs 2.73 with 64; D = 64 1.52 vs
+    1.84 ms; 16/16 heads, D = 192 / Dv = 128: 1.32 ms with 128 keys and one q buffer vs
+    1.46-1.48 with 64 keys, 3 stages and two)."""
+    return (128 if max_seqlen_q > 64 else 64), (64 if d == 64 else 128)
+
+
+def warp_specialisation(kernel: str, d: int) -> tuple[int, int, int] | None:
+    """(stages, consumer registers, loader registers) of the warp-specialised kernels, None
+    for "wgmma". Measured on an H200 (32/8 heads, causal; 8 x 2048, 8 x 4096, 4 x 8192
+    in ms). "ws" (a loader warpgroup of cp.async copies): 232 / 48 registers 0.661,
+    2.254, 4.326; 224 / 64 0.696, 2.436, 4.654; 216 / 80 0.715, 2.386, 4.594 (the
+    consumers spill); with 24 loader registers 3.65 ms at 8 x 4096 (the loader starves).
+    "tma" (one loader warp): 232 / 32 0.631, 1.988, 3.783; 240 / 32 0.578, 2.127, 3.845;
+    232 / 24 0.604, 2.040, 3.785 (within run-to-run noise of each other). At D = 192 (one
+    q buffer, `tma_q_buffers`) 2 stages of 128 keys, 232 / 32 too."""
+    if kernel == "ws":
+        return 2, 232, 48
+    if kernel == "tma":
+        return 2, 232, 32
+    return None
+
+
+def warp_specialisation_fp8() -> tuple[int, int, int]:
+    """(stages, consumer registers, loader registers) of the fp8 "tma" kernel. Measured on
+    an H200 (32/8 heads, causal, fp8 inputs; 8 x 2048, 8 x 4096, 4 x 8192 in ms, CUDA-graph
+    replays): 2 stages 232 / 32 0.493, 1.616, 2.966; 3 stages 0.498, 1.642, 3.033; 4 stages
+    0.506, 1.649, 3.019; 3 stages 240 / 24 0.517, 1.656, 3.004 (the Triton fp8 kernel
+    0.563, 1.869, 3.480)."""
+    return 2, 232, 32
+
+
+def tma_q_buffers(d: int) -> int:
+    """q buffers of the "tma" kernel: two (the next work tile's q loads while this one
+    computes), one at D = 192, where two would not leave room for 128-key tiles (a q
+    buffer is released after its last q.k, so its refill overlaps the last p.V)."""
+    return 1 if d == 192 else 2
+
+
+@dataclass(frozen=True)
+class GluonPlan:
+    """The launch plan of one sm_90 Gluon kernel: `kernel` "tma", "ws" or "wgmma" (16-bit)
+    or "tma-fp8"; the tiles; `warp_spec` (stages, consumer registers, loader registers),
+    None for "wgmma"; the q buffers of the TMA kernels; `copies`: fp8 on the contiguous
+    fp8 copies of bf16/fp16 q and k that the op quantises (the q copy is scratch)."""
+
+    kernel: str
+    block_m: int
+    block_n: int
+    warp_spec: tuple[int, int, int] | None
+    q_buffers: int
+    copies: bool = False
+
+    @property
+    def name(self) -> str:
+        """The kernel's name in `VarlenChoice.kernels`."""
+        return f"gluon-{self.kernel}"
+
+
+def gluon_plan_for(kernel: str, max_seqlen_q: int, d: int, copies: bool = False) -> GluonPlan:
+    """The plan of Gluon kernel `kernel` at these shapes (tiles, warp specialisation, q
+    buffers): the one place they are derived from the kernel's name."""
+    block_m, block_n = wgmma_varlen_tiles(max_seqlen_q, d)
+    if kernel == "tma-fp8":
+        return GluonPlan(kernel, block_m, block_n, warp_specialisation_fp8(), 2, copies)
+    ws = warp_specialisation(kernel, d)
+    q_buffers = tma_q_buffers(d) if kernel == "tma" else 2 if ws is not None else 1
+    return GluonPlan(kernel, block_m, block_n, ws, q_buffers)
+
+
+def shared_memory(module, plan: GluonPlan, d: int, dv: int) -> int:
+    """Shared memory of the planned launch (`module`: the Gluon kernels' module)."""
+    if plan.kernel == "tma-fp8":
+        return fp8_shared_memory(module, plan.block_m, plan.block_n, d, dv)
+    stages = 2 if plan.warp_spec is None else plan.warp_spec[0]
+    return module.shared_memory_bytes(plan.block_m, plan.block_n, d, dv, stages, plan.q_buffers)
+
+
+def fp8_shared_memory(module, block_m: int, block_n: int, d: int, dv: int) -> int:
+    """The fp8 kernel's shared memory: 1-byte q buffers and K / V^T stages, and each
+    consumer's p [64, BLOCK_N]."""
+    return module.shared_memory_bytes(block_m, block_n, d, dv, warp_specialisation_fp8()[0], 2, 1, 2)
+
+
+def gluon_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int, scale: float,
+               variants: bool) -> GluonPlan | None:
+    """The Gluon kernel this bf16/fp16 call signature runs (alignment aside), or None (the
+    Triton kernel): an sm_90 CUDA device, q, k, v of one 16-bit dtype with head dims one
+    of the kernels serves (`varlen_kernel`), unit strides along D, a finite positive
+    scale, no variant, the shared memory of the launch, and row strides the copies can
+    use: TMA's token stride a whole number of 16 bytes; the 16-byte cp.async copies'
+    token and head strides multiples of 16 elements (what Triton's specialisation of an
+    int proves: with 8, the copies cannot be proven 16-byte aligned and the kernel does
+    not compile)."""
+    if variants or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return None
+    module = _sm90_gluon(q.device)
+    if module is None:
+        return None
+    d, dv = q.shape[2], v.shape[2]
+    kernel = varlen_kernel(max_seqlen_q, d, dv, tma_views(q, k, v))
+    if kernel is None or not (math.isfinite(scale) and scale > 0):
+        return None
+    if any(x.stride(2) != 1 for x in (q, k, v)):
+        return None
+    if kernel == "tma":
+        if any(x.stride(0) % 8 for x in (q, k, v)):
+            return None
+    elif any(x.stride(0) % 16 or x.stride(1) % 16 for x in (q, k, v)):
+        return None
+    plan = gluon_plan_for(kernel, max_seqlen_q, d)
+    smem = max_shared_memory(q.device)
+    return plan if smem is not None and shared_memory(module, plan, d, dv) <= smem else None
+
+
+def gluon_fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int, variants: bool,
+                   copies: bool = False) -> GluonPlan | None:
+    """The fp8 "tma" kernel's plan for this fp8 call signature (alignment aside), or None
+    (the Triton kernel): an sm_90 CUDA device, D = Dv = 128, 128-row blocks, no variant,
+    the shared memory, and q and k float8_e4m3fn TMA views (heads contiguous, token
+    strides of whole 16-byte groups) or, `copies`, bf16/fp16 inputs the op quantises into
+    contiguous fp8 copies. (The V^T copy the fp8 path writes is always a TMA view.)"""
+    dtypes = (torch.float16, torch.bfloat16) if copies else (torch.float8_e4m3fn,)
+    if variants or q.dtype not in dtypes or k.dtype != q.dtype:
+        return None
+    module = _sm90_gluon(q.device)
+    if module is None:
+        return None
+    d, dv = q.shape[2], v.shape[2]
+    if not (d == dv == 128 and max_seqlen_q > 64 and q.shape[0] > 0 and k.shape[0] > 0):
+        return None
+    if not copies and any(x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % 16 for x in (q, k)):
+        return None
+    plan = gluon_plan_for("tma-fp8", max_seqlen_q, d, copies)
+    smem = max_shared_memory(q.device)
+    return plan if smem is not None and shared_memory(module, plan, d, dv) <= smem else None
+
+
+# -- varlen prefill: the choice and its scratch --------------------------------------------
+def varlen_scratch(total_q: int, total_k: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                   head_dim_v: int, quantize: bool, q_copy: bool = False) -> Specs:
+    """Scratch of one fp8 call (its one definition): V^T (fp8, token-contiguous rows
+    padded to 16 tokens: `vt_columns`), k in fp8 when quantising bf16/fp16 inputs, the
+    float32 scale slots (`fp8_format.SCALE_SLOTS`) and, `q_copy`, q in fp8 (the sm_90
+    Gluon kernel reads q from memory; the Triton kernel quantises q tile by tile
+    itself). The bf16/fp16 path needs none."""
+    specs = [((num_kv_heads, head_dim_v, vt_columns(total_k)), FP8_DTYPE)]
+    if quantize:
+        specs += [((total_k, num_kv_heads, head_dim), FP8_DTYPE)]
+    specs += [((SCALE_SLOTS,), torch.float32)]
+    if quantize and q_copy:
+        specs += [((total_q, num_q_heads, head_dim), FP8_DTYPE)]
+    return tuple(specs)
+
+
+# The fp8 paths' scratch candidates, as `choose_flash_attn_varlen` picks among them:
+# (quantise, q copy) for fp8 inputs (V^T only: the Gluon kernel reads q as given), for
+# quantised bf16/fp16 inputs on the Triton kernel, and on the Gluon fp8 kernel (which
+# reads a quantised copy of q).
+VARLEN_FP8_SCRATCH = ((False, False), (True, False), (True, True))
+
+
+def flash_attn_varlen_workspace(
+    total_q: int, total_k: int, num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, fp8: bool = True,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The Triton backend's worst case for one call (the record's `workspace`): the
+    largest scratch among the fp8 paths' candidates (`VARLEN_FP8_SCRATCH`: quantising
+    bf16/fp16 inputs for the sm_90 Gluon kernel, with a q copy); nothing when `fp8` is
+    False (the bf16/fp16 path takes none)."""
+    if not fp8:
+        return []
+    candidates = [varlen_scratch(total_q, total_k, num_q_heads, num_kv_heads, head_dim, head_dim_v, quantize, q_copy)
+                  for quantize, q_copy in VARLEN_FP8_SCRATCH]
+    return list(max(candidates, key=lambda specs: workspace_bytes(*specs)))
+
+
+@dataclass(frozen=True)
+class VarlenChoice:
+    """How one `flash_attn_varlen` signature runs.
+
+    `path`: "reference" (fp8 asked of a GPU without working fp8 matrix units: the exact
+    PyTorch path), "empty" (the output has no element), "16-bit" (bf16/fp16 as given),
+    "quantise" (bf16/fp16 inputs quantised to fp8 inside the op) or "fp8-inputs".
+    `kernels`: the attention kernels in the order they are tried, e.g. ("gluon-tma",
+    "triton"): a call the Gluon kernel cannot take (misaligned, failed compile) runs the
+    next; the Triton kernel, always last, takes every call; () when no row has work.
+    `config`: the Triton kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages). `gluon`: the
+    Gluon kernel's plan (None: not tried). `workspace`: the scratch of the call."""
+
+    path: str
+    kernels: tuple[str, ...] = ()
+    config: tuple[int, int, int, int] | None = None
+    gluon: GluonPlan | None = None
+    workspace: Specs = ()
+
+
+def choose_flash_attn_varlen(call, config: tuple[int, int, int, int] | None = None) -> VarlenChoice:
+    """The varlen prefill's plan for this call signature (module docstring). `fp8` is
+    resolved here ("auto": the cached per-device probe). `config` (tests and benchmarks
+    only) overrides the Triton kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) and so
+    asks for the Triton kernel."""
+    q, k, v = call.q, call.k, call.v
+    device = q.device
+    tq, hq, d = q.shape
+    tk, hk, dv = v.shape
+    quantize = quantize_inputs(call.fp8, q.dtype, device)
+    use_fp8 = q.dtype == FP8_DTYPE or quantize
+    if use_fp8 and device.type == "cuda" and not fp8_prefill_supported(device):
+        return VarlenChoice("reference")
+    if tq * hq * dv == 0:
+        return VarlenChoice("empty")
+    path = "quantise" if quantize else "fp8-inputs" if use_fp8 else "16-bit"
+    explicit = config is not None
+    config = config or varlen_config(device, d, dv, use_fp8, call.max_seqlen_q)
+    num_seqs = call.cu_seqlens_q.shape[0] - 1
+    gluon = None
+    if num_seqs > 0 and call.max_seqlen_q > 0 and not explicit:
+        # (A window of every key is none: the Triton kernel compiles it away; the Gluon kernels take no variant.)
+        variants = (0 <= call.window_left < tk) or call.softcap != 0.0 or call.sinks is not None
+        if path == "16-bit":
+            gluon = gluon_plan(q, k, v, call.max_seqlen_q, call.scale, variants)
+        else:
+            gluon = gluon_fp8_plan(q, k, v, call.max_seqlen_q, variants, copies=quantize)
+    if num_seqs == 0 or call.max_seqlen_q == 0:
+        kernels: tuple[str, ...] = ()
+    else:
+        kernels = ("triton",) if gluon is None else (gluon.name, "triton")
+    workspace = () if path == "16-bit" else varlen_scratch(tq, tk, hq, hk, d, dv, quantize, q_copy=gluon is not None)
+    return VarlenChoice(path, kernels, config, gluon, workspace)
