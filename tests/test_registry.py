@@ -309,7 +309,6 @@ def test_default_arguments_reach_the_kernel():
     import inspect
 
     from graphsafe.testing.contract import assert_bits_equal, clone_args
-    from graphsafe.registry import takes_call
 
     def resolve(ref):
         if isinstance(ref, str):

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphsafe.device_info import compute_capability, num_sms
+from graphsafe.device_info import compute_capability, max_shared_memory, num_sms
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
 from graphsafe.ops.attention.fp8_format import FP8_DTYPE, SCALE_SLOTS, vt_columns
 from graphsafe.workspace import workspace_bytes
@@ -233,15 +233,6 @@ def varlen_config(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q
 
 
 # -- varlen prefill: the sm_90 Gluon kernels ----------------------------------------------
-def max_shared_memory(device: torch.device) -> int | None:
-    """Opt-in shared memory per block of a CUDA/HIP device (Triton's driver query,
-    `graphsafe.ops.mla.splits.max_shared_memory`, imported here on first use: importing
-    this family must not import another), or None."""
-    from graphsafe.ops.mla.splits import max_shared_memory as query
-
-    return query(device)
-
-
 @functools.cache
 def gluon_module():
     """The Gluon kernels' module (kernels/gluon_prefill.py), or None where this Triton has
