@@ -112,6 +112,10 @@ def fp8_dot_supported(device: torch.device) -> bool:
     return has_ocp_e4m3(device)
 
 
+def _fp8_dot(device: torch.device, override: bool | None) -> bool:
+    return fp8_dot_supported(device) if override is None else override
+
+
 def _config(table: dict, device: torch.device, overrides: dict | None) -> dict:
     cfg = dict(table["cuda" if device.type == "cuda" else "cpu"])
     cfg.update(overrides or {})
@@ -179,7 +183,7 @@ def choose_mqa_logits(m: int, n: int, h: int, d: int, device: torch.device, *, f
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     return MqaLogitsChoice(
         block_m=block_m, block_n=block_n, block_d=_pow2(d, 32),
-        fp8_dot=fp8_dot_supported(device) if fp8_dot is None else fp8_dot, clean=clean,
+        fp8_dot=_fp8_dot(device, fp8_dot), clean=clean,
         grid=(cdiv(n, block_n), cdiv(m, block_m)), options=tuple(cfg.items()),
     )
 
@@ -202,7 +206,7 @@ def choose_paged_mqa_logits(q_shape, kv_cache, max_model_len: int, device: torch
     chunk, chunks = paged_grid(b, max_model_len, block_n, device, cfg.pop("programs_per_sm"), cfg.pop("min_tiles"))
     return PagedLogitsChoice(
         block_n=block_n, block_h=_pow2(h, 16), block_d=_pow2(d, 32), chunk=chunk, grid=(b, chunks),
-        fp8_dot=fp8_dot_supported(device) if fp8_dot is None else fp8_dot, clean=clean,
+        fp8_dot=_fp8_dot(device, fp8_dot), clean=clean,
         row_align=_row_align(kv_cache.stride(0), d), options=tuple(cfg.items()),
     )
 
