@@ -25,8 +25,9 @@ def _adapter(name: str):
     return importlib.import_module(f"graphsafe.ops.{family}.aiter")
 
 
-def _supports(name: str, args) -> bool:
-    return getattr(_adapter(name), f"supports_{name}")(*args)
+def _supports(name: str, args):
+    """The aiter record's answer to these args (a `Support`: truthy where aiter serves them)."""
+    return graphsafe.get_op(name).support("aiter", *args)
 
 
 def _check_against_reference(name: str, params: dict, seed: int) -> None:
@@ -72,7 +73,8 @@ def test_fp8_mqa_logits_on_gfx950_propagates_nan(aiter_standin):
     q, k, k_scale, w, ks, ke = case_for(MQA).inputs(MQA_PARAMS[0], "cpu", 3)
     ks, ke = torch.zeros_like(ks), torch.full_like(ke, k.shape[0])
     q.view(torch.uint8)[2, 5, 7] = 0x7F  # one head of query 2: relu(NaN) = NaN
-    out = _adapter(MQA).prepare_fp8_mqa_logits(q, k, k_scale, w, ks, ke)(q, k, k_scale, w, ks, ke)
+    call = graphsafe.get_op(MQA).call(q, k, k_scale, w, ks, ke)
+    out = _adapter(MQA).prepare_fp8_mqa_logits(call)(q, k, k_scale, w, ks, ke)
     ref = graphsafe.get_op(MQA).runner("reference")(q, k, k_scale, w, ks, ke)
     assert torch.isnan(ref[2]).all() and torch.isnan(out[2]).all()
     assert torch.isfinite(out[:2]).all() and out.is_contiguous()

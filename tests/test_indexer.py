@@ -16,6 +16,7 @@ from graphsafe.testing import case_for
 import graphsafe
 from graphsafe.errors import InputError
 from graphsafe.formats import indexer_k as layout
+from graphsafe.ops.indexer import plan
 from graphsafe.ops.indexer import reference as ref
 from graphsafe.ops.indexer import triton as tri
 from graphsafe.kernels.fp8_bits import e4m3_bits, e4m3_bytes_to_f16, round_to_e4m3
@@ -344,7 +345,7 @@ def test_paged_grid_covers_max_model_len():
     for batch in (1, 3, 128):
         for length in (1, 15, 16, 17, 4096, 32768, 163840):
             for min_tiles in (1, 2):
-                chunk, chunks = tri.paged_grid(batch, length, 128, torch.device("cpu"), 16, min_tiles)
+                chunk, chunks = plan.paged_grid(batch, length, 128, torch.device("cpu"), 16, min_tiles)
                 assert chunk % 128 == 0 and chunk >= 128 * min_tiles
                 assert chunks * chunk >= length > (chunks - 1) * chunk
 
@@ -413,15 +414,16 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-from graphsafe.ops.indexer import triton as tri
+from graphsafe.ops.indexer import plan
+from graphsafe.ops.indexer.kernels import triton_k_cache, triton_mqa_logits, triton_paged_mqa_logits
 
 PTRS = {
-    "_paged_mqa_logits_kernel": dict(q_ptr="*fp8e4nv", val_ptr="*fp8e4nv", scale_ptr="*fp32", w_ptr="*fp32",
+    "paged_mqa_logits_kernel": dict(q_ptr="*fp8e4nv", val_ptr="*fp8e4nv", scale_ptr="*fp32", w_ptr="*fp32",
                                      ctx_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32"),
-    "_mqa_logits_kernel": dict(q_ptr="*fp8e4nv", k_ptr="*fp8e4nv", k_scale_ptr="*fp32", w_ptr="*fp32",
+    "mqa_logits_kernel": dict(q_ptr="*fp8e4nv", k_ptr="*fp8e4nv", k_scale_ptr="*fp32", w_ptr="*fp32",
                                ks_ptr="*i32", ke_ptr="*i32", out_ptr="*fp32"),
-    "_quant_and_cache_kernel": dict(k_ptr="*bf16", val_ptr="*u8", scale_ptr="*fp32", slot_ptr="*i64"),
-    "_gather_kernel": dict(val_ptr="*u8", scale_ptr="*fp32", dst_k_ptr="*u8", dst_s_ptr="*fp32", bt_ptr="*i32", cu_ptr="*i32"),
+    "quant_and_cache_kernel": dict(k_ptr="*bf16", val_ptr="*u8", scale_ptr="*fp32", slot_ptr="*i64"),
+    "gather_kernel": dict(val_ptr="*u8", scale_ptr="*fp32", dst_k_ptr="*u8", dst_s_ptr="*fp32", bt_ptr="*i32", cu_ptr="*i32"),
 }
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -458,8 +460,8 @@ def build(fn, constexprs, ints, warps, stages):
             len(re.findall(r"QGMMA|HGMMA", sass)), k.metadata.shared)
 
 
-paged = tri.PAGED_CONFIG["cuda"]
-mqa = tri.MQA_CONFIG["cuda"]
+paged = plan.PAGED_CONFIG["cuda"]
+mqa = plan.MQA_CONFIG["cuda"]
 
 
 def paged_ints(next_n, h, bs):
@@ -469,21 +471,21 @@ def paged_ints(next_n, h, bs):
 
 
 cases = [
-    ("paged n1 clean", tri._paged_mqa_logits_kernel, dict(H=64, D=128, BS=64, NEXT_N=1, BLOCK_H=64, BLOCK_D=128,
+    ("paged n1 clean", triton_paged_mqa_logits.paged_mqa_logits_kernel, dict(H=64, D=128, BS=64, NEXT_N=1, BLOCK_H=64, BLOCK_D=128,
      BLOCK_N=paged["BLOCK_N"], FP8_DOT=True, ROW_ALIGN=16, CLEAN=True), paged_ints(1, 64, 64),
      paged["num_warps"], paged["num_stages"], True),
-    ("paged n2", tri._paged_mqa_logits_kernel, dict(H=64, D=128, BS=64, NEXT_N=2, BLOCK_H=64, BLOCK_D=128,
+    ("paged n2", triton_paged_mqa_logits.paged_mqa_logits_kernel, dict(H=64, D=128, BS=64, NEXT_N=2, BLOCK_H=64, BLOCK_D=128,
      BLOCK_N=paged["BLOCK_N"], FP8_DOT=True, ROW_ALIGN=16, CLEAN=False), paged_ints(2, 64, 64),
      paged["num_warps"], paged["num_stages"], True),
-    ("paged bs1 fp16", tri._paged_mqa_logits_kernel, dict(H=32, D=128, BS=1, NEXT_N=2, BLOCK_H=32, BLOCK_D=128,
+    ("paged bs1 fp16", triton_paged_mqa_logits.paged_mqa_logits_kernel, dict(H=32, D=128, BS=1, NEXT_N=2, BLOCK_H=32, BLOCK_D=128,
      BLOCK_N=paged["BLOCK_N"], FP8_DOT=False, ROW_ALIGN=4, CLEAN=False), paged_ints(2, 32, 1),
      paged["num_warps"], paged["num_stages"], False),
-    ("mqa", tri._mqa_logits_kernel, dict(D=128, BLOCK_M=mqa["BLOCK_M"], BLOCK_N=mqa["BLOCK_N"], BLOCK_D=128, FP8_DOT=True,
+    ("mqa", triton_mqa_logits.mqa_logits_kernel, dict(D=128, BLOCK_M=mqa["BLOCK_M"], BLOCK_N=mqa["BLOCK_N"], BLOCK_D=128, FP8_DOT=True,
      CLEAN=False), dict(M=8192, N=8192, H=64, stride_qm=8192, stride_qh=128, stride_kn=128, stride_ks=1, stride_wm=64,
      stride_wh=1, stride_out=8192), mqa["num_warps"], mqa["num_stages"], True),
-    ("quant", tri._quant_and_cache_kernel, dict(D=128, G=1, QB=128, BLOCK_T=32, BLOCK_Q=128, UE8M0=True),
+    ("quant", triton_k_cache.quant_and_cache_kernel, dict(D=128, G=1, QB=128, BLOCK_T=32, BLOCK_Q=128, UE8M0=True),
      dict(stride_k=128, stride_blk=8448, stride_blk_f32=2112, scale_base=2048, block_size=64), 4, 1, False),
-    ("gather", tri._gather_kernel, dict(D=128, G=1, BLOCK_R=64, BLOCK_D=128, BLOCK_G=1, ROW_ALIGN=16),
+    ("gather", triton_k_cache.gather_kernel, dict(D=128, G=1, BLOCK_R=64, BLOCK_D=128, BLOCK_G=1, ROW_ALIGN=16),
      dict(stride_blk=8448, stride_blk_f32=2112, scale_base=2048, stride_bt=512, stride_dk=128, stride_ds=1, block_size=64),
      4, 1, False),
 ]

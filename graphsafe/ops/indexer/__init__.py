@@ -20,6 +20,7 @@ from typing import Optional
 
 from torch import Tensor
 
+from graphsafe.ops.indexer import aiter, composite, reference, triton
 from graphsafe.ops.indexer import fake as fakes
 from graphsafe.ops.indexer.plan import (
     DEFAULT_MAX_CHUNK_BYTES,
@@ -29,7 +30,7 @@ from graphsafe.ops.indexer.plan import (
     sparse_attn_indexer_decode_workspace,
     sparse_attn_indexer_prefill_workspace,
 )
-from graphsafe.registry import Backend, register_op
+from graphsafe.registry import register_op
 
 __all__ = [
     "indexer_k_quant_and_cache",
@@ -48,21 +49,6 @@ __all__ = [
 ]
 
 
-def _backends(name: str, aiter: bool = False) -> dict[str, str | Backend]:
-    """The records of a single op: the reference, Triton's prepare and, with `aiter`, aiter's
-    prepare with the predicate of the signatures it takes (the others go to Triton). Only
-    `fp8_mqa_logits` has one (gfx950; see graphsafe.aiter_support and the docstring of
-    graphsafe/ops/indexer/aiter.py for why the other ops have none)."""
-    b: dict[str, str | Backend] = {
-        "reference": f"graphsafe.ops.indexer.reference:{name}",
-        "triton": Backend(prepare=f"graphsafe.ops.indexer.triton:prepare_{name}"),
-    }
-    if aiter:
-        b["aiter"] = Backend(prepare=f"graphsafe.ops.indexer.aiter:prepare_{name}",
-                             supports=f"graphsafe.ops.indexer.aiter:supports_{name}")
-    return b
-
-
 @register_op(
     "indexer_k_quant_and_cache",
     fake=fakes.fake_indexer_k_quant_and_cache,
@@ -70,7 +56,7 @@ def _backends(name: str, aiter: bool = False) -> dict[str, str | Backend]:
     debug_check="graphsafe.ops.indexer.debug:debug_check_indexer_k_quant_and_cache",
     mutates_args=("kv_cache",),
     family="indexer",
-    backends=_backends("indexer_k_quant_and_cache"),
+    backends=(reference.INDEXER_K_QUANT_AND_CACHE, triton.INDEXER_K_QUANT_AND_CACHE),
 )
 def indexer_k_quant_and_cache(
     k: Tensor, kv_cache: Tensor, slot_mapping: Tensor, quant_block_size: int, scale_fmt: Optional[str] = None
@@ -111,7 +97,7 @@ def indexer_k_quant_and_cache(
     debug_check="graphsafe.ops.indexer.debug:debug_check_cp_gather_indexer_k_quant_cache",
     mutates_args=("dst_k", "dst_scale"),
     family="indexer",
-    backends=_backends("cp_gather_indexer_k_quant_cache"),
+    backends=(reference.CP_GATHER_INDEXER_K_QUANT_CACHE, triton.CP_GATHER_INDEXER_K_QUANT_CACHE),
 )
 def cp_gather_indexer_k_quant_cache(
     kv_cache: Tensor, dst_k: Tensor, dst_scale: Tensor, block_table: Tensor, cu_seq_lens: Tensor
@@ -154,7 +140,7 @@ def cp_gather_indexer_k_quant_cache(
     check=fakes.check_fp8_mqa_logits,
     debug_check="graphsafe.ops.indexer.debug:debug_check_fp8_mqa_logits",
     family="indexer",
-    backends=_backends("fp8_mqa_logits", aiter=True),
+    backends=(reference.FP8_MQA_LOGITS, triton.FP8_MQA_LOGITS, aiter.FP8_MQA_LOGITS),
 )
 def fp8_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor, ke: Tensor) -> Tensor:
     """Indexer logits of M query tokens against N contiguous keys (prefill; DeepGEMM semantics).
@@ -191,7 +177,7 @@ def fp8_mqa_logits(q: Tensor, k: Tensor, k_scale: Tensor, weights: Tensor, ks: T
     check=fakes.check_fp8_paged_mqa_logits,
     debug_check="graphsafe.ops.indexer.debug:debug_check_fp8_paged_mqa_logits",
     family="indexer",
-    backends=_backends("fp8_paged_mqa_logits"),
+    backends=(reference.FP8_PAGED_MQA_LOGITS, triton.FP8_PAGED_MQA_LOGITS),
 )
 def fp8_paged_mqa_logits(
     q: Tensor, kv_cache: Tensor, weights: Tensor, context_lens: Tensor, block_table: Tensor, max_model_len: int
@@ -236,7 +222,7 @@ def fp8_paged_mqa_logits(
     check=fakes.check_req_local_to_global_slots,
     debug_check="graphsafe.ops.indexer.debug:debug_check_req_local_to_global_slots",
     family="indexer",
-    backends=_backends("req_local_to_global_slots"),
+    backends=(reference.REQ_LOCAL_TO_GLOBAL_SLOTS, triton.REQ_LOCAL_TO_GLOBAL_SLOTS),
 )
 def req_local_to_global_slots(req_id_per_token: Tensor, block_table: Tensor, topk_indices: Tensor, block_size: int) -> Tensor:
     """Map request-local token positions (top-k results) to global cache slots.
@@ -268,11 +254,7 @@ def req_local_to_global_slots(req_id_per_token: Tensor, block_table: Tensor, top
     debug_check="graphsafe.ops.indexer.debug:debug_check_sparse_attn_indexer_decode",
     mutates_args=("kv_cache", "topk_indices"),
     family="indexer",
-    backends={
-        "reference": "graphsafe.ops.indexer.reference:sparse_attn_indexer_decode",
-        "triton": Backend(prepare="graphsafe.ops.indexer.composite:prepare_sparse_attn_indexer_decode",
-                          workspace=sparse_attn_indexer_decode_workspace),
-    },
+    backends=(reference.SPARSE_ATTN_INDEXER_DECODE, composite.SPARSE_ATTN_INDEXER_DECODE),
 )
 def sparse_attn_indexer_decode(
     kv_cache: Tensor,
@@ -352,11 +334,7 @@ def sparse_attn_indexer_decode(
     debug_check="graphsafe.ops.indexer.debug:debug_check_sparse_attn_indexer_prefill",
     mutates_args=("kv_cache", "topk_indices"),
     family="indexer",
-    backends={
-        "reference": "graphsafe.ops.indexer.reference:sparse_attn_indexer_prefill",
-        "triton": Backend(prepare="graphsafe.ops.indexer.composite:prepare_sparse_attn_indexer_prefill",
-                          workspace=sparse_attn_indexer_prefill_workspace),
-    },
+    backends=(reference.SPARSE_ATTN_INDEXER_PREFILL, composite.SPARSE_ATTN_INDEXER_PREFILL),
 )
 def sparse_attn_indexer_prefill(
     kv_cache: Tensor,

@@ -1,4 +1,5 @@
-"""aiter backend of the sparse-indexer ops (ROCm): `fp8_mqa_logits` on gfx950 only.
+"""aiter backend of the sparse-indexer ops (ROCm): `fp8_mqa_logits` on gfx950 only
+(its record `FP8_MQA_LOGITS`).
 
 Read against aiter v0.1.20-46-ge4048607a5 (commit e4048607a535ace3a2b51ded31b1c8c2d45c0879);
 `graphsafe.aiter_support` holds the per-architecture decision. The record's `supports`
@@ -52,11 +53,12 @@ import importlib
 import re
 
 import torch
-import triton
 
-from graphsafe import aiter_support
+from graphsafe import aiter_support, device_info
+from graphsafe.registry import SUPPORTED, Backend, Support, declined
 
 _GLUON_TRITON = (3, 6)  # aiter: TRITON_GE_36 gates the Gluon kernels
+MQA_MODULES = ("aiter.ops.triton.attention.fp8_mqa_logits", "aiter.ops.triton.fp8_mqa_logits")
 
 
 @functools.cache
@@ -70,7 +72,7 @@ def _module(*paths: str):
 
 
 def _mqa_module():
-    return _module("aiter.ops.triton.attention.fp8_mqa_logits", "aiter.ops.triton.fp8_mqa_logits")
+    return _module(*MQA_MODULES)
 
 
 def _pow2(n: int) -> bool:
@@ -78,6 +80,8 @@ def _pow2(n: int) -> bool:
 
 
 def _triton_version() -> tuple[int, ...]:
+    import triton  # aiter's kernels are Triton/Gluon ones: only asked once aiter may serve
+
     return tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
 
 
@@ -89,18 +93,35 @@ def _runs_gluon(module) -> bool:
 
 
 # -- fp8_mqa_logits ----------------------------------------------------------------------------
-def supports_fp8_mqa_logits(q, k, k_scale, weights, ks, ke) -> bool:
-    """Whether aiter serves this call signature (else the Triton backend does)."""
+def supports_fp8_mqa_logits(call) -> Support:
+    """Whether aiter serves this call signature (else the Triton backend does), and why not."""
+    q, k = call.q, call.k
     if not aiter_support.serves("fp8_mqa_logits", q.device):
-        return False
+        capability = aiter_support.CAPABILITIES["fp8_mqa_logits"]
+        arch = device_info.rocm_arch(q.device) or q.device.type
+        return declined(f"aiter serves fp8_mqa_logits on {', '.join(capability.archs)} only, not on {arch} "
+                        f"({capability.why})")
     module = _mqa_module()
+    if module is None:
+        return declined(f"this aiter has no fp8_mqa_logits module (looked for {' and '.join(MQA_MODULES)})")
+    if not _runs_gluon(module):
+        version = ".".join(map(str, _triton_version()))
+        return declined(f"aiter would run its Triton kernel, whose relu takes NaN to 0: its Gluon kernel needs "
+                        f"Triton >= {'.'.join(map(str, _GLUON_TRITON))} (found {version}) and an importable "
+                        "_gluon_fp8_mqa_logits_kernel")
+    if q.dtype != torch.float8_e4m3fn or k.dtype != torch.float8_e4m3fn:
+        return declined(f"aiter takes float8_e4m3fn q and k, got {q.dtype} and {k.dtype}")
     m, h, d = q.shape
-    return (module is not None and _runs_gluon(module)
-            and q.dtype == torch.float8_e4m3fn and k.dtype == torch.float8_e4m3fn
-            and _pow2(h) and _pow2(d) and 16 <= d <= 1024 and m > 0 and k.shape[0] > 0)
+    if not _pow2(h):
+        return declined(f"aiter needs the head count H to be a power of two, got H = {h}")
+    if not (_pow2(d) and 16 <= d <= 1024):
+        return declined(f"aiter needs the head dim D to be a power of two in [16, 1024], got D = {d}")
+    if m == 0 or k.shape[0] == 0:
+        return declined(f"aiter needs at least one query and one key, got M = {m}, N = {k.shape[0]}")
+    return SUPPORTED
 
 
-def prepare_fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
+def prepare_fp8_mqa_logits(call):
     fn = _mqa_module().fp8_mqa_logits
 
     def run(q, k, k_scale, weights, ks, ke):
@@ -109,3 +130,7 @@ def prepare_fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
         return out if out.is_contiguous() else out.contiguous()
 
     return run
+
+
+# -- the records (graphsafe/ops/indexer/__init__.py names them) ------------------------------
+FP8_MQA_LOGITS = Backend(name="aiter", prepare=prepare_fp8_mqa_logits, supports=supports_fp8_mqa_logits)

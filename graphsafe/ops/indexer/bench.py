@@ -165,7 +165,7 @@ def req_local_to_global_slots(device: torch.device, shapes: tuple):
 
 
 # fp8_paged_mqa_logits_tune candidates (BLOCK_N, num_warps, num_stages), next to the
-# default (PAGED_CONFIG): the earlier num_stages=3 (two tile buffers), 7 (Triton 3.9 makes
+# default (plan.PAGED_CONFIG): the earlier num_stages=3 (two tile buffers), 7 (Triton 3.9 makes
 # 3 buffers for 5 and 6, 4 for 7; fewer CTAs fit), 8 warps (two MMA warpgroups per key
 # tile, fewer CTAs), and 64-key tiles (half the bytes per tile, more CTAs).
 PAGED_TUNE = [(128, 4, 3), (128, 4, 7), (128, 8, 5), (64, 4, 5)]
@@ -175,13 +175,14 @@ PAGED_TUNE = [(128, 4, 3), (128, 4, 7), (128, 8, 5), (64, 4, 5)]
 @bench_case("fp8_paged_mqa_logits_tune", Shapes(default=(), full=(1, 2), cpu=None))
 def fp8_paged_mqa_logits_tune(device: torch.device, shapes: tuple):
     """Launch configurations of the paged-logits kernel at the target shape (graphsafe only)."""
+    from graphsafe.ops.indexer import plan
     from graphsafe.ops.indexer import triton as backend
 
     for next_n in shapes:
         args = paged_inputs(128, 32768, next_n, device)
         q, cache, weights, lens, table, length = args
         out = torch.empty((128 * next_n, length), dtype=torch.float32, device=device)
-        d = backend.PAGED_CONFIG["cuda"]
+        d = plan.PAGED_CONFIG["cuda"]
         impls = {
             f"default {d['BLOCK_N']}/w{d['num_warps']}/s{d['num_stages']}": lambda: backend.paged_mqa_logits_into(out, *args)
         }

@@ -10,6 +10,7 @@ import torch
 
 from graphsafe.formats import indexer_k as layout
 from graphsafe.ops.indexer import plan, reference
+from graphsafe.registry import get_op
 from graphsafe.testing.cases import BadInput, OpCase, Params, reads_no_floats, register_case
 from graphsafe.testing.compare import assert_same, exact_compare
 from graphsafe.testing.contract import clone_tensor
@@ -642,6 +643,14 @@ def _bad_composite_decode(device, gen):
     ]
 
 
+def _workspace_composite_decode(p: Params, args):
+    """`sparse_attn_indexer_decode_workspace`'s args for a call: its largest T
+    (`max_num_batched_tokens` when larger), `max_model_len`, H, D and `topk`."""
+    call = get_op("sparse_attn_indexer_decode").call(*args)
+    t, h, d = call.q.shape
+    return (max(t, call.max_num_batched_tokens), call.max_model_len, h, d), {"topk": call.topk}
+
+
 register_case(
     OpCase(
         op="sparse_attn_indexer_decode",
@@ -654,6 +663,7 @@ register_case(
         make=_make_composite_decode,
         compare=compare_composite_decode,
         bad_inputs=_bad_composite_decode,
+        workspace_args=_workspace_composite_decode,
         edge_cases=(
             {**EXAMPLE_COMPOSITE_DECODE, "B": 1, "next_n": 1, "block_size": 1, "max_model_len": 1, "topk": 1, "pad": 0.0},
             {**EXAMPLE_COMPOSITE_DECODE, "H": 64, "D": 128, "block_size": 64, "max_model_len": 130, "topk": 64,
@@ -801,6 +811,16 @@ def _bad_composite_prefill(device, gen):
     ]
 
 
+def _workspace_composite_prefill(p: Params, args):
+    """`sparse_attn_indexer_prefill_workspace`'s args for a call: its largest T and N (the
+    `max_*` bounds when larger), H, D, `topk` and `max_chunk_bytes`."""
+    call = get_op("sparse_attn_indexer_prefill").call(*args)
+    t, h, d = call.q.shape
+    keys = max(call.total_seq_lens, call.max_total_seq_lens)
+    return ((max(t, call.max_num_batched_tokens), 0, h, d),
+            {"topk": call.topk, "max_total_seq_lens": keys, "max_chunk_bytes": call.max_chunk_bytes})
+
+
 register_case(
     OpCase(
         op="sparse_attn_indexer_prefill",
@@ -813,6 +833,7 @@ register_case(
         make=_make_composite_prefill,
         compare=compare_composite_prefill,
         bad_inputs=_bad_composite_prefill,
+        workspace_args=_workspace_composite_prefill,
         edge_cases=(
             {**EXAMPLE_COMPOSITE_PREFILL, "T": 0},
             {**EXAMPLE_COMPOSITE_PREFILL, "B": 1, "T": 1, "max_ctx": 1, "block_size": 1, "topk": 1, "chunk": "default"},

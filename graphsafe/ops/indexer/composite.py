@@ -1,25 +1,28 @@
-"""Triton backend of the composite indexer ops: the public ops, composed, over workspace
-scratch (the pattern of vLLM PR #41002: intermediates from `get_simultaneous`).
+"""Triton backend of the composite indexer ops (`sparse_attn_indexer_decode` / `_prefill`):
+the public ops, composed, over workspace scratch (the pattern of vLLM PR #41002:
+intermediates from `get_simultaneous`). Its records are the composites' "triton" backend.
 
 The K-cache write, the gather and the top-k are the public ops (so each runs on its own
 best backend, aiter's on ROCm included), bound once per signature of the composite
 through `OpSpec.bound`: a call runs their runners directly, without the dispatcher. The
-logits kernels are this family's `prepare_*_into` runners: the public logits ops return
-fresh tensors, and a composite must not allocate (its only outputs are the mutated
-buffers). They run with `clean=False`: the top-k reads each row's valid range only, so
-the -inf fill of the rest (up to `max_model_len`, or whole tiles outside every prefill
-window) is skipped.
+logits kernels are bound by this family's `bind_*_logits` (graphsafe/ops/indexer/triton.py):
+the public logits ops return fresh tensors, and a composite must not allocate (its only
+outputs are the mutated buffers). They run with `clean=False`: the top-k reads each row's
+valid range only, so the -inf fill of the rest (up to `max_model_len`, or whole tiles
+outside every prefill window) is skipped.
 
 Workspace discipline: each call first makes sure the arena holds the worst case its host
-ints allow (`plan.py`), nested top-k scratch included, then carves its regions and holds
-them (`WorkspaceManager.hold`) while the nested ops take their own scratch after them.
+ints allow, nested top-k scratch included, then carves its regions and holds them
+(`WorkspaceManager.hold`) while the nested ops take their own scratch after them.
 Growth can only happen in that reservation, never while views are held or a graph is
 captured (a warm-up call at the largest sizes grows the arena once).
 
-`prepare_*` does everything that depends on the signature only: the reservation size,
-the chunk plan, the bound launches, and the nested ops' runners, bound on workspace views
-carved exactly as every call carves them (same specs, same slices: same shapes and
-strides, so the nested runners' signature holds for every call).
+`prepare_*(call)` takes the signature's plan from `plan.choose_sparse_attn_indexer_*`
+(the bytes reserved, the regions, the prefill chunks, the logits launches: the same
+decision the records' `workspace` sizes from shapes) and binds the launches and the
+nested ops' runners, on workspace views carved exactly as every call carves them (same
+specs, same slices: same shapes and strides, so the nested runners' signature holds for
+every call).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from __future__ import annotations
 import torch
 
 from graphsafe.ops.indexer import plan
-from graphsafe.ops.indexer.triton import prepare_mqa_logits_into, prepare_paged_mqa_logits_into
-from graphsafe.registry import get_op
-from graphsafe.workspace import current_workspace_manager, workspace_bytes
+from graphsafe.ops.indexer.triton import bind_mqa_logits, bind_paged_mqa_logits
+from graphsafe.registry import Backend, get_op
+from graphsafe.workspace import current_workspace_manager
 
 DECODE = "sparse_attn_indexer_decode"
 PREFILL = "sparse_attn_indexer_prefill"
@@ -47,19 +50,17 @@ def _arena(device: torch.device, worst: int, owner: str):
     return ws
 
 
-def prepare_sparse_attn_indexer_decode(
-    kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
-    scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0,
-):
+def prepare_sparse_attn_indexer_decode(call):
+    choice = plan.choose_sparse_attn_indexer_decode(call)
+    kv_cache, q, k, seq_lens = call.kv_cache, call.q, call.k, call.seq_lens
     t, h, d = q.shape
     device = q.device
     kind = device.type
-    worst = max(plan.decode_bytes(max(t, max_num_batched_tokens), max_model_len, topk),
-                plan.decode_bytes(t, max_model_len, topk))
-    quant = get_op("indexer_k_quant_and_cache").bound(kind, k, kv_cache, slot_mapping, d, scale_fmt)
+    worst = choice.reserve_bytes
+    quant = get_op("indexer_k_quant_and_cache").bound(kind, k, kv_cache, call.slot_mapping, d, call.scale_fmt)
     ws = current_workspace_manager(device)
     ws.reserve(nbytes=worst, owner=DECODE)
-    if t == 0:
+    if choice.logits is None:  # T = 0: the keys are cached, nothing is scored
         def run(kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
                 scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0) -> None:
             _arena(device, worst, DECODE)  # the worst case is reserved on every path
@@ -67,14 +68,15 @@ def prepare_sparse_attn_indexer_decode(
 
         return run
 
-    specs = plan.decode_specs(t, max_model_len, topk)[:1]
+    specs = choice.regions
     (logits,) = ws.get_simultaneous(*specs, owner=DECODE + PREPARE)
     b = seq_lens.shape[0]
-    fill = prepare_paged_mqa_logits_into(logits, q.view(b, next_n, h, d), kv_cache, weights, seq_lens, block_table,
-                                         max_model_len, clean=False)
-    whole = topk_indices.shape[0] == t  # no slice needed per call
-    select = get_op("top_k_per_row_decode").bound(kind, logits, next_n, seq_lens,
-                                                  topk_indices if whole else topk_indices[:t], topk)
+    fill = bind_paged_mqa_logits(choice.logits, q.view(b, call.next_n, h, d), kv_cache, call.weights,
+                                 call.block_table, call.max_model_len, logits.stride(0))
+    whole = not choice.slice_topk  # no slice needed per call
+    topk_indices = call.topk_indices
+    select = get_op("top_k_per_row_decode").bound(kind, logits, call.next_n, seq_lens,
+                                                  topk_indices if whole else topk_indices[:t], call.topk)
 
     def run(kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
             scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0) -> None:
@@ -89,25 +91,17 @@ def prepare_sparse_attn_indexer_decode(
     return run
 
 
-def prepare_sparse_attn_indexer_prefill(
-    kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, topk_indices,
-    scale_fmt, topk, total_seq_lens, max_chunk_bytes=plan.DEFAULT_MAX_CHUNK_BYTES,
-    max_num_batched_tokens=0, max_total_seq_lens=0,
-):
+def prepare_sparse_attn_indexer_prefill(call):
+    choice = plan.choose_sparse_attn_indexer_prefill(call)
+    kv_cache, q, k, weights = call.kv_cache, call.q, call.k, call.weights
     t, h, d = q.shape
-    n = total_seq_lens
     device = q.device
     kind = device.type
-    max_t, max_n = max(t, max_num_batched_tokens), max(n, max_total_seq_lens)
-    worst = max(
-        plan.prefill_bytes(t, n, d, topk, max_chunk_bytes),
-        workspace_bytes(*plan.sparse_attn_indexer_prefill_workspace(
-            max_t, 0, h, d, topk, max_total_seq_lens=max_n, max_chunk_bytes=max_chunk_bytes)),
-    )
-    quant = get_op("indexer_k_quant_and_cache").bound(kind, k, kv_cache, slot_mapping, d, scale_fmt)
+    worst = choice.reserve_bytes
+    quant = get_op("indexer_k_quant_and_cache").bound(kind, k, kv_cache, call.slot_mapping, d, call.scale_fmt)
     ws = current_workspace_manager(device)
     ws.reserve(nbytes=worst, owner=PREFILL)
-    if t == 0:
+    if choice.path == "cache only":  # T = 0
         def run(kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke,
                 topk_indices, scale_fmt, topk, total_seq_lens, max_chunk_bytes=plan.DEFAULT_MAX_CHUNK_BYTES,
                 max_num_batched_tokens=0, max_total_seq_lens=0) -> None:
@@ -116,23 +110,26 @@ def prepare_sparse_attn_indexer_prefill(
 
         return run
 
-    specs = plan.prefill_specs(t, n, d, topk, max_chunk_bytes)
+    specs = choice.regions
     keys, scales, logits = ws.get_simultaneous(*specs, owner=PREFILL + PREPARE)
-    gather = get_op("cp_gather_indexer_k_quant_cache").bound(kind, kv_cache, keys, scales, block_table, cu_seq_lens)
+    gather = get_op("cp_gather_indexer_k_quant_cache").bound(kind, kv_cache, keys, scales, call.block_table,
+                                                            call.cu_seq_lens)
     select_op = get_op("top_k_per_row_prefill")
+    cu_seqlen_ks, cu_seqlen_ke, topk_indices, topk = call.cu_seqlen_ks, call.cu_seqlen_ke, call.topk_indices, call.topk
     rows = logits.shape[0]
-    sizes = [e - s for s, e in plan.prefill_chunks(t, n, topk, max_chunk_bytes)]
-    extra = topk_indices.shape[0] - t  # rows of the shared buffer past this call's tokens
+    sizes = list(choice.chunks)
+    extra = choice.extra_rows  # rows of the shared buffer past this call's tokens
+    launches = dict(choice.logits)
 
     def step(r: int):
         """(logits runner, top-k runner) of a chunk of r rows: bound on the first r rows,
         whose views have the shapes and strides of any chunk's of r rows."""
         out = logits[:r]
         ks, ke = cu_seqlen_ks[:r], cu_seqlen_ke[:r]
-        fill = prepare_mqa_logits_into(out, q[:r], keys, scales, weights[:r], ks, ke, clean=False)
+        fill = bind_mqa_logits(launches[r], q[:r], keys, scales, weights[:r], out.stride(0))
         return fill, select_op.bound(kind, out, ks, ke, topk_indices[:r], topk)
 
-    if len(sizes) == 1:  # one chunk: the whole call, no slices
+    if choice.path == "one chunk":  # the whole call, no slices
         fill, select = step(t)
 
         def run(kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke,
@@ -151,7 +148,7 @@ def prepare_sparse_attn_indexer_prefill(
 
     # Chunks of `rows` rows, the last one maybe shorter: one pair of runners per size. A
     # call cuts each per-token input into its chunks with one split_with_sizes (views).
-    by_size = {r: step(r) for r in set(sizes)}
+    by_size = {r: step(r) for r in launches}
     steps = tuple(by_size[r] for r in sizes)
     tail = sizes[-1] if sizes[-1] != rows else 0
     full = len(sizes) - (1 if tail else 0)
@@ -174,3 +171,10 @@ def prepare_sparse_attn_indexer_prefill(
                 select(out, ks, ke, idx, topk)
 
     return run
+
+
+# -- the records (graphsafe/ops/indexer/__init__.py names them) ------------------------------
+SPARSE_ATTN_INDEXER_DECODE = Backend(name="triton", prepare=prepare_sparse_attn_indexer_decode,
+                                     workspace=plan.sparse_attn_indexer_decode_workspace)
+SPARSE_ATTN_INDEXER_PREFILL = Backend(name="triton", prepare=prepare_sparse_attn_indexer_prefill,
+                                      workspace=plan.sparse_attn_indexer_prefill_workspace)

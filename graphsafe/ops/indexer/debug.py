@@ -19,28 +19,34 @@ def _windows_inside(op: str, ks: torch.Tensor, ke: torch.Tensor, high: int, ks_a
     debug.ids_in_range(op, ke_arg, ke, high + 1, used=open_, padding=None, what="window ends of non-empty windows")
 
 
-def debug_check_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
+def debug_check_indexer_k_quant_and_cache(call) -> None:
+    kv_cache, slot_mapping = call.kv_cache, call.slot_mapping
     nb, bs = kv_cache.shape[:2]
     debug.ids_in_range("indexer_k_quant_and_cache", "slot_mapping", slot_mapping, nb * bs, what="cache slots")
 
 
-def debug_check_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+def debug_check_cp_gather_indexer_k_quant_cache(call) -> None:
+    kv_cache, dst_k, block_table, cu_seq_lens = call.kv_cache, call.dst_k, call.block_table, call.cu_seq_lens
     op = "cp_gather_indexer_k_quant_cache"
     debug.non_decreasing(op, "cu_seq_lens", cu_seq_lens)
     n = dst_k.shape[0]
-    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens[:1], 0, "the first row of dst_k")
-    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens[-1:], n, "the rows of dst_k")
+    # cu_seq_lens whole, never a slice, so that a message names the entry's own index; it
+    # does not decrease (checked above), so its first and last entries bound all of them.
+    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens, 0, "the first row of dst_k")
+    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens, n, "the rows of dst_k")
     lengths = cu_seq_lens[1:].long() - cu_seq_lens[:-1].long()
     bs = kv_cache.shape[1]
     debug.ids_in_range(op, "block_table", block_table, kv_cache.shape[0], used=debug.table_entries_read(block_table, lengths, bs),
                        what="block ids (below each request's length)")
 
 
-def debug_check_fp8_mqa_logits(q, k, k_scale, weights, ks, ke) -> None:
-    _windows_inside("fp8_mqa_logits", ks, ke, k.shape[0], "ks", "ke")
+def debug_check_fp8_mqa_logits(call) -> None:
+    _windows_inside("fp8_mqa_logits", call.ks, call.ke, call.k.shape[0], "ks", "ke")
 
 
-def debug_check_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len) -> None:
+def debug_check_fp8_paged_mqa_logits(call) -> None:
+    kv_cache, block_table = call.kv_cache, call.block_table
+    context_lens, max_model_len = call.context_lens, call.max_model_len
     op = "fp8_paged_mqa_logits"
     debug.values_at_least(op, "context_lens", context_lens, 0, "a length")
     debug.values_at_most(op, "context_lens", context_lens, max_model_len, "max_model_len")
@@ -49,7 +55,8 @@ def debug_check_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_t
                        what="block ids (below each request's context)")
 
 
-def debug_check_req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block_size) -> None:
+def debug_check_req_local_to_global_slots(call) -> None:
+    req_id_per_token, block_table, topk_indices, block_size = call
     op = "req_local_to_global_slots"
     b, max_blocks = block_table.shape
     debug.ids_in_range(op, "req_id_per_token", req_id_per_token, b, what="request ids")
@@ -67,10 +74,9 @@ def debug_check_req_local_to_global_slots(req_id_per_token, block_table, topk_in
                            what="block ids (whose slots fit int32)")
 
 
-def debug_check_sparse_attn_indexer_decode(
-    kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
-    scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0,
-) -> None:
+def debug_check_sparse_attn_indexer_decode(call) -> None:
+    kv_cache, slot_mapping, block_table = call.kv_cache, call.slot_mapping, call.block_table
+    seq_lens, max_model_len = call.seq_lens, call.max_model_len
     op = "sparse_attn_indexer_decode"
     nb, bs = kv_cache.shape[:2]
     debug.ids_in_range(op, "slot_mapping", slot_mapping, nb * bs, what="cache slots")
@@ -80,16 +86,18 @@ def debug_check_sparse_attn_indexer_decode(
                        what="block ids (below each request's context)")
 
 
-def debug_check_sparse_attn_indexer_prefill(
-    kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, topk_indices,
-    scale_fmt, topk, total_seq_lens, max_chunk_bytes=0, max_num_batched_tokens=0, max_total_seq_lens=0,
-) -> None:
+def debug_check_sparse_attn_indexer_prefill(call) -> None:
+    kv_cache, slot_mapping, block_table = call.kv_cache, call.slot_mapping, call.block_table
+    cu_seq_lens, total_seq_lens = call.cu_seq_lens, call.total_seq_lens
+    cu_seqlen_ks, cu_seqlen_ke = call.cu_seqlen_ks, call.cu_seqlen_ke
     op = "sparse_attn_indexer_prefill"
     nb, bs = kv_cache.shape[:2]
     debug.ids_in_range(op, "slot_mapping", slot_mapping, nb * bs, what="cache slots")
     debug.non_decreasing(op, "cu_seq_lens", cu_seq_lens)
-    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens[:1], 0, "the first gathered row")
-    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens[-1:], total_seq_lens, "total_seq_lens")
+    # cu_seq_lens whole, never a slice, so that a message names the entry's own index; it
+    # does not decrease (checked above), so its first and last entries bound all of them.
+    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens, 0, "the first gathered row")
+    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens, total_seq_lens, "total_seq_lens")
     lengths = cu_seq_lens[1:].long() - cu_seq_lens[:-1].long()
     debug.ids_in_range(op, "block_table", block_table, nb, used=debug.table_entries_read(block_table, lengths, bs),
                        what="block ids (below each request's context)")

@@ -1,7 +1,8 @@
 """Fakes and input checks of the sparse-indexer ops (K-cache quantise/gather, fp8 MQA
-logits, request-local to global slots).
+logits, request-local to global slots, the composites): `check_<op>(call)` and
+`fake_<op>(call)` take the op's bound call (`OpSpec.call`) and read its fields.
 
-The K-cache layout is described in `graphsafe/ops/indexer/layout.py`; the checks repeat
+The K-cache layout is described in `graphsafe/formats/indexer_k.py`; the checks repeat
 the few facts they need (fakes never import the ops package).
 """
 
@@ -61,8 +62,9 @@ def _covers_max_model_len(op: str, block_table, bs, max_model_len) -> None:
 
 
 # -- indexer_k_quant_and_cache ---------------------------------------------------------
-def check_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
+def check_indexer_k_quant_and_cache(call) -> None:
     op = "indexer_k_quant_and_cache"
+    k, kv_cache, slot_mapping, quant_block_size, scale_fmt = call
     c.tensor(op, "k", k, dtypes=c.FLOAT_DTYPES, ndim=2)
     dev = k.device
     t, d = k.shape
@@ -79,13 +81,14 @@ def check_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size,
     c.contiguous(op, "slot_mapping", slot_mapping)
 
 
-def fake_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt=None) -> None:
-    check_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt)
+def fake_indexer_k_quant_and_cache(call) -> None:
+    check_indexer_k_quant_and_cache(call)
 
 
 # -- cp_gather_indexer_k_quant_cache ---------------------------------------------------
-def check_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+def check_cp_gather_indexer_k_quant_cache(call) -> None:
     op = "cp_gather_indexer_k_quant_cache"
+    kv_cache, dst_k, dst_scale, block_table, cu_seq_lens = call
     c.tensor(op, "dst_k", dst_k, dtypes=FP8, ndim=2)
     dev = dst_k.device
     n, d = dst_k.shape
@@ -105,13 +108,14 @@ def check_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_tabl
     c.contiguous(op, "cu_seq_lens", cu_seq_lens)
 
 
-def fake_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
-    check_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
+def fake_cp_gather_indexer_k_quant_cache(call) -> None:
+    check_cp_gather_indexer_k_quant_cache(call)
 
 
 # -- fp8_mqa_logits --------------------------------------------------------------------
-def check_fp8_mqa_logits(q, k, k_scale, weights, ks, ke) -> None:
+def check_fp8_mqa_logits(call) -> None:
     op = "fp8_mqa_logits"
+    q, k, k_scale, weights, ks, ke = call
     c.tensor(op, "q", q, dtypes=FP8, ndim=3)
     dev = q.device
     m, h, d = q.shape
@@ -130,14 +134,15 @@ def check_fp8_mqa_logits(q, k, k_scale, weights, ks, ke) -> None:
         c.contiguous(op, name, x)
 
 
-def fake_fp8_mqa_logits(q, k, k_scale, weights, ks, ke):
-    check_fp8_mqa_logits(q, k, k_scale, weights, ks, ke)
-    return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
+def fake_fp8_mqa_logits(call):
+    check_fp8_mqa_logits(call)
+    return call.q.new_empty((call.q.shape[0], call.k.shape[0]), dtype=torch.float32)
 
 
 # -- fp8_paged_mqa_logits --------------------------------------------------------------
-def check_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len) -> None:
+def check_fp8_paged_mqa_logits(call) -> None:
     op = "fp8_paged_mqa_logits"
+    q, kv_cache, weights, context_lens, block_table, max_model_len = call
     c.tensor(op, "q", q, dtypes=FP8, ndim=4)
     dev = q.device
     b, next_n, h, d = q.shape
@@ -158,14 +163,16 @@ def check_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, 
     _covers_max_model_len(op, block_table, kv_cache.shape[1], max_model_len)
 
 
-def fake_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len):
-    check_fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_model_len)
-    return q.new_empty((q.shape[0] * q.shape[1], max_model_len), dtype=torch.float32)
+def fake_fp8_paged_mqa_logits(call):
+    check_fp8_paged_mqa_logits(call)
+    q = call.q
+    return q.new_empty((q.shape[0] * q.shape[1], call.max_model_len), dtype=torch.float32)
 
 
 # -- req_local_to_global_slots ---------------------------------------------------------
-def check_req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block_size) -> None:
+def check_req_local_to_global_slots(call) -> None:
     op = "req_local_to_global_slots"
+    req_id_per_token, block_table, topk_indices, block_size = call
     c.tensor(op, "topk_indices", topk_indices, dtypes=I32, ndim=2)
     dev = topk_indices.device
     c.tensor(op, "req_id_per_token", req_id_per_token, dtypes=I32, ndim=1, device=dev)
@@ -176,14 +183,16 @@ def check_req_local_to_global_slots(req_id_per_token, block_table, topk_indices,
     c.positive(op, "block_size", block_size)
 
 
-def fake_req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block_size):
-    check_req_local_to_global_slots(req_id_per_token, block_table, topk_indices, block_size)
-    return topk_indices.new_empty(topk_indices.shape)
+def fake_req_local_to_global_slots(call):
+    check_req_local_to_global_slots(call)
+    return call.topk_indices.new_empty(call.topk_indices.shape)
 
 
 # -- composites: sparse_attn_indexer_decode / _prefill ---------------------------------
-def _composite_common(op: str, kv_cache, q, k, weights, slot_mapping, scale_fmt):
+def _composite_common(op: str, call):
     """The new tokens' tensors of a composite: returns (device, T, H, D)."""
+    kv_cache, q, k, weights = call.kv_cache, call.q, call.k, call.weights
+    slot_mapping, scale_fmt = call.slot_mapping, call.scale_fmt
     c.tensor(op, "kv_cache", kv_cache, dtypes=U8, ndim=3)
     dev = kv_cache.device
     c.tensor(op, "q", q, dtypes=FP8, ndim=3, device=dev)
@@ -221,12 +230,11 @@ def _non_negative(op: str, arg: str, value: int) -> None:
         c.fail(op, arg, "an int >= 0", value)
 
 
-def check_sparse_attn_indexer_decode(
-    kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
-    scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0,
-) -> None:
+def check_sparse_attn_indexer_decode(call) -> None:
     op = "sparse_attn_indexer_decode"
-    dev, t, _, _ = _composite_common(op, kv_cache, q, k, weights, slot_mapping, scale_fmt)
+    dev, t, _, _ = _composite_common(op, call)
+    kv_cache, q, seq_lens, block_table = call.kv_cache, call.q, call.seq_lens, call.block_table
+    max_model_len, next_n = call.max_model_len, call.next_n
     if not 1 <= next_n <= MAX_NEXT_N:
         c.fail(op, "next_n", f"an int in [1, {MAX_NEXT_N}]", next_n)
     c.tensor(op, "seq_lens", seq_lens, dtypes=I32, ndim=1, device=dev)
@@ -242,47 +250,34 @@ def check_sparse_attn_indexer_decode(
     c.last_dim_contiguous(op, "block_table", block_table)
     c.positive(op, "max_model_len", max_model_len)
     _covers_max_model_len(op, block_table, kv_cache.shape[1], max_model_len)
-    _topk_buffer(op, topk_indices, t, topk, dev)
-    _non_negative(op, "max_num_batched_tokens", max_num_batched_tokens)
+    _topk_buffer(op, call.topk_indices, t, call.topk, dev)
+    _non_negative(op, "max_num_batched_tokens", call.max_num_batched_tokens)
 
 
-def fake_sparse_attn_indexer_decode(
-    kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
-    scale_fmt, topk, max_model_len, next_n=1, max_num_batched_tokens=0,
-) -> None:
-    check_sparse_attn_indexer_decode(
-        kv_cache, q, k, weights, slot_mapping, seq_lens, block_table, topk_indices,
-        scale_fmt, topk, max_model_len, next_n, max_num_batched_tokens,
-    )
+def fake_sparse_attn_indexer_decode(call) -> None:
+    check_sparse_attn_indexer_decode(call)
 
 
-def check_sparse_attn_indexer_prefill(
-    kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, topk_indices,
-    scale_fmt, topk, total_seq_lens, max_chunk_bytes=512 << 20, max_num_batched_tokens=0, max_total_seq_lens=0,
-) -> None:
+def check_sparse_attn_indexer_prefill(call) -> None:
     op = "sparse_attn_indexer_prefill"
-    dev, t, _, _ = _composite_common(op, kv_cache, q, k, weights, slot_mapping, scale_fmt)
+    dev, t, _, _ = _composite_common(op, call)
+    block_table, cu_seq_lens = call.block_table, call.cu_seq_lens
     c.tensor(op, "block_table", block_table, dtypes=I32, ndim=2, device=dev)
     c.last_dim_contiguous(op, "block_table", block_table)
     c.tensor(op, "cu_seq_lens", cu_seq_lens, dtypes=I32, ndim=1, device=dev)
     c.shape(op, "cu_seq_lens", cu_seq_lens, (block_table.shape[0] + 1,), "[B + 1]")
     c.contiguous(op, "cu_seq_lens", cu_seq_lens)
-    for name, x in (("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)):
+    for name in ("cu_seqlen_ks", "cu_seqlen_ke"):
+        x = getattr(call, name)
         c.tensor(op, name, x, dtypes=I32, ndim=1, device=dev)
         c.shape(op, name, x, (t,), "[T]")
         c.contiguous(op, name, x)
-    _topk_buffer(op, topk_indices, t, topk, dev)
-    _non_negative(op, "total_seq_lens", total_seq_lens)
-    c.positive(op, "max_chunk_bytes", max_chunk_bytes)
-    _non_negative(op, "max_num_batched_tokens", max_num_batched_tokens)
-    _non_negative(op, "max_total_seq_lens", max_total_seq_lens)
+    _topk_buffer(op, call.topk_indices, t, call.topk, dev)
+    _non_negative(op, "total_seq_lens", call.total_seq_lens)
+    c.positive(op, "max_chunk_bytes", call.max_chunk_bytes)
+    _non_negative(op, "max_num_batched_tokens", call.max_num_batched_tokens)
+    _non_negative(op, "max_total_seq_lens", call.max_total_seq_lens)
 
 
-def fake_sparse_attn_indexer_prefill(
-    kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, topk_indices,
-    scale_fmt, topk, total_seq_lens, max_chunk_bytes=512 << 20, max_num_batched_tokens=0, max_total_seq_lens=0,
-) -> None:
-    check_sparse_attn_indexer_prefill(
-        kv_cache, q, k, weights, slot_mapping, block_table, cu_seq_lens, cu_seqlen_ks, cu_seqlen_ke, topk_indices,
-        scale_fmt, topk, total_seq_lens, max_chunk_bytes, max_num_batched_tokens, max_total_seq_lens,
-    )
+def fake_sparse_attn_indexer_prefill(call) -> None:
+    check_sparse_attn_indexer_prefill(call)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.ops.cache.reference import scatter_tokens
 from graphsafe.formats import indexer_k as layout
+from graphsafe.ops.cache.reference import scatter_tokens
 from graphsafe.ops.indexer import plan
+from graphsafe.registry import Backend
 
 NEG_INF = float("-inf")
 
@@ -195,7 +196,17 @@ def sparse_attn_indexer_prefill(
     scales = torch.zeros((total_seq_lens,), dtype=torch.float32, device=q.device)
     cp_gather_indexer_k_quant_cache(kv_cache, keys, scales, block_table, cu_seq_lens)
     select = _reference("top_k_per_row_prefill")
-    for m0, m1 in plan.prefill_chunks(t, total_seq_lens, topk, max_chunk_bytes):
+    for m0, m1 in plan.prefill_chunks(t, total_seq_lens, topk, max_chunk_bytes, q.device):
         ks, ke = cu_seqlen_ks[m0:m1], cu_seqlen_ke[m0:m1]
         logits = fp8_mqa_logits(q[m0:m1], keys, scales, weights[m0:m1], ks, ke)
         select(logits, ks, ke, topk_indices[m0:m1], topk)
+
+
+# -- the records (graphsafe/ops/indexer/__init__.py names them) ------------------------------
+INDEXER_K_QUANT_AND_CACHE = Backend(name="reference", impl=indexer_k_quant_and_cache)
+CP_GATHER_INDEXER_K_QUANT_CACHE = Backend(name="reference", impl=cp_gather_indexer_k_quant_cache)
+FP8_MQA_LOGITS = Backend(name="reference", impl=fp8_mqa_logits)
+FP8_PAGED_MQA_LOGITS = Backend(name="reference", impl=fp8_paged_mqa_logits)
+REQ_LOCAL_TO_GLOBAL_SLOTS = Backend(name="reference", impl=req_local_to_global_slots)
+SPARSE_ATTN_INDEXER_DECODE = Backend(name="reference", impl=sparse_attn_indexer_decode)
+SPARSE_ATTN_INDEXER_PREFILL = Backend(name="reference", impl=sparse_attn_indexer_prefill)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from graphsafe.ops.ragged import fake as fakes
-from graphsafe.registry import Backend, register_op
+from graphsafe.ops.ragged import reference, triton
+from graphsafe.registry import register_op
 
 
 @register_op(
@@ -14,10 +15,7 @@ from graphsafe.registry import Backend, register_op
     check=fakes.check_build_ragged_indices_from_dense,
     family="ragged",
     debug_check="graphsafe.ops.ragged.debug:debug_check_build_ragged_indices_from_dense",
-    backends={
-        "reference": "graphsafe.ops.ragged.reference:build_ragged_indices_from_dense",
-        "triton": Backend(prepare="graphsafe.ops.ragged.triton:prepare_build_ragged_indices_from_dense"),
-    },
+    backends=(reference.BUILD_RAGGED_INDICES_FROM_DENSE, triton.BUILD_RAGGED_INDICES_FROM_DENSE),
 )
 def build_ragged_indices_from_dense(indices: Tensor, lengths: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
     """Compress the first `lengths[i]` entries of each dense row into CSR form, without host sync.

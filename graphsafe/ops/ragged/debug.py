@@ -11,9 +11,10 @@ import torch
 from graphsafe.debug import ids_in_range, values_at_least, values_at_most
 
 
-def debug_check_build_ragged_indices_from_dense(indices, lengths, num_rows) -> None:
+def debug_check_build_ragged_indices_from_dense(call) -> None:
     """`lengths` in `[0, W]`; when `num_rows >= 0`, every kept entry (column below its
     row's length) in `[0, num_rows)` or -1."""
+    indices, lengths, num_rows = call
     op = "build_ragged_indices_from_dense"
     width = indices.shape[1]
     values_at_least(op, "lengths", lengths, 0, "a number of entries")

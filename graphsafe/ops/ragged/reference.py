@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from graphsafe.registry import Backend
+
 
 def build_ragged_indices_from_dense(indices: torch.Tensor, lengths: torch.Tensor, num_rows: int):
     n, w = indices.shape
@@ -26,3 +28,7 @@ def build_ragged_indices_from_dense(indices: torch.Tensor, lengths: torch.Tensor
         values = torch.where((values >= 0) & (values < num_rows), values, -1)
     flat = torch.where(in_span, values, -1).to(torch.int32)
     return flat, indptr
+
+
+# -- the record (graphsafe/ops/ragged/__init__.py names it) --------------------------------
+BUILD_RAGGED_INDICES_FROM_DENSE = Backend(name="reference", impl=build_ragged_indices_from_dense)

@@ -1,64 +1,36 @@
-"""Triton backend of `build_ragged_indices_from_dense`: two launches, no host sync.
+"""Triton backend of `build_ragged_indices_from_dense`: the host side (record, prepare).
 
-1. one program scans the clamped lengths into `indptr` (a blocked cumsum with a carry);
-2. one program per (row, column block) writes every element of `flat` exactly once:
-   element j of row i goes to `indptr[i] + j` when j < len_i, and otherwise to the
-   -1 tail at `total + i*W - indptr[i] + (j - len_i)` (the tail holds each row's unused
-   columns in row order, so the tail is filled without a second pass).
+Two launches of the kernels in `graphsafe/ops/ragged/kernels/triton_csr.py` (imported
+when a runner is first bound: importing this module never imports triton): one program
+scans the clamped lengths into `indptr`, then one program per (row, column block) writes
+every element of `flat` once.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from graphsafe.launch import bind, output_allocator
+from graphsafe.registry import Backend
+
+# Lengths one program of the scan takes per step; columns of a row per fill program (at most).
+SCAN_BLOCK = 1024
+MAX_BLOCK_W = 1024
 
 
-@triton.jit
-def _indptr_kernel(lengths_ptr, indptr_ptr, n, w, BLOCK: tl.constexpr):
-    carry = tl.zeros((), dtype=tl.int32)
-    tl.store(indptr_ptr, carry)
-    for start in tl.range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        counts = tl.minimum(tl.maximum(tl.load(lengths_ptr + offs, mask=mask, other=0), 0), w)
-        inclusive = tl.cumsum(counts, 0) + carry
-        tl.store(indptr_ptr + 1 + offs, inclusive, mask=mask)
-        carry += tl.sum(counts, 0)
+def prepare_build_ragged_indices_from_dense(call):
+    from graphsafe.ops.ragged.kernels.triton_csr import fill_kernel, indptr_kernel
 
-
-@triton.jit
-def _fill_kernel(
-    indices_ptr, lengths_ptr, indptr_ptr, flat_ptr, n, w, num_rows,
-    BLOCK_W: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    mask = cols < w
-    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), w)
-    start = tl.load(indptr_ptr + row).to(tl.int64)
-    total = tl.load(indptr_ptr + n).to(tl.int64)
-    valid = cols < length
-    # Only the kept entries are read: the rest of the row goes to the -1 tail.
-    values = tl.load(indices_ptr + row * w + cols, mask=mask & valid, other=-1)
-    if num_rows >= 0:
-        values = tl.where((values >= 0) & (values < num_rows), values, -1)
-    dest = tl.where(valid, start + cols, total + row * w - start + (cols - length))
-    tl.store(flat_ptr + dest, tl.where(valid, values, -1), mask=mask)
-
-
-def prepare_build_ragged_indices_from_dense(indices: torch.Tensor, lengths: torch.Tensor, num_rows: int):
+    indices, lengths, num_rows = call
     n, w = indices.shape
     device = indices.device
     # Placeholders for the outputs' positions in `bind` (only their device is read).
     flat = indptr = indices
-    scan = bind(_indptr_kernel, (1,), lengths, indptr, n, w, BLOCK=1024)
+    scan = bind(indptr_kernel, (1,), lengths, indptr, n, w, BLOCK=SCAN_BLOCK)
     fill = None
     if n * w > 0:
-        block_w = min(triton.next_power_of_2(w), 1024)
-        fill = bind(_fill_kernel, (n, triton.cdiv(w, block_w)), indices, lengths, indptr, flat, n, w, num_rows,
+        block_w = min(1 << (w - 1).bit_length(), MAX_BLOCK_W)  # the next power of two, at most MAX_BLOCK_W
+        fill = bind(fill_kernel, (n, -(-w // block_w)), indices, lengths, indptr, flat, n, w, num_rows,
                     BLOCK_W=block_w)
 
     new_flat = output_allocator((n * w,), torch.int32, device)
@@ -72,3 +44,7 @@ def prepare_build_ragged_indices_from_dense(indices: torch.Tensor, lengths: torc
         return flat, indptr
 
     return run
+
+
+# -- the record (graphsafe/ops/ragged/__init__.py names it) --------------------------------
+BUILD_RAGGED_INDICES_FROM_DENSE = Backend(name="triton", prepare=prepare_build_ragged_indices_from_dense)
