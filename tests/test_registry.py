@@ -308,6 +308,7 @@ def test_default_arguments_reach_the_kernel():
     import importlib
     import inspect
 
+    from graphsafe.registry import takes_call
     from graphsafe.testing.contract import assert_bits_equal, clone_args
 
     def resolve(ref):
@@ -353,10 +354,14 @@ def test_default_arguments_reach_the_kernel():
             parts = {"impl": getattr(record, "impl", record), "prepare": getattr(record, "prepare", None)}
             for part, fn in parts.items():
                 if fn is not None:
-                    got = defaults(resolve(fn), want)
+                    fn = resolve(fn)
+                    # A function of the bound call reads the defaults the call type carries.
+                    got = ({n: d for n, d in spec.call_type._field_defaults.items() if n in want}
+                           if takes_call(fn) else defaults(fn, want))
                     assert got == want, f"{name}[{backend}].{part}: defaults {got}, schema {want}"
             if parts["prepare"] is not None:
-                runner = resolve(parts["prepare"])(*clone_args(args))
+                prepare = resolve(parts["prepare"])
+                runner = prepare(spec.call(*clone_args(args))) if takes_call(prepare) else prepare(*clone_args(args))
                 got = defaults(runner, want)
                 assert got in (want, {}), f"{name}[{backend}] runner: defaults {got}, schema {want}"
 
