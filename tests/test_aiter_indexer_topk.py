@@ -161,7 +161,7 @@ def test_top_k_prefill_asks_for_the_stable_kernel(aiter_standin):
     spec = graphsafe.get_op(PREFILL)
     params = {**_PREFILL_EX, "values": "ties", "ranges": "full"}
     args = case_for(spec.name).inputs(params, "cpu", 5)
-    _adapter(PREFILL).prepare_top_k_per_row_prefill(*args)(*args)
+    _adapter(PREFILL).prepare_top_k_per_row_prefill(spec.call(*args))(*args)
     idx = args[3]
     assert (idx >= 0).all()
     assert (idx[:, 1:] > idx[:, :-1]).all(), "stable=True: ascending positions"

@@ -319,7 +319,7 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     print("NO_BACKEND"); raise SystemExit(0)
-from graphsafe.ops.cache import triton as ct
+from graphsafe.ops.cache.kernels import triton_ds_mla as ct
 
 fn = ct._concat_and_cache_ds_mla_kernel
 for dtype in ("bf16", "fp16", "fp32"):

@@ -308,6 +308,7 @@ def test_default_arguments_reach_the_kernel():
     import importlib
     import inspect
 
+    from graphsafe.registry import takes_call
     from graphsafe.testing.contract import assert_bits_equal, clone_args
 
     def resolve(ref):

@@ -22,7 +22,7 @@ from graphsafe.testing import case_for
 import graphsafe
 from graphsafe.ops.topk import plan
 from graphsafe.ops.topk import reference as ref
-from graphsafe.ops.topk.triton import _radix_search
+from graphsafe.ops.topk.kernels.triton_two_launch import _radix_search
 from graphsafe.testing import contract as C
 from graphsafe.ops.topk.cases import (
     assert_topk_rows,
@@ -229,7 +229,7 @@ def _triton_run(logits, starts, ends, topk, k_cols=None, **overrides):
     tt = _tt()
     rows, width = logits.shape
     forced = {k: v for k, v in overrides.items() if k in ("p1", "reg", "margin", "max_slots")}
-    pl = plan.choose(rows, width, topk, **forced)
+    pl = plan.two_launch_plan(rows, width, topk, **forced)
     scratch = [torch.empty(shape, dtype=dtype) for shape, dtype in plan.specs(rows, pl.p1, pl.cap)]
     idx = torch.full((rows, k_cols or topk), 77, dtype=torch.int32)
     tt.top_k_per_row_prefill(logits, starts, ends, idx, topk, scratch=scratch, **overrides)
@@ -355,11 +355,9 @@ ROW_LAYOUTS = {
 @needs_interpreter
 @pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
 def test_rowwise_row_layouts(layout):
-    from graphsafe.ops.topk.triton_rowwise import vector_loads
-
     make, vec = ROW_LAYOUTS[layout]
     logits = make(_randn(3, 3000, 27))
-    assert vector_loads(logits) == vec
+    assert _tt().vector_loads(logits) == vec
     width = logits.shape[1]
     # Ragged lengths: partial last steps that end inside a group of 4; two sample sizes.
     seq_lens = torch.tensor([width, width - 3, width - 1001], dtype=torch.int32)
@@ -528,7 +526,7 @@ def test_triton_decode_with_programs_sharing_rows(next_n):
     seq_lens = torch.tensor([600, 2, 0, 650, 40], dtype=torch.int32)
     rows = seq_lens.shape[0] * next_n
     logits = _randn(rows, width, 10 + next_n)
-    pl = plan.choose(rows, width, topk, p1=4)
+    pl = plan.two_launch_plan(rows, width, topk, p1=4)
     scratch = [torch.empty(shape, dtype=dtype) for shape, dtype in plan.specs(rows, pl.p1, pl.cap)]
     idx = torch.full((rows, topk + 1), 5, dtype=torch.int32)
     tt.top_k_per_row_decode(logits, next_n, seq_lens, idx, topk, scratch=scratch, p1=4)
@@ -541,10 +539,9 @@ def test_triton_decode_with_programs_sharing_rows(next_n):
 def test_search_view_keeps_a_column_within_a_byte():
     # `_radix_search` sums thermometer codes in byte fields per column of an [R, SC]
     # view: every launch shape must give R <= 255 keys a column and an exact split.
-    tt = _tt()
     for n in (1, 2, 16, 64, 1024, 4096, 8192, 16384, 65536):
         for warps in (1, 2, 4, 8, 16):
-            sc = tt.search_columns(n, warps)
+            sc = plan.search_columns(n, warps)
             assert n % sc == 0 and n // sc <= 255, (n, warps, sc)
 
 
@@ -552,9 +549,9 @@ def test_plan_keeps_programs_and_slots_in_bounds():
     # DeepSeek decode widths: tiles fit the registers (<= MAX_TILE), the final selection
     # fits its register block, and the declared worst case covers every row count's plan.
     for width in (8192, 32768, 65536, 131072, 163840):
-        need_p1, need_cap = plan._row_need(width, 2048)
+        need_p1, need_cap = plan.row_need(width, 2048, False)
         for rows in (1, 32, 128, 2048):
-            pl = plan.choose(rows, width, 2048)
+            pl = plan.two_launch_plan(rows, width, 2048)
             assert pl.tile <= plan.MAX_TILE and pl.in_registers, (width, rows, pl)
             assert pl.p1 <= need_p1 and pl.cap <= need_cap and pl.cap >= 2048
             assert pl.bj * pl.p1 == pl.g and pl.dp * pl.g >= width
@@ -608,7 +605,7 @@ try:
     from triton.compiler import ASTSource
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
-from graphsafe.ops.topk import triton as tt, triton_external as ext
+from graphsafe.ops.topk.kernels import triton_external as ext, triton_two_launch as tt
 
 def sig_of(fn, ones):
     sig, consts, attrs = {}, {}, {}
@@ -644,7 +641,8 @@ cases = [
 # The one-launch decode kernel (both plans): next_n = 1 and MTP; 4-byte loads; the
 # profiles' prefixes.
 import re
-from graphsafe.ops.topk import plan, triton_rowwise as rw
+from graphsafe.ops.topk import plan
+from graphsafe.ops.topk.kernels import triton_rowwise as rw
 for cfg, ones, until, vec in ((plan.ROWWISE, ("next_n",), 9, True), (plan.ROWWISE, (), 9, True),
                                (plan.ROWWISE_NARROW, (), 9, True), (plan.ROWWISE, (), 9, False),
                                (plan.ROWWISE, (), 2, True), (plan.ROWWISE, (), 4, True)):

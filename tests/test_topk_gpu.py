@@ -20,7 +20,7 @@ from graphsafe.ops.topk import reference as ref
 from graphsafe.testing import contract as C
 from graphsafe.testing import no_sync
 from graphsafe.ops.topk import plan
-from graphsafe.ops.topk import triton_rowwise as rowwise
+from graphsafe.ops.topk.kernels import triton_rowwise as rowwise
 from graphsafe.ops.topk.cases import assert_topk_rows, decode_ranges, final_paths, prefill_ranges, rowwise_outcomes
 
 pytestmark = pytest.mark.gpu
@@ -143,7 +143,7 @@ def test_structured_rows_take_the_fast_path(pattern, width):
     logits = _structured(rows, width, pattern, gen)
     seq_lens = torch.full((rows,), width, dtype=torch.int32, device=CUDA)
     idx = torch.empty(rows, topk, dtype=torch.int32, device=CUDA)
-    pl = plan.choose(rows, width, topk)
+    pl = plan.two_launch_plan(rows, width, topk)
     scratch = [torch.empty(shape, dtype=dtype, device=CUDA) for shape, dtype in plan.specs(rows, pl.p1, pl.cap)]
     _triton().top_k_per_row_decode(logits, 1, seq_lens, idx, topk, scratch=scratch, rowwise=False)
     lo, hi, shift = decode_ranges(seq_lens, 1, width)
@@ -214,7 +214,7 @@ def test_rowwise_row_layouts(layout, cfg):
     rows, width = 128, 32768
     buf = torch.randn(rows, width + extra, device=CUDA, generator=gen)
     logits = make(buf, width)
-    assert rowwise.vector_loads(logits) == vec
+    assert _triton().vector_loads(logits) == vec
     w = logits.shape[1]
     seq_lens = torch.randint(w // 2, w + 1, (rows,), device=CUDA, generator=gen, dtype=torch.int32)
     seq_lens[:4] = torch.tensor([w, w - 1, w - 2, w - 3], dtype=torch.int32)

@@ -37,6 +37,16 @@ FP8_MAX = 448.0
 TILE = 128
 # DeepSeek-V3.2: 512 latent values + 64 rope values -> 656 bytes.
 DEEPSEEK_RECORD_BYTES = 656
+# A cache of records is a byte tensor; a cache of values (bf16, fp16, fp32 or
+# float8_e4m3fn) never is: the dtype alone tells the two kinds apart.
+DTYPE = torch.uint8
+
+
+def holds_records(kv_cache: torch.Tensor) -> bool:
+    """Whether `kv_cache` is an fp8_ds_mla cache (uint8 records) rather than a cache of
+    values: the one test of the format for code that takes either kind (fakes, references
+    and kernels alike; an op's input check then holds the record layout)."""
+    return kv_cache.dtype == DTYPE
 
 
 def record_bytes(kv_lora_rank: int, rope_dim: int) -> int:
@@ -54,7 +64,7 @@ def is_fp8_ds_mla(kv_cache: torch.Tensor, kv_lora_rank: int, head_dim: int) -> b
     uint8 with `record_bytes(R, P)` bytes per token."""
     rope = head_dim - kv_lora_rank
     return (
-        kv_cache.dtype == torch.uint8
+        holds_records(kv_cache)
         and layout_supported(kv_lora_rank, rope)
         and kv_cache.shape[-1] == record_bytes(kv_lora_rank, rope)
     )
@@ -95,6 +105,6 @@ def dequantize_records(records: torch.Tensor, kv_lora_rank: int) -> torch.Tensor
 
 
 __all__ = [
-    "DEEPSEEK_RECORD_BYTES", "TILE", "record_bytes", "layout_supported", "is_fp8_ds_mla", "tile_scales",
-    "quantize_records", "dequantize_records",
+    "DEEPSEEK_RECORD_BYTES", "DTYPE", "TILE", "record_bytes", "layout_supported", "holds_records", "is_fp8_ds_mla",
+    "tile_scales", "quantize_records", "dequantize_records",
 ]

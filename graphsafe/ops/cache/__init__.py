@@ -7,7 +7,8 @@ from typing import Optional
 from torch import Tensor
 
 from graphsafe.ops.cache import fake as fakes
-from graphsafe.registry import Backend, register_op
+from graphsafe.ops.cache import reference, triton
+from graphsafe.registry import register_op
 
 
 @register_op(
@@ -16,10 +17,7 @@ from graphsafe.registry import Backend, register_op
     check=fakes.check_concat_and_cache_mla,
     mutates_args=("kv_cache",),
     family="cache",
-    backends={
-        "reference": "graphsafe.ops.cache.reference:concat_and_cache_mla",
-        "triton": Backend(prepare="graphsafe.ops.cache.triton:prepare_concat_and_cache_mla"),
-    },
+    backends=(reference.CONCAT_AND_CACHE_MLA, triton.CONCAT_AND_CACHE_MLA),
     debug_check="graphsafe.ops.cache.debug:debug_check_concat_and_cache_mla",
 )
 def concat_and_cache_mla(
@@ -96,10 +94,7 @@ def concat_and_cache_mla(
     check=fakes.check_reshape_and_cache,
     mutates_args=("key_cache", "value_cache"),
     family="cache",
-    backends={
-        "reference": "graphsafe.ops.cache.reference:reshape_and_cache",
-        "triton": Backend(prepare="graphsafe.ops.cache.triton:prepare_reshape_and_cache"),
-    },
+    backends=(reference.RESHAPE_AND_CACHE, triton.RESHAPE_AND_CACHE),
     debug_check="graphsafe.ops.cache.debug:debug_check_reshape_and_cache",
 )
 def reshape_and_cache(

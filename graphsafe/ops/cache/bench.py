@@ -59,22 +59,3 @@ def reshape_and_cache(device: torch.device, shapes: tuple):
             note="bytes count the live tokens only (about a quarter of the drawn slots are padding, -1)",
         )
 
-
-# (rows N, width W)
-@bench_case("build_ragged_indices_from_dense", Shapes(
-    default=((8192, 2048),),
-    full=((64, 2048), (8192, 2048)),
-    cpu=((64, 256),),
-))
-def build_ragged_indices_from_dense(device: torch.device, shapes: tuple):
-    spec, case = get_op("build_ragged_indices_from_dense"), case_for("build_ragged_indices_from_dense")
-    for n, w in shapes:
-        args = case.inputs({"N": n, "W": w, "num_rows": 100_000}, device, seed=0)
-        indices, lengths, _ = args
-        yield Problem(
-            case=spec.name,
-            shape=f"N={n} W={w}",
-            impls=op_peers(spec, args, device),
-            # read indices + lengths, write flat + indptr
-            bytes=nbytes(indices, lengths) + n * w * 4 + (n + 1) * 4,
-        )

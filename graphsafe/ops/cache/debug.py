@@ -19,11 +19,11 @@ def _check_slots(op: str, cache: torch.Tensor, slot_mapping: torch.Tensor) -> No
     values_distinct(op, "slot_mapping", slot_mapping, "cache slots")
 
 
-def debug_check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
+def debug_check_concat_and_cache_mla(call) -> None:
     """Every slot in `[0, num_blocks * block_size)` or -1; the slots >= 0 distinct."""
-    _check_slots("concat_and_cache_mla", kv_cache, slot_mapping)
+    _check_slots("concat_and_cache_mla", call.kv_cache, call.slot_mapping)
 
 
-def debug_check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+def debug_check_reshape_and_cache(call) -> None:
     """Every slot in `[0, num_blocks * block_size)` or -1; the slots >= 0 distinct."""
-    _check_slots("reshape_and_cache", key_cache, slot_mapping)
+    _check_slots("reshape_and_cache", call.key_cache, call.slot_mapping)

@@ -9,18 +9,11 @@ from graphsafe.formats import fp8_ds_mla
 
 SLOT_DTYPES = (torch.int64, torch.int32)
 CACHE_FP8 = torch.float8_e4m3fn
-# A uint8 cache of concat_and_cache_mla is an fp8_ds_mla cache (graphsafe.formats.fp8_ds_mla).
-CACHE_DS_MLA = torch.uint8
 
 
-def check_concat_and_cache_mla(
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    scale: torch.Tensor | None = None,
-) -> None:
+def check_concat_and_cache_mla(call) -> None:
     op = "concat_and_cache_mla"
+    kv_c, k_pe, kv_cache, slot_mapping, scale = call
     c.tensor(op, "kv_c", kv_c, dtypes=c.FLOAT_DTYPES, ndim=2)
     dev = kv_c.device
     t, r = kv_c.shape
@@ -28,8 +21,9 @@ def check_concat_and_cache_mla(
     c.same_dtype(op, "k_pe", k_pe, "kv_c", kv_c)
     c.shape(op, "k_pe", k_pe, (t, None), "[T, P]")
     p = k_pe.shape[1]
-    c.tensor(op, "kv_cache", kv_cache, dtypes=(kv_c.dtype, CACHE_FP8, CACHE_DS_MLA), ndim=3, device=dev)
-    if kv_cache.dtype == CACHE_DS_MLA:
+    # A uint8 cache is an fp8_ds_mla cache (graphsafe.formats.fp8_ds_mla).
+    c.tensor(op, "kv_cache", kv_cache, dtypes=(kv_c.dtype, CACHE_FP8, fp8_ds_mla.DTYPE), ndim=3, device=dev)
+    if fp8_ds_mla.holds_records(kv_cache):
         _check_ds_mla_layout(op, kv_c, k_pe, kv_cache, scale)
     else:
         c.shape(op, "kv_cache", kv_cache, (None, None, r + p), "[num_blocks, block_size, R + P]")
@@ -57,20 +51,13 @@ def _check_ds_mla_layout(op: str, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cac
                if isinstance(scale, torch.Tensor) else type(scale).__name__)
 
 
-def fake_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
-    check_concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale)
+def fake_concat_and_cache_mla(call) -> None:
+    check_concat_and_cache_mla(call)
 
 
-def check_reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+def check_reshape_and_cache(call) -> None:
     op = "reshape_and_cache"
+    key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale = call
     c.tensor(op, "key", key, dtypes=c.FLOAT_DTYPES, ndim=3)
     dev = key.device
     t, hk, d = key.shape
@@ -91,5 +78,5 @@ def check_reshape_and_cache(
     c.fp8_cache_scale(op, "v_scale", v_scale, value_cache, dev, "when 'value_cache' is float8_e4m3fn")
 
 
-def fake_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+def fake_reshape_and_cache(call) -> None:
+    check_reshape_and_cache(call)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.formats import fp8_ds_mla as ds_mla
+from graphsafe.registry import Backend
 
 FP8_MAX = 448.0
 
@@ -51,7 +52,7 @@ def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) 
 
 
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None:
-    if kv_cache.dtype == torch.uint8:
+    if ds_mla.holds_records(kv_cache):
         # fp8_ds_mla (the input check holds the layout). Every token is quantised, the
         # skipped ones too (no data-dependent shapes): records are independent rows and
         # scatter_tokens drops the skipped ones, so a skipped row never reaches the cache.
@@ -64,3 +65,8 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, scale=None) -> None
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     scatter_tokens(key_cache, slot_mapping, _to_cache(key, key_cache, k_scale))
     scatter_tokens(value_cache, slot_mapping, _to_cache(value, value_cache, v_scale))
+
+
+# -- the records --------------------------------------------------------------------
+CONCAT_AND_CACHE_MLA = Backend(name="reference", impl=concat_and_cache_mla)
+RESHAPE_AND_CACHE = Backend(name="reference", impl=reshape_and_cache)

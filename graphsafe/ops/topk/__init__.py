@@ -21,22 +21,18 @@ Shared contract of both ops:
 * No host sync and no data-dependent shapes: the ops capture into CUDA graphs, and the
   backends take their scratch from the workspace manager (worst case:
   `spec.workspace_bytes(num_rows=..., width=..., topk=...)`).
-* Each backend's `prepare` fixes a call signature's plan (one launch or two) and binds
-  its kernels once; a call then takes its scratch and launches.
+* Each backend's `prepare` fixes a call signature's plan once (`plan.py`: one launch or
+  two, the geometry, the scratch) and binds its kernels; a call then takes its scratch
+  and launches.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from graphsafe.ops.topk import aiter, reference, triton
 from graphsafe.ops.topk import fake as fakes
-from graphsafe.ops.topk.plan import (
-    aiter_workspace_specs,
-    aiter_workspace_specs_decode,
-    workspace_specs,
-    workspace_specs_decode,
-)
-from graphsafe.registry import Backend, register_op
+from graphsafe.registry import register_op
 
 
 @register_op(
@@ -45,19 +41,7 @@ from graphsafe.registry import Backend, register_op
     check=fakes.check_top_k_per_row_prefill,
     mutates_args=("indices",),
     family="topk",
-    backends={
-        "reference": "graphsafe.ops.topk.reference:top_k_per_row_prefill",
-        "triton": Backend(
-            impl="graphsafe.ops.topk.triton:top_k_per_row_prefill",
-            prepare="graphsafe.ops.topk.triton:prepare_top_k_per_row_prefill",
-            workspace=workspace_specs,
-        ),
-        "aiter": Backend(
-            prepare="graphsafe.ops.topk.aiter:prepare_top_k_per_row_prefill",
-            supports="graphsafe.ops.topk.aiter:supports_top_k_per_row_prefill",
-            workspace=aiter_workspace_specs,
-        ),
-    },
+    backends=(reference.TOP_K_PER_ROW_PREFILL, triton.TOP_K_PER_ROW_PREFILL, aiter.TOP_K_PER_ROW_PREFILL),
     debug_check="graphsafe.ops.topk.debug:debug_check_top_k_per_row_prefill",
 )
 def top_k_per_row_prefill(logits: Tensor, row_starts: Tensor, row_ends: Tensor, indices: Tensor, topk: int) -> None:
@@ -92,19 +76,7 @@ def top_k_per_row_prefill(logits: Tensor, row_starts: Tensor, row_ends: Tensor, 
     check=fakes.check_top_k_per_row_decode,
     mutates_args=("indices",),
     family="topk",
-    backends={
-        "reference": "graphsafe.ops.topk.reference:top_k_per_row_decode",
-        "triton": Backend(
-            impl="graphsafe.ops.topk.triton:top_k_per_row_decode",
-            prepare="graphsafe.ops.topk.triton:prepare_top_k_per_row_decode",
-            workspace=workspace_specs_decode,
-        ),
-        "aiter": Backend(
-            prepare="graphsafe.ops.topk.aiter:prepare_top_k_per_row_decode",
-            supports="graphsafe.ops.topk.aiter:supports_top_k_per_row_decode",
-            workspace=aiter_workspace_specs_decode,
-        ),
-    },
+    backends=(reference.TOP_K_PER_ROW_DECODE, triton.TOP_K_PER_ROW_DECODE, aiter.TOP_K_PER_ROW_DECODE),
     debug_check="graphsafe.ops.topk.debug:debug_check_top_k_per_row_decode",
 )
 def top_k_per_row_decode(logits: Tensor, next_n: int, seq_lens: Tensor, indices: Tensor, topk: int) -> None:

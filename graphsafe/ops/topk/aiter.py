@@ -34,9 +34,10 @@ the graph pool serves it). Our own scratch (clipped bounds, row ends, the dense 
 comes from the workspace manager.
 The records' `supports` predicates (`supports_*`) hand what aiter cannot serve (another
 architecture, non-float32 logits, a `topk` other than 2048 on an aiter without `k`, a
-prefill without `stable`, empty shapes) to the Triton backend, which runs on ROCm too:
-decided once per call signature. `prepare_*` bind a runner to a signature; the two small
-Triton kernels around the aiter call come from `triton_external`.
+prefill without `stable`, empty shapes), with the reason, to the Triton backend, which
+runs on ROCm too: decided once per call signature. `prepare_*` bind a runner to a signature
+(`plan.choose_aiter_*`: aiter writes `indices` directly or into scratch); the two small
+Triton kernels around the aiter call (kernels/triton_external.py) are imported there.
 """
 
 from __future__ import annotations
@@ -46,9 +47,16 @@ import inspect
 
 import torch
 
-from graphsafe import aiter_support
-from graphsafe.ops.topk.plan import aiter_workspace_specs, aiter_workspace_specs_decode
-from graphsafe.ops.topk.triton_external import bind_decode_row_ends, bind_finish_external
+from graphsafe import aiter_support, device_info
+from graphsafe.launch import bind
+from graphsafe.ops.topk.plan import (
+    aiter_workspace_specs,
+    aiter_workspace_specs_decode,
+    choose_aiter_top_k_per_row_decode,
+    choose_aiter_top_k_per_row_prefill,
+    pow2,
+)
+from graphsafe.registry import SUPPORTED, Backend, Support, declined
 from graphsafe.workspace import current_workspace_manager
 
 
@@ -67,60 +75,109 @@ def _entry(name: str):
     return fn, params
 
 
-def _usable(name: str, topk: int, needs: tuple[str, ...] = ()):
-    """(aiter function, accepts k) when this aiter serves `topk` and takes `needs`."""
-    entry = _entry(name)
-    if entry is None:
-        return None
-    fn, params = entry
-    takes_k = "k" in params
-    if (not takes_k and topk != 2048) or not all(p in params for p in needs):
-        return None
-    return fn, takes_k
-
-
 # Prefill needs `stable` (the one-block kernel, see the module docstring).
 _NEEDS = {"top_k_per_row_prefill": ("stable",), "top_k_per_row_decode": ()}
 
 
-def _served(name: str, logits, topk: int) -> bool:
+def _unusable(name: str, topk: int) -> str:
+    """Why this aiter's `name` cannot serve `topk` ("" when it can)."""
+    entry = _entry(name)
+    if entry is None:
+        return f"this aiter has no aiter.{name}"
+    fn, params = entry
+    missing = [p for p in _NEEDS[name] if p not in params]
+    if missing:
+        return (f"this aiter's {name} takes no {', '.join(repr(p) for p in missing)} argument "
+                "(needed for its one-block kernel, see graphsafe/ops/topk/aiter.py): update aiter")
+    if "k" not in params and topk != 2048:
+        return f"this aiter's {name} takes no `k` (its kernels are built for topk = 2048); got topk = {topk}"
+    return ""
+
+
+def _served(name: str, logits, topk: int) -> Support:
     rows, width = logits.shape
+    if not aiter_support.serves(name, logits.device):
+        archs = "/".join(aiter_support.CAPABILITIES[name].archs)
+        here = device_info.rocm_arch(logits.device) or f"{logits.device.type}, not a ROCm GPU"
+        return declined(f"aiter serves {name} on {archs} only (graphsafe.aiter_support); this device is {here}")
     # aiter reads the logits as float* (no dtype check in its host code) and takes
     # stride0 as the row length and pitch (a [1, N] view may carry any row stride).
-    return (aiter_support.serves(name, logits.device) and logits.dtype == torch.float32
-            and rows > 0 and width > 0 and logits.stride(0) >= width and topk > 0
-            and _usable(name, topk, _NEEDS[name]) is not None)
+    if logits.dtype != torch.float32:
+        return declined(f"aiter reads float32 logits only; got {logits.dtype}")
+    if rows == 0 or width == 0:
+        return declined(f"aiter needs at least one row and one column; logits has shape {list(logits.shape)}")
+    if logits.stride(0) < width:
+        return declined(f"aiter takes logits.stride(0) as the row pitch, which must be >= the width {width}; "
+                        f"got {logits.stride(0)}")
+    if topk <= 0:
+        return declined(f"aiter needs topk >= 1; got topk = {topk}")
+    why = _unusable(name, topk)
+    return declined(why) if why else SUPPORTED
 
 
-def supports_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk) -> bool:
-    """Whether aiter serves this call signature (else the Triton backend does)."""
-    return _served("top_k_per_row_prefill", logits, topk)
+def supports_top_k_per_row_prefill(call) -> Support:
+    """Whether aiter serves this call signature (else the Triton backend does), and why not."""
+    return _served("top_k_per_row_prefill", call.logits, call.topk)
 
 
-def supports_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk) -> bool:
-    """Whether aiter serves this call signature (else the Triton backend does)."""
-    return _served("top_k_per_row_decode", logits, topk)
+def supports_top_k_per_row_decode(call) -> Support:
+    """Whether aiter serves this call signature (else the Triton backend does), and why not."""
+    return _served("top_k_per_row_decode", call.logits, call.topk)
 
 
 def _entry_of(name: str, topk: int):
-    """The usable entry; prepare runs only where `supports` said yes."""
-    entry = _usable(name, topk, _NEEDS[name])
-    if entry is None:
-        raise NotImplementedError(f"{name}: this aiter does not serve topk={topk} (see supports_{name})")
-    return entry
+    """(aiter function, takes `k`); prepare runs only where `supports` said yes."""
+    why = _unusable(name, topk)
+    if why:
+        raise NotImplementedError(f"{name}: {why} (see supports_{name})")
+    fn, params = _entry(name)
+    return fn, "k" in params
 
 
-def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk):
-    fn, takes_k = _entry_of("top_k_per_row_prefill", topk)
+def _nothing(*tensors) -> None:
+    return None
+
+
+def _bind_finish_external(indices, src_stride: int, topk: int, localize: bool):
+    """`launch(src, indices, shift)`: indices[:, :topk] <- src (minus shift[r] where >= 0
+    when `localize`), -1 after. `src` rows lie `src_stride` apart; without `localize`
+    `shift` is not read (pass any tensor of the device). `indices` is a placeholder here
+    (its shape and row stride are read)."""
+    from graphsafe.ops.topk.kernels.triton_external import _finish_external_kernel
+
+    rows, cols = indices.shape
+    if rows == 0 or cols == 0:
+        return _nothing
+    blk = min(1024, pow2(cols))
+    return bind(
+        _finish_external_kernel, (rows, -(-cols // blk)),
+        indices, src_stride, indices, indices.stride(0), indices, topk, cols,
+        LOCALIZE=localize, BLOCK=blk,
+    )
+
+
+def _bind_decode_row_ends(seq_lens, rows: int, next_n: int, width: int):
+    """`launch(seq_lens, ends)`: ends[r] = max(clamp(seq_lens[r // next_n], 0, width) - next_n
+    + r % next_n + 1, 0) for r < rows (`seq_lens` is a placeholder here)."""
+    from graphsafe.ops.topk.kernels.triton_external import _decode_row_ends_kernel
+
+    if rows == 0:
+        return _nothing
+    return bind(_decode_row_ends_kernel, (-(-rows // 1024),), seq_lens, seq_lens, rows, next_n, width, BLOCK=1024)
+
+
+def prepare_top_k_per_row_prefill(call):
+    fn, takes_k = _entry_of("top_k_per_row_prefill", call.topk)
+    logits, indices, topk = call.logits, call.indices, call.topk
     rows, width = logits.shape
     # aiter writes a contiguous [rows, topk] block: into indices when it is one.
-    direct = indices.shape[1] == topk and indices.is_contiguous()
-    specs = tuple(aiter_workspace_specs(rows, width, topk)[: 2 if direct else 3])
+    choice = choose_aiter_top_k_per_row_prefill(call)
+    direct, specs = choice.direct, choice.scratch
     device, owner = logits.device, "top_k_per_row_prefill"
     stride0, stride1 = logits.stride()
     kwargs = {"k": topk} if takes_k else {}
     # Absolute columns -> positions relative to the clipped row start (the op's origin).
-    finish = bind_finish_external(indices, indices.stride(0) if direct else topk, topk, True)
+    finish = _bind_finish_external(indices, indices.stride(0) if direct else topk, topk, True)
 
     def run(logits, row_starts, row_ends, indices, topk) -> None:
         views = current_workspace_manager(device).get_simultaneous(*specs, owner=owner)
@@ -135,17 +192,18 @@ def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk):
     return run
 
 
-def prepare_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk):
-    fn, takes_k = _entry_of("top_k_per_row_decode", topk)
+def prepare_top_k_per_row_decode(call):
+    fn, takes_k = _entry_of("top_k_per_row_decode", call.topk)
+    logits, indices, topk, next_n = call.logits, call.indices, call.topk, call.next_n
     rows, width = logits.shape
-    direct = indices.shape[1] == topk and indices.is_contiguous()
-    specs = tuple(aiter_workspace_specs_decode(rows, width, topk)[: 1 if direct else 2])
+    choice = choose_aiter_top_k_per_row_decode(call)
+    direct, specs = choice.direct, choice.scratch
     device, owner = logits.device, "top_k_per_row_decode"
     stride0, stride1 = logits.stride()
     kwargs = {"k": topk} if takes_k else {}
-    row_ends = bind_decode_row_ends(seq_lens, rows, next_n, width)
+    row_ends = _bind_decode_row_ends(call.seq_lens, rows, next_n, width)
     # Only the copy into a wider or strided indices (decode positions are absolute already).
-    finish = None if direct else bind_finish_external(indices, topk, topk, False)
+    finish = None if direct else _bind_finish_external(indices, topk, topk, False)
 
     def run(logits, next_n, seq_lens, indices, topk) -> None:
         views = current_workspace_manager(device).get_simultaneous(*specs, owner=owner)
@@ -157,3 +215,14 @@ def prepare_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk):
             finish(dst, indices, indices)
 
     return run
+
+
+# -- the records --------------------------------------------------------------------
+TOP_K_PER_ROW_PREFILL = Backend(
+    name="aiter", prepare=prepare_top_k_per_row_prefill, supports=supports_top_k_per_row_prefill,
+    workspace=aiter_workspace_specs,
+)
+TOP_K_PER_ROW_DECODE = Backend(
+    name="aiter", prepare=prepare_top_k_per_row_decode, supports=supports_top_k_per_row_decode,
+    workspace=aiter_workspace_specs_decode,
+)

@@ -188,6 +188,14 @@ def _nonfinite(params: Params, args, gen: torch.Generator):
     return (out, *args[1:])
 
 
+def _workspace_args(params: Params, args):
+    """`OpCase.workspace_args`: the reservation from shapes (`spec.workspace_specs(num_rows=,
+    width=, topk=)`, what the indexer composites reserve)."""
+    logits, topk = args[0], args[4]
+    rows, width = logits.shape
+    return (), {"num_rows": rows, "width": width, "topk": topk}
+
+
 # -- inputs -------------------------------------------------------------------------
 def make_logits(rows: int, width: int, mode: str, device, gen, strided: bool = False) -> torch.Tensor:
     """Random logits; `mode` in VALUE_MODES (ties from a small value set, -inf sprinkled in)."""
@@ -291,6 +299,7 @@ register_case(
         nonfinite=_nonfinite,
         # The comparison ranks by the float bits: NaN and +-inf compare exactly as they are.
         compare_nonfinite=compare_prefill,
+        workspace_args=_workspace_args,
         edge_cases=(
             {**EXAMPLE_PREFILL, "M": 0},
             {**EXAMPLE_PREFILL, "N": 0},
@@ -381,6 +390,7 @@ register_case(
         out_of_range=_decode_out_of_range,
         nonfinite=_nonfinite,
         compare_nonfinite=compare_decode,
+        workspace_args=_workspace_args,
         edge_cases=(
             {**EXAMPLE_DECODE, "B": 0},
             {**EXAMPLE_DECODE, "L": 0},
@@ -405,7 +415,7 @@ register_case(
 
 def rowwise_outcomes(meta) -> list[tuple[int, int]]:
     """(passes, outcome) of each row of the one-program-a-row decode kernel
-    (triton_rowwise.py), from the state it leaves in `meta`: outcome 1 = its regions
+    (kernels/triton_rowwise.py), from the state it leaves in `meta`: outcome 1 = its regions
     held a valid top-k (selected from them), 0 = too few entries, 2 = a region overflowed
     (the row is then selected exactly). Rows with at most topk valid entries keep
     whatever `meta` held: (-1, -1) when the caller filled it with -1."""

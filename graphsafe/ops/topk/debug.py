@@ -15,13 +15,13 @@ def _in_row(op: str, arg: str, values, width: int, what: str) -> None:
     values_at_most(op, arg, values, width, f"logits.shape[1]: {what} past the row would be clamped")
 
 
-def debug_check_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk) -> None:
+def debug_check_top_k_per_row_prefill(call) -> None:
     """`row_starts` and `row_ends` in `[0, N]` (an end below its start is allowed: an empty row)."""
-    op, width = "top_k_per_row_prefill", logits.shape[1]
-    _in_row(op, "row_starts", row_starts, width, "a column")
-    _in_row(op, "row_ends", row_ends, width, "a column")
+    op, width = "top_k_per_row_prefill", call.logits.shape[1]
+    _in_row(op, "row_starts", call.row_starts, width, "a column")
+    _in_row(op, "row_ends", call.row_ends, width, "a column")
 
 
-def debug_check_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk) -> None:
+def debug_check_top_k_per_row_decode(call) -> None:
     """`seq_lens` in `[0, L]`."""
-    _in_row("top_k_per_row_decode", "seq_lens", seq_lens, logits.shape[1], "a context length")
+    _in_row("top_k_per_row_decode", "seq_lens", call.seq_lens, call.logits.shape[1], "a context length")

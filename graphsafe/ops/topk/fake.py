@@ -35,35 +35,25 @@ def _check_row_vector(op: str, arg: str, t: torch.Tensor, rows, device: torch.de
     c.contiguous(op, arg, t)
 
 
-def check_top_k_per_row_prefill(
-    logits: torch.Tensor,
-    row_starts: torch.Tensor,
-    row_ends: torch.Tensor,
-    indices: torch.Tensor,
-    topk: int,
-) -> None:
+def check_top_k_per_row_prefill(call) -> None:
     op = "top_k_per_row_prefill"
+    logits, indices = call.logits, call.indices
     _check_logits(op, logits)
     dev = logits.device
     m = logits.shape[0]
-    _check_row_vector(op, "row_starts", row_starts, m, dev, "[M]")
-    _check_row_vector(op, "row_ends", row_ends, m, dev, "[M]")
+    _check_row_vector(op, "row_starts", call.row_starts, m, dev, "[M]")
+    _check_row_vector(op, "row_ends", call.row_ends, m, dev, "[M]")
     _check_indices(op, indices, m, dev, "[M, K]")
-    _check_topk(op, topk, indices)
+    _check_topk(op, call.topk, indices)
 
 
-def fake_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk) -> None:
-    check_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk)
+def fake_top_k_per_row_prefill(call) -> None:
+    check_top_k_per_row_prefill(call)
 
 
-def check_top_k_per_row_decode(
-    logits: torch.Tensor,
-    next_n: int,
-    seq_lens: torch.Tensor,
-    indices: torch.Tensor,
-    topk: int,
-) -> None:
+def check_top_k_per_row_decode(call) -> None:
     op = "top_k_per_row_decode"
+    logits, next_n, seq_lens, indices = call.logits, call.next_n, call.seq_lens, call.indices
     _check_logits(op, logits)
     dev = logits.device
     if next_n < 1:
@@ -77,8 +67,8 @@ def check_top_k_per_row_decode(
             f"shape {list(logits.shape)}",
         )
     _check_indices(op, indices, rows, dev, "[B * next_n, K]")
-    _check_topk(op, topk, indices)
+    _check_topk(op, call.topk, indices)
 
 
-def fake_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk) -> None:
-    check_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk)
+def fake_top_k_per_row_decode(call) -> None:
+    check_top_k_per_row_decode(call)

@@ -1,7 +1,18 @@
-"""Launch geometry and scratch sizes of the Triton top-k, and the aiter adapter's
-scratch, from shapes only (no triton import: the registry reads each backend's worst
-case through `workspace_specs*` without loading a backend). See triton.py for the
-algorithm these numbers serve.
+"""The top-k decision, made once per call signature: `choose_top_k_per_row_prefill(call)`
+and `choose_top_k_per_row_decode(call)` -> `TopkChoice` (which Triton kernel runs: none,
+a fill of -1, the one-launch row-wise decode kernel or the two-launch bound + final
+plan; its geometry, warps and block sizes; the scratch it takes), and the aiter adapter's
+(`choose_aiter_*` -> `AiterTopkChoice`: whether aiter writes `indices` directly, its
+scratch).
+
+The worst-case workspace of a call from shapes (`workspace_specs*`, the backends'
+records) is the largest scratch over the same candidates `choose` picks from (every
+row count's two-launch plan, and for decode the one-launch kernel), and a choice takes
+exactly that worst case from the workspace: sizing and launch cannot disagree.
+
+Pure Python, no triton import (the registry reads the worst case without loading a
+backend's kernels). kernels/triton_two_launch.py and kernels/triton_rowwise.py describe
+the algorithms these numbers serve.
 """
 
 from __future__ import annotations
@@ -42,12 +53,14 @@ MARGIN = 12.0
 MIN_SHARE = 512
 # Per-row state of a bound program: [bound key bits, #(key > bound), #(key == bound), pad].
 NMETA = 4
+# Block of the looped paths (radix rounds over a list or a row, the short-row writes).
+LBLOCK = 1024
 
 
-# -- the one-launch decode kernel (triton_rowwise.py) --------------------------------
+# -- the one-launch decode kernel (kernels/triton_rowwise.py) ------------------------
 @dataclass(frozen=True)
 class RowwisePlan:
-    """Geometry of the one-program-a-row decode kernel (triton_rowwise.py)."""
+    """Geometry of the one-program-a-row decode kernel (kernels/triton_rowwise.py)."""
 
     z: float = 4.0  # the bound sits Z sigma (+2 samples) past the expected rank
     # The second pass's, after too few entries were kept: further out, not so far that
@@ -88,10 +101,17 @@ def rowwise_plan(width: int) -> RowwisePlan:
     return ROWWISE_NARROW if width <= ROWWISE_NARROW_WIDTH else ROWWISE
 
 
+def rowwise_serves(topk: int) -> bool:
+    """Whether the one-launch kernel serves this topk at some row count: up to half the
+    regions' slots."""
+    return 0 < topk <= ROWWISE.slots // 2
+
+
 def rowwise_applies(rows: int, width: int, topk: int) -> bool:
     """Decode only (its scratch a row is larger than the two-launch plan's, and prefill
-    calls have many rows). topk up to half the regions' slots."""
-    return (rows >= ROWWISE_MIN_ROWS or width <= ROWWISE_ANY_ROWS_WIDTH) and 0 < topk <= ROWWISE.slots // 2
+    calls have many rows): from ROWWISE_MIN_ROWS rows, or any rows up to
+    ROWWISE_ANY_ROWS_WIDTH wide."""
+    return (rows >= ROWWISE_MIN_ROWS or width <= ROWWISE_ANY_ROWS_WIDTH) and rowwise_serves(topk)
 
 
 def pow2(n: int) -> int:
@@ -117,8 +137,11 @@ def slack(kc: int) -> int:
     return kc // 16 + 1
 
 
+# -- the two-launch plan (kernels/triton_two_launch.py) ------------------------------
 @dataclass(frozen=True)
 class Plan:
+    """Geometry of the two-launch plan: P1 bound programs a row, then one final program."""
+
     p1: int  # bound programs per row
     g: int  # strided columns of a row (G); program c owns the SEGW-granules g with g % p1 == c
     bj: int  # columns per program (g // p1)
@@ -177,11 +200,11 @@ def _p1_range(width: int, topk: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def choose(
+def two_launch_plan(
     rows: int, width: int, topk: int, p1: int | None = None, reg: int | None = None,
     margin: float = MARGIN, max_slots: int = MAX_SLOTS,
 ) -> Plan:
-    """The plan of one call; `p1`/`reg`/`margin`/`max_slots` override it (tests)."""
+    """The two-launch plan of `rows` rows; `p1`/`reg`/`margin`/`max_slots` override it (tests)."""
     if p1 is None:
         p1_min, p1_max = _p1_range(width, topk)
         p1 = max(p1_min, min(p1_max, pow2(-(-TARGET_PROGRAMS // max(rows, 1)))))
@@ -191,18 +214,52 @@ def choose(
     return Plan(p1=p1, g=g, bj=bj, dp=dp, reg=reg, margin=float(margin), max_slots=max_slots)
 
 
+def search_columns(n: int, warps: int) -> int:
+    """Columns of `_radix_search`'s [n / SC, SC] view: one a thread (its rows then lie in
+    the thread's registers), and few enough that a column holds at most 255 keys."""
+    sc = min(n, 32 * warps)
+    while n // sc > 255:
+        sc *= 2
+    return sc
+
+
+def bound_warps(plan: Plan) -> int:
+    """64 of the tile's entries a thread (they stay in registers from load to store):
+    8 warps for a [4, 4096] tile. On an H200, 16 warps of 32 entries ran 1.1-1.6x
+    slower. (Smaller tiles, i.e. more programs a row, shorten this launch but add
+    candidates, and the final selection then takes longer: TARGET_PROGRAMS.)"""
+    return max(1, min(16, plan.tile // 2048))
+
+
+def final_warps(plan: Plan) -> int:
+    """8 warps for the 4K-8K candidate slots of 32K-128K-wide decode rows (16 a thread at
+    8K): on an H200, 4, 16 or 32 warps took 1.05-1.75x as long."""
+    return max(1, min(8, min(plan.cap, plan.max_slots) // 512))
+
+
+# -- the decision -------------------------------------------------------------------
 @functools.lru_cache(maxsize=256)
-def _row_need(width: int, topk: int) -> tuple[int, int]:
-    """(programs, slots) per row that any row count's plan may use: the worst case."""
+def _candidates(width: int, topk: int, decode: bool) -> tuple[tuple[int, int], ...]:
+    """(programs, slots) a row of every kernel configuration `choose` may pick for rows
+    `width` wide, whatever the row count: the two-launch plan at each program count P1 in
+    its range, and for decode the one-launch kernel's plan."""
     p1_min, p1_max = _p1_range(width, topk)
-    p1s, caps = [], []
+    need = []
     p1 = p1_min
     while p1 <= p1_max:
-        plan = choose(1, width, topk, p1=p1)
-        p1s.append(plan.p1)
-        caps.append(plan.cap)
+        plan = two_launch_plan(1, width, topk, p1=p1)
+        need.append((plan.p1, plan.cap))
         p1 *= 2
-    return max(p1s), max(caps)
+    if decode and rowwise_serves(topk):
+        cfg = rowwise_plan(width)
+        need.append((cfg.warps, cfg.slots))
+    return tuple(need)
+
+
+def row_need(width: int, topk: int, decode: bool) -> tuple[int, int]:
+    """(programs, slots) a row that covers every candidate: the worst case."""
+    need = _candidates(width, topk, decode)
+    return max(p for p, _ in need), max(s for _, s in need)
 
 
 def specs(rows: int, p1: int, cap: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -211,25 +268,120 @@ def specs(rows: int, p1: int, cap: int) -> list[tuple[tuple[int, ...], torch.dty
     return [((rows, max(p1, 1), NMETA), torch.int32), ((rows, max(cap, 1)), torch.int64)]
 
 
-def workspace_specs_decode(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Decode's worst case: the two-launch plans' or the one-launch kernel's, whichever
-    is larger a row (the same for every row count, so the bytes grow linearly with rows)."""
-    specs_ = workspace_specs(num_rows, width, topk)
-    if num_rows <= 0 or not rowwise_applies(max(num_rows, ROWWISE_MIN_ROWS), width, topk):
-        return specs_
-    (meta_shape, _), (cand_shape, _) = specs_
-    return specs(num_rows, max(meta_shape[1], ROWWISE.warps), max(cand_shape[1], ROWWISE.slots))
+def scratch_specs(num_rows: int, width: int, topk: int, decode: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Scratch of one call with `num_rows` rows of `width` logits: sized for the largest
+    candidate (`row_need`), so the bytes grow linearly with the rows (the indexer's
+    prefill chunking searches on that), and it is what every call takes."""
+    if num_rows <= 0 or width <= 0 or topk <= 0:
+        return specs(max(num_rows, 0), 1, 1)
+    return specs(num_rows, *row_need(width, topk, decode))
 
 
 def workspace_specs(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Scratch of one call with `num_rows` rows of `width` logits (the worst case is the need).
+    """The Triton backend's worst case of a prefill call (its record's `workspace`)."""
+    return scratch_specs(num_rows, width, topk, False)
 
-    Sized for the largest plan any row count could pick, so the bytes grow linearly with
-    the rows (the indexer's prefill chunking searches on that)."""
-    if num_rows <= 0 or width <= 0 or topk <= 0:
-        return specs(max(num_rows, 0), 1, 1)
-    p1, cap = _row_need(width, topk)
-    return specs(num_rows, p1, cap)
+
+def workspace_specs_decode(num_rows: int, width: int, topk: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The Triton backend's worst case of a decode call: the two-launch plans' or the
+    one-launch kernel's, whichever is larger a row."""
+    return scratch_specs(num_rows, width, topk, True)
+
+
+@dataclass(frozen=True)
+class TopkChoice:
+    """What the Triton backend runs for one call signature.
+
+    `kernel`: "none" (no row, or no column of `indices`: nothing to write), "fill"
+    (topk or the width is 0: -1 everywhere), "rowwise" (decode in one launch, `rowwise`
+    its geometry) or "two_launch" (`plan` its geometry, the launches' warps and search
+    views). `scratch`: the `(meta, cand)` specs it takes from the workspace (None for
+    "none" and "fill"): the signature's worst case (`scratch_specs`), or more when a
+    forced plan needs it (tests)."""
+
+    kernel: str
+    decode: bool
+    rowwise: RowwisePlan | None = None
+    plan: Plan | None = None
+    bound_warps: int = 0
+    final_warps: int = 0
+    bound_columns: int = 0  # `_radix_search`'s view in the bound launch (`search_columns`)
+    final_columns: int = 0  # and in the final one
+    lblock: int = LBLOCK
+    scratch: tuple[tuple[tuple[int, ...], torch.dtype], ...] | None = None
+
+    @property
+    def programs(self) -> int:
+        """Per-program (or per-warp) state records a row."""
+        return self.rowwise.warps if self.rowwise is not None else self.plan.p1
+
+    @property
+    def slots(self) -> int:
+        """Candidate slots a row."""
+        return self.rowwise.slots if self.rowwise is not None else self.plan.cap
+
+
+def _scratch(rows: int, width: int, topk: int, decode: bool, programs: int, slots: int):
+    specs_ = scratch_specs(rows, width, topk, decode)
+    if specs_[0][0][1] < programs or specs_[1][0][1] < slots:
+        specs_ = specs(rows, programs, slots)  # a forced plan larger than any candidate (tests)
+    return tuple(specs_)
+
+
+@functools.lru_cache(maxsize=1024)
+def choose(
+    rows: int, width: int, topk: int, cols: int, decode: bool, rocm: bool = False,
+    p1: int | None = None, reg: int | None = None, margin: float | None = None, max_slots: int | None = None,
+    rowwise: bool | RowwisePlan | None = None,
+) -> TopkChoice:
+    """The choice for `rows` rows of `width` logits into `cols` columns of indices.
+    The keyword overrides force plans and paths (tests and tuning): `p1`/`reg`/`margin`/
+    `max_slots` a two-launch plan, `rowwise` True/False (or a `RowwisePlan`) the one-launch
+    decode kernel in or out."""
+    if rows == 0 or cols == 0:
+        return TopkChoice("none", decode)
+    if topk == 0 or width == 0:
+        return TopkChoice("fill", decode)
+    if rowwise is None:
+        # Not when a two-launch plan is forced, nor on ROCm: the one-launch kernel's
+        # ballots, loads and stores are PTX (its portable path, reshapes and prefix sums,
+        # is for the interpreter and has not run on an AMD GPU).
+        forced = any(v is not None for v in (p1, reg, margin, max_slots))
+        rowwise = not forced and not rocm and rowwise_applies(rows, width, topk)
+    if decode and rowwise:
+        cfg = rowwise if isinstance(rowwise, RowwisePlan) else rowwise_plan(width)
+        return TopkChoice("rowwise", decode, rowwise=cfg,
+                          scratch=_scratch(rows, width, topk, decode, cfg.warps, cfg.slots))
+    plan = two_launch_plan(
+        rows, width, topk, p1=p1, reg=reg,
+        margin=MARGIN if margin is None else float(margin),
+        max_slots=MAX_SLOTS if max_slots is None else int(max_slots),
+    )
+    # Counts of a program's tile and of the final register block are packed in 16 bits.
+    assert plan.tile < 65536 and (not plan.in_registers or plan.cap < 65536), plan
+    bw, fw = bound_warps(plan), final_warps(plan)
+    return TopkChoice(
+        "two_launch", decode, plan=plan, bound_warps=bw, final_warps=fw,
+        bound_columns=search_columns(plan.bj, bw), final_columns=search_columns(plan.cap, fw),
+        lblock=min(LBLOCK, pow2(max(width, plan.cap))),
+        scratch=_scratch(rows, width, topk, decode, plan.p1, plan.cap),
+    )
+
+
+def _on_rocm() -> bool:
+    return torch.version.hip is not None
+
+
+def choose_top_k_per_row_prefill(call, **overrides) -> TopkChoice:
+    """The Triton backend's choice for a `top_k_per_row_prefill` call (overrides: `choose`)."""
+    rows, width = call.logits.shape
+    return choose(rows, width, call.topk, call.indices.shape[1], False, _on_rocm(), **overrides)
+
+
+def choose_top_k_per_row_decode(call, **overrides) -> TopkChoice:
+    """The Triton backend's choice for a `top_k_per_row_decode` call (overrides: `choose`)."""
+    rows, width = call.logits.shape
+    return choose(rows, width, call.topk, call.indices.shape[1], True, _on_rocm(), **overrides)
 
 
 # -- the aiter adapter (aiter.py) ----------------------------------------------------
@@ -246,3 +398,30 @@ def aiter_workspace_specs_decode(num_rows: int, width: int, topk: int) -> list[t
     [rows, topk] block aiter writes when `indices` cannot take it (the worst case)."""
     rows, k = max(int(num_rows), 0), max(int(topk), 0)
     return [((rows,), torch.int32), ((rows, k), torch.int32)]
+
+
+@dataclass(frozen=True)
+class AiterTopkChoice:
+    """What the aiter adapter runs for one call signature. `direct`: aiter's dense
+    `[rows, topk]` block is `indices` itself (contiguous, `topk` columns); else aiter
+    writes into scratch and a small kernel copies it over. `scratch`: the specs it takes
+    from the workspace (the worst case, less the block when direct)."""
+
+    direct: bool
+    scratch: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+def _aiter_direct(indices: torch.Tensor, topk: int) -> bool:
+    return indices.shape[1] == topk and indices.is_contiguous()
+
+
+def choose_aiter_top_k_per_row_prefill(call) -> AiterTopkChoice:
+    rows, width = call.logits.shape
+    direct = _aiter_direct(call.indices, call.topk)
+    return AiterTopkChoice(direct, tuple(aiter_workspace_specs(rows, width, call.topk)[: 2 if direct else 3]))
+
+
+def choose_aiter_top_k_per_row_decode(call) -> AiterTopkChoice:
+    rows, width = call.logits.shape
+    direct = _aiter_direct(call.indices, call.topk)
+    return AiterTopkChoice(direct, tuple(aiter_workspace_specs_decode(rows, width, call.topk)[: 1 if direct else 2]))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from graphsafe.registry import Backend
+
 
 def sortable_keys(logits: torch.Tensor) -> torch.Tensor:
     """int64 keys in [0, 2^32) with key(a) < key(b) iff a < b for non-NaN floats."""
@@ -60,3 +62,8 @@ def top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk) -> None:
 def top_k_per_row_decode(logits, next_n, seq_lens, indices, topk) -> None:
     lo, hi = decode_row_range(seq_lens, next_n, logits.shape[1])
     select_rows(logits, lo, hi, torch.zeros_like(lo), indices, topk)
+
+
+# -- the records --------------------------------------------------------------------
+TOP_K_PER_ROW_PREFILL = Backend(name="reference", impl=top_k_per_row_prefill)
+TOP_K_PER_ROW_DECODE = Backend(name="reference", impl=top_k_per_row_decode)

@@ -1,349 +1,112 @@
-"""Triton backend of the per-row top-k ops: each logit read from HBM once, in two launches
-(prefill, and decode with few wide rows; other decode calls take one: triton_rowwise.py).
+"""Triton backend of the per-row top-k ops: the host side (records, prepare, runners).
 
-Keys are the order-preserving uint32 image of the float bits (`sortable_key`, the same
-order as the reference's `sortable_keys`). A row's valid range is [lo, hi); rows with at
-most `topk` valid entries need no data: their positions are written directly.
-
-Launch 1 (`_bound_kernel`, rows x P1 programs; P1 = 2 at 32K-wide rows, 8 at 128K). View
-the row as G ~ 4*topk strided columns (column j holds positions j, j+G, j+2G, ...).
-Program c of a row owns the 16-entry granules g with g % P1 == c of every G-row: it
-reads whole 64-byte bursts, and all P1 programs see the same mix of the row (a run of
-high scores, e.g. recent tokens, is split evenly among them). A program
-  1. loads its [DP G-rows, BJ columns] tile with every load in flight at once and keeps
-     it in registers as keys (64 a thread), with its BJ column maxima;
-  2. finds a bound w with about kc of its column maxima >= w (`_radix_search`, three
-     bits a round, stopped once kc..kc+kc/16 lie above). kc = mu + 12*sqrt(mu) + 2,
-     where mu = topk * (its entries / the row's entries) is its expected share of the
-     row's top-k (kc = topk when one program owns the row). Each of those columns holds
-     an entry >= w, so the program holds >= kc entries >= w; kc is far enough above mu
-     that the row's k-th largest score is >= w unless the program's share of the top-k
-     is > 12 sigma above its mean (rows of i.i.d. scores), or 3 sigma when scores come
-     in clumps of 16 equal values;
-  3. keeps every entry > w, then the entries == w that still fit, in its own REG slots
-     of the row's candidate list (one int64 a candidate: key << 32 | position), in
-     column order: slots from one scan over per-column counts, no atomics. It records
-     (w, #(> w), #(== w)).
-
-Launch 2 (`_final_kernel`, one program per row) loads the P1 x REG candidate slots and
-finds t, the topk-th largest kept key (the same search over the kept keys >= every
-program's bound, run until exactly topk keys lie above its prefix, or to the last bit). If no program had more entries > w than
-slots and t >= every program's w, the kept entries are a valid top-k: every entry of
-the row > t is > its program's w, so it was kept, and >= topk kept entries are >= t.
-It then writes the kept entries > t and ties == t up to topk. Otherwise (a program's
-share far above its mean, or rows built to defeat the bound, e.g. periodic in G) it
-runs an exact radix select over the row itself: slow, correct. Columns past topk (and
-past the row length) get -1.
-
-Decode takes one launch instead (`plan.rowwise_applies`) unless the rows are few and
-wide: `triton_rowwise._rowwise_kernel`, one program a row (a bound from a sample of the
-row, ballot-placed candidates in per-warp regions, the selection among them in the same
-program). The helpers both plans share (row bounds, the exact select over a row, the
-position writes) live in triton_common.py.
-
-`prepare_top_k_per_row_*` decide the plan of a call signature (one launch or two, the
-geometry, the scratch) and bind its launches once (`graphsafe.launch.bind`); the runner
-they return takes the scratch from the workspace and launches.
-
-Nothing is zeroed and no counter is shared: no memset, no atomic, a deterministic
-result. Scratch (per-program state, candidate regions) comes from the workspace
-manager; launch geometry depends on shapes only, never on sequence lengths, so
-CUDA-graph replays stay valid.
+`prepare_top_k_per_row_*(call)` take the call signature's choice once (`plan.choose_*`:
+nothing to do, a fill of -1, decode in one launch, or the two-launch plan; its geometry
+and scratch) and bind its kernels (`graphsafe.launch.bind`): the one-launch decode kernel
+(kernels/triton_rowwise.py) or the bound and final launches (kernels/triton_two_launch.py);
+those modules' docstrings describe the algorithms. The runner they return takes its
+scratch from the workspace manager (exactly the worst case the records declare) and
+launches. Kernel modules are imported when a signature is first bound, never at import
+time: `import graphsafe` does not import triton.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from graphsafe.launch import bind
 from graphsafe.ops.topk import plan as _plan
-from graphsafe.ops.topk import triton_rowwise
-from graphsafe.ops.topk.plan import NMETA, SEGW, pow2
-from graphsafe.ops.topk.triton_common import (
-    radix_kth,
-    radix_write,
-    row_bounds,
-    select_row,
-    sortable_key,
-    write_positions,
-)
+from graphsafe.ops.topk.plan import NMETA, SEGW, workspace_specs, workspace_specs_decode
+from graphsafe.registry import Backend, get_op
 from graphsafe.workspace import current_workspace_manager
 
-# Block of the looped paths (radix rounds over a list or a row, the short-row writes).
-LBLOCK = 1024
-_NMETA = tl.constexpr(NMETA)  # kernels may only read constexpr globals
+
+# -- binding ------------------------------------------------------------------------
+def vector_loads(logits) -> bool:
+    """Whether the one-launch kernel may read the rows 16 bytes at a time: every row
+    starts 16-byte aligned and holds whole groups of 4 (a group that starts before a
+    row's end then ends inside the row's storage)."""
+    return logits.data_ptr() % 16 == 0 and _whole_groups(logits)
 
 
-@triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+def _whole_groups(logits) -> bool:
+    """The part of `vector_loads` a call signature fixes (the row stride and width)."""
+    return logits.stride(0) % 4 == 0 and logits.shape[1] % 4 == 0
 
 
-@triton.jit
-def _pair(acc, J: tl.constexpr):
-    """Byte fields J and J + 1 of `acc` (a field of 7 bytes) as the two halves of an int32."""
-    lo = ((acc >> (8 * J)) & 255).to(tl.int32)
-    if J + 1 < 7:
-        return lo + (((acc >> (8 * (J + 1))) & 255).to(tl.int32) << 16)
-    else:
-        return lo
+def bind_rowwise(logits, next_n, indices, topk, meta_stride, cand_stride, cfg, until=9):
+    """The whole decode top-k in one launch, one program a row (`_rowwise_kernel`), bound
+    to a call signature: returns `launch(logits, seq_lens, indices, meta, cand)`. Scratch:
+    `meta` int32 [rows, >= cfg.warps, NMETA] (each warp's counts, read by tests), rows
+    `meta_stride` apart, and `cand` int64 [rows, >= cfg.slots] (the warps' regions), rows
+    `cand_stride` apart. `until` < 5 runs a prefix of the kernel (profiles,
+    `_rowwise_kernel`'s UNTIL: the indices it leaves are not valid).
+
+    16-byte loads need a 16-byte aligned logits pointer, which the signature does not
+    fix: where the rows allow them, both variants are bound and each call picks one."""
+    from graphsafe.ops.topk.kernels.triton_rowwise import _rowwise_kernel
+
+    rows, width = logits.shape
+    assert meta_stride >= NMETA * cfg.warps, "meta scratch smaller than the plan"
+    assert cand_stride >= cfg.slots, "candidate scratch smaller than the plan"
+    assert cfg.per_thread % 4 == 0, "a step's 16-byte loads fill groups of 4 registers"
+
+    def bound(vec: bool):
+        # Tensor placeholders (only their device is read): seq_lens, cand, meta.
+        return bind(
+            _rowwise_kernel, (rows,),
+            logits, logits.stride(0), logits, next_n, width, topk, indices, indices.stride(0), indices.shape[1],
+            logits, cand_stride, logits, meta_stride,
+            S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z, E=cfg.per_thread, NW=cfg.warps,
+            CAPW=cfg.slots_per_warp, LBLOCK=1024, VEC=vec,
+            ASM=logits.is_cuda and torch.version.hip is None, UNTIL=until, num_warps=cfg.warps,
+        )
+
+    scalar = bound(False)
+    if not _whole_groups(logits):
+
+        def launch(logits, seq_lens, indices, meta, cand) -> None:
+            scalar(logits, seq_lens, indices, cand, meta)
+
+        return launch
+    vector = bound(True)
+
+    def launch(logits, seq_lens, indices, meta, cand) -> None:
+        (scalar if logits.data_ptr() % 16 else vector)(logits, seq_lens, indices, cand, meta)
+
+    return launch
 
 
-@triton.jit
-def _radix_search(keys, k_lo, k_hi, n_valid, R: tl.constexpr, C: tl.constexpr):
-    """(v, n) with n = #(keys >= v) >= k_lo, searched three bits a round.
+def _bind_two_launch(logits, indices, topk: int, next_n: int, choice: _plan.TopkChoice, strides):
+    """`steps(logits, starts, ends, seq_lens, indices, meta, cand)`: the bound and final
+    launches of `choice.plan`, the scratch rows `strides` apart."""
+    from graphsafe.ops.topk.kernels.triton_two_launch import _bound_kernel, _final_kernel
 
-    `keys` is a 1-D [R * C] uint32 tensor with 0 in the slots that hold no key: every
-    tested bound is at least the smallest real key, so they never count
-    (callers never pass a real key of 0); `n_valid` (< 2^16) counts the others. Stops as
-    soon as n <= k_hi; run to the last bit it returns the largest such v (the k_lo-th
-    largest key). With n_valid <= k_hi it returns v = 1 (at most every key). The search
-    covers [smallest key, largest key] only: rounds ~ log8 of its width.
+    rows, width = logits.shape
+    plan = choice.plan
+    # Tensor placeholders (only their device is read): starts, ends, seq_lens, meta, cand.
+    t = logits
+    common = (logits, logits.stride(0), t, t, t, next_n, width, topk)
+    bound = bind(
+        _bound_kernel, (rows * plan.p1,),
+        *common, t, strides[0], t, strides[1],
+        P1=plan.p1, BJ=plan.bj, DP=plan.dp, REG=plan.reg, SEGW=SEGW, MARGIN=plan.margin, DECODE=choice.decode,
+        SC=choice.bound_columns,
+        num_warps=choice.bound_warps,
+    )
+    final = bind(
+        _final_kernel, (rows,),
+        *common, indices, indices.stride(0), indices.shape[1], t, strides[0], t, strides[1],
+        P1=plan.p1, REG=plan.reg, IN_REGS=plan.in_registers, LBLOCK=choice.lblock,
+        DECODE=choice.decode, SC=choice.final_columns,
+        num_warps=choice.final_warps,
+    )
 
-    A round counts the keys at or above the seven bounds v + j * 2^sh (j = 1..7) at once
-    (why: each round ends in a CTA-wide reduction whose latency, not the arithmetic,
-    bounded the old two-bits-a-round search): a key adds a thermometer code (one in the
-    byte fields 0..d-1 of an int64, d its 3-bit digit) to its column of the [R, C] view;
-    the R <= 255 keys of a column cannot overflow a byte, and the columns' bytes are then
-    summed as int32 halves in one reduction. R runs along each thread's own registers
-    when C is the program's thread count.
-    """
-    tl.static_assert(R <= 255, "a column's count must fit a byte")
-    hi = tl.max(keys, axis=0)
-    lo = tl.minimum(tl.min(tl.where(keys != 0, keys, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0), hi)
-    # The search walks up from the smallest key: v = lo, and the k_lo-th largest key lies
-    # in [v, v + 8 * 2^sh) while sh >= 0. The first sh: 2^(b+1) > hi - lo, where b is the
-    # highest set bit of hi - lo, from the float exponent (rounding may say one too many:
-    # an extra round, harmless); a multiple of 3, so that the last round ends on bit 0.
-    b = ((((hi - lo).to(tl.float32).to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127)
-    b = tl.minimum(tl.maximum(b, 0), 31)
-    # With n_valid <= k_hi there is nothing to search: v = 1, the smallest real key (a
-    # bound program that keeps all its entries then never raises the row's max_w).
-    v = tl.where(n_valid <= k_hi, 1, lo)
-    n = n_valid
-    sh = (b // 3) * 3
-    ones = tl.full([], 0x01010101010101, tl.int64)  # seven byte fields
-    while (sh >= 0) & (n > k_hi):
-        d = tl.where(keys >= v, tl.minimum((keys - v) >> sh.to(tl.uint32), 7), 0).to(tl.int64)
-        acc = tl.sum(tl.reshape(ones >> (56 - 8 * d), [R, C]), axis=0)
-        c12, c34, c56, c7 = tl.reduce((_pair(acc, 0), _pair(acc, 2), _pair(acc, 4), _pair(acc, 6)), 0, _add4)
-        # c_j = #(keys >= v + j * 2^sh), non-increasing in j: the digit is how many reach k_lo.
-        c1, c2, c3, c4, c5, c6 = c12 & 0xFFFF, c12 >> 16, c34 & 0xFFFF, c34 >> 16, c56 & 0xFFFF, c56 >> 16
-        best = ((c1 >= k_lo).to(tl.int32) + (c2 >= k_lo).to(tl.int32) + (c3 >= k_lo).to(tl.int32)
-                + (c4 >= k_lo).to(tl.int32) + (c5 >= k_lo).to(tl.int32) + (c6 >= k_lo).to(tl.int32)
-                + (c7 >= k_lo).to(tl.int32))
-        n = tl.where(best == 0, n, tl.where(best == 1, c1, tl.where(best == 2, c2, tl.where(
-            best == 3, c3, tl.where(best == 4, c4, tl.where(best == 5, c5, tl.where(best == 6, c6, c7)))))))
-        v = v + (best.to(tl.uint32) << sh.to(tl.uint32))
-        sh -= 3
-    return v, n
+    def steps(logits, starts, ends, seq_lens, indices, meta, cand) -> None:
+        bound(logits, starts, ends, seq_lens, meta, cand)
+        final(logits, starts, ends, seq_lens, indices, meta, cand)
 
-
-@triton.jit
-def _prefix2d(x):
-    """Inclusive prefix sums of a [R, C] tensor in row-major order, and its total."""
-    row_sums = tl.sum(x, axis=1)
-    before = tl.cumsum(row_sums, axis=0) - row_sums
-    return tl.cumsum(x, axis=1) + before[:, None], tl.sum(row_sums, axis=0)
-
-
-@triton.jit
-def _owned(x, c, P1: tl.constexpr, SEGW: tl.constexpr):
-    """#{y < x : (y // SEGW) % P1 == c}: the positions of program c before x (x >= 0)."""
-    span = SEGW * P1
-    return (x // span) * SEGW + tl.minimum(tl.maximum(x % span - c * SEGW, 0), SEGW)
-
-
-@triton.jit
-def _in_range(pos, lo, hi, DECODE: tl.constexpr):
-    if DECODE:
-        return pos < hi  # decode rows start at column 0
-    else:
-        return (pos >= lo) & (pos < hi)
-
-
-@triton.jit(do_not_specialize=["topk"])
-def _bound_kernel(
-    logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
-    meta_ptr, stride_mr, cand_ptr, stride_cr,
-    P1: tl.constexpr, BJ: tl.constexpr, DP: tl.constexpr, REG: tl.constexpr, SEGW: tl.constexpr,
-    MARGIN: tl.constexpr, DECODE: tl.constexpr, SC: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    row = pid // P1
-    c = pid - row * P1
-    lo, hi, shift = row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
-    n = hi - lo
-    if n > topk:
-        G: tl.constexpr = BJ * P1
-        base = (lo // G) * G
-        # The tile is a flat [DP * BJ] (entry i: G-row i // BJ, column i % BJ), viewed
-        # as [DP, BJ] for the column work: loads and the scattered candidate stores are
-        # then 1-D accesses of one layout (no register shuffle through shared memory), and
-        # the view keeps each thread's entries of a column in its own registers.
-        ii = tl.arange(0, DP * BJ)
-        jj = ii % BJ
-        pos = base + (ii // BJ) * G + (jj // SEGW) * (SEGW * P1) + c * SEGW + (jj % SEGW)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
-        # 1. The whole tile in one go (every load in flight at once), kept in registers
-        #    as keys (0 outside the row's range). A tile inside the range (full rows)
-        #    needs no masks; otherwise the loads are masked to the exact range (a logit
-        #    outside it is never read) and the same mask zeroes the keys there.
-        #    (The loads are not vectorised: Triton gives them the layout of the scattered
-        #    stores below, one element a thread, which spares a shuffle of the tile.)
-        if (base >= lo) & (base + DP * G <= hi):
-            key = sortable_key(tl.load(row_ptr + pos))
-        else:
-            inside = _in_range(pos, lo, hi, DECODE)
-            key = tl.where(inside, sortable_key(tl.load(row_ptr + pos, mask=inside, other=0.0)), 0)
-        key2 = tl.reshape(key, [DP, BJ])
-        # 2. The bound: about kc of the BJ column maxima lie at or above it. Empty
-        #    columns hold 0 and every tested bound is >= 1: they never count.
-        colmax = tl.max(key2, axis=0)
-        n_c = _owned(hi, c, P1, SEGW) - _owned(lo, c, P1, SEGW)
-        n_cols = tl.where(n >= G, BJ, n_c)  # a row shorter than G has one entry a column
-        if P1 == 1:
-            kc = topk
-        else:
-            mu = topk.to(tl.float32) * n_c.to(tl.float32) / n.to(tl.float32)
-            kc = (mu + MARGIN * tl.sqrt(mu)).to(tl.int32) + 2
-        w, _n_w = _radix_search(colmax, kc, kc + kc // 16 + 1, n_cols, BJ // SC, SC)
-        # Key 0 is "no key": a bound of at least 1 never keeps it (the one NaN pattern
-        # with key 0 is then never kept; the final check sees too few kept entries if
-        # the row needs it).
-        w = tl.maximum(w, 1)
-        # 3. Keep every entry > w, then the entries == w that fit (a row of equal scores
-        #    must not overflow the slots), from the registers: slots in column order, a
-        #    column's entries consecutive, the column bases from one scan over the
-        #    per-column counts (> w and == w packed in the two halves of an int32).
-        word = (key2 > w).to(tl.int32) + ((key2 == w).to(tl.int32) << 16)
-        col_count = tl.sum(word, axis=0)
-        total = tl.sum(col_count, axis=0)
-        n_gt = total & 0xFFFF
-        before = (tl.cumsum(col_count, axis=0) - col_count)[None, :] + tl.cumsum(word, axis=0) - word
-        before = tl.reshape(before, [DP * BJ])
-        gt = key > w
-        slot = tl.where(gt, before & 0xFFFF, n_gt + (before >> 16))
-        # One 8-byte candidate: the key in the high half (its order), the position low.
-        packed = (key.to(tl.uint64) << 32) | (pos - shift).to(tl.uint32).to(tl.uint64)
-        cand = cand_ptr + row.to(tl.int64) * stride_cr + c * REG
-        tl.store(cand + slot, packed.to(tl.int64, bitcast=True), mask=(gt | (key == w)) & (slot < REG))
-        meta = meta_ptr + row.to(tl.int64) * stride_mr + c * _NMETA
-        tl.store(meta, w.to(tl.int32, bitcast=True))
-        tl.store(meta + 1, n_gt)
-        tl.store(meta + 2, total >> 16)
-
-
-@triton.jit
-def _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1: tl.constexpr, REG: tl.constexpr,
-                           SC: tl.constexpr):
-    """Top-k of the kept candidates ([P1, REG] keys and positions, the first kept[c] of
-    row c valid) held in registers; 1 if written, 0 if not provably the row's top-k.
-
-    The kept keys are a valid top-k of the row only if their topk-th largest, t, is at
-    least every program's bound (max_w), that is if >= topk of them are >= max_w: the
-    search runs over those alone (a narrower range of keys: fewer rounds)."""
-    valid = (tl.arange(0, REG)[None, :] < kept[:, None]) & (key >= max_w)
-    key = tl.where(valid, key, 0)  # max_w >= 1: no kept key is 0
-    n_ok = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
-    ok = (n_ok >= topk).to(tl.int32)
-    if ok != 0:
-        v, _n = _radix_search(tl.reshape(key, [P1 * REG]), topk, topk, n_ok, P1 * REG // SC, SC)
-        # The topk-th largest of them (v itself when the search ran to the last bit).
-        t = tl.min(tl.min(tl.where(valid & (key >= v), key, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=1), axis=0)
-        above = valid & (key > t)
-        tie = valid & (key == t)
-        incl, total = _prefix2d(above.to(tl.int32) + (tie.to(tl.int32) << 16))
-        n_above = total & 0xFFFF
-        slot = tl.where(above, (incl & 0xFFFF) - 1, n_above + (incl >> 16) - 1)
-        tl.store(out_row + slot, pos, mask=above | (tie & (slot < topk)))
-    return ok
-
-
-@triton.jit(do_not_specialize=["topk"])
-def _final_kernel(
-    logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
-    out_ptr, stride_or, out_cols, meta_ptr, stride_mr, cand_ptr, stride_cr,
-    P1: tl.constexpr, REG: tl.constexpr, IN_REGS: tl.constexpr, LBLOCK: tl.constexpr, DECODE: tl.constexpr,
-    SC: tl.constexpr,
-):
-    row = tl.program_id(0)
-    lo, hi, shift = row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
-    out_row = out_ptr + row.to(tl.int64) * stride_or
-    if hi - lo <= topk:
-        # Short row: every valid position, then -1; no data needed.
-        write_positions(out_row, 0, hi - lo, lo - shift, out_cols, LBLOCK)
-    else:
-        meta_row = meta_ptr + row.to(tl.int64) * stride_mr
-        cand_row = cand_ptr + row.to(tl.int64) * stride_cr
-        if IN_REGS:
-            # Every slot, unmasked: these loads need not wait for the counts below
-            # (slots past a program's count are ignored).
-            slots = tl.arange(0, P1)[:, None] * REG + tl.arange(0, REG)[None, :]
-            packed = tl.load(cand_row + slots)
-            key = (packed.to(tl.uint64, bitcast=True) >> 32).to(tl.uint32)
-            pos = packed.to(tl.int32)
-        prog = tl.arange(0, P1)
-        w = tl.load(meta_row + prog * _NMETA).to(tl.uint32, bitcast=True)
-        n_gt = tl.load(meta_row + prog * _NMETA + 1)
-        kept = tl.minimum(n_gt + tl.load(meta_row + prog * _NMETA + 2), REG)
-        n_kept = tl.sum(kept, axis=0)
-        max_w = tl.max(w, axis=0)
-        # Every entry > w must have been kept, and the kept ones must cover topk.
-        ok = ((tl.max(n_gt, axis=0) <= REG) & (n_kept >= topk)).to(tl.int32)
-        if ok != 0:
-            if IN_REGS:
-                ok = _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1, REG, SC)
-            else:
-                b1 = (P1 * REG + LBLOCK - 1) // LBLOCK
-                t, need = radix_kth(
-                    False, 0, b1, logits_ptr, lo, hi, shift, cand_row, meta_row, topk, P1, REG, LBLOCK,
-                )
-                ok = (t >= max_w).to(tl.int32)
-                if ok != 0:
-                    radix_write(
-                        False, 0, b1, logits_ptr, lo, hi, shift, cand_row, meta_row, t, need, topk, out_row,
-                        P1, REG, LBLOCK,
-                    )
-        if ok == 0:
-            row_ptr = logits_ptr + row.to(tl.int64) * stride_lr
-            select_row(row_ptr, lo, hi, shift, topk, out_row, LBLOCK)
-        write_positions(out_row, topk, 0, 0, out_cols, LBLOCK)  # -1 past topk
-
-
-# -- host side ----------------------------------------------------------------------
-def search_columns(n: int, warps: int) -> int:
-    """Columns of `_radix_search`'s [n / SC, SC] view: one a thread (its rows then lie in
-    the thread's registers), and few enough that a column holds at most 255 keys."""
-    sc = min(n, 32 * warps)
-    while n // sc > 255:
-        sc *= 2
-    return sc
-
-
-def _bound_warps(plan) -> int:
-    """64 of the tile's entries a thread (they stay in registers from load to store):
-    8 warps for a [4, 4096] tile. On an H200, 16 warps of 32 entries ran 1.1-1.6x
-    slower. (Smaller tiles, i.e. more programs a row, shorten this launch but add
-    candidates, and the final selection then takes longer: plan.TARGET_PROGRAMS.)"""
-    return max(1, min(16, plan.tile // 2048))
-
-
-def _final_warps(plan) -> int:
-    """8 warps for the 4K-8K candidate slots of 32K-128K-wide decode rows (16 a thread at
-    8K): on an H200, 4, 16 or 32 warps took 1.05-1.75x as long."""
-    return max(1, min(8, min(plan.cap, plan.max_slots) // 512))
-
-
-def _scratch_specs(rows: int, width: int, topk: int, decode: bool, programs: int, slots: int):
-    """The op's declared worst case (per-program state, candidate slots), or a larger one
-    when a forced plan needs more (tests)."""
-    specs = (_plan.workspace_specs_decode if decode else _plan.workspace_specs)(rows, width, topk)
-    if specs[0][0][1] < programs or specs[1][0][1] < slots:
-        specs = _plan.specs(rows, programs, slots)
-    return tuple(specs)
+    return steps
 
 
 def _nothing(*tensors) -> None:
@@ -354,42 +117,20 @@ def _fill_indices(logits, starts, ends, seq_lens, indices, meta, cand) -> None:
     indices.fill_(-1)
 
 
-def _prepare(
-    logits, indices, topk: int, next_n: int, decode: bool, scratch=None,
-    p1=None, reg=None, margin=None, max_slots=None, rowwise=None,
-):
-    """The plan of one call signature, bound: `(specs, strides, steps)`. `steps(logits,
-    starts, ends, seq_lens, indices, meta, cand)` launches the kernels; `specs` is the
-    scratch `(meta, cand)` it takes from the workspace (None: it takes none) and `strides`
-    their row strides, bound into the launches.
+def _bind(call, next_n: int, choice: _plan.TopkChoice, scratch=None):
+    """`choice` bound: `(specs, strides, steps)`. `steps(logits, starts, ends, seq_lens,
+    indices, meta, cand)` launches the kernels; `specs` is the scratch `(meta, cand)` it
+    takes from the workspace (`choice.scratch`; None: it takes none) and `strides` their
+    row strides, bound into the launches.
 
     `scratch` (a caller's own `(meta, cand)`, tests) is read for its shapes and strides
-    only: the runner must then be called with the same views. The keyword overrides force
-    plans and paths (tests): `rowwise` True/False (or a `plan.RowwisePlan`) forces the
-    one-launch decode kernel (triton_rowwise.py) in or out."""
-    rows, width = logits.shape
-    if rows == 0 or indices.numel() == 0:
+    only: the runner must then be called with the same views."""
+    if choice.kernel == "none":
         return None, None, _nothing
-    if topk == 0 or width == 0:
+    if choice.kernel == "fill":
         return None, None, _fill_indices
-    if rowwise is None:
-        # Not when a two-launch plan is forced, nor on ROCm: the one-launch kernel's
-        # ballots, loads and stores are PTX (its portable path, reshapes and prefix sums,
-        # is for the interpreter and has not run on an AMD GPU).
-        forced = any(v is not None for v in (p1, reg, margin, max_slots))
-        rowwise = not forced and torch.version.hip is None and _plan.rowwise_applies(rows, width, topk)
-    if decode and rowwise:
-        cfg = rowwise if isinstance(rowwise, _plan.RowwisePlan) else _plan.rowwise_plan(width)
-        programs, slots = cfg.warps, cfg.slots
-    else:
-        plan = _plan.choose(
-            rows, width, topk, p1=p1, reg=reg,
-            margin=_plan.MARGIN if margin is None else float(margin),
-            max_slots=_plan.MAX_SLOTS if max_slots is None else int(max_slots),
-        )
-        programs, slots = plan.p1, plan.cap
     if scratch is None:
-        specs = _scratch_specs(rows, width, topk, decode, programs, slots)
+        specs = choice.scratch
         (meta_shape, _), (cand_shape, cand_dtype) = specs
         # Workspace views are contiguous.
         strides = (meta_shape[1] * NMETA, cand_shape[1])
@@ -399,47 +140,22 @@ def _prepare(
         assert meta.stride(-1) == 1 and meta.stride(1) == NMETA, "meta scratch: [rows, programs, NMETA] rows"
         meta_shape, cand_shape, cand_dtype = tuple(meta.shape), tuple(cand.shape), cand.dtype
         strides = (meta.stride(0), cand.stride(0))
-    assert meta_shape[1] >= programs and cand_shape[1] >= slots and cand_dtype == torch.int64, (
+    assert meta_shape[1] >= choice.programs and cand_shape[1] >= choice.slots and cand_dtype == torch.int64, (
         "scratch smaller than the plan")
-    if decode and rowwise:
-        launch = triton_rowwise.prepare_topk_decode(logits, next_n, indices, topk, strides[0], strides[1], cfg)
+    if choice.kernel == "rowwise":
+        launch = bind_rowwise(call.logits, next_n, call.indices, call.topk, strides[0], strides[1], choice.rowwise)
 
         def steps(logits, starts, ends, seq_lens, indices, meta, cand) -> None:
             launch(logits, seq_lens, indices, meta, cand)
 
         return specs, strides, steps
-    # Counts of a program's tile and of the final register block are packed in 16 bits.
-    assert plan.tile < 65536 and (not plan.in_registers or plan.cap < 65536), plan
-    # Tensor placeholders (only their device is read): starts, ends, seq_lens, meta, cand.
-    t = logits
-    common = (logits, logits.stride(0), t, t, t, next_n, width, topk)
-    bound_warps, final_warps = _bound_warps(plan), _final_warps(plan)
-    bound = bind(
-        _bound_kernel, (rows * plan.p1,),
-        *common, t, strides[0], t, strides[1],
-        P1=plan.p1, BJ=plan.bj, DP=plan.dp, REG=plan.reg, SEGW=SEGW, MARGIN=plan.margin, DECODE=decode,
-        SC=search_columns(plan.bj, bound_warps),
-        num_warps=bound_warps,
-    )
-    final = bind(
-        _final_kernel, (rows,),
-        *common, indices, indices.stride(0), indices.shape[1], t, strides[0], t, strides[1],
-        P1=plan.p1, REG=plan.reg, IN_REGS=plan.in_registers, LBLOCK=min(LBLOCK, pow2(max(width, plan.cap))),
-        DECODE=decode, SC=search_columns(plan.cap, final_warps),
-        num_warps=final_warps,
-    )
-
-    def steps(logits, starts, ends, seq_lens, indices, meta, cand) -> None:
-        bound(logits, starts, ends, seq_lens, meta, cand)
-        final(logits, starts, ends, seq_lens, indices, meta, cand)
-
-    return specs, strides, steps
+    return specs, strides, _bind_two_launch(call.logits, call.indices, call.topk, next_n, choice, strides)
 
 
 def _scratch_source(specs, strides, device: torch.device, owner: str):
     """`take(scratch) -> (meta, cand)` of a prepared call: the workspace's views (specs
-    from `_prepare`), or the caller's own `scratch` (tests), which must have the strides
-    the launches were bound with; (None, None) where the plan needs none."""
+    from the choice), or the caller's own `scratch` (tests), which must have the strides
+    the launches were bound with; (None, None) where the choice needs none."""
     if strides is None:
         return lambda scratch: (None, None)
 
@@ -452,11 +168,10 @@ def _scratch_source(specs, strides, device: torch.device, owner: str):
     return take
 
 
-def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk, *, scratch=None, **overrides):
-    """The runner of one call signature: its plan and launches are fixed here. `scratch`
-    and the overrides: `_prepare` (tests and tuning)."""
-    specs, strides, steps = _prepare(logits, indices, topk, 1, False, scratch, **overrides)
-    take = _scratch_source(specs, strides, logits.device, "top_k_per_row_prefill")
+# -- the ops ------------------------------------------------------------------------
+def _prefill_runner(call, choice: _plan.TopkChoice, scratch=None):
+    specs, strides, steps = _bind(call, 1, choice, scratch)
+    take = _scratch_source(specs, strides, call.logits.device, "top_k_per_row_prefill")
 
     def run(logits, row_starts, row_ends, indices, topk, scratch=None) -> None:
         meta, cand = take(scratch)
@@ -465,10 +180,9 @@ def prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk, *
     return run
 
 
-def prepare_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk, *, scratch=None, **overrides):
-    """The runner of one call signature (see `prepare_top_k_per_row_prefill`)."""
-    specs, strides, steps = _prepare(logits, indices, topk, next_n, True, scratch, **overrides)
-    take = _scratch_source(specs, strides, logits.device, "top_k_per_row_decode")
+def _decode_runner(call, choice: _plan.TopkChoice, scratch=None):
+    specs, strides, steps = _bind(call, call.next_n, choice, scratch)
+    take = _scratch_source(specs, strides, call.logits.device, "top_k_per_row_decode")
 
     def run(logits, next_n, seq_lens, indices, topk, scratch=None) -> None:
         meta, cand = take(scratch)
@@ -477,14 +191,31 @@ def prepare_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk, *, scr
     return run
 
 
+def prepare_top_k_per_row_prefill(call):
+    """The runner of one call signature: its choice and launches are fixed here."""
+    return _prefill_runner(call, _plan.choose_top_k_per_row_prefill(call))
+
+
+def prepare_top_k_per_row_decode(call):
+    """The runner of one call signature (see `prepare_top_k_per_row_prefill`)."""
+    return _decode_runner(call, _plan.choose_top_k_per_row_decode(call))
+
+
 def top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk, *, scratch=None, **overrides) -> None:
-    """Prepare and run once: `scratch` (a caller's own `(meta, cand)`, sized by
-    `plan.specs`) and the plan overrides are for tests and tuning."""
-    prepare_top_k_per_row_prefill(logits, row_starts, row_ends, indices, topk, scratch=scratch, **overrides)(
-        logits, row_starts, row_ends, indices, topk, scratch)
+    """Choose, prepare and run once, with the plan overrides of `plan.choose` and/or a
+    caller's own `scratch` `(meta, cand)` (sized by `plan.specs`): tests and tuning."""
+    call = get_op("top_k_per_row_prefill").call(logits, row_starts, row_ends, indices, topk)
+    choice = _plan.choose_top_k_per_row_prefill(call, **overrides)
+    _prefill_runner(call, choice, scratch)(logits, row_starts, row_ends, indices, topk, scratch)
 
 
 def top_k_per_row_decode(logits, next_n, seq_lens, indices, topk, *, scratch=None, **overrides) -> None:
-    """Prepare and run once (see `top_k_per_row_prefill`)."""
-    prepare_top_k_per_row_decode(logits, next_n, seq_lens, indices, topk, scratch=scratch, **overrides)(
-        logits, next_n, seq_lens, indices, topk, scratch)
+    """Choose, prepare and run once (see `top_k_per_row_prefill`)."""
+    call = get_op("top_k_per_row_decode").call(logits, next_n, seq_lens, indices, topk)
+    choice = _plan.choose_top_k_per_row_decode(call, **overrides)
+    _decode_runner(call, choice, scratch)(logits, next_n, seq_lens, indices, topk, scratch)
+
+
+# -- the records --------------------------------------------------------------------
+TOP_K_PER_ROW_PREFILL = Backend(name="triton", prepare=prepare_top_k_per_row_prefill, workspace=workspace_specs)
+TOP_K_PER_ROW_DECODE = Backend(name="triton", prepare=prepare_top_k_per_row_decode, workspace=workspace_specs_decode)

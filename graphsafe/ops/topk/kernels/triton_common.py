@@ -1,4 +1,4 @@
-"""Triton helpers that both top-k kernels share (triton.py's two-launch plan and
+"""Triton helpers that both top-k kernels share (triton_two_launch.py and
 triton_rowwise.py's one-launch decode kernel): the sortable key of a float, a row's
 valid range, the exact radix select over a row (the fallback of both) and over a
 candidate list, and the writes of positions and -1.

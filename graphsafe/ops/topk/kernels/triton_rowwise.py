@@ -1,7 +1,7 @@
 """Decode top-k in one launch, one program a row (`_rowwise_kernel`; chosen by
-`plan.rowwise_applies`, bound by `prepare_topk_decode` for triton.py's runners).
+`plan.choose_top_k_per_row_decode`, bound by the Triton backend's `triton.bind_rowwise`).
 
-The two-launch plan of triton.py splits a row over several programs, each finding its
+The two-launch plan (triton_two_launch.py) splits a row over several programs, each finding its
 own bound by a radix search over column maxima and placing its kept entries with
 CTA-wide scans: chains of CTA-wide steps, not memory-bound (benchmarks/NOTES.md,
 "Top-k"). With a row a program, the pass over the row needs no CTA-wide step at all:
@@ -46,13 +46,11 @@ takes three. The sm_90 compile test checks the layouts the asm relies on.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from graphsafe.launch import bind
+from graphsafe.ops.topk.kernels.triton_common import row_bounds, select_row, write_positions
 from graphsafe.ops.topk.plan import NMETA
-from graphsafe.ops.topk.triton_common import row_bounds, select_row, write_positions
 
 _NMETA = tl.constexpr(NMETA)
 
@@ -783,63 +781,10 @@ def _rowwise_kernel(
             select_row(row_ptr, lo, hi, shift, topk, out_row, LBLOCK)
         write_positions(out_row, topk, 0, 0, out_cols, LBLOCK)  # -1 past topk
         # Each warp's (vlo, #entries above, #ties at the top, search * 16 + passes * 4 +
-        # outcome): tests and profiles (`testing.cases.topk.rowwise_outcomes`).
+        # outcome): tests and profiles (`graphsafe.ops.topk.cases.rowwise_outcomes`).
         meta = meta_ptr + row.to(tl.int64) * stride_mr + (tl.arange(0, T) // 32) * _NMETA
         tl.store(meta, tl.zeros([T], dtype=tl.int32) + vlo.to(tl.int32, bitcast=True))
         tl.store(meta + 1, n_gt)
         tl.store(meta + 2, n_eq)
         tl.store(meta + 3, tl.zeros([T], dtype=tl.int32) + search * 16 + attempt * 4 + why)
 
-
-# -- host side ----------------------------------------------------------------------
-def vector_loads(logits) -> bool:
-    """Whether the kernel may read the rows 16 bytes at a time: every row starts 16-byte
-    aligned and holds whole groups of 4 (a group that starts before a row's end then ends
-    inside the row's storage)."""
-    return logits.data_ptr() % 16 == 0 and _whole_groups(logits)
-
-
-def _whole_groups(logits) -> bool:
-    """The part of `vector_loads` a call signature fixes (the row stride and width)."""
-    return logits.stride(0) % 4 == 0 and logits.shape[1] % 4 == 0
-
-
-def prepare_topk_decode(logits, next_n, indices, topk, meta_stride, cand_stride, cfg, until=9):
-    """The whole decode top-k in one launch, one program a row, bound to a call
-    signature: returns `launch(logits, seq_lens, indices, meta, cand)`. Scratch: `meta`
-    int32 [rows, >= cfg.warps, NMETA] (each warp's counts, read by tests), rows
-    `meta_stride` apart, and `cand` int64 [rows, >= cfg.slots] (the warps' regions), rows
-    `cand_stride` apart. `until` < 5 runs a prefix of the kernel (profiles,
-    `_rowwise_kernel`'s UNTIL: the indices it leaves are not valid).
-
-    16-byte loads need a 16-byte aligned logits pointer, which the signature does not
-    fix: where the rows allow them, both variants are bound and each call picks one."""
-    rows, width = logits.shape
-    assert meta_stride >= NMETA * cfg.warps, "meta scratch smaller than the plan"
-    assert cand_stride >= cfg.slots, "candidate scratch smaller than the plan"
-    assert cfg.per_thread % 4 == 0, "a step's 16-byte loads fill groups of 4 registers"
-
-    def bound(vec: bool):
-        # Tensor placeholders (only their device is read): seq_lens, cand, meta.
-        return bind(
-            _rowwise_kernel, (rows,),
-            logits, logits.stride(0), logits, next_n, width, topk, indices, indices.stride(0), indices.shape[1],
-            logits, cand_stride, logits, meta_stride,
-            S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z, E=cfg.per_thread, NW=cfg.warps,
-            CAPW=cfg.slots_per_warp, LBLOCK=1024, VEC=vec,
-            ASM=logits.is_cuda and torch.version.hip is None, UNTIL=until, num_warps=cfg.warps,
-        )
-
-    scalar = bound(False)
-    if not _whole_groups(logits):
-
-        def launch(logits, seq_lens, indices, meta, cand) -> None:
-            scalar(logits, seq_lens, indices, cand, meta)
-
-        return launch
-    vector = bound(True)
-
-    def launch(logits, seq_lens, indices, meta, cand) -> None:
-        (scalar if logits.data_ptr() % 16 else vector)(logits, seq_lens, indices, cand, meta)
-
-    return launch

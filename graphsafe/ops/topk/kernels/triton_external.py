@@ -2,18 +2,14 @@
 post-processing): the decode rows' ends (lengths clamped to the row), and the copy of a contiguous
 `[rows, topk]` result into `indices` (positions made relative, -1 past topk).
 
-Kept apart from the Triton backend (triton.py) so that the aiter adapter imports these
-two kernels only. `bind_*` bind them to one call signature (`graphsafe.launch.bind`);
-the launches they return take the tensors alone.
+Kept apart from the Triton backend's kernels so that the aiter adapter imports these two
+kernels only; aiter.py binds them to a call signature (`graphsafe.launch.bind`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from graphsafe.launch import bind
-from graphsafe.ops.topk.plan import pow2
 
 
 @triton.jit
@@ -42,31 +38,3 @@ def _decode_row_ends_kernel(seq_lens_ptr, ends_ptr, rows, next_n, width, BLOCK: 
     seq_len = tl.minimum(tl.maximum(tl.load(seq_lens_ptr + b, mask=r < rows, other=0), 0), width)
     tl.store(ends_ptr + r, tl.maximum(seq_len - next_n + (r - b * next_n) + 1, 0), mask=r < rows)
 
-
-def _nothing(*tensors) -> None:
-    return None
-
-
-def bind_finish_external(indices, src_stride: int, topk: int, localize: bool):
-    """`launch(src, indices, shift)`: indices[:, :topk] <- src (minus shift[r] where >= 0
-    when `localize`), -1 after. `src` rows lie `src_stride` apart; without `localize`
-    `shift` is not read (pass any tensor of the device). `indices` is a placeholder here
-    (its shape and row stride are read)."""
-    rows, cols = indices.shape
-    if rows == 0 or cols == 0:
-        return _nothing
-    blk = min(1024, pow2(cols))
-    return bind(
-        _finish_external_kernel, (rows, triton.cdiv(cols, blk)),
-        indices, src_stride, indices, indices.stride(0), indices, topk, cols,
-        LOCALIZE=localize, BLOCK=blk,
-    )
-
-
-def bind_decode_row_ends(seq_lens, rows: int, next_n: int, width: int):
-    """`launch(seq_lens, ends)`: ends[r] = max(clamp(seq_lens[r // next_n], 0, width) - next_n
-    + r % next_n + 1, 0) for r < rows (`seq_lens` is a placeholder here)."""
-    if rows == 0:
-        return _nothing
-    return bind(_decode_row_ends_kernel, (triton.cdiv(rows, 1024),), seq_lens, seq_lens, rows, next_n, width,
-                BLOCK=1024)
