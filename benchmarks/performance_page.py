@@ -69,9 +69,10 @@ def _roofline(row: dict) -> float | None:
 
 
 def _ms(x: float | None, unit: str = "ms") -> str:
+    """A median (the JSON holds milliseconds) in the row's unit: ms, or us for host costs."""
     if x is None:
         return "-"
-    return f"{x:.4g}" if unit == "ms" else f"{x:.3g} {unit}"
+    return f"{x:.4g}" if unit == "ms" else f"{x * 1e3:.3g} us"
 
 
 def case_table(rows: list[dict]) -> tuple[list[str], list[dict]]:
