@@ -104,6 +104,15 @@ def case_table(rows: list[dict]) -> tuple[list[str], list[dict]]:
     return lines, points
 
 
+def host_table(rows: list[dict]) -> tuple[list[str], list[dict]]:
+    """A host-cost case: every impl of every shape (floors, each op), its median per call."""
+    lines = ["| shape | impl | per call |", "|---|---|---|"]
+    for row in rows:
+        if row.get("error") is None:
+            lines.append(f"| `{row['shape']}` | {row['impl']} | {_ms(row.get('median_ms'), row.get('unit', 'ms'))} |")
+    return lines, []
+
+
 def render(runs: dict[str, list[tuple[str, dict]]]) -> tuple[str, dict]:
     """The page's markdown, and {(device, case): points} for the plots."""
     out = [
@@ -138,7 +147,7 @@ def render(runs: dict[str, list[tuple[str, dict]]]) -> tuple[str, dict]:
             out += [f"![share of the roofline per case, {name}](img/{device}_roofline.png)", ""]
         for case in sorted(best, key=lambda c: (c in HOST_CASES, c)):
             file, _, rows = best[case]
-            lines, points = case_table(rows)
+            lines, points = host_table(rows) if case in HOST_CASES else case_table(rows)
             if len(lines) <= 2:
                 continue
             plots[(device, case)] = points
