@@ -1,0 +1,148 @@
+"""DeepSeek-V4's attention and its cache ops: single-latent MQA (head_dim 512 = 448 NoPE + 64
+RoPE, the key row is also the value) over a sliding-window cache and a compressed cache,
+with per-head attention sinks.
+
+Caches hold one 512-value row per token, either as DeepSeek-V4's FP8 records (uint8,
+`graphsafe.formats.fp8_dsv4`: 448 e4m3 + 64 bf16 per token, 7 UE8M0 scales per token after
+the block's data; FlashMLA's "MODEL1" layout, vLLM's fp8_ds_mla for DeepSeek-V4) or as bf16
+rows `[num_blocks, block_size, 512]`; the ops tell them apart by dtype.
+
+Split-KV scratch comes from the workspace manager, sized from shapes
+(`dsv4_sparse_attn_workspace_specs`; `plan.py` says why never from lengths).
+Backends: `triton` (kernels/, bound once per call signature), `reference`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from graphsafe.ops.dsv4 import fake, reference, triton
+from graphsafe.registry import register_op
+
+__all__ = ["dsv4_sparse_attn", "dsv4_sparse_attn_workspace_specs"]
+
+
+@register_op(
+    "dsv4_sparse_attn",
+    fake=fake.fake_dsv4_sparse_attn,
+    check=fake.check_dsv4_sparse_attn,
+    debug_check="graphsafe.ops.dsv4.debug:debug_check_dsv4_sparse_attn",
+    family="dsv4",
+    backends=(reference.DSV4_SPARSE_ATTN, triton.DSV4_SPARSE_ATTN),
+)
+def dsv4_sparse_attn(
+    q: Tensor,
+    kv_cache: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    attn_sink: Optional[Tensor] = None,
+    topk_length: Optional[Tensor] = None,
+    extra_kv_cache: Optional[Tensor] = None,
+    extra_indices: Optional[Tensor] = None,
+    extra_topk_length: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V4 sparse attention over two caches: each query token attends to its own
+    window entries in `kv_cache` and its own compressed entries in `extra_kv_cache`, in one
+    softmax with the head's sink (FlashMLA's `flash_mla_with_kvcache(q, k_cache, indices=,
+    topk_length=, attn_sink=, extra_k_cache=, extra_indices_in_kvcache=, extra_topk_length=)`
+    for DeepSeek-V4, with T queries of one token each; decode (T = B) and prefill (T = the
+    new tokens) alike).
+
+    For token t and head h, the keys are the entries j of `indices[t]` with `j <
+    topk_length[t]` (all K without lengths) whose slot `s = indices[t, j]` lies in `[0,
+    num_blocks * block_size)` of `kv_cache`, and likewise the entries of `extra_indices[t]`
+    in `extra_kv_cache`. With `k_j` the cached row of a key (slot s: block `s //
+    block_size`, token `s % block_size`; its 512 values, dequantised for records):
+    `score_j = sm_scale * q[t, h] . k_j`, `out[t, h] = sum_j softmax(score)_j k_j` (the
+    whole row is the value), `lse[t, h] = log(sum_j exp(score_j))`. Entries -1 (the
+    padding value) and any other slot outside its cache are no key and nothing is read for
+    them (a negative slot never wraps around); a repeated slot counts once per occurrence.
+    A token with no key gets out 0 and lse -inf, whatever its q holds. Cache rows (record
+    bytes) no key names, entries right of a length, and the q rows of tokens without a key
+    never influence an output (NaN there included); neither does the pad byte of a record
+    nor a block's padding.
+
+    `attn_sink` (`[H]` float32): head h's sink joins the softmax's normaliser without a
+    value: `out[t, h]` is scaled by `exp(lse) / (exp(lse) + exp(attn_sink[h]))` =
+    `sigmoid(lse - attn_sink[h])`, computed in float32 before the output's rounding; lse is
+    returned without it. +inf gives out 0, -inf no change, NaN NaN; a token without a key
+    stays out 0, lse -inf. (vLLM pads DeepSeek-V4's heads to 64 or 128 for FlashMLA with
+    q rows of 0 and sinks of -inf; any H works here.)
+
+    Non-finite inputs follow the MLA ops' softmax arithmetic (`graphsafe.sparse_mla`), the
+    same on every backend: a NaN or +inf score of a key makes `out[t, h]` and `lse[t, h]`
+    NaN; a key whose score is -inf has weight 0, yet an infinite value entry of it still
+    enters as `0 * inf` (NaN in that column). A record tile written from a row holding NaN
+    or inf reads back all NaN (its scale byte is 255), so every head of every token
+    reading that key gets NaN.
+
+    Records (uint8 caches, `graphsafe.formats.fp8_dsv4`): the row of a key is
+    `dequantize_tokens` of its bytes, float32: NoPE value c is `e4m3(byte c) * 2^(scale[c //
+    64] - 127)`, the 64 RoPE values the bf16 ones. The kernels round these rows to bf16 for
+    their dot products, which leaves them unchanged for every scale byte in [10, 246] (all
+    a writer produces for finite bf16 rows, see the format); the reference computes in
+    float32 over the same rows, so backends differ by the dots' summation order and the
+    softmax probabilities' bf16 rounding (as every tensor-core kernel rounds them).
+
+    Args:
+        q: `[T, H, D]` bf16, D = 512 with records (any D >= 1 with bf16 caches). Last dim
+            contiguous.
+        kv_cache: the window cache: uint8 `[num_blocks, block_size, 584]` fp8_dsv4 records
+            (the last two dims contiguous: each block's `block_size * 584` bytes in one
+            piece; the block stride free, e.g. vLLM's padding to a multiple of 576), or bf16
+            `[num_blocks, block_size, D]` rows (last dim contiguous, other strides free).
+        indices: `[T, K]` int32 slots of `kv_cache` (`block * block_size + offset`), -1 =
+            none, in any order; a slot outside `[0, num_blocks * block_size)` acts as -1.
+            Last dim contiguous. The debug switch (`graphsafe.debug_checks`) checks that
+            every entry read is in range or -1.
+        sm_scale: multiplies `q . k` before the softmax (DeepSeek-V4: 512^-0.5).
+        attn_sink: `[H]` float32 or None (above).
+        topk_length: `[T]` int32 or None: token t uses its first `topk_length[t]` window
+            entries (clamped to [0, K]); the entries right of it are never read. The debug
+            switch checks `0 <= topk_length[t] <= K`.
+        extra_kv_cache: the compressed cache, of the same kind as `kv_cache` (records or
+            bf16 rows; its own block size), or None.
+        extra_indices: `[T, K2]` int32 slots of `extra_kv_cache` (as `indices`); given
+            exactly when `extra_kv_cache` is.
+        extra_topk_length: `[T]` int32 or None: as `topk_length`, for `extra_indices`;
+            only with `extra_kv_cache`.
+
+    Returns:
+        out: `[T, H, D]` bf16, contiguous.
+        lse: `[T, H]` float32, natural-log log-sum-exp of the scaled scores (no sink).
+
+    The K + K2 key positions are split across programs by a plan from shapes alone (T, H,
+    K + K2, the SM count), never from lengths or indices, so a captured CUDA graph stays
+    right when they change between replays. Workspace:
+    `dsv4_sparse_attn_workspace_specs(T, H, D, K, K2)`.
+    """
+
+
+def dsv4_sparse_attn_workspace_specs(
+    num_tokens: int,
+    num_heads: int,
+    head_dim: int,
+    topk: int,
+    extra_topk: int = 0,
+    device: torch.device | str | None = None,
+    backend: str | None = None,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Worst-case workspace of one `dsv4_sparse_attn` call, from shapes (no dry run).
+
+    Args:
+        num_tokens: T (rows of `q`).
+        num_heads: H.
+        head_dim: D (512).
+        topk: K (`indices.shape[1]`).
+        extra_topk: K2 (`extra_indices.shape[1]`; 0 without the compressed cache).
+        device: the op's device (default: the current CUDA device, else the CPU).
+        backend: size for this backend only (default: the largest need among the backends
+            that may serve `device`).
+
+    Reserve with `current_workspace_manager(device).reserve(*specs)` before capture.
+    """
+    return dsv4_sparse_attn.spec.workspace_specs(num_tokens, num_heads, head_dim, topk, extra_topk, device=device,
+                                                 backend=backend)

@@ -1,0 +1,344 @@
+"""Test cases of the DeepSeek-V4 ops.
+
+`dsv4_sparse_attn`: parameter sets with `"cache": "fp8_dsv4"` hold DeepSeek-V4 record caches
+(`graphsafe.formats.fp8_dsv4`, written by `write_tokens` into storage of random bytes, blocks
+`block_stride` bytes apart: vLLM's padding to 576 by default, `"strided"` adds 16 more),
+the others bf16 caches of rows of D values. Slots drawn with replacement (repeats happen),
+a fraction `invalid` of them -1; out-of-range slots (huge, negative, one past the end) come
+from `out_of_range`, paired with -1 at their places.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe.formats import fp8_dsv4
+from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
+from graphsafe.testing.tensors import randn
+
+RECORDS = "fp8_dsv4"
+BF16 = "bf16"
+END = "end"
+BAD_IDS = (10**6, -5, -2, END)
+# out: the kernels round the softmax probabilities to bf16 before `p k` and sum in another
+# order: about two bf16 ulps. lse: f32 scores of the same (bf16-exact) rows.
+OUT_TOLERANCE = (2e-2, 2e-2)
+LSE_TOLERANCE = (1e-4, 1e-4)
+
+
+def records(p: Params) -> bool:
+    return p.get("cache", BF16) == RECORDS
+
+
+def head_dim(p: Params) -> int:
+    return fp8_dsv4.HEAD_DIM if records(p) else p.get("D", fp8_dsv4.HEAD_DIM)
+
+
+def compare_attention(expected, actual, expected_args, actual_args, params: Params) -> None:
+    (e_out, e_lse), (a_out, a_lse) = expected, actual
+    assert a_out.shape == e_out.shape and a_out.dtype == e_out.dtype, "out: shape/dtype"
+    assert a_lse.shape == e_lse.shape and a_lse.dtype == torch.float32, "lse: shape/dtype"
+    rtol, atol = OUT_TOLERANCE
+    torch.testing.assert_close(a_out.float().cpu(), e_out.float().cpu(), rtol=rtol, atol=atol,
+                               msg=lambda m: f"out: {m}")
+    assert torch.equal(torch.isneginf(a_lse).cpu(), torch.isneginf(e_lse).cpu()), "lse: rows without a key differ"
+    rtol, atol = LSE_TOLERANCE
+    torch.testing.assert_close(a_lse.cpu(), e_lse.cpu(), rtol=rtol, atol=atol, msg=lambda m: f"lse: {m}")
+
+
+def _q(shape, device, gen, strided: bool) -> torch.Tensor:
+    rows, heads, d = shape
+    if not strided or rows * heads == 0:
+        return randn(shape, torch.bfloat16, device, gen)
+    return randn((rows, heads + 1, d + 8), torch.bfloat16, device, gen)[:, :heads, :d]
+
+
+def latent_rows(n: int, gen: torch.Generator) -> torch.Tensor:
+    """`[n, 512]` float32 rows: randn, each 64-value NoPE tile times a factor in [1/4, 4]
+    (tiles of one token get clearly different scales)."""
+    x = torch.randn((n, 512), generator=gen)
+    factor = 2.0 ** (4 * torch.rand((n, 8, 1), generator=gen) - 2)
+    return (x.view(n, 8, 64) * factor).view(n, 512)
+
+
+def record_cache(rows: torch.Tensor, nb: int, bs: int, device, gen, block_stride: int | None = None) -> torch.Tensor:
+    """An fp8_dsv4 cache of `nb * bs` tokens holding `rows` (slot s = row s), in storage of
+    random bytes (the pad bytes are written 0, the block padding stays random)."""
+    stride = fp8_dsv4.padded_block_bytes(bs) if block_stride is None else block_stride
+    storage = torch.randint(0, 256, (max(nb * stride, 1),), generator=gen, dtype=torch.uint8)
+    cache = storage.as_strided((nb, bs, fp8_dsv4.TOKEN_BYTES), (stride, fp8_dsv4.TOKEN_BYTES, 1))
+    fp8_dsv4.write_tokens(cache, rows, torch.arange(nb * bs))
+    storage = storage.to(device)
+    return storage.as_strided((nb, bs, fp8_dsv4.TOKEN_BYTES), (stride, fp8_dsv4.TOKEN_BYTES, 1))
+
+
+def _cache(p: Params, nb: int, bs: int, device, gen) -> torch.Tensor:
+    d = head_dim(p)
+    if records(p):
+        stride = fp8_dsv4.padded_block_bytes(bs) + (16 if p["strided"] else 0)
+        return record_cache(latent_rows(nb * bs, gen), nb, bs, device, gen, stride)
+    if not p["strided"]:
+        return randn((nb, bs, d), torch.bfloat16, device, gen)
+    return randn((nb, bs + 1, d + 16), torch.bfloat16, device, gen)[:, :bs, :d]
+
+
+def make_indices(t: int, k: int, num_slots: int, invalid: float, gen) -> torch.Tensor:
+    slots = torch.randint(0, num_slots, (t, k), generator=gen)
+    return torch.where(torch.rand((t, k), generator=gen) < invalid, -1, slots).to(torch.int32)
+
+
+def _params():
+    from hypothesis import strategies as st
+
+    common = {
+        "T": st.integers(0, 4),
+        "H": st.sampled_from([1, 2, 3, 4, 16]),
+        "block_size": st.sampled_from([1, 4, 16]),
+        "num_blocks": st.integers(1, 5),
+        "K": st.integers(0, 40),
+        "invalid": st.sampled_from([0.0, 0.25, 0.25, 1.0]),
+        "strided": st.booleans(),
+        "attn_sink": st.booleans(),
+        "topk_length": st.booleans(),
+        "extra": st.booleans(),
+        "extra_block_size": st.sampled_from([1, 2, 8]),
+        "extra_num_blocks": st.integers(1, 4),
+        "K2": st.integers(0, 24),
+        "extra_topk_length": st.booleans(),
+    }
+    rec = st.fixed_dictionaries({**common, "cache": st.just(RECORDS)})
+    bf16 = st.fixed_dictionaries({**common, "cache": st.just(BF16), "D": st.sampled_from([512, 48, 40])})
+    return st.one_of(rec, rec, bf16)
+
+
+def _make(p: Params, device, gen):
+    t, h, d, k = p["T"], p["H"], head_dim(p), p["K"]
+    nb, bs = p["num_blocks"], p["block_size"]
+    q = _q((t, h, d), device, gen, p["strided"])
+    cache = _cache(p, nb, bs, device, gen)
+    indices = make_indices(t, k, nb * bs, p["invalid"], gen).to(device)
+    sink = (torch.randn(h, generator=gen) * 2).to(device) if p.get("attn_sink") else None
+    length = torch.randint(0, k + 1, (t,), generator=gen).int().to(device) if p.get("topk_length") else None
+    if not p.get("extra"):
+        return q, cache, indices, d**-0.5, sink, length, None, None, None
+    xnb, xbs, k2 = p["extra_num_blocks"], p["extra_block_size"], p["K2"]
+    xcache = _cache(p, xnb, xbs, device, gen)
+    xindices = make_indices(t, k2, xnb * xbs, p["invalid"], gen).to(device)
+    xlength = torch.randint(0, k2 + 1, (t,), generator=gen).int().to(device) if p.get("extra_topk_length") else None
+    return q, cache, indices, d**-0.5, sink, length, xcache, xindices, xlength
+
+
+def entries_read(cache: torch.Tensor, indices: torch.Tensor, lengths: torch.Tensor | None):
+    """(entries left of the length [T, K], entries naming a token [T, K], tokens read
+    [num_blocks * block_size]); on the CPU."""
+    nb, bs = cache.shape[:2]
+    slots = indices.cpu().long()
+    left = torch.ones(slots.shape, dtype=torch.bool)
+    if lengths is not None:
+        left = torch.arange(slots.shape[1])[None, :] < lengths.cpu().long().clamp(0, slots.shape[1])[:, None]
+    keys = left & (slots >= 0) & (slots < nb * bs)
+    tokens = torch.zeros(nb * bs, dtype=torch.bool)
+    tokens[slots[keys]] = True
+    return left, keys, tokens
+
+
+def cache_bytes_read(cache: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Bool of the cache's shape: the elements a reader of `tokens` (bool [nb * bs]) reads.
+    Records: the 576 data bytes and 7 scale bytes of each (view element (b, t, c) is block
+    byte 584 t + c); never a pad byte. bf16 rows: the rows."""
+    nb, bs = cache.shape[:2]
+    tok = tokens.view(nb, bs)
+    if cache.dtype != torch.uint8:
+        return tok[..., None].expand(cache.shape).clone()
+    offset = torch.arange(bs * fp8_dsv4.TOKEN_BYTES)
+    data_token = offset // fp8_dsv4.DATA_BYTES
+    in_data = offset < bs * fp8_dsv4.DATA_BYTES
+    scale_off = offset - bs * fp8_dsv4.DATA_BYTES
+    scale_token = scale_off.clamp(min=0) // fp8_dsv4.SCALE_BYTES
+    is_scale = ~in_data & (scale_off % fp8_dsv4.SCALE_BYTES < fp8_dsv4.NUM_TILES)
+    owner = torch.where(in_data, data_token, scale_token).clamp(max=bs - 1)
+    read = tok[:, owner] & (in_data | is_scale)[None, :]
+    return read.view(nb, bs, fp8_dsv4.TOKEN_BYTES)
+
+
+def _lists(args):
+    q, cache, indices, _, _, length, xcache, xindices, xlength = args
+    lists = [(1, 2, 5, cache, indices, length)]
+    if xcache is not None:
+        lists.append((6, 7, 8, xcache, xindices, xlength))
+    return lists
+
+
+def _unread(p: Params, args):
+    """Cache bytes / rows no key reads (pad bytes included), entries right of a length,
+    and the q rows of tokens without any key."""
+    q = args[0]
+    marks, any_key = [], torch.zeros(q.shape[0], dtype=torch.bool)
+    for cache_at, idx_at, _, cache, indices, length in _lists(args):
+        left, keys, tokens = entries_read(cache, indices, length)
+        any_key |= keys.any(dim=1)
+        marks.append((cache_at, ~cache_bytes_read(cache, tokens)))
+        if length is not None:
+            marks.append((idx_at, ~left))
+    marks.append((0, ~any_key[:, None, None].expand(q.shape)))
+    return marks
+
+
+def _bad_ids(shape, end: int, gen) -> torch.Tensor:
+    values = torch.tensor([end if v == END else v for v in BAD_IDS], dtype=torch.int64)
+    return values[torch.randint(0, len(BAD_IDS), shape, generator=gen)]
+
+
+def _out_of_range(p: Params, args, gen):
+    """Bad slots at some entries read, -1 there; with lengths, one above K (padded: K) and
+    one negative (padded: 0)."""
+    bad, padded = list(args), list(args)
+    touched = False
+    for cache_at, idx_at, len_at, cache, indices, length in _lists(args):
+        if indices.numel() == 0:
+            continue
+        left, _, _ = entries_read(cache, indices, length)
+        if not left.any():
+            left[0, 0] = True
+        pick = left & (torch.rand(left.shape, generator=gen) < 0.3)
+        if not pick.any():
+            pick.view(-1)[int(left.reshape(-1).nonzero()[0, 0])] = True
+        nb, bs = cache.shape[:2]
+        host = indices.cpu().long()
+        bad[idx_at] = torch.where(pick, _bad_ids(pick.shape, nb * bs, gen), host).to(torch.int32).to(indices.device)
+        padded[idx_at] = torch.where(pick, -1, host).to(torch.int32).to(indices.device)
+        if length is not None:
+            b_len, p_len = length.clone(), length.clone()
+            row = int(torch.randint(0, length.shape[0], (1,), generator=gen))
+            b_len[row], p_len[row] = indices.shape[1] + 5, indices.shape[1]
+            if length.shape[0] > 1:
+                b_len[(row + 1) % length.shape[0]], p_len[(row + 1) % length.shape[0]] = -3, 0
+            bad[len_at], padded[len_at] = b_len, p_len
+        touched = True
+    return (tuple(bad), tuple(padded)) if touched else None
+
+
+def set_row_value(cache: torch.Tensor, slot: int, col: int, value: float) -> None:
+    """Put `value` at column `col` of the token at `slot` (in place). Records: the token's
+    row is read back, the value put in and the row written again (`write_tokens`), so a
+    NoPE tile reads back all NaN; a RoPE column gets its bf16 bytes."""
+    nb, bs = cache.shape[:2]
+    if cache.dtype != torch.uint8:
+        cache[slot // bs, slot % bs, col] = value
+        return
+    row = fp8_dsv4.read_tokens(cache.cpu(), torch.tensor([slot]))[0]
+    row[col] = value
+    data, scales = fp8_dsv4.quantize_tokens(row[None])
+    data_view, scale_view = fp8_dsv4.block_views(cache)
+    data_view[slot // bs, slot % bs] = data[0].to(cache.device)
+    scale_view[slot // bs, slot % bs] = scales[0].to(cache.device)
+
+
+def _nonfinite(p: Params, args, gen):
+    """NaN in one element of a q row read; in the rows of keys read: +inf, -inf and (half the
+    draws) NaN at random columns."""
+    from graphsafe.testing.contract import clone_tensor
+
+    args = list(args)
+    q = args[0] = clone_tensor(args[0])
+    any_key = torch.zeros(q.shape[0], dtype=torch.bool)
+    values = [float("inf"), float("-inf")] + ([float("nan")] if bool(torch.rand(1, generator=gen) < 0.5) else [])
+    for cache_at, _, _, cache, indices, length in _lists(args):
+        _, keys, tokens = entries_read(cache, indices, length)
+        any_key |= keys.any(dim=1)
+        cache = args[cache_at] = clone_tensor(cache)
+        read = tokens.nonzero()[:, 0]
+        for v in values:
+            if read.numel() == 0:
+                break
+            slot = int(read[torch.randint(0, read.numel(), (1,), generator=gen)])
+            set_row_value(cache, slot, int(torch.randint(0, q.shape[2], (1,), generator=gen)), v)
+    rows = (any_key[:, None].expand(q.shape[:2])).reshape(-1).nonzero()[:, 0]
+    if rows.numel():
+        i = int(rows[torch.randint(0, rows.numel(), (1,), generator=gen)])
+        q[i // q.shape[1], i % q.shape[1], int(torch.randint(0, q.shape[2], (1,), generator=gen))] = float("nan")
+    return tuple(args)
+
+
+def _workspace(p: Params, args) -> tuple[tuple, dict]:
+    """`dsv4_sparse_attn_workspace_specs(T, H, D, K, K2)`."""
+    q, indices, xindices = args[0], args[2], args[7]
+    return (q.shape[0], q.shape[1], q.shape[2], indices.shape[1], 0 if xindices is None else xindices.shape[1]), {}
+
+
+EXAMPLE: Params = {
+    "T": 3, "H": 4, "block_size": 4, "num_blocks": 5, "K": 40, "invalid": 0.25, "strided": False,
+    "attn_sink": True, "topk_length": True, "extra": True, "extra_block_size": 2, "extra_num_blocks": 4, "K2": 20,
+    "extra_topk_length": True, "cache": RECORDS,
+}
+EXAMPLE_BF16: Params = {**EXAMPLE, "cache": BF16, "D": 512}
+# DeepSeek-V4 decode (GPU): a window of 128 in 64-token blocks, the indexer's top-k over a
+# ratio-4 cache (Flash 512, Pro 1024), 64 or 128 (padded) heads.
+DSV4 = {"block_size": 64, "extra_block_size": 64, "invalid": 0.0, "strided": False, "attn_sink": True,
+        "topk_length": True, "extra": True, "extra_topk_length": True, "cache": RECORDS}
+
+
+def _bad(device, gen):
+    q, c, idx, scale, sink, length, xc, xidx, xlen = _make(EXAMPLE, device, gen)
+    qb, cb, idxb = _make(EXAMPLE_BF16, device, gen)[:3]
+    wide = torch.zeros((*c.shape[:2], 585), dtype=torch.uint8, device=device)
+    return [
+        BadInput("q float32", (q.float(), c, idx, scale), "q", "dtype"),
+        BadInput("q 2-D", (q[0], c, idx, scale), "q", "3-D"),
+        BadInput("records with D != 512", (q[..., :256].contiguous(), c, idx, scale), "kv_cache", "uint8 fp8_dsv4"),
+        BadInput("records of 585 bytes", (q, wide, idx, scale), "kv_cache", "584"),
+        BadInput("records 585 bytes apart", (q, wide[..., :584], idx, scale), "kv_cache", "stride"),
+        BadInput("bf16 cache of other D", (qb, cb[..., :64], idxb, scale), "kv_cache", r"head_dim"),
+        BadInput("cache float16", (qb, cb.half(), idxb, scale), "kv_cache", "bfloat16 or uint8"),
+        BadInput("indices int64", (q, c, idx.long(), scale), "indices", "dtype"),
+        BadInput("indices of other T", (q, c, idx[1:], scale), "indices", r"\[T, K\]"),
+        BadInput("attn_sink of other H", (q, c, idx, scale, sink[1:]), "attn_sink", r"\[H\]"),
+        BadInput("topk_length int64", (q, c, idx, scale, None, length.long()), "topk_length", "dtype"),
+        BadInput("extra cache of the other kind", (qb, cb, idxb, scale, None, None, xc, xidx), "extra_kv_cache",
+                 "kind of 'kv_cache'"),
+        BadInput("extra_indices without a cache", (q, c, idx, scale, None, None, None, xidx), "extra_indices",
+                 "None when"),
+        BadInput("extra cache without indices", (q, c, idx, scale, None, None, xc, None), "extra_indices",
+                 "a tensor when"),
+        BadInput("extra_topk_length of other T", (q, c, idx, scale, None, None, xc, xidx, xlen[1:]),
+                 "extra_topk_length", r"\[T\]"),
+    ]
+
+
+register_case(
+    OpCase(
+        op="dsv4_sparse_attn",
+        params=_params,
+        example=EXAMPLE,
+        make=_make,
+        compare=compare_attention,
+        workspace_args=_workspace,
+        bad_inputs=_bad,
+        unread=_unread,
+        out_of_range=_out_of_range,
+        nonfinite=_nonfinite,
+        edge_cases=(
+            {**EXAMPLE, "T": 0},
+            {**EXAMPLE, "K": 0, "extra": False},
+            {**EXAMPLE, "K": 0},
+            {**EXAMPLE, "invalid": 1.0},
+            {**EXAMPLE, "attn_sink": False, "topk_length": False, "extra": False, "strided": True},
+            {**EXAMPLE_BF16, "strided": True, "extra_topk_length": False},
+            {**EXAMPLE_BF16, "D": 40, "H": 17, "K": 33},
+            # vLLM's 64-token blocks (stride 37440 bytes), DeepSeek-V4's 64 padded heads.
+            {**EXAMPLE, "T": 2, "H": 64, "block_size": 64, "num_blocks": 2, "K": 48, "extra_block_size": 64,
+             "extra_num_blocks": 1, "K2": 16},
+        ),
+        gpu_examples=(
+            {**DSV4, "T": 64, "H": 64, "num_blocks": 256, "K": 128, "extra_num_blocks": 1024, "K2": 512},
+            {**DSV4, "T": 64, "H": 128, "num_blocks": 256, "K": 128, "extra_num_blocks": 1024, "K2": 1024},
+            {**DSV4, "T": 1, "H": 64, "num_blocks": 8, "K": 128, "extra_num_blocks": 64, "K2": 512, "invalid": 0.25},
+            {**DSV4, "T": 300, "H": 64, "num_blocks": 512, "K": 128, "extra": False, "strided": True},
+            {**DSV4, "T": 16, "H": 128, "num_blocks": 64, "K": 128, "extra_num_blocks": 64, "K2": 1024,
+             "cache": BF16, "D": 512},
+        ),
+    )
+)
+
+__all__ = ["RECORDS", "compare_attention", "entries_read", "latent_rows", "make_indices", "record_cache",
+           "set_row_value"]

@@ -1,0 +1,35 @@
+"""Debug checks of the DeepSeek-V4 ops (`graphsafe.debug_checks`): the values of their ids.
+
+An id outside its range acts as padding on every backend (the ops' docstrings); with the
+switch on, an id the op reads that is neither in range nor the padding value -1 raises
+`InputError`, and so do lengths the op would clamp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe.debug import ids_in_range, values_at_least, values_at_most
+
+
+def _entries_read(op: str, arg: str, indices: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor | None:
+    if lengths is None:
+        return None
+    values_at_least(op, arg, lengths, 0, "a number of entries")
+    values_at_most(op, arg, lengths, indices.shape[1], "K, the entries of a row of indices")
+    columns = torch.arange(indices.shape[1], device=indices.device)
+    return columns[None, :] < lengths.detach().long()[:, None]
+
+
+def debug_check_dsv4_sparse_attn(call) -> None:
+    """Every entry of `indices` / `extra_indices` the op reads (all, or those left of the
+    token's length) in `[0, num_blocks * block_size)` of its cache or -1; the lengths in
+    `[0, K]`."""
+    op = "dsv4_sparse_attn"
+    pairs = [("", call.kv_cache, call.indices, call.topk_length)]
+    if call.extra_kv_cache is not None:
+        pairs.append(("extra_", call.extra_kv_cache, call.extra_indices, call.extra_topk_length))
+    for prefix, cache, indices, lengths in pairs:
+        used = _entries_read(op, f"{prefix}topk_length", indices, lengths)
+        num_blocks, block_size = cache.shape[:2]
+        ids_in_range(op, f"{prefix}indices", indices, num_blocks * block_size, used=used, what="cache slots")

@@ -1,0 +1,88 @@
+"""Fakes and input checks of the DeepSeek-V4 ops (`graphsafe.ops.dsv4`)."""
+
+from __future__ import annotations
+
+import torch
+
+from graphsafe import checks as c
+from graphsafe.formats import fp8_dsv4
+
+RECORDS = "fp8_dsv4"  # a uint8 cache of DeepSeek-V4 records (graphsafe.formats.fp8_dsv4)
+
+
+def cache_kind(cache: torch.Tensor) -> str:
+    """"fp8_dsv4" for a uint8 cache (records), else the name of the cache's dtype."""
+    return RECORDS if cache.dtype == torch.uint8 else str(cache.dtype).removeprefix("torch.")
+
+
+def check_cache(op: str, arg: str, cache: torch.Tensor, head_dim: int, device: torch.device,
+                dtype: torch.dtype = torch.bfloat16) -> None:
+    """A cache of DeepSeek-V4 latent rows: fp8_dsv4 records (uint8 `[num_blocks, block_size,
+    584]`, stride(2) 1, stride(1) 584, blocks that do not overlap; head_dim must be 512), or
+    rows of `dtype` `[num_blocks, block_size, head_dim]` with a contiguous last dim."""
+    c.tensor(op, arg, cache, ndim=3, device=device)
+    if cache.dtype == torch.uint8:
+        if head_dim != fp8_dsv4.HEAD_DIM:
+            c.fail(op, arg, f"a cache of rows of {head_dim} values of dtype {str(dtype).removeprefix('torch.')} "
+                   f"(uint8 fp8_dsv4 records hold rows of {fp8_dsv4.HEAD_DIM})", "uint8")
+        c.shape(op, arg, cache, (None, None, fp8_dsv4.TOKEN_BYTES),
+                "[num_blocks, block_size, 584] (fp8_dsv4 records, bytes)")
+        if not fp8_dsv4.is_fp8_dsv4_cache(cache):
+            c.fail(op, arg, "an fp8_dsv4 cache: each block's bytes contiguous (stride(2) 1, stride(1) 584) and "
+                   "blocks at least block_size * 584 bytes apart", f"strides {cache.stride()}")
+    else:
+        if cache.dtype != dtype:
+            c.fail(op, arg, f"of dtype {str(dtype).removeprefix('torch.')} or uint8 (fp8_dsv4 records)",
+                   str(cache.dtype).removeprefix("torch."))
+        c.shape(op, arg, cache, (None, None, head_dim), "[num_blocks, block_size, head_dim]")
+        c.last_dim_contiguous(op, arg, cache)
+    if cache.shape[0] < 1 or cache.shape[1] < 1:
+        c.fail(op, arg, "of at least one block of at least one slot", f"shape {list(cache.shape)}")
+
+
+def _check_lengths(op: str, arg: str, lengths, rows: int, device: torch.device) -> None:
+    if lengths is not None:
+        c.tensor(op, arg, lengths, dtypes=(torch.int32,), ndim=1, device=device)
+        c.shape(op, arg, lengths, (rows,), "[T]")
+        c.last_dim_contiguous(op, arg, lengths)
+
+
+def _check_indices(op: str, arg: str, indices, rows: int, device: torch.device) -> None:
+    c.tensor(op, arg, indices, dtypes=(torch.int32,), ndim=2, device=device)
+    c.shape(op, arg, indices, (rows, None), "[T, K]")
+    c.last_dim_contiguous(op, arg, indices)
+
+
+def check_dsv4_sparse_attn(call) -> None:
+    op = "dsv4_sparse_attn"
+    q = call.q
+    c.tensor(op, "q", q, dtypes=(torch.bfloat16,), ndim=3)
+    c.last_dim_contiguous(op, "q", q)
+    rows, heads, d = q.shape
+    if d < 1:
+        c.fail(op, "q", "of a head dim of at least 1", f"shape {list(q.shape)}")
+    check_cache(op, "kv_cache", call.kv_cache, d, q.device)
+    _check_indices(op, "indices", call.indices, rows, q.device)
+    if call.attn_sink is not None:
+        c.tensor(op, "attn_sink", call.attn_sink, dtypes=(torch.float32,), ndim=1, device=q.device)
+        c.shape(op, "attn_sink", call.attn_sink, (heads,), "[H]")
+    _check_lengths(op, "topk_length", call.topk_length, rows, q.device)
+    extra = call.extra_kv_cache
+    if extra is None:
+        for arg in ("extra_indices", "extra_topk_length"):
+            if getattr(call, arg) is not None:
+                c.fail(op, arg, "None when 'extra_kv_cache' is None", "a tensor")
+        return
+    check_cache(op, "extra_kv_cache", extra, d, q.device)
+    if cache_kind(extra) != cache_kind(call.kv_cache):
+        c.fail(op, "extra_kv_cache", f"of the kind of 'kv_cache' ({cache_kind(call.kv_cache)})", cache_kind(extra))
+    if call.extra_indices is None:
+        c.fail(op, "extra_indices", "a tensor when 'extra_kv_cache' is given", None)
+    _check_indices(op, "extra_indices", call.extra_indices, rows, q.device)
+    _check_lengths(op, "extra_topk_length", call.extra_topk_length, rows, q.device)
+
+
+def fake_dsv4_sparse_attn(call):
+    check_dsv4_sparse_attn(call)
+    q = call.q
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
