@@ -136,6 +136,7 @@ try:
 except ImportError:
     print("NO_BACKEND"); sys.exit(0)
 import torch
+import graphsafe
 from graphsafe.formats import fp8_dsv4
 from graphsafe.ops.dsv4 import plan, triton as tri
 
@@ -162,6 +163,11 @@ for heads in (16, 64, 128):
     tri.dsv4_sparse_attn(q, rec, idx, 0.04, sink, lens, xrec, xidx, lens, config=cfg, num_splits=4)
     tri.dsv4_sparse_attn(q, rec, idx, 0.04, None, None, None, None, None, config=cfg, num_splits=1)
     tri.dsv4_sparse_attn(q, rows, idx, 0.04, sink, lens, xrows, xidx, None, config=cfg, num_splits=2)
+    insert = graphsafe.get_op("dsv4_qnorm_rope_kv_insert")
+    for cache in (rec, rows):
+        args = (q, torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(4, 128, 512, dtype=torch.bfloat16), cache,
+                torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), torch.zeros(64, 64), 1e-6)
+        tri.prepare_dsv4_qnorm_rope_kv_insert(insert.call(*args))(*args)
 seen = set()
 for fn, args, kw in launches:
     if kw.get("RECORDS"):
@@ -176,7 +182,7 @@ for fn, args, kw in launches:
     print("compiled", fn.__name__, kw.get("BLOCK_H"), kw.get("RECORDS"), kw.get("SPLIT"), "shared", k.metadata.shared,
           "native", "e4m3x2" in ptx)
     assert k.metadata.shared <= 227 * 1024, k.metadata.shared
-    if kw.get("RECORDS"):
+    if kw.get("RECORDS") and fn.__name__ == "dsv4_attn_kernel":
         assert "e4m3x2" in ptx, "the hardware e4m3 conversion"
 print("OK")
 """
@@ -187,5 +193,76 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     compiling every variant the runner binds (records with the hardware e4m3 conversion,
     bf16 rows; split or not; sink, lengths, the extra cache) for sm_90 with ptxas."""
     out = compile_for_sm90(_COMPILE_SCRIPT, timeout=1200)
-    # 3 variants per tile size (64 and 128 heads share the 32-head tiles).
+    # 3 variants per tile size (64 and 128 heads share the 32-head tiles); the insert kernel
+    # for records and bf16 rows.
     assert out.count("compiled dsv4_attn_kernel") == 6 and "compiled combine_kernel" in out, out
+    assert out.count("compiled qnorm_rope_kv_insert_kernel") == 2, out
+
+
+# -- dsv4_qnorm_rope_kv_insert ---------------------------------------------------------------
+INSERT = graphsafe.get_op("dsv4_qnorm_rope_kv_insert")
+
+
+def test_insert_matches_transformers_norm_and_interleaved_rope():
+    """An independent oracle of the conventions: transformers' DeepSeek-V4 unweighted RMSNorm
+    and `apply_rotary_pos_emb` (interleaved pairs on the trailing 64 values, one cos / sin
+    per pair) in float32, against q_out and the rows the cache reads back."""
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    from graphsafe.ops.dsv4.cases import rope_table
+
+    gen = torch.Generator().manual_seed(5)
+    t, h, hp, max_pos = 6, 3, 8, 300
+    q = torch.randn((t, h, 512), generator=gen).bfloat16()
+    kv = (torch.randn((t, 512), generator=gen) * 2).bfloat16()
+    positions = torch.tensor([0, 7, 299, 64, 1, 150])
+    table = rope_table(max_pos)
+    cos, sin = table[positions, :32][None], table[positions, 32:][None]  # [1, T, 32]
+    norm = modeling.DeepseekV4UnweightedRMSNorm(eps=1e-6)
+    want_q = modeling.apply_rotary_pos_emb(norm(q.float().transpose(0, 1)[None]), cos, sin)[0].transpose(0, 1)
+    want_kv = modeling.apply_rotary_pos_emb(kv.float()[None, None], cos, sin)[0, 0]
+    for backend in ("reference", "triton"):
+        for cache in (fp8_dsv4.empty_cache(2, 4), torch.zeros(2, 4, 512, dtype=torch.bfloat16)):
+            q_out = torch.full((t, hp, 512), float("nan"), dtype=torch.bfloat16)
+            slots = torch.tensor([3, 0, 7, 5, 1, 2])
+            INSERT.runner(backend)(q, kv, q_out, cache, slots, positions, table, 1e-6)
+            torch.testing.assert_close(q_out[:, :h].float(), want_q, rtol=1e-2, atol=1e-2)
+            assert q_out[:, h:].eq(0).all()
+            if cache.dtype == torch.uint8:
+                rows = fp8_dsv4.read_tokens(cache, slots)
+                torch.testing.assert_close(rows[:, :448], want_kv[:, :448], rtol=2.0**-4, atol=1e-6)
+            else:
+                rows = cache.view(-1, 512)[slots].float()
+                torch.testing.assert_close(rows[:, :448], want_kv[:, :448], rtol=0, atol=0)
+            torch.testing.assert_close(rows[:, 448:], want_kv[:, 448:], rtol=2.0**-8, atol=1e-6)
+
+
+def test_insert_writes_only_its_tokens_and_padding_tokens_nothing():
+    """Record bytes of other tokens, pad bytes' neighbours and the block padding stay as
+    they were; a padding token (position -1) writes zeros to all its q_out heads and
+    nothing to the cache; tokens past slot_mapping's length are not inserted."""
+    gen = torch.Generator().manual_seed(6)
+    from graphsafe.ops.dsv4.cases import rope_table
+
+    cache = fp8_dsv4.empty_cache(3, 4)
+    storage = torch.as_strided(cache, (3 * cache.stride(0),), (1,))
+    storage.copy_(torch.randint(0, 256, storage.shape, generator=gen, dtype=torch.uint8))
+    for backend in ("reference", "triton"):
+        c = fp8_dsv4.empty_cache(3, 4)
+        st = torch.as_strided(c, (3 * c.stride(0),), (1,))
+        st.copy_(storage)
+        q = torch.randn((4, 2, 512), generator=gen).bfloat16()
+        kv = torch.randn((4, 512), generator=gen).bfloat16()
+        q_out = torch.randn((4, 2, 512), generator=gen).bfloat16()
+        positions = torch.tensor([5, -1, 9, 3])
+        INSERT.runner(backend)(q, kv, q_out, c, torch.tensor([6, 2, 11]), positions, rope_table(16), 1e-6)
+        assert q_out[1].eq(0).all() and not q_out[0].eq(0).all()
+        changed = (st != storage).nonzero()[:, 0]
+        block = c.stride(0)
+        allowed = set()
+        for slot in (6, 11):
+            b, tok = divmod(slot, 4)
+            d, sc, pad = fp8_dsv4.token_byte_offsets(4, tok)
+            allowed |= {b * block + o for o in (*d, *sc, pad)}
+        assert set(changed.tolist()) <= allowed, backend
+        assert fp8_dsv4.read_tokens(c, torch.tensor([6, 11]))[:, :448].eq(
+            fp8_dsv4.dequantize_tokens(*fp8_dsv4.quantize_tokens(kv[[0, 2]].float()))[:, :448]).all()

@@ -22,7 +22,7 @@ from torch import Tensor
 from graphsafe.ops.dsv4 import fake, reference, triton
 from graphsafe.registry import register_op
 
-__all__ = ["dsv4_sparse_attn", "dsv4_sparse_attn_workspace_specs"]
+__all__ = ["dsv4_qnorm_rope_kv_insert", "dsv4_sparse_attn", "dsv4_sparse_attn_workspace_specs"]
 
 
 @register_op(
@@ -118,6 +118,81 @@ def dsv4_sparse_attn(
     K + K2, the SM count), never from lengths or indices, so a captured CUDA graph stays
     right when they change between replays. Workspace:
     `dsv4_sparse_attn_workspace_specs(T, H, D, K, K2)`.
+    """
+
+
+@register_op(
+    "dsv4_qnorm_rope_kv_insert",
+    fake=fake.fake_dsv4_qnorm_rope_kv_insert,
+    check=fake.check_dsv4_qnorm_rope_kv_insert,
+    mutates_args=("q_out", "kv_cache"),
+    debug_check="graphsafe.ops.dsv4.debug:debug_check_dsv4_qnorm_rope_kv_insert",
+    family="dsv4",
+    backends=(reference.DSV4_QNORM_ROPE_KV_INSERT, triton.DSV4_QNORM_ROPE_KV_INSERT),
+)
+def dsv4_qnorm_rope_kv_insert(
+    q: Tensor,
+    kv: Tensor,
+    q_out: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    positions: Tensor,
+    cos_sin_cache: Tensor,
+    eps: float,
+) -> None:
+    """A step's queries and window-cache write, fused (vLLM's
+    `fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert`): per-head RMSNorm and RoPE of q into
+    `q_out` (its extra heads zero), RoPE of kv and its insert into the window cache.
+
+    For token t with position `p = positions[t]` in `[0, max_pos)`, with `cos = cos_sin_cache[p,
+    :32]`, `sin = cos_sin_cache[p, 32:]` and RoPE the GPT-J rotation of the pairs `(x[448 +
+    2i], x[449 + 2i])` into `(e cos_i - o sin_i, e sin_i + o cos_i)`, in float32:
+
+    * head h < H: `x = q[t, h]`, `y = x / sqrt(sum(x^2) / 512 + eps)` (RMSNorm without
+      weight; IEEE sqrt and division), RoPE on y's last 64 values, `q_out[t, h]` = y rounded
+      to bf16 (nearest even);
+    * head H <= h < Hp: `q_out[t, h] = 0` (the padded heads FlashMLA reads, see
+      `dsv4_sparse_attn`);
+    * if t < N (`slot_mapping`'s length: tokens past it, e.g. data-parallel padding, are not
+      inserted) and `s = slot_mapping[t]` is in `[0, num_blocks * block_size)`: the row
+      `kv[t]` with RoPE on its last 64 values, rounded to bf16, is written at slot s: as an
+      fp8_dsv4 record (`graphsafe.formats.fp8_dsv4.quantize_tokens`, byte for byte: UE8M0
+      scales, e4m3 NoPE values, the RoPE values' bf16 bits, the pad byte 0) or as a bf16 row.
+
+    A token whose position lies outside `[0, max_pos)` (-1 is the padding value) is a padding
+    token: all its Hp heads of `q_out` are 0 and it is not inserted; nothing of it (q, kv, a
+    table row) is read. A slot of -1, or outside the cache, skips the insert only. Only the
+    slots written change in `kv_cache` (all bytes of their records but no other: neither
+    other tokens' bytes nor a block's padding); `q_out` is written whole and never read.
+    Slots >= 0 must be distinct (which token a repeated slot ends up holding is
+    unspecified; the debug switch checks it).
+
+    Non-finite values follow the arithmetic: a NaN or inf in `q[t, h]` makes the sum of
+    squares NaN or inf, so that head's row is NaN (inf / inf, 0 * inf) or 0 where finite
+    values meet an infinite norm; in `kv[t]` a NoPE value NaN or +-inf makes its 64-value tile
+    a NaN tile (scale byte 255, value bytes 0x7F), a RoPE value NaN or inf gives NaN or inf
+    where the rotation does (a bf16 NaN whose bits are not specified). Rounding: the
+    kernels may sum squares in another order and contract the rotation's multiply-adds, so
+    a `q_out` value or a stored RoPE value may differ from the reference by one bf16 ulp;
+    the NoPE bytes and scales of a record are exact (RoPE does not touch the NoPE values).
+
+    Args:
+        q: `[T, H, 512]` bf16 queries (448 NoPE + 64 RoPE values a head). Last dim contiguous.
+        kv: `[T, 512]` bf16 latent rows (after the kv RMSNorm). Last dim contiguous.
+        q_out: `[T, Hp, 512]` bf16, Hp >= H (vLLM pads to 64 or 128 heads for FlashMLA);
+            written whole, never read; must not overlap `q`. Last dim contiguous.
+        kv_cache: the window cache: uint8 `[num_blocks, block_size, 584]` fp8_dsv4 records
+            (see `dsv4_sparse_attn`) or bf16 `[num_blocks, block_size, 512]` rows.
+        slot_mapping: `[N]` int64 or int32, N <= T: the cache slot of each of the first N
+            tokens, -1 = not inserted (any slot outside the cache acts as -1; the debug
+            switch refuses it).
+        positions: `[T]` int64 or int32 positions, rows of `cos_sin_cache`; -1 (or any value
+            outside `[0, max_pos)`) marks a padding token (the debug switch refuses values
+            outside other than -1).
+        cos_sin_cache: `[max_pos, 64]` float32: cos of the 32 pairs, then their sin.
+        eps: the RMSNorm epsilon (DeepSeek-V4: 1e-6).
+
+    Returns None; mutates `q_out` and `kv_cache`.
     """
 
 

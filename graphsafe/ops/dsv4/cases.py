@@ -340,5 +340,216 @@ register_case(
     )
 )
 
+# -- dsv4_qnorm_rope_kv_insert -------------------------------------------------------------
+# q_out: the kernels may sum the squares in another order and fuse the rotation's
+# multiply-adds: a value may differ by one bf16 ulp. RoPE values stored in the cache: the same.
+Q_OUT_TOLERANCE = (1.6e-2, 1e-2)
+ROPE_RTOL = 2.0**-7
+
+
+def rope_table(max_pos: int, theta: float = 10000.0) -> torch.Tensor:
+    """`[max_pos, 64]` float32: cos | sin of DeepSeek-V4's 32 rotary frequencies."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    angles = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=1)
+
+
+def _params_insert():
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries({
+        "T": st.integers(0, 5),
+        "H": st.sampled_from([1, 2, 3, 4, 16]),
+        "pad_heads": st.sampled_from([0, 0, 3, 12]),
+        "inserted": st.sampled_from(["all", "all", "fewer"]),
+        "cache": st.sampled_from([RECORDS, RECORDS, BF16]),
+        "block_size": st.sampled_from([1, 4, 16]),
+        "num_blocks": st.integers(1, 4),
+        "max_pos": st.integers(1, 64),
+        "padding": st.sampled_from([0.0, 0.0, 0.3]),
+        "index_dtype": st.sampled_from([torch.int64, torch.int32]),
+        "strided": st.booleans(),
+    })
+
+
+def _make_insert(p: Params, device, gen):
+    t, h, nb, bs = p["T"], p["H"], p["num_blocks"], p["block_size"]
+    hp = h + p["pad_heads"]
+    q = _q((t, h, 512), device, gen, p["strided"])
+    kv = randn((t, 512 + (8 if p["strided"] else 0)), torch.bfloat16, device, gen)[:, :512]
+    q_out = randn((t, hp, 512), torch.bfloat16, device, gen, scale=3.0)  # random before the op writes it
+    if p["cache"] == RECORDS:
+        stride = fp8_dsv4.padded_block_bytes(bs) + (16 if p["strided"] else 0)
+        cache = record_cache(latent_rows(nb * bs, gen), nb, bs, device, gen, stride)
+    else:
+        cache = _cache({**p, "D": 512}, nb, bs, device, gen)
+    n = t if p["inserted"] == "all" else t // 2
+    slots = torch.full((n,), -1, dtype=torch.int64)
+    m = min(n, nb * bs)  # distinct slots; tokens beyond the cache's slots are not inserted
+    slots[:m] = torch.randperm(nb * bs, generator=gen)[:m]
+    slots = torch.where(torch.rand(n, generator=gen) < p["padding"], -1, slots)
+    positions = torch.randint(0, p["max_pos"], (t,), generator=gen)
+    positions = torch.where(torch.rand(t, generator=gen) < p["padding"], -1, positions)
+    table = rope_table(p["max_pos"]).to(device)
+    idt = p["index_dtype"]
+    return q, kv, q_out, cache, slots.to(idt).to(device), positions.to(idt).to(device), table, 1e-6
+
+
+def _inserted(args):
+    """(tokens with a position in the table [T], tokens written [T], their slots); CPU."""
+    q, kv, q_out, cache, slots, positions, table, eps = args
+    pos = positions.cpu().long()
+    ok = (pos >= 0) & (pos < table.shape[0])
+    nb, bs = cache.shape[:2]
+    written = torch.zeros_like(ok)
+    s = slots.cpu().long()
+    written[: s.numel()] = ok[: s.numel()] & (s >= 0) & (s < nb * bs)
+    return ok, written, s
+
+
+def _unread_insert(p: Params, args):
+    """q rows of padding tokens, kv rows of tokens not inserted, table rows no position
+    names; all of q_out and of the cache (written, never read)."""
+    q, kv, q_out, cache, slots, positions, table, eps = args
+    ok, written, _ = _inserted(args)
+    used = torch.zeros(table.shape[0], dtype=torch.bool)
+    used[positions.cpu().long()[ok]] = True
+    return [
+        (0, ~ok[:, None, None].expand(q.shape)),
+        (1, ~written[:, None].expand(kv.shape)),
+        (2, torch.ones(q_out.shape, dtype=torch.bool)),
+        (3, torch.ones(cache.shape, dtype=torch.bool)),
+        (6, ~used[:, None].expand(table.shape)),
+    ]
+
+
+def _out_of_range_insert(p: Params, args, gen):
+    """Bad slots at some inserted tokens (-1 there) and bad positions at some tokens (-1
+    there: padding tokens)."""
+    q, kv, q_out, cache, slots, positions, table, eps = args
+    if q.shape[0] == 0:
+        return None
+    ok, written, s = _inserted(args)
+    nb, bs = cache.shape[:2]
+    bad, padded = list(args), list(args)
+    if written.any():
+        pick = written[: s.numel()] & (torch.rand(s.numel(), generator=gen) < 0.5)
+        if not pick.any():
+            pick[int(written[: s.numel()].nonzero()[0, 0])] = True
+        bad[4] = torch.where(pick, _bad_ids(pick.shape, nb * bs, gen), s).to(slots.dtype).to(slots.device)
+        padded[4] = torch.where(pick, -1, s).to(slots.dtype).to(slots.device)
+    pos = positions.cpu().long()
+    pick = torch.rand(pos.shape, generator=gen) < 0.3
+    pick[int(torch.randint(0, pos.numel(), (1,), generator=gen))] = True
+    bad[5] = torch.where(pick, _bad_ids(pick.shape, table.shape[0], gen), pos).to(positions.dtype).to(positions.device)
+    padded[5] = torch.where(pick, -1, pos).to(positions.dtype).to(positions.device)
+    return tuple(bad), tuple(padded)
+
+
+def _nonfinite_insert(p: Params, args, gen):
+    """NaN / +-inf in a q row read, in kv rows inserted (NoPE or RoPE columns), and a NaN
+    in one table row used."""
+    from graphsafe.testing.contract import clone_tensor
+
+    q, kv, q_out, cache, slots, positions, table, eps = args
+    q, kv, table = clone_tensor(q), clone_tensor(kv), clone_tensor(table)
+    ok, written, _ = _inserted(args)
+    for v in (float("nan"), float("inf"), float("-inf")):
+        rows = ok.nonzero()[:, 0]
+        if rows.numel():
+            t = int(rows[torch.randint(0, rows.numel(), (1,), generator=gen)])
+            q[t, int(torch.randint(0, q.shape[1], (1,), generator=gen)), int(torch.randint(0, 512, (1,), generator=gen))] = v
+        rows = written.nonzero()[:, 0]
+        if rows.numel():
+            t = int(rows[torch.randint(0, rows.numel(), (1,), generator=gen)])
+            kv[t, int(torch.randint(0, 512, (1,), generator=gen))] = v
+    used = positions.cpu().long()[ok]
+    if used.numel() and bool(torch.rand(1, generator=gen) < 0.5):
+        table[int(used[0]), int(torch.randint(0, 64, (1,), generator=gen))] = float("nan")
+    return q, kv, q_out, cache, slots, positions, table, eps
+
+
+def compare_caches(expected: torch.Tensor, actual: torch.Tensor) -> None:
+    """Written caches: every byte (record caches) or value (bf16) equal, but the RoPE values,
+    which may differ by one bf16 ulp (NaN equal to NaN, whatever its bits)."""
+    e, a = expected.cpu(), actual.cpu()
+    if e.dtype == torch.uint8:
+        nb, bs = e.shape[:2]
+        e_data, e_scales = fp8_dsv4.block_views(e)
+        a_data, a_scales = fp8_dsv4.block_views(a)
+        assert torch.equal(e_scales, a_scales), "record scales and pad bytes differ"
+        assert torch.equal(e_data[..., :448], a_data[..., :448]), "record NoPE bytes differ"
+        e_rope = e_data[..., 448:].contiguous().view(torch.bfloat16).float()
+        a_rope = a_data[..., 448:].contiguous().view(torch.bfloat16).float()
+    else:
+        torch.testing.assert_close(a[..., :448], e[..., :448], rtol=0, atol=0, equal_nan=True)
+        e_rope, a_rope = e[..., 448:].float(), a[..., 448:].float()
+    torch.testing.assert_close(a_rope, e_rope, rtol=ROPE_RTOL, atol=1e-30, equal_nan=True, msg=lambda m: f"RoPE: {m}")
+
+
+def compare_insert(expected, actual, expected_args, actual_args, params: Params) -> None:
+    assert expected is None and actual is None
+    rtol, atol = Q_OUT_TOLERANCE
+    torch.testing.assert_close(actual_args[2].float().cpu(), expected_args[2].float().cpu(), rtol=rtol, atol=atol,
+                               equal_nan=True, msg=lambda m: f"q_out: {m}")
+    compare_caches(expected_args[3], actual_args[3])
+
+
+EXAMPLE_INSERT: Params = {
+    "T": 5, "H": 3, "pad_heads": 5, "inserted": "fewer", "cache": RECORDS, "block_size": 4, "num_blocks": 3,
+    "max_pos": 40, "padding": 0.3, "index_dtype": torch.int64, "strided": False,
+}
+
+
+def _bad_insert(device, gen):
+    q, kv, q_out, cache, slots, pos, table, eps = _make_insert({**EXAMPLE_INSERT, "inserted": "all"}, device, gen)
+    return [
+        BadInput("q float16", (q.half(), kv, q_out, cache, slots, pos, table, eps), "q", "dtype"),
+        BadInput("q of head dim 576", (torch.cat([q, q[..., :64]], -1), kv, q_out, cache, slots, pos, table, eps), "q",
+                 r"\[T, H, 512\]"),
+        BadInput("kv of other T", (q, kv[1:], q_out, cache, slots, pos, table, eps), "kv", r"\[T, 512\]"),
+        BadInput("q_out of fewer heads", (q, kv, q_out[:, :2], cache, slots, pos, table, eps), "q_out", "at least"),
+        BadInput("slot_mapping longer than T", (q, kv, q_out, cache, torch.cat([slots, slots]), pos, table, eps),
+                 "slot_mapping", "at most T"),
+        BadInput("slot_mapping float", (q, kv, q_out, cache, slots.float(), pos, table, eps), "slot_mapping", "dtype"),
+        BadInput("positions of other T", (q, kv, q_out, cache, slots, pos[1:], table, eps), "positions", r"\[T\]"),
+        BadInput("cos_sin_cache of 128 columns", (q, kv, q_out, cache, slots, pos, torch.cat([table, table], 1), eps),
+                 "cos_sin_cache", "max_pos, 64"),
+        BadInput("cos_sin_cache bf16", (q, kv, q_out, cache, slots, pos, table.bfloat16(), eps), "cos_sin_cache",
+                 "dtype"),
+        BadInput("cache of float16 rows", (q, kv, q_out, torch.zeros(2, 4, 512, dtype=torch.float16, device=device),
+                                           slots, pos, table, eps), "kv_cache", "bfloat16 or uint8"),
+    ]
+
+
+register_case(
+    OpCase(
+        op="dsv4_qnorm_rope_kv_insert",
+        params=_params_insert,
+        example=EXAMPLE_INSERT,
+        make=_make_insert,
+        compare=compare_insert,
+        bad_inputs=_bad_insert,
+        unread=_unread_insert,
+        out_of_range=_out_of_range_insert,
+        nonfinite=_nonfinite_insert,
+        edge_cases=(
+            {**EXAMPLE_INSERT, "T": 0},
+            {**EXAMPLE_INSERT, "padding": 0.0, "inserted": "all", "pad_heads": 0},
+            {**EXAMPLE_INSERT, "padding": 1.0},
+            {**EXAMPLE_INSERT, "cache": BF16, "strided": True, "index_dtype": torch.int32},
+            {**EXAMPLE_INSERT, "H": 16, "pad_heads": 48, "block_size": 64, "num_blocks": 1, "strided": True},
+        ),
+        gpu_examples=(
+            {**EXAMPLE_INSERT, "T": 64, "H": 64, "pad_heads": 0, "block_size": 64, "num_blocks": 8, "max_pos": 4096,
+             "padding": 0.0, "inserted": "all"},
+            {**EXAMPLE_INSERT, "T": 1000, "H": 16, "pad_heads": 48, "block_size": 64, "num_blocks": 40,
+             "max_pos": 4096, "padding": 0.1},
+            {**EXAMPLE_INSERT, "T": 64, "H": 128, "pad_heads": 0, "block_size": 64, "num_blocks": 8, "max_pos": 4096,
+             "padding": 0.0, "cache": BF16},
+        ),
+    )
+)
+
 __all__ = ["RECORDS", "compare_attention", "entries_read", "latent_rows", "make_indices", "record_cache",
-           "set_row_value"]
+           "rope_table", "set_row_value"]

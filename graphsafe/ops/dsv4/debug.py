@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsafe.debug import ids_in_range, values_at_least, values_at_most
+from graphsafe.debug import ids_in_range, values_at_least, values_at_most, values_distinct
 
 
 def _entries_read(op: str, arg: str, indices: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor | None:
@@ -33,3 +33,15 @@ def debug_check_dsv4_sparse_attn(call) -> None:
         used = _entries_read(op, f"{prefix}topk_length", indices, lengths)
         num_blocks, block_size = cache.shape[:2]
         ids_in_range(op, f"{prefix}indices", indices, num_blocks * block_size, used=used, what="cache slots")
+
+
+def debug_check_dsv4_qnorm_rope_kv_insert(call) -> None:
+    """`positions` in `[0, max_pos)` or -1; the slots of the tokens inserted (those with a
+    position) in the cache or -1, and distinct."""
+    op = "dsv4_qnorm_rope_kv_insert"
+    ids_in_range(op, "positions", call.positions, call.cos_sin_cache.shape[0], what="positions")
+    num_blocks, block_size = call.kv_cache.shape[:2]
+    slots = call.slot_mapping
+    used = call.positions[: slots.shape[0]].detach() != -1
+    ids_in_range(op, "slot_mapping", slots, num_blocks * block_size, used=used, what="cache slots")
+    values_distinct(op, "slot_mapping", torch.where(used, slots.detach().long(), -1), "cache slots")

@@ -86,3 +86,43 @@ def fake_dsv4_sparse_attn(call):
     check_dsv4_sparse_attn(call)
     q = call.q
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def check_dsv4_qnorm_rope_kv_insert(call) -> None:
+    op = "dsv4_qnorm_rope_kv_insert"
+    q, kv, q_out = call.q, call.kv, call.q_out
+    d = fp8_dsv4.HEAD_DIM
+    c.tensor(op, "q", q, dtypes=(torch.bfloat16,), ndim=3)
+    t, h = q.shape[:2]
+    c.shape(op, "q", q, (None, None, d), "[T, H, 512]")
+    c.last_dim_contiguous(op, "q", q)
+    c.tensor(op, "kv", kv, dtypes=(torch.bfloat16,), ndim=2, device=q.device)
+    c.shape(op, "kv", kv, (t, d), "[T, 512]")
+    c.last_dim_contiguous(op, "kv", kv)
+    c.tensor(op, "q_out", q_out, dtypes=(torch.bfloat16,), ndim=3, device=q.device)
+    c.shape(op, "q_out", q_out, (t, None, d), "[T, Hp, 512]")
+    if q_out.shape[1] < h:
+        c.fail(op, "q_out", f"of at least the heads of 'q' ({h}): [T, Hp >= H, 512]", f"shape {list(q_out.shape)}")
+    c.last_dim_contiguous(op, "q_out", q_out)
+    check_cache(op, "kv_cache", call.kv_cache, d, q.device)
+    slots = call.slot_mapping
+    c.tensor(op, "slot_mapping", slots, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
+    c.last_dim_contiguous(op, "slot_mapping", slots)
+    if slots.shape[0] > t:
+        c.fail(op, "slot_mapping", f"of at most T = {t} entries (the first tokens' slots)", f"shape {list(slots.shape)}")
+    c.tensor(op, "positions", call.positions, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
+    c.shape(op, "positions", call.positions, (t,), "[T]")
+    c.last_dim_contiguous(op, "positions", call.positions)
+    cs = call.cos_sin_cache
+    c.tensor(op, "cos_sin_cache", cs, dtypes=(torch.float32,), ndim=2, device=q.device)
+    c.shape(op, "cos_sin_cache", cs, (None, 2 * (fp8_dsv4.ROPE_DIM // 2)), "[max_pos, 64] (cos | sin)")
+    c.last_dim_contiguous(op, "cos_sin_cache", cs)
+    if cs.shape[0] < 1:
+        c.fail(op, "cos_sin_cache", "of at least one position", f"shape {list(cs.shape)}")
+
+
+def fake_dsv4_qnorm_rope_kv_insert(call) -> None:
+    check_dsv4_qnorm_rope_kv_insert(call)

@@ -49,4 +49,62 @@ def dsv4_sparse_attn(q, kv_cache, indices, sm_scale, attn_sink=None, topk_length
     return attend(q, keys, valid, sm_scale, q.shape[2], attn_sink)
 
 
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J (interleaved) RoPE of float32 `x [..., 2n]`: pair i is (x[2i], x[2i + 1]), rotated
+    by `cos [..., n]`, `sin [..., n]`: (e cos - o sin, e sin + o cos)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+
+def rope_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """(ok `[T]`: the position is a row of the table, cos `[T, 32]`, sin `[T, 32]`; rows of
+    positions outside the table are zeros, nothing read for them)."""
+    pos = positions.long()
+    ok = (pos >= 0) & (pos < cos_sin_cache.shape[0])
+    rows = torch.where(ok[:, None], cos_sin_cache[torch.where(ok, pos, 0)].float(), 0.0)
+    half = rows.shape[1] // 2
+    return ok, rows[:, :half], rows[:, half:]
+
+
+def qnorm_rope(q: torch.Tensor, ok: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """float32 `[T, H, 512]`: each head RMS-normalised without weight (`x / sqrt(sum(x^2) / 512
+    + eps)`, IEEE sqrt and division), then RoPE on its last 64 values; zeros where not `ok`."""
+    nope = fp8_dsv4.NOPE_DIM
+    x = torch.where(ok[:, None, None], q.float(), 0.0)
+    r = 1.0 / torch.sqrt((x * x).sum(-1) / x.shape[-1] + eps)
+    y = x * r[..., None]
+    y = torch.cat([y[..., :nope], rope_pairs(y[..., nope:], cos[:, None], sin[:, None])], dim=-1)
+    return torch.where(ok[:, None, None], y, 0.0)
+
+
+def kv_rope(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """float32 `[T, 512]`: the kv rows with RoPE on their last 64 values."""
+    nope = fp8_dsv4.NOPE_DIM
+    x = kv.float()
+    return torch.cat([x[:, :nope], rope_pairs(x[:, nope:], cos, sin)], dim=1)
+
+
+def insert_rows(kv_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, enabled: torch.Tensor) -> None:
+    """Write float32 `rows [N, 512]` (rounded to bf16) at `slots` where `enabled` and the
+    slot lies in the cache: fp8_dsv4 records (`write_tokens`) or bf16 rows."""
+    slots = torch.where(enabled & fp8_dsv4.slot_valid(kv_cache, slots), slots.long(), -1)
+    if kv_cache.dtype == torch.uint8:
+        fp8_dsv4.write_tokens(kv_cache, rows, slots)
+        return
+    keep = slots >= 0
+    s = slots[keep]
+    bs = kv_cache.shape[1]
+    kv_cache[s // bs, s % bs] = rows[keep].to(kv_cache.dtype)
+
+
+def dsv4_qnorm_rope_kv_insert(q, kv, q_out, kv_cache, slot_mapping, positions, cos_sin_cache, eps):
+    t, h, _ = q.shape
+    ok, cos, sin = rope_tables(positions, cos_sin_cache)
+    q_out[:, :h] = qnorm_rope(q, ok, cos, sin, eps).to(q_out.dtype)
+    q_out[:, h:] = 0
+    n = slot_mapping.shape[0]
+    insert_rows(kv_cache, kv_rope(kv[:n], cos[:n], sin[:n]), slot_mapping, ok[:n])
+
+
 DSV4_SPARSE_ATTN = Backend(name="reference", impl=dsv4_sparse_attn)
+DSV4_QNORM_ROPE_KV_INSERT = Backend(name="reference", impl=dsv4_qnorm_rope_kv_insert)

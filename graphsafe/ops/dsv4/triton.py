@@ -133,6 +133,45 @@ def prepare_dsv4_sparse_attn(call, *, config: plan.Dsv4Tiles | None = None, num_
     return run_split
 
 
+@functools.cache
+def _insert_kernel():
+    from graphsafe.ops.dsv4.kernels import triton_qnorm_rope_insert
+
+    return triton_qnorm_rope_insert.qnorm_rope_kv_insert_kernel
+
+
+# Heads per loop step of the query part (a [BLOCK_H, 512] tile of f32 values).
+INSERT_BLOCK_H = 8
+
+
+def prepare_dsv4_qnorm_rope_kv_insert(call):
+    """The Triton runner of `dsv4_qnorm_rope_kv_insert`: one program per token."""
+    q, kv, q_out, kv_cache = call.q, call.kv, call.q_out, call.kv_cache
+    t, h, _ = q.shape
+    if t == 0:
+        def nothing(*args):
+            return None
+
+        return nothing
+    ph = _placeholder(q.device)
+    nb, bs = kv_cache.shape[:2]
+    launch = bind(
+        _insert_kernel(), (t,), ph, ph, ph, ph, ph, ph, ph,
+        float(call.eps), h, q_out.shape[1], call.slot_mapping.shape[0], call.cos_sin_cache.shape[0], nb * bs,
+        q.stride(0), q.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1), kv_cache.stride(0),
+        kv_cache.stride(1), call.cos_sin_cache.stride(0),
+        BLOCK_SIZE=bs, RECORDS=kv_cache.dtype == torch.uint8, BLOCK_H=INSERT_BLOCK_H, num_warps=4,
+    )
+
+    def run(q, kv, q_out, kv_cache, slot_mapping, positions, cos_sin_cache, eps=None):
+        launch(q, kv, q_out, kv_cache, slot_mapping, positions, cos_sin_cache)
+
+    return run
+
+
+DSV4_QNORM_ROPE_KV_INSERT = Backend(name="triton", prepare=prepare_dsv4_qnorm_rope_kv_insert)
+
+
 def explain_dsv4_sparse_attn(call) -> str:
     return plan.choose(call).describe()
 
