@@ -168,6 +168,15 @@ for heads in (16, 64, 128):
         args = (q, torch.zeros(4, 512, dtype=torch.bfloat16), torch.zeros(4, 128, 512, dtype=torch.bfloat16), cache,
                 torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), torch.zeros(64, 64), 1e-6)
         tri.prepare_dsv4_qnorm_rope_kv_insert(insert.call(*args))(*args)
+compress = graphsafe.get_op("dsv4_compress_kv")
+for d, ratio, coff, cache in ((512, 4, 2, rec), (512, 128, 1, rec), (512, 4, 2, rows),
+                              (128, 4, 2, torch.zeros(4, 64, 128, dtype=torch.bfloat16))):
+    w, t = coff * d, 8
+    i64 = torch.zeros(t, dtype=torch.int64)
+    args = (torch.zeros(t, w, dtype=torch.bfloat16), torch.zeros(t, w, dtype=torch.bfloat16), torch.zeros(ratio, w),
+            i64, torch.zeros(16, 8, 2 * w), i64, torch.zeros(2, 16, dtype=torch.int32), torch.zeros(t, dtype=torch.int32),
+            torch.ones(d), 1e-6, torch.zeros(64, 64), cache, i64, ratio)
+    tri.prepare_dsv4_compress_kv(compress.call(*args))(*args)
 seen = set()
 for fn, args, kw in launches:
     if kw.get("RECORDS"):
@@ -197,6 +206,7 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     # for records and bf16 rows.
     assert out.count("compiled dsv4_attn_kernel") == 6 and "compiled combine_kernel" in out, out
     assert out.count("compiled qnorm_rope_kv_insert_kernel") == 2, out
+    assert out.count("compiled compress_kernel") == 4 and out.count("compiled save_state_kernel") == 3, out
 
 
 # -- dsv4_qnorm_rope_kv_insert ---------------------------------------------------------------
@@ -266,3 +276,51 @@ def test_insert_writes_only_its_tokens_and_padding_tokens_nothing():
         assert set(changed.tolist()) <= allowed, backend
         assert fp8_dsv4.read_tokens(c, torch.tensor([6, 11]))[:, :448].eq(
             fp8_dsv4.dequantize_tokens(*fp8_dsv4.quantize_tokens(kv[[0, 2]].float()))[:, :448]).all()
+
+
+# -- dsv4_compress_kv -------------------------------------------------------------------------
+COMPRESS = graphsafe.get_op("dsv4_compress_kv")
+
+
+@pytest.mark.parametrize("kind,ratio", [("compressed_sparse_attention", 4), ("heavily_compressed_attention", 8)])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_compressor_matches_transformers(kind, ratio, backend):
+    """transformers' DeepSeek-V4 compressors (CSA: overlapping windows of 2 x 4 states; HCA:
+    non-overlapping windows, here of 8) on the same projections, position bias, norm weight
+    and "compress" RoPE, against the entries this op writes for a prefill of 13 tokens
+    (one call: windows pool states saved by the same call) into a bf16 row cache."""
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+
+    from graphsafe.ops.dsv4.cases import rope_table
+
+    d, n, theta = 128, 13, 160000.0
+    cfg = DeepseekV4Config(hidden_size=64, head_dim=d, q_lora_rank=32, index_n_heads=2, index_head_dim=64,
+                           partial_rotary_factor=64 / d, num_hidden_layers=1, compress_rope_theta=theta,
+                           compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8})
+    module = modeling.COMPRESSOR_CLASSES[kind](cfg)
+    gen = torch.Generator().manual_seed(7)
+    overlap = kind == "compressed_sparse_attention"
+    w = 2 * d if overlap else d
+    kv = torch.randn((n, w), generator=gen).bfloat16()
+    gate = (torch.randn((n, w), generator=gen) * 2).bfloat16()
+    with torch.no_grad():
+        module.position_bias.copy_(torch.randn(module.position_bias.shape, generator=gen))
+        module.kv_norm.weight.copy_(torch.randn(d, generator=gen) * 0.3 + 1)
+    module.kv_proj.forward = lambda h: kv.float()[None]  # the projections: these bf16 rows
+    module.gate_proj.forward = lambda h: gate.float()[None]
+    with torch.no_grad():
+        want = module(torch.zeros(1, n, 64), torch.randn(1, n, 32, generator=gen), torch.arange(n)[None], None, 0)[0]
+    want = want[0, 0]  # [n // ratio, D]
+    assert want.shape == (n // ratio, d)
+
+    sbs = 2
+    state = torch.zeros((n // sbs + 1, sbs, 2 * w))
+    table = torch.arange(n // sbs + 1, dtype=torch.int32)[None]
+    positions = torch.arange(n)
+    kv_slots = torch.where((positions + 1) % ratio == 0, positions // ratio, -1)
+    cache = torch.full((n // ratio, 1, d), float("nan"), dtype=torch.bfloat16)
+    COMPRESS.runner(backend)(kv, gate, module.position_bias.detach().float(), positions, state, positions, table,
+                             torch.zeros(n, dtype=torch.int32), module.kv_norm.weight.detach().float(), 1e-6,
+                             rope_table(n, theta), cache, kv_slots, ratio)
+    torch.testing.assert_close(cache[:, 0].float(), want, rtol=1e-2, atol=1e-2)

@@ -22,7 +22,7 @@ from torch import Tensor
 from graphsafe.ops.dsv4 import fake, reference, triton
 from graphsafe.registry import register_op
 
-__all__ = ["dsv4_qnorm_rope_kv_insert", "dsv4_sparse_attn", "dsv4_sparse_attn_workspace_specs"]
+__all__ = ["dsv4_compress_kv", "dsv4_qnorm_rope_kv_insert", "dsv4_sparse_attn", "dsv4_sparse_attn_workspace_specs"]
 
 
 @register_op(
@@ -193,6 +193,107 @@ def dsv4_qnorm_rope_kv_insert(
         eps: the RMSNorm epsilon (DeepSeek-V4: 1e-6).
 
     Returns None; mutates `q_out` and `kv_cache`.
+    """
+
+
+@register_op(
+    "dsv4_compress_kv",
+    fake=fake.fake_dsv4_compress_kv,
+    check=fake.check_dsv4_compress_kv,
+    mutates_args=("state_cache", "kv_cache"),
+    debug_check="graphsafe.ops.dsv4.debug:debug_check_dsv4_compress_kv",
+    family="dsv4",
+    backends=(reference.DSV4_COMPRESS_KV, triton.DSV4_COMPRESS_KV),
+)
+def dsv4_compress_kv(
+    kv: Tensor,
+    score: Tensor,
+    ape: Tensor,
+    positions: Tensor,
+    state_cache: Tensor,
+    state_slot_mapping: Tensor,
+    state_block_table: Tensor,
+    token_to_req: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    cos_sin_cache: Tensor,
+    kv_cache: Tensor,
+    kv_slot_mapping: Tensor,
+    compress_ratio: int,
+) -> None:
+    """DeepSeek-V4's KV compressor for one step's tokens: save each token's partial state,
+    then, for each token that completes a window of `compress_ratio` positions, pool the
+    window's states into one compressed entry, RMS-normalise it, rotate it and write it
+    into the compressed cache (vLLM's `_save_partial_states_kernel` and
+    `_fused_kv_compress_norm_rope_insert_sparse_attn`; transformers' `DeepseekV4CSACompressor`
+    / `DeepseekV4HCACompressor`).
+
+    With D = `norm_weight`'s size (512 for the attention's cache, 128 for the indexer's
+    keys) and W = `kv`'s width: W = D pools non-overlapping windows (ratio 128, "HCA");
+    W = 2 D overlapping ones (ratio 4, "CSA"): an entry pools its window's states through
+    their last D channels and the previous window's through their first D.
+
+    1. Save: token t with position `p = positions[t]` in `[0, max_pos)` and state slot `s =
+       state_slot_mapping[t]` in the state cache writes the float32 row `[kv[t] | score[t] +
+       ape[p % compress_ratio]]` (2 W values) at s (slot s: block `s // state_block_size`,
+       row `s % state_block_size`). Other tokens (-1 slots, positions outside the table:
+       padding) save nothing and do nothing below.
+    2. Compress (after every save of the call): a saving token t with `(p + 1) %
+       compress_ratio == 0`, a request `r = token_to_req[t]` in `[0, R)` and a slot `e =
+       kv_slot_mapping[t]` in the compressed cache pools the S states of positions `q = p -
+       S + 1 ... p` (S = ratio, or 2 ratio with W = 2 D), state i at slot
+       `state_block_table[r, q // sbs] * sbs + q % sbs`, through channels `[0, D)` (or, with
+       W = 2 D, `[D, 2D)` for the last `ratio` states): channel c of the entry is
+       `sum_i softmax_i(score_i[c]) kv_i[c]` in float32 (max-shifted: `exp(s - max) / sum`).
+       A state with q < 0, a block-table column past its width, or a block id outside the
+       state cache is missing (no weight); a window without any state pools to 0. Then
+       `y = x / sqrt(sum(x^2) / D + eps) * norm_weight` (IEEE sqrt and division), RoPE (GPT-J
+       pairs, as `dsv4_qnorm_rope_kv_insert`) of y's last 64 values at position `(p //
+       ratio) * ratio` (the window's first), and the row, rounded to bf16, is written at e:
+       an fp8_dsv4 record (`graphsafe.formats.fp8_dsv4.quantize_tokens`) or a bf16 row.
+       Tokens that complete no window read neither `kv_slot_mapping` nor `token_to_req`.
+
+    The indexer's keys (D = 128) go to the indexer's fp8 cache in two steps: this op writes
+    bf16 rows (a `[T, 1, 128]` staging cache, slot = token), then
+    `graphsafe.indexer_k_quant_and_cache(rows, cache, slots, 128, "ue8m0")`, whose layout
+    (DeepGEMM's: 128 e4m3 bytes then one float32 scale per token, a block's data then its
+    scales) and power-of-two scales are DeepSeek-V4's indexer cache (vLLM
+    `_fused_kv_compress_norm_rope_insert_indexer_attn`).
+
+    Only the slots written change (state rows of saving tokens, whole compressed entries);
+    state slots >= 0 must be distinct, and so must compressed slots (the debug switch checks
+    both). Non-finite values follow the arithmetic: a NaN score or kv value reaching a
+    channel's pool makes that channel NaN, and the RMS then makes the whole entry NaN (a
+    record of NaN tiles); an inf score gives that channel NaN (inf - inf). Rounding: the
+    kernels' exp and summation order differ from the reference's, so an entry may differ
+    by a float32 ulp before its bf16 rounding, and a record's value bytes by one e4m3 step
+    (its scale by one binade where the tile's max sits at a power of two).
+
+    Args:
+        kv: `[T, W]` bf16, the compressor's kv projection of each token (W = D or 2 D).
+        score: `[T, W]` bf16, its gate logits.
+        ape: `[compress_ratio, W]` float32, the position bias (by position in the window).
+        positions: `[T]` int64 / int32 positions, rows of `cos_sin_cache`; outside
+            `[0, max_pos)` (-1: padding) a token does nothing.
+        state_cache: `[num_state_blocks, state_block_size, 2 W]` float32 partial states
+            (read and written). Last dim contiguous.
+        state_slot_mapping: `[T]` int64 / int32, each token's state slot; -1 (or any slot
+            outside the state cache) = padding token.
+        state_block_table: `[R, max_state_blocks]` int32, each request's state blocks by
+            position (`position // state_block_size`); ids outside the state cache are missing
+            states. Only the entries of the windows pooled are read.
+        token_to_req: `[T]` int32, the request (row of `state_block_table`) of each token.
+        norm_weight: `[D]` float32, the RMSNorm weight; D a multiple of 64.
+        eps: the RMSNorm epsilon.
+        cos_sin_cache: `[max_pos, 64]` float32 (cos | sin of the 32 pairs; DeepSeek-V4's
+            compressed layers use their "compress" RoPE).
+        kv_cache: the compressed cache: fp8_dsv4 records (D = 512) or bf16 `[num_blocks,
+            block_size, D]` rows (see `dsv4_sparse_attn`).
+        kv_slot_mapping: `[T]` int64 / int32, the compressed-cache slot of the entry a token
+            completes (read only for tokens that complete one; -1 = none).
+        compress_ratio: positions per window (4 or 128 for DeepSeek-V4; any >= 1).
+
+    Returns None; mutates `state_cache` and `kv_cache`.
     """
 
 

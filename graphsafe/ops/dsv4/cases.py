@@ -551,5 +551,259 @@ register_case(
     )
 )
 
+# -- dsv4_compress_kv ----------------------------------------------------------------------
+# A record's values may move by one e4m3 step (2^-3 relative; the pooled float32 value
+# differs by ulps between exp implementations, which can flip its bf16 and e4m3 rounding).
+COMPRESS_RECORD_TOLERANCE = (0.13, 1e-3)
+COMPRESS_ROW_TOLERANCE = (2e-2, 1e-2)
+
+
+def _params_compress():
+    from hypothesis import strategies as st
+
+    return st.fixed_dictionaries({
+        "requests": st.lists(st.tuples(st.integers(0, 20), st.integers(0, 4)), min_size=1, max_size=3),
+        "ratio": st.sampled_from([1, 2, 4, 4, 8]),
+        "overlap": st.booleans(),
+        "cache": st.sampled_from([RECORDS, RECORDS, BF16]),
+        "D": st.sampled_from([64, 128]),
+        "state_block_size": st.sampled_from([1, 2, 4]),
+        "block_size": st.sampled_from([1, 4]),
+        "missing": st.sampled_from([0.0, 0.0, 0.2]),
+        "padding": st.sampled_from([0.0, 0.0, 0.25]),
+    })
+
+
+def _make_compress(p: Params, device, gen):
+    """Requests `(start, new)`: `new` tokens at positions start ... start + new - 1, packed
+    one request after the other; every position of a request has a state block (some, a
+    fraction `missing`, -1: missing states), the earlier positions' states hold random saved
+    states; compressed slots for the tokens that complete a window, garbage elsewhere (never
+    read), and so are `token_to_req` of the others."""
+    ratio, d = p["ratio"], (fp8_dsv4.HEAD_DIM if records(p) else p["D"])
+    w = 2 * d if p["overlap"] else d
+    sbs = p["state_block_size"]
+    reqs = p["requests"]
+    t = sum(n for _, n in reqs)
+    max_blocks = max((s + n) // sbs + 1 for s, n in reqs)
+    nsb = len(reqs) * max_blocks + 2
+    table = torch.randperm(nsb, generator=gen)[: len(reqs) * max_blocks].view(len(reqs), max_blocks)
+    table = torch.where(torch.rand(table.shape, generator=gen) < p["missing"], -1, table).to(torch.int32)
+    state = torch.randn((nsb, sbs, 2 * w), generator=gen)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in reqs]) if t else torch.zeros(0, dtype=torch.int64)
+    req_of = torch.cat([torch.full((n,), r) for r, (_, n) in enumerate(reqs)]) if t else torch.zeros(0, dtype=torch.int64)
+    blk = table[req_of, positions // sbs].long()
+    state_slots = torch.where(blk >= 0, blk * sbs + positions % sbs, -1)
+    pad = torch.rand(t, generator=gen) < p["padding"]
+    state_slots = torch.where(pad & (torch.rand(t, generator=gen) < 0.5), -1, state_slots)
+    positions = torch.where(pad & (state_slots >= 0), -1, positions)
+    boundary = (positions >= 0) & (state_slots >= 0) & ((positions + 1) % ratio == 0)
+    nb, bs = 3, p["block_size"]
+    nb = max(nb, -(-int(boundary.sum()) // bs) + 1)
+    kv_slots = torch.randint(-(2**40), 2**40, (t,), generator=gen)  # garbage: never read
+    kv_slots[boundary] = torch.randperm(nb * bs, generator=gen)[: int(boundary.sum())]
+    token_to_req = torch.randint(-(2**31), 2**31 - 1, (t,), generator=gen, dtype=torch.int64)
+    token_to_req[boundary] = req_of[boundary]
+    max_pos = max((s + n for s, n in reqs), default=1) + 3
+    if records(p):
+        cache = record_cache(latent_rows(nb * bs, gen), nb, bs, device, gen)
+    else:
+        cache = randn((nb, bs, d), torch.bfloat16, device, gen)
+    return (
+        randn((t, w), torch.bfloat16, device, gen), randn((t, w), torch.bfloat16, device, gen),
+        randn((ratio, w), torch.float32, device, gen), positions.to(device), state.to(device), state_slots.to(device),
+        table.to(device), token_to_req.to(torch.int32).to(device),
+        (torch.randn(d, generator=gen) * 0.3 + 1).to(device), 1e-6, rope_table(max_pos, 160000.0).to(device), cache,
+        kv_slots.to(device), ratio,
+    )
+
+
+def _compress_reads(args):
+    """What the op reads and writes: (saving tokens, boundary tokens, pooling tokens, state
+    rows read before any write [nsb, sbs], state rows written, table entries read [R, MB],
+    rope positions read [max_pos]); on the CPU."""
+    kv, score, ape, positions, state, state_slots, table, t2r, weight, eps, cs, cache, kv_slots, ratio = args
+    pos, ss = positions.cpu().long(), state_slots.cpu().long()
+    nsb, sbs = state.shape[:2]
+    saving = (pos >= 0) & (pos < cs.shape[0]) & (ss >= 0) & (ss < nsb * sbs)
+    boundary = saving & ((pos + 1) % ratio == 0)
+    nb, bs = cache.shape[:2]
+    ks, req = kv_slots.cpu().long(), t2r.cpu().long()
+    pooling = boundary & (ks >= 0) & (ks < nb * bs) & (req >= 0) & (req < table.shape[0])
+    written = torch.zeros(nsb * sbs, dtype=torch.bool)
+    written[ss[saving]] = True
+    s = ratio * (kv.shape[1] // weight.shape[0])
+    q = pos[:, None] - s + 1 + torch.arange(s)[None, :]
+    col = q.div(sbs, rounding_mode="floor")
+    in_table = pooling[:, None] & (q >= 0) & (col < table.shape[1])
+    tab = table.cpu().long()
+    r = torch.where(pooling, req, 0)[:, None].expand_as(col)
+    ids = tab[r, torch.where(in_table, col, 0)]
+    present = in_table & (ids >= 0) & (ids < nsb)
+    read = torch.zeros(nsb * sbs, dtype=torch.bool)
+    read[(ids * sbs + q % sbs)[present]] = True
+    entries = torch.zeros(tab.shape, dtype=torch.bool)
+    entries[r[in_table], col[in_table]] = True
+    rope = torch.zeros(cs.shape[0], dtype=torch.bool)
+    rope[((pos // ratio) * ratio)[pooling]] = True
+    return saving, boundary, pooling, (read & ~written).view(nsb, sbs), written.view(nsb, sbs), entries, rope
+
+
+def _unread_compress(p: Params, args):
+    kv, score, ape, positions, state, state_slots, table, t2r, weight, eps, cs, cache, kv_slots, ratio = args
+    saving, boundary, pooling, read_before, _, entries, rope = _compress_reads(args)
+    ape_used = torch.zeros(ape.shape[0], dtype=torch.bool)
+    ape_used[positions.cpu().long()[saving] % ratio] = True
+    return [
+        (0, ~saving[:, None].expand(kv.shape)),
+        (1, ~saving[:, None].expand(score.shape)),
+        (2, ~ape_used[:, None].expand(ape.shape)),
+        (4, ~read_before[..., None].expand(state.shape)),
+        (6, ~entries),
+        (7, ~boundary),
+        (8, torch.full(weight.shape, not bool(pooling.any()))),
+        (10, ~rope[:, None].expand(cs.shape)),
+        (11, torch.ones(cache.shape, dtype=torch.bool)),
+        (12, ~boundary),
+    ]
+
+
+def _out_of_range_compress(p: Params, args, gen):
+    """Bad positions / state slots at some tokens (-1 there), bad compressed slots and
+    requests at some window-completing tokens (-1 there), bad block ids among the entries
+    pooled (-1 there: missing states)."""
+    kv, score, ape, positions, state, state_slots, table, t2r, weight, eps, cs, cache, kv_slots, ratio = args
+    t = kv.shape[0]
+    if t == 0:
+        return None
+    saving, boundary, pooling, _, _, entries, _ = _compress_reads(args)
+    bad, padded = list(args), list(args)
+
+    def swap(at, host, pick, end):
+        bad[at] = torch.where(pick, _bad_ids(pick.shape, end, gen), host).to(args[at].dtype).to(args[at].device)
+        padded[at] = torch.where(pick, -1, host).to(args[at].dtype).to(args[at].device)
+
+    nsb, sbs = state.shape[:2]
+    nb, bs = cache.shape[:2]
+    pick = torch.rand(t, generator=gen) < 0.2
+    if pick.any():
+        which = torch.rand(t, generator=gen) < 0.5
+        swap(3, positions.cpu().long(), pick & which, cs.shape[0])
+        swap(5, state_slots.cpu().long(), pick & ~which, nsb * sbs)
+    if boundary.any():
+        pick = boundary & (torch.rand(t, generator=gen) < 0.4)
+        which = torch.rand(t, generator=gen) < 0.5
+        swap(12, kv_slots.cpu().long(), pick & which, nb * bs)
+        swap(7, t2r.cpu().long(), pick & ~which, table.shape[0])
+    if entries.any():
+        swap(6, table.cpu().long(), entries & (torch.rand(entries.shape, generator=gen) < 0.3), nsb)
+    return tuple(bad), tuple(padded)
+
+
+def _nonfinite_compress(p: Params, args, gen):
+    """NaN / +-inf in the kv and score rows of saving tokens, in state rows pooled, and
+    (half the draws) a NaN in the norm weight or in a RoPE row read."""
+    from graphsafe.testing.contract import clone_tensor
+
+    args = list(args)
+    saving, boundary, pooling, read_before, _, _, rope = _compress_reads(args)
+    for at in (0, 1, 4):
+        args[at] = clone_tensor(args[at])
+    for v in (float("nan"), float("inf"), float("-inf")):
+        rows = saving.nonzero()[:, 0]
+        if rows.numel():
+            at = (0, 1)[int(torch.randint(0, 2, (1,), generator=gen))]
+            r = int(rows[torch.randint(0, rows.numel(), (1,), generator=gen)])
+            args[at][r, int(torch.randint(0, args[at].shape[1], (1,), generator=gen))] = v
+        rows = read_before.reshape(-1).nonzero()[:, 0]
+        if rows.numel():
+            r = int(rows[torch.randint(0, rows.numel(), (1,), generator=gen)])
+            sbs = args[4].shape[1]
+            args[4][r // sbs, r % sbs, int(torch.randint(0, args[4].shape[2], (1,), generator=gen))] = v
+    if bool(torch.rand(1, generator=gen) < 0.5):
+        if bool(torch.rand(1, generator=gen) < 0.5):
+            args[8] = clone_tensor(args[8])
+            args[8][int(torch.randint(0, args[8].shape[0], (1,), generator=gen))] = float("nan")
+        elif rope.any():
+            args[10] = clone_tensor(args[10])
+            args[10][int(rope.nonzero()[0, 0]), int(torch.randint(0, 64, (1,), generator=gen))] = float("nan")
+    return tuple(args)
+
+
+def compare_compress(expected, actual, expected_args, actual_args, params: Params) -> None:
+    assert expected is None and actual is None
+    torch.testing.assert_close(actual_args[4].cpu(), expected_args[4].cpu(), rtol=0, atol=0, equal_nan=True,
+                               msg=lambda m: f"state_cache: {m}")
+    e, a = expected_args[11].cpu(), actual_args[11].cpu()
+    nb, bs = e.shape[:2]
+    if e.dtype == torch.uint8:
+        e_rows = fp8_dsv4.read_tokens(e, torch.arange(nb * bs))
+        a_rows = fp8_dsv4.read_tokens(a, torch.arange(nb * bs))
+        rtol, atol = COMPRESS_RECORD_TOLERANCE
+    else:
+        e_rows, a_rows = e.float(), a.float()
+        rtol, atol = COMPRESS_ROW_TOLERANCE
+    torch.testing.assert_close(a_rows, e_rows, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"kv_cache: {m}")
+
+
+EXAMPLE_COMPRESS: Params = {
+    "requests": [(5, 4), (0, 3), (14, 2)], "ratio": 4, "overlap": True, "cache": RECORDS, "D": 128,
+    "state_block_size": 2, "block_size": 4, "missing": 0.0, "padding": 0.0,
+}
+
+
+def _bad_compress(device, gen):
+    args = _make_compress(EXAMPLE_COMPRESS, device, gen)
+    kv, score, ape, pos, state, ss, table, t2r, weight, eps, cs, cache, ks, ratio = args
+
+    def with_(at, value):
+        a = list(args)
+        a[at] = value
+        return tuple(a)
+
+    return [
+        BadInput("kv float32", with_(0, kv.float()), "kv", "dtype"),
+        BadInput("score of other width", with_(1, score[:, 1:]), "score", r"\[T, W\]"),
+        BadInput("kv of 3 D", (torch.cat([kv, kv[:, :512]], 1), torch.cat([score, score[:, :512]], 1), *args[2:]),
+                 "kv", "D or 2 D"),
+        BadInput("ape of other ratio", with_(2, ape[1:]), "ape", "compress_ratio"),
+        BadInput("norm weight of 100", with_(8, weight[:100]), "norm_weight", "multiple of 64"),
+        BadInput("state cache of other width", with_(4, state[..., 1:]), "state_cache", "2 W"),
+        BadInput("state cache bf16", with_(4, state.bfloat16()), "state_cache", "dtype"),
+        BadInput("token_to_req int64", with_(7, t2r.long()), "token_to_req", "dtype"),
+        BadInput("kv_slot_mapping of other T", with_(12, ks[1:]), "kv_slot_mapping", r"\[T\]"),
+        BadInput("block table 1-D", with_(6, table[0]), "state_block_table", "2-D"),
+        BadInput("compress_ratio 0", (*args[:2], ape[:0], *args[3:13], 0), "compress_ratio", "positive"),
+    ]
+
+
+register_case(
+    OpCase(
+        op="dsv4_compress_kv",
+        params=_params_compress,
+        example=EXAMPLE_COMPRESS,
+        make=_make_compress,
+        compare=compare_compress,
+        bad_inputs=_bad_compress,
+        unread=_unread_compress,
+        out_of_range=_out_of_range_compress,
+        nonfinite=_nonfinite_compress,
+        edge_cases=(
+            {**EXAMPLE_COMPRESS, "requests": [(0, 0)]},
+            {**EXAMPLE_COMPRESS, "padding": 0.25, "missing": 0.2},
+            {**EXAMPLE_COMPRESS, "overlap": False, "ratio": 8, "requests": [(3, 6), (15, 1)], "cache": BF16},
+            {**EXAMPLE_COMPRESS, "cache": BF16, "D": 64, "state_block_size": 1},
+            # DeepSeek-V4's heavily compressed layers: 128 states a window (no overlap).
+            {**EXAMPLE_COMPRESS, "ratio": 128, "overlap": False, "requests": [(120, 9)], "state_block_size": 8},
+        ),
+        gpu_examples=(
+            {**EXAMPLE_COMPRESS, "requests": [(4096 * i + 300, 1) for i in range(64)], "state_block_size": 4,
+             "block_size": 64},
+            {**EXAMPLE_COMPRESS, "requests": [(0, 1000), (37, 500)], "ratio": 128, "overlap": False,
+             "state_block_size": 8, "block_size": 64},
+        ),
+    )
+)
+
 __all__ = ["RECORDS", "compare_attention", "entries_read", "latent_rows", "make_indices", "record_cache",
            "rope_table", "set_row_value"]

@@ -45,3 +45,36 @@ def debug_check_dsv4_qnorm_rope_kv_insert(call) -> None:
     used = call.positions[: slots.shape[0]].detach() != -1
     ids_in_range(op, "slot_mapping", slots, num_blocks * block_size, used=used, what="cache slots")
     values_distinct(op, "slot_mapping", torch.where(used, slots.detach().long(), -1), "cache slots")
+
+
+def debug_check_dsv4_compress_kv(call) -> None:
+    """`positions` in the table or -1; the state slots of the tokens with a position in the
+    state cache or -1, and distinct; the compressed slots of the tokens that complete a
+    window in the cache or -1, and distinct; their requests in range."""
+    op = "dsv4_compress_kv"
+    pos = call.positions.detach().long()
+    ids_in_range(op, "positions", call.positions, call.cos_sin_cache.shape[0], what="positions")
+    nsb, sbs = call.state_cache.shape[:2]
+    live = pos != -1
+    ids_in_range(op, "state_slot_mapping", call.state_slot_mapping, nsb * sbs, used=live, what="state slots")
+    values_distinct(op, "state_slot_mapping", torch.where(live, call.state_slot_mapping.detach().long(), -1),
+                    "state slots")
+    saving = live & (call.state_slot_mapping.detach().long() >= 0)
+    boundary = saving & ((pos + 1) % call.compress_ratio == 0)
+    nb, bs = call.kv_cache.shape[:2]
+    ids_in_range(op, "kv_slot_mapping", call.kv_slot_mapping, nb * bs, used=boundary, what="cache slots")
+    values_distinct(op, "kv_slot_mapping", torch.where(boundary, call.kv_slot_mapping.detach().long(), -1),
+                    "cache slots")
+    table = call.state_block_table
+    ids_in_range(op, "token_to_req", call.token_to_req, table.shape[0], used=boundary, what="requests")
+    # The block-table entries of the windows pooled: ids in the state cache or -1.
+    ratio = call.compress_ratio
+    s = ratio * (call.kv.shape[1] // call.norm_weight.shape[0])
+    req = call.token_to_req.detach().long()
+    pooling = boundary & (req >= 0) & (req < table.shape[0])
+    q = pos[:, None] - s + 1 + torch.arange(s, device=pos.device)[None, :]
+    col = q.div(sbs, rounding_mode="floor")
+    read = pooling[:, None] & (q >= 0) & (col < table.shape[1])
+    used = torch.zeros(table.shape, dtype=torch.bool, device=table.device)
+    used[torch.where(pooling, req, 0)[:, None].expand_as(col)[read], col[read]] = True
+    ids_in_range(op, "state_block_table", table, nsb, used=used, what="state block ids")

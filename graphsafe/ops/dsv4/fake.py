@@ -126,3 +126,58 @@ def check_dsv4_qnorm_rope_kv_insert(call) -> None:
 
 def fake_dsv4_qnorm_rope_kv_insert(call) -> None:
     check_dsv4_qnorm_rope_kv_insert(call)
+
+
+def check_dsv4_compress_kv(call) -> None:
+    op = "dsv4_compress_kv"
+    kv, score = call.kv, call.score
+    c.tensor(op, "kv", kv, dtypes=(torch.bfloat16,), ndim=2)
+    t, w = kv.shape
+    dev = kv.device
+    c.last_dim_contiguous(op, "kv", kv)
+    c.tensor(op, "score", score, dtypes=(torch.bfloat16,), ndim=2, device=dev)
+    c.shape(op, "score", score, (t, w), "[T, W] (the shape of 'kv')")
+    c.last_dim_contiguous(op, "score", score)
+    weight = call.norm_weight
+    c.tensor(op, "norm_weight", weight, dtypes=(torch.float32,), ndim=1, device=dev)
+    d = weight.shape[0]
+    rope = fp8_dsv4.ROPE_DIM
+    if d < rope or d % 64:
+        c.fail(op, "norm_weight", f"of a head dim D that is a multiple of 64 (the last {rope} values rotated)",
+               f"shape {list(weight.shape)}")
+    if w not in (d, 2 * d):
+        c.fail(op, "kv", f"of width D or 2 D (overlapping windows), D = {d} (the norm weight's)", f"shape {list(kv.shape)}")
+    ratio = call.compress_ratio
+    if ratio < 1:
+        c.fail(op, "compress_ratio", "a positive int", ratio)
+    c.tensor(op, "ape", call.ape, dtypes=(torch.float32,), ndim=2, device=dev)
+    c.shape(op, "ape", call.ape, (ratio, w), "[compress_ratio, W]")
+    c.last_dim_contiguous(op, "ape", call.ape)
+    for arg in ("positions", "state_slot_mapping", "kv_slot_mapping"):
+        v = getattr(call, arg)
+        c.tensor(op, arg, v, dtypes=INDEX_DTYPES, ndim=1, device=dev)
+        c.shape(op, arg, v, (t,), "[T]")
+        c.last_dim_contiguous(op, arg, v)
+    c.tensor(op, "token_to_req", call.token_to_req, dtypes=(torch.int32,), ndim=1, device=dev)
+    c.shape(op, "token_to_req", call.token_to_req, (t,), "[T]")
+    c.last_dim_contiguous(op, "token_to_req", call.token_to_req)
+    state = call.state_cache
+    c.tensor(op, "state_cache", state, dtypes=(torch.float32,), ndim=3, device=dev)
+    c.shape(op, "state_cache", state, (None, None, 2 * w), "[num_state_blocks, state_block_size, 2 W]")
+    c.last_dim_contiguous(op, "state_cache", state)
+    if state.shape[0] < 1 or state.shape[1] < 1:
+        c.fail(op, "state_cache", "of at least one block of at least one slot", f"shape {list(state.shape)}")
+    table = call.state_block_table
+    c.tensor(op, "state_block_table", table, dtypes=(torch.int32,), ndim=2, device=dev)
+    c.last_dim_contiguous(op, "state_block_table", table)
+    cs = call.cos_sin_cache
+    c.tensor(op, "cos_sin_cache", cs, dtypes=(torch.float32,), ndim=2, device=dev)
+    c.shape(op, "cos_sin_cache", cs, (None, rope), "[max_pos, 64] (cos | sin)")
+    c.last_dim_contiguous(op, "cos_sin_cache", cs)
+    if cs.shape[0] < 1:
+        c.fail(op, "cos_sin_cache", "of at least one position", f"shape {list(cs.shape)}")
+    check_cache(op, "kv_cache", call.kv_cache, d, dev)
+
+
+def fake_dsv4_compress_kv(call) -> None:
+    check_dsv4_compress_kv(call)

@@ -106,5 +106,69 @@ def dsv4_qnorm_rope_kv_insert(q, kv, q_out, kv_cache, slot_mapping, positions, c
     insert_rows(kv_cache, kv_rope(kv[:n], cos[:n], sin[:n]), slot_mapping, ok[:n])
 
 
+def save_states(kv, score, ape, ok, positions, state_cache, state_slot_mapping) -> torch.Tensor:
+    """The compressor's partial-state save; returns which tokens saved (position in the
+    table and a state slot in the cache)."""
+    nsb, sbs = state_cache.shape[:2]
+    slots = state_slot_mapping.long()
+    save = ok & (slots >= 0) & (slots < nsb * sbs)
+    ratio = ape.shape[0]
+    rows = torch.cat([kv.float(), score.float() + ape[torch.where(ok, positions.long() % ratio, 0)]], dim=1)
+    s = slots[save]
+    state_cache[s // sbs, s % sbs] = rows[save]
+    return save
+
+
+def pool_windows(state_cache, state_block_table, token_to_req, positions, enabled, head_dim: int, ratio: int):
+    """`[T, D]` float32: each enabled token's window of `S` states (positions pos - S + 1 ...
+    pos; S = ratio, or 2 ratio when the state rows hold 2 D channels: the previous window's
+    states through their first D channels, this window's through the next D), each channel
+    pooled by the softmax of its scores; states outside the table or the cache are missing
+    (a window without any state pools to 0)."""
+    nsb, sbs, width = state_cache.shape
+    w = width // 2
+    s = ratio * (w // head_dim)
+    t = positions.shape[0]
+    i = torch.arange(s, device=positions.device)
+    q = positions.long()[:, None] - s + 1 + i[None, :]
+    block = q.div(sbs, rounding_mode="floor")
+    in_table = enabled[:, None] & (q >= 0) & (block < state_block_table.shape[1])
+    req = torch.where(enabled, token_to_req.long(), 0)
+    ids = state_block_table[req[:, None], torch.where(in_table, block, 0)].long()
+    present = in_table & (ids >= 0) & (ids < nsb)
+    states = state_cache[torch.where(present, ids, 0), torch.where(present, q % sbs, 0)]  # [T, S, 2W]
+    channel = (i >= ratio).long() * head_dim if s > ratio else torch.zeros_like(i)
+    cols = channel[:, None] + torch.arange(head_dim, device=i.device)[None, :]  # [S, D]
+    kv = torch.gather(states[..., :w], 2, cols[None].expand(t, s, head_dim))
+    score = torch.gather(states[..., w:], 2, cols[None].expand(t, s, head_dim))
+    kv = torch.where(present[..., None], kv, 0.0)
+    score = torch.where(present[..., None], score, float("-inf"))
+    m = score.amax(dim=1) if s else score.new_full((t, head_dim), float("-inf"))
+    m = torch.where(m == float("-inf"), 0.0, m)
+    p = torch.exp(score - m[:, None])
+    total = p.sum(dim=1)
+    return (p * kv).sum(dim=1) / torch.where(total == 0, 1.0, total)
+
+
+def dsv4_compress_kv(kv, score, ape, positions, state_cache, state_slot_mapping, state_block_table, token_to_req,
+                     norm_weight, eps, cos_sin_cache, kv_cache, kv_slot_mapping, compress_ratio):
+    d = norm_weight.shape[0]
+    ok, _, _ = rope_tables(positions, cos_sin_cache)
+    saved = save_states(kv, score, ape, ok, positions, state_cache, state_slot_mapping)
+    pos = positions.long()
+    slots = kv_slot_mapping.long()
+    nb, bs = kv_cache.shape[:2]
+    reqs = token_to_req.long()
+    enabled = (saved & ((pos + 1) % compress_ratio == 0) & (slots >= 0) & (slots < nb * bs)
+               & (reqs >= 0) & (reqs < state_block_table.shape[0]))
+    pooled = pool_windows(state_cache, state_block_table, token_to_req, positions, enabled, d, compress_ratio)
+    normed = pooled * (1.0 / torch.sqrt((pooled * pooled).sum(-1) / d + eps))[:, None] * norm_weight.float()
+    _, cos, sin = rope_tables(torch.where(enabled, (pos // compress_ratio) * compress_ratio, -1), cos_sin_cache)
+    rope = fp8_dsv4.ROPE_DIM
+    rows = torch.cat([normed[:, : d - rope], rope_pairs(normed[:, d - rope :], cos, sin)], dim=1)
+    insert_rows(kv_cache, rows, slots, enabled)
+
+
 DSV4_SPARSE_ATTN = Backend(name="reference", impl=dsv4_sparse_attn)
+DSV4_COMPRESS_KV = Backend(name="reference", impl=dsv4_compress_kv)
 DSV4_QNORM_ROPE_KV_INSERT = Backend(name="reference", impl=dsv4_qnorm_rope_kv_insert)

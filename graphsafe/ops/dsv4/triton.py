@@ -172,6 +172,57 @@ def prepare_dsv4_qnorm_rope_kv_insert(call):
 DSV4_QNORM_ROPE_KV_INSERT = Backend(name="triton", prepare=prepare_dsv4_qnorm_rope_kv_insert)
 
 
+@functools.cache
+def _compress_kernels():
+    from graphsafe.ops.dsv4.kernels import triton_compress
+
+    return triton_compress.save_state_kernel, triton_compress.compress_kernel
+
+
+def prepare_dsv4_compress_kv(call):
+    """The Triton runner of `dsv4_compress_kv`: the state save, then the pooling and write
+    (two launches: a window's states may come from other tokens of the call)."""
+    kv, state, cache, table = call.kv, call.state_cache, call.kv_cache, call.state_block_table
+    t, w = kv.shape
+    if t == 0:
+        def nothing(*args):
+            return None
+
+        return nothing
+    d = call.norm_weight.shape[0]
+    ratio = call.compress_ratio
+    nsb, sbs = state.shape[:2]
+    nb, bs = cache.shape[:2]
+    max_pos = call.cos_sin_cache.shape[0]
+    ph = _placeholder(kv.device)
+    save_kernel, compress_kernel = _compress_kernels()
+    save = bind(
+        save_kernel, (t,), ph, ph, ph, ph, ph, ph,
+        max_pos, nsb * sbs, kv.stride(0), call.score.stride(0), call.ape.stride(0), state.stride(0), state.stride(1),
+        W=w, STATE_BLOCK=sbs, RATIO=ratio, BLOCK_W=min(_pow2(w), 1024), num_warps=4,
+    )
+    s = ratio * (w // d)
+    compress = bind(
+        compress_kernel, (t,), ph, ph, ph, ph, ph, ph, ph, ph, ph,
+        float(call.eps), max_pos, nsb * sbs, nsb, table.shape[0], table.shape[1], nb * bs,
+        state.stride(0), state.stride(1), table.stride(0), call.cos_sin_cache.stride(0), cache.stride(0),
+        cache.stride(1),
+        D=d, W=w, RATIO=ratio, S=s, STATE_BLOCK=sbs, BLOCK_S=_pow2(s, 2), BLOCK_SIZE=bs,
+        RECORDS=cache.dtype == torch.uint8, num_warps=4,
+    )
+
+    def run(kv, score, ape, positions, state_cache, state_slot_mapping, state_block_table, token_to_req, norm_weight,
+            eps, cos_sin_cache, kv_cache, kv_slot_mapping, compress_ratio):
+        save(kv, score, ape, positions, state_cache, state_slot_mapping)
+        compress(positions, state_cache, state_slot_mapping, state_block_table, token_to_req, norm_weight,
+                 cos_sin_cache, kv_cache, kv_slot_mapping)
+
+    return run
+
+
+DSV4_COMPRESS_KV = Backend(name="triton", prepare=prepare_dsv4_compress_kv)
+
+
 def explain_dsv4_sparse_attn(call) -> str:
     return plan.choose(call).describe()
 
