@@ -44,7 +44,9 @@ def _check_lengths(op: str, arg: str, lengths, rows: int, device: torch.device) 
     if lengths is not None:
         c.tensor(op, arg, lengths, dtypes=(torch.int32,), ndim=1, device=device)
         c.shape(op, arg, lengths, (rows,), "[T]")
-        c.last_dim_contiguous(op, arg, lengths)
+        # (is_contiguous, not last_dim_contiguous: its `size > 1` test would make a traced
+        # call guard on T, and compiled code recompile per batch size.)
+        c.contiguous(op, arg, lengths)
 
 
 def _check_indices(op: str, arg: str, indices, rows: int, device: torch.device) -> None:
@@ -110,12 +112,12 @@ def check_dsv4_qnorm_rope_kv_insert(call) -> None:
     check_cache(op, "kv_cache", call.kv_cache, d, q.device)
     slots = call.slot_mapping
     c.tensor(op, "slot_mapping", slots, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
-    c.last_dim_contiguous(op, "slot_mapping", slots)
+    c.contiguous(op, "slot_mapping", slots)
     if slots.shape[0] > t:
         c.fail(op, "slot_mapping", f"of at most T = {t} entries (the first tokens' slots)", f"shape {list(slots.shape)}")
     c.tensor(op, "positions", call.positions, dtypes=INDEX_DTYPES, ndim=1, device=q.device)
     c.shape(op, "positions", call.positions, (t,), "[T]")
-    c.last_dim_contiguous(op, "positions", call.positions)
+    c.contiguous(op, "positions", call.positions)
     cs = call.cos_sin_cache
     c.tensor(op, "cos_sin_cache", cs, dtypes=(torch.float32,), ndim=2, device=q.device)
     c.shape(op, "cos_sin_cache", cs, (None, 2 * (fp8_dsv4.ROPE_DIM // 2)), "[max_pos, 64] (cos | sin)")
@@ -157,10 +159,10 @@ def check_dsv4_compress_kv(call) -> None:
         v = getattr(call, arg)
         c.tensor(op, arg, v, dtypes=INDEX_DTYPES, ndim=1, device=dev)
         c.shape(op, arg, v, (t,), "[T]")
-        c.last_dim_contiguous(op, arg, v)
+        c.contiguous(op, arg, v)
     c.tensor(op, "token_to_req", call.token_to_req, dtypes=(torch.int32,), ndim=1, device=dev)
     c.shape(op, "token_to_req", call.token_to_req, (t,), "[T]")
-    c.last_dim_contiguous(op, "token_to_req", call.token_to_req)
+    c.contiguous(op, "token_to_req", call.token_to_req)
     state = call.state_cache
     c.tensor(op, "state_cache", state, dtypes=(torch.float32,), ndim=3, device=dev)
     c.shape(op, "state_cache", state, (None, None, 2 * w), "[num_state_blocks, state_block_size, 2 W]")
