@@ -478,13 +478,15 @@ class DeepseekV4Model(nn.Module):
 def build_dsv4_demo_model(device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                           **overrides: Any) -> tuple[DeepseekV4Model, None]:
     """(the model, None: no transformers twin) with random weights. `overrides`: `Dsv4Config`
-    fields (e.g. `compress_ratios=(0, 4, 128, 4)`, `window=128`, `kv_cache_dtype="bf16"`) and
+    fields (e.g. `compress_ratios=(0, 4, 128, 4)` or "0,4,128,4", `window=128`, `kv_cache_dtype="bf16"`) and
     model sizes (`max_batch` 8, `max_model_len` 256, `block_size` 16, `max_num_batched_tokens`);
     unknown fields are refused."""
     sizes = {"max_batch": 8, "max_model_len": 256, "block_size": 16}
     for k in ("max_batch", "max_model_len", "block_size", "max_num_batched_tokens"):
         if k in overrides:
             sizes[k] = overrides.pop(k)
+    if isinstance(overrides.get("compress_ratios"), str):  # `--model compress_ratios=0,4,128,4`
+        overrides["compress_ratios"] = tuple(int(r) for r in overrides["compress_ratios"].split(","))
     if "num_hidden_layers" in overrides:  # the V3.2 demo's name
         overrides["num_layers"] = overrides.pop("num_hidden_layers")
     names = set(Dsv4Config.__dataclass_fields__)
