@@ -218,6 +218,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.kv_cache is not None:
         opts.kv_cache = args.kv_cache
     opts.compare_caches = args.compare_caches
+    if args.model_family is not None:
+        opts.model_family = args.model_family
     opts.progress = not args.no_progress
     try:
         opts.model_overrides = {**opts.model_overrides, **dict(demo.parse_override(o) for o in args.model or ())}
@@ -282,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     dm.add_argument("--compare-caches", action="store_true",
                     help="run the modes with both caches on the same prompts (fp8_ds_mla fed the bf16 cache's "
                     "picks) and print a comparison: bytes per token, cache size, step ms, greedy agreement")
+    dm.add_argument("--model-family", choices=["deepseek_v32", "deepseek_v4"],
+                    help="the demo model: DeepSeek-V3.2-style (MLA + DSA indexer, default) or DeepSeek-V4-style "
+                    "(sliding window + compressed caches, sinks, fp8_dsv4 records; graphsafe.models.dsv4)")
     dm.add_argument("--plot", metavar="PATH", help="draw step latency per mode and batch size (needs matplotlib)")
     dm.add_argument("--no-progress", action="store_true", help="no progress bar")
     dm.add_argument("--tp", type=int, help="tensor-parallel ranks, one process each: run under torchrun, e.g. "

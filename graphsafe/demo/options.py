@@ -20,6 +20,11 @@ GRAPHS = "compiled+graphs"
 # The latent MLA cache kinds (`ModelConfig.kv_cache_dtype`): the model dtype, DeepSeek's FP8 record.
 KV_CACHES = ("auto", "fp8_ds_mla")
 
+# The demo models: DeepSeek-V3.2-style (`graphsafe.models.build_demo_model`) and
+# DeepSeek-V4-style (`graphsafe.models.dsv4.build_dsv4_demo_model`; its caches are set with
+# `--model kv_cache_dtype=fp8_dsv4|bf16`, `--kv-cache` stays auto).
+MODEL_FAMILIES = ("deepseek_v32", "deepseek_v4")
+
 
 # fp8_ds_mla keeps one float32 scale per 128 latent values: the demo model's kv_lora_rank
 # (64) has no record layout, so a run with that cache builds the model with this one.
@@ -63,6 +68,7 @@ class DemoOptions:
     # fp8_ds_mla row is fed the bf16 run's picks) and print a comparison table after the two
     # tables. `kv_cache` is then not used.
     compare_caches: bool = False
+    model_family: str = "deepseek_v32"  # MODEL_FAMILIES
 
 
 def default_options(device: str) -> DemoOptions:
@@ -139,6 +145,11 @@ def _validate(opts: DemoOptions, device: torch.device) -> None:
         raise DemoError(f"modes: expected some of {list(MODES)}, got {list(opts.modes)}")
     if opts.tp < 1:
         raise DemoError(f"--tp: expected a positive number of ranks, got {opts.tp}")
+    if opts.model_family not in MODEL_FAMILIES:
+        raise DemoError(f"--model-family: expected one of {list(MODEL_FAMILIES)}, got {opts.model_family!r}")
+    if opts.model_family == "deepseek_v4" and (opts.kv_cache != "auto" or opts.compare_caches or opts.tp > 1):
+        raise DemoError("--model-family deepseek_v4 runs on one device with its own caches: leave out --kv-cache, "
+                        "--compare-caches and --tp (set the cache with --model kv_cache_dtype=fp8_dsv4|bf16)")
     if opts.kv_cache not in KV_CACHES:
         raise DemoError(f"--kv-cache: expected one of {list(KV_CACHES)}, got {opts.kv_cache!r}")
     if opts.compare_caches and opts.tp > 1:

@@ -22,7 +22,12 @@ from graphsafe.demo.table import (
 
 
 # -- the demo ---------------------------------------------------------------------------------
-def _build_default(device: torch.device, dtype: torch.dtype, seed: int, **overrides: Any):
+def _build_default(device: torch.device, dtype: torch.dtype, seed: int, family: str = "deepseek_v32",
+                   **overrides: Any):
+    if family == "deepseek_v4":
+        from graphsafe.models.dsv4 import build_dsv4_demo_model
+
+        return build_dsv4_demo_model(device, dtype=dtype, seed=seed, **overrides)
     from graphsafe.models import build_demo_model
 
     return build_demo_model(device, dtype=dtype, seed=seed, with_hf=False, **overrides)
@@ -59,7 +64,8 @@ def run_demo(
             if kv_cache != "auto":
                 extra["kv_cache_dtype"] = kv_cache
             if build is None:
-                return _build_default(device, dtype=opts.dtype, seed=opts.seed, **model_sizes(opts), **extra)[0]
+                return _build_default(device, dtype=opts.dtype, seed=opts.seed, family=opts.model_family,
+                                      **model_sizes(opts), **extra)[0]
             return build(device, dtype=opts.dtype, seed=opts.seed, **opts.model_overrides, **extra)[0]
 
         if opts.compare_caches:

@@ -128,6 +128,9 @@ def format_table(rows: Sequence[Row], opts: DemoOptions, device: torch.device, b
 def _cache_line(model: Any) -> str | None:
     """"MLA cache: <kind> (<row layout>): N bytes per token per layer, M in all L layers"
     for a model with `cache_bytes_per_token` (None otherwise)."""
+    describe = getattr(model, "cache_description", None)  # a model that describes its own caches
+    if describe is not None:
+        return describe()
     per_token = getattr(model, "cache_bytes_per_token", None)
     cfg = _config(model)
     if per_token is None or cfg is None:
