@@ -73,6 +73,7 @@ from typing import Any
 import torch
 
 from graphsafe import aiter_support, device_info
+from graphsafe.formats import fp8_ds_mla
 from graphsafe.registry import SUPPORTED, Backend, Support, declined
 from graphsafe.workspace import current_workspace_manager
 
@@ -132,8 +133,8 @@ def _support(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int
         return declined(f"aiter's MLA kernels take bf16 q of head dim {DEEPSEEK_D} (kv_lora_rank {DEEPSEEK_R}) with "
                         f"{' or '.join(map(str, AITER_HEADS))} heads; got {q.dtype} q of head dim {d} "
                         f"(kv_lora_rank {kv_lora_rank}) with {heads} heads")
-    if kv_cache.dtype != q.dtype:
-        return declined(f"the adapter reads a cache of q's dtype; got a {kv_cache.dtype} cache (fp8_ds_mla: Triton)")
+    if fp8_ds_mla.holds_records(kv_cache):
+        return declined("the adapter reads a cache of q's dtype; got an fp8_ds_mla cache (Triton serves it)")
     if not q.is_contiguous():
         return declined(f"aiter reads q contiguous; got strides {q.stride()}")
     if not (kv_cache.stride(2) == 1 and kv_cache.stride(1) == d and kv_cache.stride(0) == block_size * d):

@@ -18,7 +18,7 @@ def _check_q_and_cache(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora
     c.tensor(op, "kv_cache", kv_cache, ndim=3, device=q.device)
     if kv_lora_rank < 1 or kv_lora_rank > d:
         c.fail(op, "kv_lora_rank", f"the value width R, an int in [1, R + P] = [1, {d}]", kv_lora_rank)
-    if kv_cache.dtype == torch.uint8:
+    if fp8_ds_mla.holds_records(kv_cache):
         _check_fp8_ds_mla_cache(op, q, kv_cache, kv_lora_rank)
     else:
         if kv_cache.dtype != q.dtype:

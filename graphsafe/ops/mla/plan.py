@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from graphsafe.device_info import max_shared_memory, num_sms
+from graphsafe.formats import fp8_ds_mla
 
 # A split reads at least this many key rows (capacity-wise) on the GPU: below that the
 # partial write and the combine cost more than the parallelism gains.
@@ -312,7 +313,7 @@ def cache_format(q: torch.Tensor, kv_cache: torch.Tensor) -> str:
     """The cache's format, decided here once per call signature: "fp8_ds_mla" for uint8
     records (the ops' checks validated their layout: `graphsafe.formats.fp8_ds_mla`), else
     the name of the cache's dtype (q's)."""
-    return FP8_DS_MLA if kv_cache.dtype == torch.uint8 else str(kv_cache.dtype).removeprefix("torch.")
+    return FP8_DS_MLA if fp8_ds_mla.holds_records(kv_cache) else str(kv_cache.dtype).removeprefix("torch.")
 
 
 def warpgroup_split_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
