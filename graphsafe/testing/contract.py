@@ -406,9 +406,14 @@ def check_launch_fits_the_reservation(spec: OpSpec, case: OpCase, backend: str, 
     """Sizing and launch agree: a fresh workspace lane reserved from shapes alone
     (`spec.workspace_specs` for `backend`, the case's `workspace_args`) and then locked
     serves the call; a launch that asks for more than the reservation is refused by the
-    locked manager (`WorkspaceError`)."""
+    locked manager (`WorkspaceError`). The call runs with the debug switch's workspace
+    guards (`graphsafe.workspace.manager.guarded`): a kernel that writes past a view it
+    is handed, or a view reserved smaller than what is written into it, raises a
+    WorkspaceError naming the op and the view, on the CPU and on a GPU alike. (The guarded
+    layout leaves GUARD_BYTES after each view where the locked arena has room, as the
+    growth granularity nearly always leaves; else the views' alignment padding is the guard.)"""
     from graphsafe.workspace import current_workspace_manager, workspace_lane
-    from graphsafe.workspace.manager import drop_workspace_manager
+    from graphsafe.workspace.manager import drop_workspace_manager, guarded
 
     if not takes_scratch(spec):
         return "no scratch"
@@ -421,7 +426,7 @@ def check_launch_fits_the_reservation(spec: OpSpec, case: OpCase, backend: str, 
         try:
             specs = spec.workspace_specs(*ws_args, **ws_kwargs, device=device, backend=backend)
             manager.reserve(*specs, owner=f"{spec.name} reservation")
-            with manager.locked():
+            with manager.locked(), guarded(spec.name):
                 spec.runner(backend)(*clone_args(args))
         finally:
             drop_workspace_manager(device)
