@@ -169,7 +169,10 @@ def test_the_debug_switch_guards_every_op_call(device, monkeypatch):
     """With the switch on, the dispatcher and `OpSpec.runner` guard each call; off, nothing
     is guarded (the planted overrun goes unseen)."""
     spec = graphsafe.get_op("sparse_mla")
-    backend = next(b for b in spec.available_backends(device) if spec.backends[b].workspace is not None)
+    backends = [b for b in spec.available_backends(device) if spec.backends[b].workspace is not None]
+    if not backends:
+        pytest.skip(f"no backend of sparse_mla with scratch runs on {device} here")
+    backend = backends[0]
     args = _sparse_mla_args(device)
     _plant_overrun(monkeypatch)
     with graphsafe.use_backend(backend, ops=["sparse_mla"]):
