@@ -88,6 +88,22 @@ def _run_check(fn: Callable[[], object]) -> tuple[str, str]:
     return ("ok" if result is None else str(result)), ""
 
 
+def _check_predicates(spec, case, device: torch.device, seed: int) -> str:
+    """The `supports` predicates of the backends that can run here, each option of the op
+    switched on and off, over the example, edge cases and adapter examples
+    (`contract.check_supports_with_each_option`): "accepted/asked"."""
+    from graphsafe.testing import contract as C
+
+    backends = [b for b in C.predicate_backends(spec) if b in spec.available_backends(device.type)]
+    if not backends:
+        return "none here"
+    counts = {"accepted": 0, "declined": 0}
+    for i, params in enumerate([case.example, *case.edge_cases, *case.adapter_examples]):
+        got = C.check_supports_with_each_option(spec, case, params, device, seed + i, backends=backends)
+        counts = {k: counts[k] + got[k] for k in counts}
+    return f"{counts['accepted']}/{counts['accepted'] + counts['declined']}"
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from graphsafe.backends import device_types_here
     from graphsafe.testing import contract as C
@@ -101,7 +117,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"unknown op(s): {unknown}", file=sys.stderr)
         return 2
     columns = ["opcheck", "fake=real", "mutation", "kernels=ref", "bad inputs", "fake/workspace",
-               "unread", "bad ids", "nan/inf", "debug ids"]
+               "unread", "bad ids", "nan/inf", "debug ids", "predicates"]
     if any(d == "cuda" for d in devices):
         columns += ["graph replay", "no sync", "allocs"]
     header = f"{'op':<34} {'device':<6} {'serving':<10} " + " ".join(f"{c:>14}" for c in columns) + f" {'s':>6}"
@@ -148,6 +164,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 "nan/inf": lambda: per_backend(C.check_nonfinite_inputs_agree),
                 "debug ids": lambda: "refused" if any(
                     [C.check_debug_switch_refuses_out_of_range_ids(spec, case, p, a) for p, a in sets]) else "no ids",
+                "predicates": lambda: _check_predicates(spec, case, device, args.seed),
             }
             if device_type == "cuda":
                 gpu_sets = [case.example, *case.edge_cases, *case.gpu_examples]

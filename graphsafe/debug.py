@@ -14,6 +14,14 @@ the first offending value.
     with graphsafe.debug_checks():                      # on inside the block
         ...
 
+The switch also guards the workspace: during each op call, the bytes after every view
+the workspace manager hands out are filled with a pattern (a gap of GUARD_BYTES is left
+after each view where the arena has room) and checked when the call returns, so a kernel
+that writes past its view, or a view reserved smaller than what a kernel writes into it,
+raises a `graphsafe.WorkspaceError` naming the op, the view and the bytes written, on a
+GPU as on the CPU (`graphsafe.workspace.manager.guarded`). Turn the switch on before
+reserving and locking the workspace, so the reservation has the room for the gaps.
+
 The checks are skipped while the current stream captures a CUDA graph (a sync there
 would invalidate the capture) and while torch.compile traces (fake tensors have no values).
 """

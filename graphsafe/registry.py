@@ -257,6 +257,19 @@ class OpSpec:
         if fn is not None and checks_can_run(*args):
             fn(self.call(*args, **kwargs))
 
+    def run_guarded(self, run: Impl, *args: Any, **kwargs: Any) -> Any:
+        """`run(*args, **kwargs)` with the workspace views it is handed guarded
+        (`graphsafe.workspace.manager.guarded`: the bytes after each view filled with a
+        pattern and checked after the call; the debug switch runs every op call so). The
+        check reads the arena, so it syncs: skipped while a CUDA graph is being captured."""
+        from graphsafe.debug import checks_can_run
+        from graphsafe.workspace.manager import guarded
+
+        if not checks_can_run(*args):
+            return run(*args, **kwargs)
+        with guarded(self.name):
+            return run(*args, **kwargs)
+
     def backend_impl(self, backend: str) -> Impl:
         """The impl of `backend` (inputs unchecked; prepared afresh on every call)."""
         return self._part(backend, "impl")
@@ -339,7 +352,10 @@ class OpSpec:
         def run(*args: Any, **kwargs: Any) -> Any:
             call = self.call(*args, **kwargs)
             self._check_call(call)
-            return self.prepare(backend, call)(*args, **kwargs)
+            runner = self.prepare(backend, call)
+            if debug_state[0]:  # the workspace guards of the debug switch, as the dispatcher
+                return self.run_guarded(runner, *args, **kwargs)
+            return runner(*args, **kwargs)
 
         run.__name__ = f"{self.name}[{backend}]"
         return run
@@ -488,6 +504,7 @@ def _make_kernel(spec: OpSpec, device_type: str) -> Impl:
             run = spec._bind(device_type, table, args, kwargs)
         if debug_state[0]:
             spec.run_debug_check(*args, **kwargs)
+            return spec.run_guarded(run, *args, **kwargs)
         return run(*args, **kwargs)
 
     kernel.__name__ = f"graphsafe_{spec.name}_{device_type}"

@@ -11,7 +11,7 @@ import inspect
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphsafe
@@ -242,3 +242,54 @@ def test_launch_fits_the_workspace_reserved_from_shapes(name, device, backend):
         sets = [case.interpreter_example, *case.edge_cases]
     for i, params in enumerate(sets):
         C.check_launch_fits_the_reservation(spec, case, backend, params, case.inputs(params, device, i))
+
+
+# -- supports predicates with each option -------------------------------------------------
+# aiter's adapters run here on the CPU stand-in (tests/aiter_standin) of both architectures
+# it serves; every backend with a `supports` predicate is checked (aiter's, so far).
+AITER_ARCHS = ("gfx942", "gfx950")
+PREDICATE_OPS = [name for name in OPS if C.predicate_backends(graphsafe.get_op(name))]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_case_switches_every_option_of_an_op_with_a_predicate(name):
+    """An op with a predicate backend has an `OpCase.options` switch for each of its
+    optional arguments, so a new option is switched on and off in front of every predicate
+    (and no switch names an argument the op does not have)."""
+    spec = graphsafe.get_op(name)
+    options = case_for(name).options
+    assert set(options) <= set(C.optional_arguments(spec)), f"{name}: switches of no optional argument"
+    if C.predicate_backends(spec):
+        missing = [arg for arg in C.optional_arguments(spec) if arg not in options]
+        assert not missing, f"{name}: OpCase.options has no switch for {missing}"
+
+
+def _predicate_params():
+    return [pytest.param(name, arch, id=f"{name}-{arch}") for name in PREDICATE_OPS for arch in AITER_ARCHS]
+
+
+_PREDICATE_SETTINGS = settings(suppress_health_check=[*settings.default.suppress_health_check,
+                                                      HealthCheck.function_scoped_fixture])
+
+
+@pytest.mark.parametrize("name,arch", _predicate_params())
+@_PREDICATE_SETTINGS
+@given(data=st.data())
+def test_supports_predicates_hold_with_each_option(aiter_standin, name, arch, data):
+    """Every predicate over the draws, each option switched on and off: every call one
+    accepts runs on that backend and matches the reference (contract.check_supports_with_each_option)."""
+    aiter_standin(arch)
+    spec = graphsafe.get_op(name)
+    params = data.draw(case_for(name).params(), label="params")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    C.check_supports_with_each_option(spec, case_for(name), params, torch.device("cpu"), seed)
+
+
+@pytest.mark.parametrize("name,arch", _predicate_params())
+def test_supports_predicates_hold_with_each_option_on_edge_cases(aiter_standin, name, arch):
+    """The same over the example, the edge cases and the adapter examples (the shapes the
+    adapters serve, which the draws never reach)."""
+    aiter_standin(arch)
+    spec, case = graphsafe.get_op(name), case_for(name)
+    for i, params in enumerate([case.example, *case.edge_cases, *case.adapter_examples]):
+        C.check_supports_with_each_option(spec, case, params, torch.device("cpu"), seed=i)

@@ -171,6 +171,36 @@ def test_any_build_sequence_keeps_rows_past_the_batch_padded(batches):
         _assert_padded_from(builder, len(lens))
 
 
+# The transitions hypothesis found (test above) as fixed examples: a batch that shrinks by
+# exactly one request (the last live row is the freed one), at the top of the buffers, down
+# to one request and to none, on the host path and on the device path (no length mirror).
+SHRINK_BY_ONE = [(5, 4), (MAX_BATCH, MAX_BATCH - 1), (2, 1), (1, 0)]
+
+
+@pytest.mark.parametrize("mirror", [True, False], ids=["host-path", "device-path"])
+@pytest.mark.parametrize("before,after", SHRINK_BY_ONE, ids=[f"{a}-to-{b}" for a, b in SHRINK_BY_ONE])
+def test_a_batch_shrinking_by_one_pads_the_freed_row(monkeypatch, before, after, mirror):
+    spy = _Spy(monkeypatch)
+    builder = DecodeMetadataBuilder(MAX_BATCH, MAX_BLOCKS, BS, "cpu")
+    bucket = builder.buffers.rows(MAX_BATCH)  # a graph captured on the whole buffers
+    lens = [3, 9, 1, 17, 24, 6, 11, 2][:before]
+    builder.build(_decode_batch(lens, mirror=mirror), torch.arange(before) + 100)
+    spy.clear()
+    smaller = _decode_batch(lens[:after], mirror=mirror, seed=1)
+    builder.build(smaller, torch.arange(after) + 200)
+    for name, t, pad in builder.buffers.items():  # the freed row, field by field
+        assert bool((t[after] == pad).all()), f"{name}[{after}] (the freed row) holds {t[after].tolist()}, not {pad}"
+    assert spy.pads == [(after, before)], "exactly the freed row is padded"
+    assert builder.extent == after
+    _assert_rows(builder, smaller, torch.arange(after) + 200)
+    _assert_padded_from(builder, after)
+    for name, t, pad in bucket.items():
+        assert bool((t[after:] == pad).all()), f"bucket {name}"
+    # ... and growing back by one writes that row again.
+    builder.build(_decode_batch(lens, mirror=mirror, seed=2), torch.arange(before))
+    _assert_padded_from(builder, before)
+
+
 def test_build_for_capture_pads_every_row_of_the_bucket_and_forgets_the_key(monkeypatch):
     spy = _Spy(monkeypatch)
     builder = DecodeMetadataBuilder(MAX_BATCH, MAX_BLOCKS, BS, "cpu")

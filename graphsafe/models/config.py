@@ -47,6 +47,15 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    # Biases transformers' DeepseekV32 does not have (its MLP and indexer projections are
+    # bias-free; its config's `mlp_bias` is not read by its MLP), so `from_hf` never reads
+    # them: pass them as extras (`from_hf(cfg, mlp_bias=True)`). With `mlp_bias` the state
+    # dict holds `mlp.{gate,up,down}_proj.bias`; with `indexer_bias`,
+    # `self_attn.indexer.{wq_b,wk,weights_proj}.bias`. Under tensor parallelism the gate and
+    # up biases shard with their rows; the down bias, like o_proj's, is added once, after
+    # the all-reduce; the indexer's are replicated with it (`graphsafe.models.parallel`).
+    mlp_bias: bool = False
+    indexer_bias: bool = False
     # Indexer fp8 scale format: "ue8m0" (power-of-two scales, DeepSeek-V3.2's checkpoint
     # setting) or None (plain float32 scales).
     index_scale_fmt: str | None = "ue8m0"

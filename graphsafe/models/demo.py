@@ -50,7 +50,9 @@ DEMO_HF_CONFIG: dict[str, Any] = {
 
 # Keyword arguments of DeepseekV32Model.from_hf_state_dict (the rest are config fields).
 _MODEL_KWARGS = ("max_batch", "max_model_len", "block_size", "num_blocks", "max_num_batched_tokens", "tp")
-_EXTRA_FIELDS = ("index_scale_fmt", "prefill_fp8", "kv_cache_dtype")
+_EXTRA_FIELDS = ("index_scale_fmt", "prefill_fp8", "kv_cache_dtype", "mlp_bias", "indexer_bias")
+# Extras that add weights transformers' DeepseekV32 does not have (its strict load refuses them).
+_NOT_IN_TRANSFORMERS = ("mlp_bias", "indexer_bias")
 
 
 def demo_hf_config(**overrides: Any) -> dict[str, Any]:
@@ -85,7 +87,9 @@ def build_demo_model(
 
     `overrides`: transformers config fields (e.g. `index_topk=64`, `num_hidden_layers=4`),
     `ModelConfig` extras (`index_scale_fmt`, `prefill_fp8`, `kv_cache_dtype`; the
-    transformers model has no fp8 cache: it always computes with the exact latent) and
+    transformers model has no fp8 cache: it always computes with the exact latent;
+    `mlp_bias`, `indexer_bias`: weights transformers' model has not, so no transformers
+    model is built with them) and
     model sizes
     (`max_batch` default 8, `max_model_len` default 256, `block_size` default 16,
     `num_blocks`, `max_num_batched_tokens`, and `tp`, a `TensorParallel` for one rank's
@@ -96,14 +100,18 @@ def build_demo_model(
     model_kwargs.update({k: overrides.pop(k) for k in _MODEL_KWARGS if k in overrides})
     extra = {k: overrides.pop(k) for k in _EXTRA_FIELDS if k in overrides}
     hf_config = demo_hf_config(**overrides)
-    state_dict = random_hf_state_dict(ModelConfig.from_hf(hf_config), seed=seed)
+    state_dict = random_hf_state_dict(ModelConfig.from_hf(hf_config, **extra), seed=seed)
     model = DeepseekV32Model.from_hf_state_dict(
         hf_config, state_dict, device=device, dtype=dtype, **model_kwargs, **extra
     )
+    extra_weights = [k for k in _NOT_IN_TRANSFORMERS if extra.get(k)]
+    if with_hf and extra_weights:
+        raise ValueError(f"{', '.join(extra_weights)}: transformers' DeepseekV32 has no such weights; "
+                         "build with with_hf=False")
     if with_hf is None:
         try:
             importlib.import_module("transformers")
-            with_hf = True
+            with_hf = not extra_weights
         except ImportError:
             with_hf = False
     hf_model = build_hf_model(hf_config, state_dict, dtype) if with_hf else None

@@ -63,6 +63,10 @@ _flash_attn_varlen = _ops.flash_attn_varlen.default
 
 
 
+# A layer's optional biases (`weights.convert_state_dict`): None where the config has none.
+OPTIONAL_BIASES = ("b_a", "b_o", "b_iq", "b_gate_up", "b_down")
+
+
 class _Layer(nn.Module):
     """One decoder layer's weights and caches (names: `weights.convert_state_dict`)."""
 
@@ -70,9 +74,9 @@ class _Layer(nn.Module):
         super().__init__()
         for name, t in tensors.items():
             self.register_parameter(name, nn.Parameter(t, requires_grad=False))
-        if "b_a" not in tensors:
-            self.b_a = None
-            self.b_o = None
+        for name in OPTIONAL_BIASES:  # the biases the config leaves out (weights.convert_state_dict)
+            if name not in tensors:
+                setattr(self, name, None)
         self.register_buffer("kv_cache", kv_cache, persistent=False)
         self.register_buffer("index_cache", index_cache, persistent=False)
 
@@ -320,7 +324,7 @@ class DeepseekV32Model(nn.Module):
         # a column slice of the product is non-contiguous, and Inductor's view lowering
         # then asks whether T == 1 (torch 2.11), a guard that gives B = 1 its own graph.
         n_q = cfg.num_heads * cfg.qk_head_dim
-        q, iq = F.linear(q_c, layer.w_b[:n_q]), F.linear(q_c, layer.w_b[n_q:])
+        q, iq = F.linear(q_c, layer.w_b[:n_q]), F.linear(q_c, layer.w_b[n_q:], layer.b_iq)
         q_nope, q_pe = q.view(t, cfg.num_heads, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
         cos_h, sin_h = cos[:, None, :], sin[:, None, :]
         q_pe = apply_interleaved(q_pe, cos_h, sin_h)
@@ -355,7 +359,12 @@ class DeepseekV32Model(nn.Module):
             o = tp.all_reduce(F.linear(attn, layer.w_o))
             x = x + (o if layer.b_o is None else o + layer.b_o)
         h = rms_norm(x, layer.post_norm, eps)
-        return x + tp.all_reduce(F.linear(silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down))
+        # gate/up column-parallel (their bias sharded with the rows), down row-parallel.
+        act = silu_mul(F.linear(h, layer.w_gate_up, layer.b_gate_up))
+        if tp.size == 1:
+            return x + F.linear(act, layer.w_down, layer.b_down)
+        down = tp.all_reduce(F.linear(act, layer.w_down))  # the bias once, after the sum
+        return x + (down if layer.b_down is None else down + layer.b_down)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         _, eps, _ = self._floats()

@@ -8,6 +8,10 @@ state dict (`shard_tensors`, after `weights.convert_state_dict`):
   (row-parallel: each rank's `o_proj` product is a partial sum, all-reduced);
 * the MLP: gate and up rows column-parallel, `down_proj` columns row-parallel
   (all-reduced): two all-reduces of `[T, hidden]` per layer in all;
+* biases (`ModelConfig.attention_bias`, `mlp_bias`, `indexer_bias`): the gate and up
+  biases shard with their rows; the o_proj and down_proj biases are replicated and added
+  once, after their all-reduce (inside each rank's partial sum they would count `size`
+  times); the biases of replicated projections (`b_a`, the indexer's `b_iq`) replicated;
 * replicated: the embedding and LM head, every norm, `w_a` (the low-rank `q_a` / `kv_a`
   projections and the indexer's `wk` / `weights_proj`), the indexer's `wq_b`, the MLA
   latent cache and the indexer's K cache. MLA's latent is shared by every head, so each
@@ -112,8 +116,10 @@ def shard_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], tp: Tensor
         out[p + "w_uk"] = tensors[p + "w_uk"][heads]
         out[p + "w_uv_t"] = tensors[p + "w_uv_t"][heads]
         out[p + "w_o"] = tensors[p + "w_o"][:, heads.start * v : heads.stop * v]
-        gate_up = tensors[p + "w_gate_up"]
-        out[p + "w_gate_up"] = torch.cat([gate_up[ffn], gate_up[inter + ffn.start : inter + ffn.stop]])
+        for name in ("w_gate_up", "b_gate_up"):  # b_gate_up: with `mlp_bias`
+            if p + name in tensors:
+                gate_up = tensors[p + name]
+                out[p + name] = torch.cat([gate_up[ffn], gate_up[inter + ffn.start : inter + ffn.stop]])
         out[p + "w_down"] = tensors[p + "w_down"][:, ffn]
     return {k: t.contiguous() for k, t in out.items()}
 

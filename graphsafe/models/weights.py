@@ -6,6 +6,9 @@ Fusions (each is a concatenation of rows, so values are unchanged):
   indexer.wk; indexer.weights_proj]` (one GEMM instead of four).
 - `w_b`: the projections of the q latent, `[q_b_proj; indexer.wq_b]`.
 - `w_gate_up`: `[gate_proj; up_proj]`.
+The optional biases follow the fusions: `b_a` (w_a's rows; zeros for the parts without a
+bias), `b_o` (o_proj), `b_iq` (w_b's indexer rows, `indexer.wq_b`; q_b_proj has none),
+`b_gate_up` and `b_down` (`ModelConfig.attention_bias`, `indexer_bias`, `mlp_bias`).
 Absorbed MLA (decode and sparse prefill) splits `kv_b_proj [H * (nope + v), R]` per head
 into `w_uk [H, nope, R]` (queries move into the latent space: `q_nope @ w_uk`) and
 `w_uv_t [H, R, v]` (the latent output moves back: `o @ w_uv_t`).
@@ -52,6 +55,14 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
             shapes[a + "kv_a_proj_with_mqa.bias"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
             shapes[a + "o_proj.bias"] = (d,)
+        if cfg.mlp_bias:
+            shapes[p + "mlp.gate_proj.bias"] = (cfg.intermediate_size,)
+            shapes[p + "mlp.up_proj.bias"] = (cfg.intermediate_size,)
+            shapes[p + "mlp.down_proj.bias"] = (d,)
+        if cfg.indexer_bias:
+            shapes[a + "indexer.wq_b.bias"] = (cfg.index_n_heads * cfg.index_head_dim,)
+            shapes[a + "indexer.wk.bias"] = (cfg.index_head_dim,)
+            shapes[a + "indexer.weights_proj.bias"] = (cfg.index_n_heads,)
     shapes["model.norm.weight"] = (d,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
@@ -127,8 +138,22 @@ def convert_state_dict(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[st
                 o + "w_down": w[p + "mlp.down_proj.weight"],
             }
         )
+        if cfg.attention_bias or cfg.indexer_bias:
+            # w_a's bias: the parts without one are zeros.
+            def bias(name: str, rows: int) -> torch.Tensor:
+                return w[name] if name in w else torch.zeros(rows, dtype=kv_b.dtype)
+
+            out[o + "b_a"] = torch.cat([
+                bias(a + "q_a_proj.bias", cfg.q_lora_rank),
+                bias(a + "kv_a_proj_with_mqa.bias", cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                bias(a + "indexer.wk.bias", cfg.index_head_dim),
+                bias(a + "indexer.weights_proj.bias", cfg.index_n_heads),
+            ])
         if cfg.attention_bias:
-            zeros = torch.zeros(cfg.index_head_dim + cfg.index_n_heads, dtype=kv_b.dtype)
-            out[o + "b_a"] = torch.cat([w[a + "q_a_proj.bias"], w[a + "kv_a_proj_with_mqa.bias"], zeros])
             out[o + "b_o"] = w[a + "o_proj.bias"]
+        if cfg.indexer_bias:
+            out[o + "b_iq"] = w[a + "indexer.wq_b.bias"]  # the bias of w_b's indexer rows
+        if cfg.mlp_bias:
+            out[o + "b_gate_up"] = torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
+            out[o + "b_down"] = w[p + "mlp.down_proj.bias"]
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,11 +79,48 @@ class OpCase:
     # that a launch must fit (`contract.check_launch_fits_the_reservation`). Required for
     # an op with a backend that takes scratch (a record with `workspace`); None otherwise.
     workspace_args: Callable[[Params, Args], tuple[tuple, dict]] | None = None
+    # -- what a backend's `supports` predicate must get right ---------------------------
+    # options: {argument: switch(params, present) -> params or None}, one switch for every
+    # optional argument of the op (a stub parameter with a default): parameters whose
+    # inputs pass the argument (present: a value other than its default) or leave it at
+    # its default (absent); None where these params cannot have it so. Required for an op
+    # with a backend that has a `supports` predicate (test_contract checks it): the
+    # predicate contract (`contract.check_supports_with_each_option`) switches each option
+    # on and off over the draws and edge cases, so a predicate accepting an option its
+    # adapter drops is caught. `flag(key)` and `value(key, absent, present)` make switches.
+    options: Mapping[str, Callable[[Params, bool], Params | None]] = field(default_factory=dict)
+    # Small parameter sets of the shapes a vendor adapter serves where the draws and edge
+    # cases never go (aiter's MLA kernels: head dim 576 at 16 or 128 heads): the predicate
+    # contract runs them too, with each option switched.
+    adapter_examples: Sequence[Params] = field(default_factory=tuple)
 
     def inputs(self, params: Params, device: torch.device | str = "cpu", seed: int = 0) -> Args:
         device = torch.device(device)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         return self.make(params, device, gen)
+
+
+def flag(key: str) -> Callable[[Params, bool], Params]:
+    """An `OpCase.options` switch for an option the params turn on with `params[key] = True`."""
+
+    def switch(params: Params, present: bool) -> Params:
+        return {**params, key: present}
+
+    switch.__name__ = f"flag({key!r})"
+    return switch
+
+
+def value(key: str, absent: Any, present: Any) -> Callable[[Params, bool], Params]:
+    """An `OpCase.options` switch for an option the params hold in `params[key]`: `absent`
+    (its default) off; on, the value the params hold or, where that is `absent`, `present`."""
+
+    def switch(params: Params, on: bool) -> Params:
+        if not on:
+            return {**params, key: absent}
+        return params if params.get(key, absent) != absent else {**params, key: present}
+
+    switch.__name__ = f"value({key!r}, {absent!r}, {present!r})"
+    return switch
 
 
 def reads_every_element(params: Params, args: Args) -> Sequence[tuple[int, torch.Tensor]]:

@@ -406,9 +406,14 @@ def check_launch_fits_the_reservation(spec: OpSpec, case: OpCase, backend: str, 
     """Sizing and launch agree: a fresh workspace lane reserved from shapes alone
     (`spec.workspace_specs` for `backend`, the case's `workspace_args`) and then locked
     serves the call; a launch that asks for more than the reservation is refused by the
-    locked manager (`WorkspaceError`)."""
+    locked manager (`WorkspaceError`). The call runs with the debug switch's workspace
+    guards (`graphsafe.workspace.manager.guarded`): a kernel that writes past a view it
+    is handed, or a view reserved smaller than what is written into it, raises a
+    WorkspaceError naming the op and the view, on the CPU and on a GPU alike. (The guarded
+    layout leaves GUARD_BYTES after each view where the locked arena has room, as the
+    growth granularity nearly always leaves; else the views' alignment padding is the guard.)"""
     from graphsafe.workspace import current_workspace_manager, workspace_lane
-    from graphsafe.workspace.manager import drop_workspace_manager
+    from graphsafe.workspace.manager import drop_workspace_manager, guarded
 
     if not takes_scratch(spec):
         return "no scratch"
@@ -421,7 +426,7 @@ def check_launch_fits_the_reservation(spec: OpSpec, case: OpCase, backend: str, 
         try:
             specs = spec.workspace_specs(*ws_args, **ws_kwargs, device=device, backend=backend)
             manager.reserve(*specs, owner=f"{spec.name} reservation")
-            with manager.locked():
+            with manager.locked(), guarded(spec.name):
                 spec.runner(backend)(*clone_args(args))
         finally:
             drop_workspace_manager(device)
@@ -431,6 +436,88 @@ def check_launch_fits_the_reservation(spec: OpSpec, case: OpCase, backend: str, 
 # A workspace lane no op or test uses otherwise: `check_launch_fits_the_reservation` starts
 # it empty and releases it after.
 RESERVATION_LANE = 97
+
+
+# -- supports predicates with each option -----------------------------------------------
+def optional_arguments(spec: OpSpec) -> list[str]:
+    """The op's optional arguments: the stub's parameters with a default, in order."""
+    return [name for name in spec.call_type._fields if name in spec.call_type._field_defaults]
+
+
+def predicate_backends(spec: OpSpec) -> list[str]:
+    """The op's backends whose record has a `supports` predicate."""
+    return [name for name, record in spec.backends.items() if record.supports is not None]
+
+
+def option_present(spec: OpSpec, call: tuple, name: str) -> bool:
+    """Whether optional argument `name` of the bound `call` is other than its default."""
+    default, actual = spec.call_type._field_defaults[name], getattr(call, name)
+    return actual is not None if default is None else actual != default
+
+
+def option_variants(spec: OpSpec, case: OpCase, params: Params) -> list[tuple[str, dict[str, bool], Params]]:
+    """The parameter sets the predicate contract runs for `params`, each with the options
+    it must have present (True) or absent (False): `params` as drawn; every optional
+    argument absent; each one alone present (the others absent, but for what it needs);
+    and each one switched
+    on and off in `params` as drawn (`OpCase.options`). Duplicates and the sets a switch
+    cannot make (None) are left out. Returns [(what, {option: present}, params)]."""
+    names = optional_arguments(spec)
+    bare: Params | None = params
+    for name in names:
+        bare = None if bare is None else case.options[name](bare, False)
+    candidates: list[tuple[str, dict[str, bool], Params | None]] = [("as drawn", {}, params)]
+    if bare is not None:
+        candidates.append(("every option absent", dict.fromkeys(names, False), bare))
+        for name in names:  # (a switch may bring what the option needs: descales need fp8 inputs)
+            candidates.append((f"{name} alone present", {name: True}, case.options[name](bare, True)))
+    for name in names:
+        for present in (True, False):
+            what = f"{name} {'present' if present else 'absent'}"
+            candidates.append((what, {name: present}, case.options[name](params, present)))
+    out, seen = [], []
+    for what, checks, variant in candidates:
+        if variant is not None and variant not in seen:
+            seen.append(variant)
+            out.append((what, checks, variant))
+    return out
+
+
+def check_supports_with_each_option(spec: OpSpec, case: OpCase, params: Params, device: torch.device, seed: int = 0,
+                                    backends: list[str] | None = None) -> dict[str, int]:
+    """Every `supports` predicate of the op (or of `backends`), over `params` with each
+    optional argument switched on and off (`option_variants`): each answer is a `Support`
+    with a reason where it declines, and every call a predicate accepts runs on that
+    backend (its workspace views guarded, as with the debug switch) and matches the
+    reference. So a predicate that accepts an option (or a shape) its adapter drops or
+    mishandles fails here. The backends must be runnable on `device` (on the CPU: aiter
+    through its stand-in, tests/aiter_standin). Returns {"accepted": n, "declined": n}."""
+    from graphsafe.registry import Support
+    from graphsafe.workspace.manager import guarded
+
+    backends = predicate_backends(spec) if backends is None else backends
+    counts = {"accepted": 0, "declined": 0}
+    for what, checks, variant in option_variants(spec, case, params):
+        args = case.inputs(variant, device, seed)
+        call = spec.call(*args)
+        for name, present in checks.items():
+            assert option_present(spec, call, name) == present, (
+                f"{spec.name}: OpCase.options[{name!r}] ({what}) gives {name}={getattr(call, name)!r}")
+        for backend in backends:
+            answer = spec.support(backend, call)
+            assert isinstance(answer, Support), f"{spec.name}[{backend}]: supports answered {answer!r}"
+            if not answer:
+                assert answer.reason, f"{spec.name}[{backend}]: declined without a reason"
+                counts["declined"] += 1
+                continue
+            counts["accepted"] += 1
+            try:
+                with guarded(spec.name):
+                    check_backend_matches_reference(spec, case, backend, args, params=variant)
+            except AssertionError as err:
+                raise AssertionError(f"{spec.name}[{backend}] accepted a call ({what}: {variant}) and differs "
+                                     f"from the reference: {err}") from err
+    return counts
 
 
 def example_inputs(case: OpCase, device: torch.device, seed: int = 0) -> list[tuple[Params, tuple]]:

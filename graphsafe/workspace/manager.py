@@ -54,17 +54,19 @@ def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-def plan_layout(specs: Sequence[Spec]) -> tuple[tuple[int, ...], int]:
+def plan_layout(specs: Sequence[Spec], guard: int = 0) -> tuple[tuple[int, ...], int]:
     """Byte offsets of each region and the total bytes of one `get_simultaneous` call.
 
-    Regions are placed in order, each at a 256-byte aligned offset.
+    Regions are placed in order, each at a 256-byte aligned offset. `guard`: at least that
+    many free bytes after every region, the last one included (the layout of a request
+    while its op's views are guarded, `guarded`).
     """
     offsets = []
     cursor = 0
     for shape, dtype in specs:
         cursor = _align(cursor)
         offsets.append(cursor)
-        cursor += math.prod(shape) * dtype.itemsize
+        cursor += math.prod(shape) * dtype.itemsize + guard
     return tuple(offsets), cursor
 
 
@@ -154,6 +156,8 @@ class WorkspaceManager:
                 f"workspace requested by {owner!r} while a FakeTensorMode is active: fake impls "
                 f"must compute metadata only and never touch the workspace ({_caller()})"
             )
+        if _guard_scopes:  # an op call under the debug switch: guarded views (slow path)
+            return self._get_guarded(specs, owner)
         try:
             views = self._views[specs if self._base == 0 else (self._base, specs)]
         except (KeyError, TypeError):
@@ -189,6 +193,51 @@ class WorkspaceManager:
             self._views[specs if base == 0 else (base, specs)] = views  # the caller's own spelling too
         except TypeError:
             pass  # unhashable spelling (lists): the normalised key is cached
+        return views
+
+    def _can_grow(self) -> bool:
+        """Whether `_ensure` may grow the arena now (see its refusals)."""
+        return not (self._locked or self._base or self._captured or _capturing(self.device))
+
+    def _get_guarded(self, specs: Sequence[Spec], owner: str) -> list[torch.Tensor]:
+        """`get_simultaneous` inside a `guarded` scope: views carved afresh (not cached) with
+        GUARD_BYTES free after each (`plan_layout(..., guard=)`), or, where that layout does
+        not fit an arena that may not grow now (locked, views held, a capture), the usual
+        layout with the bytes up to the next region (its alignment padding) and, after the
+        last one, up to GUARD_BYTES before the arena's end as guards. Each guard is filled
+        with GUARD_PATTERN and recorded in the innermost scope; guards of earlier requests
+        whose bytes this one reuses are checked first (views of separate requests alias)."""
+        key_specs = tuple((tuple(int(x) for x in shape), dtype) for shape, dtype in specs)
+        for shape, dtype in key_specs:
+            if not isinstance(dtype, torch.dtype) or any(x < 0 for x in shape):
+                raise WorkspaceError(f"{owner}: bad workspace request {shape}, {dtype}")
+        base = self._base
+        offsets, total = plan_layout(key_specs, guard=GUARD_BYTES)
+        tight = base + total > self._size and not self._can_grow()
+        if tight:
+            offsets, total = plan_layout(key_specs)
+        if base + total > self._size:
+            _check_guards(self, 0, self._size)  # growth frees the arena: check what it holds first
+        self._peak = max(self._peak, base + total)
+        self._ensure(base + total, owner)
+        self._requests[owner] = self._requests.get(owner, 0) + 1
+        if self._is_cuda and not self._captured and _stream_capturing():
+            self._captured = True
+        starts = [base + o for o in offsets]
+        ends = [start + math.prod(shape) * dtype.itemsize for start, (shape, dtype) in zip(starts, key_specs)]
+        last = min(ends[-1] + GUARD_BYTES, self._size) if ends else base
+        _check_guards(self, base, max(last, base + total))
+        views = [self._view(start, shape, dtype) for start, (shape, dtype) in zip(starts, key_specs)]
+        if self._arena is None:
+            return views
+        scope = _guard_scopes[-1]
+        for i, (start, end) in enumerate(zip(starts, ends)):
+            stop = starts[i + 1] if i + 1 < len(starts) else last
+            if stop > end:
+                self._arena[end:stop].fill_(GUARD_PATTERN)
+                shape, dtype = key_specs[i]
+                scope.guards.append(_Guard(self, self._arena, end, stop, i, len(key_specs), owner, shape, dtype,
+                                           start))
         return views
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -313,6 +362,104 @@ class WorkspaceManager:
             cached_signatures=len(self._views),
             captured=self._captured,
         )
+
+
+# -- guards (the debug switch) ----------------------------------------------------------
+# With `graphsafe.debug_checks` on, every op call runs inside `guarded(op)`: the bytes after
+# each view it is handed are filled with GUARD_PATTERN and checked when the call returns (or
+# raises), so a kernel that writes past its view, or a view reserved too small for what a
+# kernel writes into it, fails on any device, where on a GPU it would land silently in the
+# arena's alignment padding or the next region.
+GUARD_BYTES = ALIGNMENT
+GUARD_PATTERN = 0xA5
+
+
+@dataclass(eq=False)
+class _Guard:
+    manager: WorkspaceManager
+    arena: torch.Tensor  # the arena the view was carved from (growth replaces it)
+    start: int  # the guarded bytes [start, end) of the arena: right after the view
+    end: int
+    index: int  # the view's place in its request
+    count: int
+    owner: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    view_start: int
+
+    def overrun(self) -> tuple[int, int] | None:
+        """(bytes changed, offset past the view's end of the first) or None (syncs)."""
+        changed = (self.arena[self.start : self.end] != GUARD_PATTERN).cpu()
+        if not bool(changed.any()):
+            return None
+        return int(changed.sum()), int(changed.nonzero()[0, 0])
+
+    def describe(self) -> str:
+        return (f"view {self.index} of {self.count} of the workspace request by {self.owner!r} "
+                f"({list(self.shape)}, {str(self.dtype).replace('torch.', '')}: arena bytes "
+                f"[{self.view_start}, {self.start}) on {self.manager.device}, lane {self.manager.lane})")
+
+
+class GuardScope:
+    """The guards of the views handed out during one op call (`guarded`)."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.guards: list[_Guard] = []
+        self.checked = 0  # guards checked so far (at reuse or at the end)
+
+    def check(self, guards: Sequence[_Guard] | None = None) -> None:
+        """Check `guards` (default: all this scope still holds) and drop them; raise a
+        WorkspaceError naming the op, the view and the bytes written past it."""
+        guards = list(self.guards) if guards is None else list(guards)
+        for guard in guards:
+            self.guards.remove(guard)
+        for guard in guards:
+            self.checked += 1
+            hit = guard.overrun()
+            if hit is not None:
+                changed, first = hit
+                raise WorkspaceError(
+                    f"graphsafe.{self.op}: workspace overrun past {guard.describe()}: {changed} of the "
+                    f"{guard.end - guard.start} bytes after it were written, the first {first} bytes past its "
+                    f"end (GRAPHSAFE_DEBUG_CHECKS guard, pattern {GUARD_PATTERN:#04x}): a kernel writes past "
+                    "this view, or the op reserves it too small")
+
+
+_guard_scopes: list[GuardScope] = []
+
+
+def _check_guards(manager: WorkspaceManager, start: int, end: int) -> None:
+    """Check and drop the outstanding guards of `manager` overlapping bytes [start, end)
+    (a new request is about to reuse them), in every scope."""
+    for scope in _guard_scopes:
+        hit = [g for g in scope.guards if g.manager is manager and g.start < end and start < g.end]
+        if hit:
+            scope.check(hit)
+
+
+class guarded:
+    """`with guarded("op"):` the workspace views handed out inside are guarded (above) and
+    checked on exit; an overrun raises a WorkspaceError naming the op, the view and the
+    bytes (chained to the op's own error when the call raised). The registry enters one
+    per op call while `graphsafe.debug_checks` is on; nested scopes nest."""
+
+    def __init__(self, op: str) -> None:
+        self.scope = GuardScope(op)
+
+    def __enter__(self) -> GuardScope:
+        _guard_scopes.append(self.scope)
+        return self.scope
+
+    def __exit__(self, kind, err, tb) -> None:
+        _guard_scopes.remove(self.scope)
+        if err is None:
+            self.scope.check()
+            return
+        try:
+            self.scope.check()
+        except WorkspaceError as overrun:
+            raise overrun from err
 
 
 # -- per-device, per-lane managers -----------------------------------------------------

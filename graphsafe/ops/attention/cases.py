@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.backends import triton_interpreter_enabled
-from graphsafe.testing.cases import Args, BadInput, OpCase, Params, register_case
+from graphsafe.testing.cases import Args, BadInput, OpCase, Params, flag, register_case, value
 from graphsafe.testing.tensors import randn
 
 FP8 = torch.float8_e4m3fn
@@ -569,6 +569,28 @@ def _bad_varlen(device, gen):
     ]
 
 
+def _varlen_descales(params: Params, present: bool) -> Params:
+    """`OpCase.options` switch of q/k/v_descale: fp8 inputs with descales, or without."""
+    if present:
+        descale = params["descale"] if params.get("descale", "none") != "none" else "tensor"
+        return {**params, "mode": "fp8_inputs", "descale": descale}
+    return {**params, "descale": "none"} if params["mode"] == "fp8_inputs" else params
+
+
+def _varlen_fp8(params: Params, present: bool) -> Params:
+    """`OpCase.options` switch of `fp8`: "off" (bf16/fp16 inputs), or "on" unless the params
+    already ask for an fp8 path ("on", "auto", fp8 inputs)."""
+    if present:
+        return params if params["mode"] != "off" else {**params, "mode": "on"}
+    return {**params, "mode": "off"}
+
+
+VARLEN_OPTIONS = {
+    "q_descale": _varlen_descales, "k_descale": _varlen_descales, "v_descale": _varlen_descales,
+    "fp8": _varlen_fp8, "window_left": value("window_left", -1, 5), "softcap": value("softcap", 0.0, 4.0),
+    "sinks": flag("sinks"),
+}
+
 _GPU_VARLEN = {"self_attn": True, "Dv": None, "descale": "tensor", "pad_q": 7, "pad_k": 3, "dtype": torch.bfloat16}
 _LLAMA_VARLEN = {**_GPU_VARLEN, "B": 4, "max_q": 1024, "max_k": 1024, "Hk": 8, "group": 4, "D": 128, "causal": True}
 
@@ -580,6 +602,7 @@ register_case(
         make=_make_varlen,
         compare=_compare_varlen,
         workspace_args=_varlen_workspace_args,
+        options=VARLEN_OPTIONS,
         bad_inputs=_bad_varlen,
         unread=_unread_varlen,
         out_of_range=_out_of_range_varlen,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.formats.fp8_ds_mla import TILE, dequantize_records, quantize_records, record_bytes
-from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
+from graphsafe.testing.cases import BadInput, OpCase, Params, flag, register_case
 from graphsafe.testing.tensors import randn
 
 # Ids out of range that `out_of_range` mixes in: huge, negative (never wrapping around),
@@ -300,6 +300,13 @@ EXAMPLE_DECODE: Params = {
     "dtype": torch.float16, "lens": "random", "padding": 0.25, "strided": False,
 }
 DEEPSEEK = {"R": 512, "P": 64}
+# The shapes aiter's MLA kernels serve (bf16, head dim 576, 16 heads), small: the draws
+# and edge cases never reach them (OpCase.adapter_examples).
+AITER_DECODE: Params = {**DEEPSEEK, "B": 3, "H": 16, "block_size": 4, "max_blocks": 5, "dtype": torch.bfloat16,
+                        "lens": "random", "padding": 0.25, "strided": False}
+AITER_SPARSE: Params = {**DEEPSEEK, "T": 3, "H": 16, "block_size": 4, "num_blocks": 6, "K": 40,
+                        "dtype": torch.bfloat16, "invalid": 0.25, "strided": False, "attn_sink": False,
+                        "topk_length": False}
 EXAMPLE_DECODE_FP8_DS: Params = {**EXAMPLE_DECODE, "R": 128, "P": 16, "dtype": torch.bfloat16, "cache": FP8_DS}
 
 
@@ -365,6 +372,7 @@ register_case(
         make=_make_decode,
         compare=compare_attention,
         workspace_args=_workspace_decode,
+        adapter_examples=(AITER_DECODE,),
         bad_inputs=_bad_decode,
         unread=_unread_decode,
         out_of_range=_out_of_range_decode,
@@ -535,6 +543,8 @@ register_case(
         make=_make_sparse,
         compare=compare_attention,
         workspace_args=_workspace_sparse,
+        options={"attn_sink": flag("attn_sink"), "topk_length": flag("topk_length")},
+        adapter_examples=(AITER_SPARSE,),
         bad_inputs=_bad_sparse,
         unread=_unread_sparse,
         out_of_range=_out_of_range_sparse,
