@@ -373,3 +373,24 @@ def test_gpu_examples_build_in_bounded_host_memory():
     assert len(lines) == sum(len(case_for(n).gpu_examples) for n in names)
     for line in lines:
         assert line.endswith(" bytes") and int(line.split()[-2]) <= EXAMPLE_BYTES, line
+
+
+def test_bench_caches_hold_their_quantised_rows():
+    """`graphsafe.ops.dsv4.bench.record_cache` (the caches of `decode_inputs`: the bench's
+    and the FlashMLA comparison's, tests/test_dsv4_gpu.py) holds, block after block, the
+    bytes `quantize_tokens` gives its random rows. It once wrote them into a copy
+    (`view.reshape` of blocks 37440 bytes apart) and left the cache uninitialised, so
+    graphsafe and FlashMLA were compared on stale device memory."""
+    from graphsafe.ops.dsv4 import bench
+
+    nb = 3
+    cache = bench.record_cache(nb * bench.BLOCK_SIZE - 5, torch.device("cpu"), torch.Generator().manual_seed(3))
+    assert cache.shape[:2] == (nb, bench.BLOCK_SIZE) and cache.stride(0) == fp8_dsv4.padded_block_bytes(64) != 64 * 584
+    rows = torch.randn((nb * bench.BLOCK_SIZE, bench.D), generator=torch.Generator().manual_seed(3))
+    want_data, want_scales = fp8_dsv4.quantize_tokens(rows)
+    data, scales = fp8_dsv4.block_views(cache)
+    assert torch.equal(data.reshape(-1, fp8_dsv4.DATA_BYTES), want_data)
+    assert torch.equal(scales.reshape(-1, fp8_dsv4.SCALE_BYTES), want_scales)
+    q, swa, idx, scale, sink, length, comp, xidx, xlength = bench.decode_inputs(2, 64, 128, 64, torch.device("cpu"))
+    for c, i in ((swa, idx), (comp, xidx)):
+        assert c.shape[0] > 1 and torch.isfinite(fp8_dsv4.read_tokens(c, i.long())).all()
