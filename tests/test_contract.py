@@ -216,6 +216,17 @@ def test_fake_never_touches_workspace(name):
 
 
 @pytest.mark.parametrize("name", OPS)
+def test_reference_needs_no_tensor_values_on_the_host(name):
+    """The reference backend serves CUDA graphs too (GRAPHSAFE_BACKEND=reference): it runs
+    on FakeTensors at the example and every edge case, so it never syncs to read a value
+    or a data-dependent size (the GPU half: test_contract_gpu.py::
+    test_reference_backend_also_captures)."""
+    spec = graphsafe.get_op(name)
+    for _, args in C.example_inputs(case_for(spec.name), torch.device("cpu")):
+        C.check_reference_has_no_data_dependent_shape(spec, args)
+
+
+@pytest.mark.parametrize("name", OPS)
 def test_fullgraph_compile_matches_eager(name):
     """Dynamo traces the op through its fake (aot_eager), with no graph break."""
     spec = graphsafe.get_op(name)

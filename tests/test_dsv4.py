@@ -324,3 +324,73 @@ def test_compressor_matches_transformers(kind, ratio, backend):
                              torch.zeros(n, dtype=torch.int32), module.kv_norm.weight.detach().float(), 1e-6,
                              rope_table(n, theta), cache, kv_slots, ratio)
     torch.testing.assert_close(cache[:, 0].float(), want, rtol=1e-2, atol=1e-2)
+
+
+# The GPU contract (tests/test_contract_gpu.py) builds each op's `gpu_examples` on the host
+# before moving them to the device: a pytest worker that runs out of host memory dies
+# ("node down"), whatever the op's kernel does.
+HOST_ADDRESS_SPACE = 16 << 30
+EXAMPLE_BYTES = 1 << 30
+_BUILD_GPU_EXAMPLES = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+import torch
+from graphsafe.testing import case_for
+for name in {names!r}:
+    case = case_for(name)
+    for i, params in enumerate(case.gpu_examples):
+        try:
+            args = case.inputs(params, torch.device("cpu"), 7)
+        except (MemoryError, RuntimeError) as err:
+            print(f"{{name}} gpu_examples[{{i}}]: {{str(err).splitlines()[0][:200]}}")
+            continue
+        held = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
+        print(f"{{name}} gpu_examples[{{i}}]: {{held}} bytes")
+print("DONE")
+"""
+
+
+def test_gpu_examples_build_in_bounded_host_memory():
+    """Each DeepSeek-V4 op's realistic GPU shapes build on the host within 16 GiB of address
+    space and hold at most 1 GiB of tensors. The compressor's decode example (64 requests at
+    positions up to 258k) once allocated a state block for every earlier position of every
+    request: a 135 GB state cache, which killed the GPU run's pytest workers."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from graphsafe.testing import case_for
+
+    names = sorted(n for n in graphsafe.op_table() if graphsafe.get_op(n).family == "dsv4")
+    assert "dsv4_compress_kv" in names
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    script = _BUILD_GPU_EXAMPLES.format(limit=HOST_ADDRESS_SPACE, names=names)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("DONE"), proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()[:-1]
+    assert len(lines) == sum(len(case_for(n).gpu_examples) for n in names)
+    for line in lines:
+        assert line.endswith(" bytes") and int(line.split()[-2]) <= EXAMPLE_BYTES, line
+
+
+def test_bench_caches_hold_their_quantised_rows():
+    """`graphsafe.ops.dsv4.bench.record_cache` (the caches of `decode_inputs`: the bench's
+    and the FlashMLA comparison's, tests/test_dsv4_gpu.py) holds, block after block, the
+    bytes `quantize_tokens` gives its random rows. It once wrote them into a copy
+    (`view.reshape` of blocks 37440 bytes apart) and left the cache uninitialised, so
+    graphsafe and FlashMLA were compared on stale device memory."""
+    from graphsafe.ops.dsv4 import bench
+
+    nb = 3
+    cache = bench.record_cache(nb * bench.BLOCK_SIZE - 5, torch.device("cpu"), torch.Generator().manual_seed(3))
+    assert cache.shape[:2] == (nb, bench.BLOCK_SIZE) and cache.stride(0) == fp8_dsv4.padded_block_bytes(64) != 64 * 584
+    rows = torch.randn((nb * bench.BLOCK_SIZE, bench.D), generator=torch.Generator().manual_seed(3))
+    want_data, want_scales = fp8_dsv4.quantize_tokens(rows)
+    data, scales = fp8_dsv4.block_views(cache)
+    assert torch.equal(data.reshape(-1, fp8_dsv4.DATA_BYTES), want_data)
+    assert torch.equal(scales.reshape(-1, fp8_dsv4.SCALE_BYTES), want_scales)
+    q, swa, idx, scale, sink, length, comp, xidx, xlength = bench.decode_inputs(2, 64, 128, 64, torch.device("cpu"))
+    for c, i in ((swa, idx), (comp, xidx)):
+        assert c.shape[0] > 1 and torch.isfinite(fp8_dsv4.read_tokens(c, i.long())).all()

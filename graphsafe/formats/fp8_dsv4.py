@@ -205,14 +205,29 @@ def read_tokens(cache: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor | 
 
 def write_tokens(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
     """Write tokens `rows [T, 512]` at `slots [T]` (in place; slots outside the cache are
-    skipped). The reference writer: `quantize_tokens`' bytes, the pad byte 0."""
-    valid = slot_valid(cache, slots)
+    skipped). The reference writer: `quantize_tokens`' bytes, the pad byte 0.
+
+    No host sync and no data-dependent shape (it runs inside captured CUDA graphs): every
+    token takes part in one write per view; a skipped token writes slot 0 with the bytes
+    slot 0 ends up holding anyway (its own, or those of the token written there), never a
+    boolean-mask selection (which syncs to learn its size)."""
     nb, bs = cache.shape[:2]
+    if rows.shape[0] == 0 or nb * bs == 0:
+        return
+    valid = slot_valid(cache, slots)
     data_b, scale_b = quantize_tokens(rows)
-    s = slots.long()[valid]
     data, scales = block_views(cache)
-    data[s // bs, s % bs] = data_b[valid]
-    scales[s // bs, s % bs] = scale_b[valid]
+    s = slots.long()
+    writes_slot0 = valid & (s == 0)
+    # The first token written at slot 0, if any: index_select, not data_b[i] (a 0-dim index
+    # tensor becomes a Python int: a sync).
+    writer = writes_slot0.int().argmax().view(1)
+    any_slot0 = writes_slot0.any()
+    target = torch.where(valid, s, 0)
+    keep = valid[:, None]
+    for view, new in ((data, data_b), (scales, scale_b)):
+        slot0 = torch.where(any_slot0, new.index_select(0, writer)[0], view[0, 0])
+        view[target // bs, target % bs] = torch.where(keep, new, slot0)
 
 
 def token_byte_offsets(block_size: int, token: int) -> tuple[range, range, int]:

@@ -397,6 +397,22 @@ def check_fake_never_touches_workspace(spec: OpSpec, args: tuple) -> None:
     assert not calls, f"{spec.name}: the fake impl called the workspace manager: {calls}"
 
 
+def check_reference_has_no_data_dependent_shape(spec: OpSpec, args: tuple) -> None:
+    """The reference impl runs on FakeTensors: nothing in it needs a tensor's values on the
+    host (`.item()`, `int(t)`, boolean-mask indexing and `nonzero`, `unique`, ...). Each of
+    those syncs on a GPU and cannot be captured into a CUDA graph, which the reference
+    backend must be (tests/test_contract_gpu.py::test_reference_backend_also_captures); the
+    CPU catches them here, where the GPU run could only."""
+    impl = spec.backend_impl("reference")
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+        try:
+            impl(*fake_args)
+        except Exception as err:  # noqa: BLE001 - FakeTensor's data-dependent errors, reported with the op
+            raise AssertionError(f"{spec.name}: the reference needs tensor values on the host "
+                                 f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+
+
 def takes_scratch(spec: OpSpec) -> bool:
     """Whether any backend of the op sizes a workspace (its record names `workspace`)."""
     return any(record.workspace is not None for record in spec.backends.values())

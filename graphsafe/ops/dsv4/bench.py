@@ -34,17 +34,22 @@ QUANT_CHUNK_ROWS = 1 << 16
 
 
 def record_cache(num_rows: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    """A cache of `num_rows` random tokens (64-token blocks, vLLM's padded block stride),
-    quantised on the device in chunks (`fp8_dsv4.quantize_tokens`)."""
+    """A cache of `num_rows` random tokens (rounded up to whole 64-token blocks, vLLM's padded
+    block stride), quantised on the device in chunks of whole blocks
+    (`fp8_dsv4.quantize_tokens`) and written through the cache's block views.
+
+    Not through `view.reshape(-1, 576)`: with the padded stride (37440 bytes a block, not
+    64 * 576) that reshape is a copy, and writing it left the cache uninitialised (the
+    FlashMLA comparisons then ran on whatever bytes the allocator handed back)."""
     nb = -(-num_rows // BLOCK_SIZE)
     cache = fp8_dsv4.empty_cache(nb, BLOCK_SIZE, device)
     data, scales = fp8_dsv4.block_views(cache)
-    data, scales = data.reshape(-1, fp8_dsv4.DATA_BYTES), scales.reshape(-1, fp8_dsv4.SCALE_BYTES)
-    for start in range(0, nb * BLOCK_SIZE, QUANT_CHUNK_ROWS):
-        n = min(QUANT_CHUNK_ROWS, nb * BLOCK_SIZE - start)
-        d, s = fp8_dsv4.quantize_tokens(torch.randn((n, D), generator=gen, device=device))
-        data[start : start + n] = d
-        scales[start : start + n] = s
+    chunk = QUANT_CHUNK_ROWS // BLOCK_SIZE
+    for b0 in range(0, nb, chunk):
+        b1 = min(b0 + chunk, nb)
+        d, s = fp8_dsv4.quantize_tokens(torch.randn(((b1 - b0) * BLOCK_SIZE, D), generator=gen, device=device))
+        data[b0:b1] = d.view(b1 - b0, BLOCK_SIZE, fp8_dsv4.DATA_BYTES)
+        scales[b0:b1] = s.view(b1 - b0, BLOCK_SIZE, fp8_dsv4.SCALE_BYTES)
     return cache
 
 

@@ -576,19 +576,32 @@ def _params_compress():
 
 def _make_compress(p: Params, device, gen):
     """Requests `(start, new)`: `new` tokens at positions start ... start + new - 1, packed
-    one request after the other; every position of a request has a state block (some, a
-    fraction `missing`, -1: missing states), the earlier positions' states hold random saved
-    states; compressed slots for the tokens that complete a window, garbage elsewhere (never
-    read), and so are `token_to_req` of the others."""
+    one request after the other; every position the step reads or writes (the windows of
+    its tokens: from start - S + 1 on) has a state block (some, a fraction `missing`, -1:
+    missing states), the earlier positions' states hold random saved states, and the table's
+    other columns are -1 (never read); compressed slots for the tokens that complete a
+    window, garbage elsewhere (never read), and so are `token_to_req` of the others.
+
+    Only the blocks a step touches get state rows: a decode token at position 258k needs 3
+    of them, where a block for every earlier position took 135 GB of host memory at the
+    GPU examples' shapes (`tests/test_dsv4.py::test_gpu_examples_build_in_bounded_host_memory`)."""
     ratio, d = p["ratio"], (fp8_dsv4.HEAD_DIM if records(p) else p["D"])
     w = 2 * d if p["overlap"] else d
+    window = ratio * (w // d)  # states an entry pools
     sbs = p["state_block_size"]
     reqs = p["requests"]
     t = sum(n for _, n in reqs)
     max_blocks = max((s + n) // sbs + 1 for s, n in reqs)
-    nsb = len(reqs) * max_blocks + 2
-    table = torch.randperm(nsb, generator=gen)[: len(reqs) * max_blocks].view(len(reqs), max_blocks)
-    table = torch.where(torch.rand(table.shape, generator=gen) < p["missing"], -1, table).to(torch.int32)
+    spans = [(max(s - window + 1, 0) // sbs, (s + n - 1) // sbs + 1) if n else (0, 0) for s, n in reqs]
+    nsb = sum(hi - lo for lo, hi in spans) + 2
+    ids = torch.randperm(nsb, generator=gen)
+    table = torch.full((len(reqs), max_blocks), -1, dtype=torch.int64)
+    used = 0
+    for r, (lo, hi) in enumerate(spans):
+        table[r, lo:hi] = ids[used : used + hi - lo]
+        used += hi - lo
+    missing = torch.rand(table.shape, generator=gen) < p["missing"]
+    table = torch.where(missing, -1, table).to(torch.int32)
     state = torch.randn((nsb, sbs, 2 * w), generator=gen)
     positions = torch.cat([torch.arange(s, s + n) for s, n in reqs]) if t else torch.zeros(0, dtype=torch.int64)
     req_of = torch.cat([torch.full((n,), r) for r, (_, n) in enumerate(reqs)]) if t else torch.zeros(0, dtype=torch.int64)
@@ -797,7 +810,8 @@ register_case(
             {**EXAMPLE_COMPRESS, "ratio": 128, "overlap": False, "requests": [(120, 9)], "state_block_size": 8},
         ),
         gpu_examples=(
-            {**EXAMPLE_COMPRESS, "requests": [(4096 * i + 300, 1) for i in range(64)], "state_block_size": 4,
+            # Decode at long contexts: one token a request, a quarter of them completing a window.
+            {**EXAMPLE_COMPRESS, "requests": [(4096 * i + 300 + i % 4, 1) for i in range(64)], "state_block_size": 4,
              "block_size": 64},
             {**EXAMPLE_COMPRESS, "requests": [(0, 1000), (37, 500)], "ratio": 128, "overlap": False,
              "state_block_size": 8, "block_size": 64},

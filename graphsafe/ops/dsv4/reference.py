@@ -1,11 +1,15 @@
 """Reference backend of the DeepSeek-V4 ops: the executable spec, vectorised PyTorch.
 
-No host sync. Keys that hold nothing (padding or out-of-range slots, entries right of a
-length) are masked, never filtered out: their reads are redirected to slot 0 and the
-bytes (records) or rows (bf16) read there are replaced by zeros before any arithmetic,
-so whatever slot 0 holds cannot reach an output. The attention arithmetic, and with it
-where NaN and inf land, is `graphsafe.ops.mla.reference.attend` (the MLA ops'), with the
-whole 512-value row as the value.
+No host sync and no data-dependent shape (the reference backend must capture into CUDA
+graphs too, tests/test_contract_gpu.py): writes never select their tokens with a boolean
+mask, the tokens a write skips are redirected instead (`fp8_dsv4.write_tokens`,
+`graphsafe.ops.cache.reference.scatter_tokens`). Keys that hold nothing (padding or
+out-of-range slots, entries right of a length) are masked, never filtered out: their
+reads are redirected to slot 0 and the bytes (records) or rows (bf16) read there are
+replaced by zeros before any arithmetic, so whatever slot 0 holds cannot reach an output.
+The attention arithmetic, and with it where NaN and inf land, is
+`graphsafe.ops.mla.reference.attend` (the MLA ops'), with the whole 512-value row as the
+value.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.formats import fp8_dsv4
+from graphsafe.ops.cache.reference import scatter_tokens
 from graphsafe.ops.mla.reference import attend
 from graphsafe.registry import Backend
 
@@ -84,6 +89,13 @@ def kv_rope(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat([x[:, :nope], rope_pairs(x[:, nope:], cos, sin)], dim=1)
 
 
+def scatter_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """`cache[s // block_size, s % block_size] = rows[t]` for each slot `s = slots[t]` in the
+    cache (others skipped), sync-free (`scatter_tokens`); nothing for a cache without slots."""
+    if cache.shape[0] * cache.shape[1]:
+        scatter_tokens(cache, slots, rows)
+
+
 def insert_rows(kv_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, enabled: torch.Tensor) -> None:
     """Write float32 `rows [N, 512]` (rounded to bf16) at `slots` where `enabled` and the
     slot lies in the cache: fp8_dsv4 records (`write_tokens`) or bf16 rows."""
@@ -91,10 +103,7 @@ def insert_rows(kv_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
     if kv_cache.dtype == torch.uint8:
         fp8_dsv4.write_tokens(kv_cache, rows, slots)
         return
-    keep = slots >= 0
-    s = slots[keep]
-    bs = kv_cache.shape[1]
-    kv_cache[s // bs, s % bs] = rows[keep].to(kv_cache.dtype)
+    scatter_rows(kv_cache, slots, rows.to(kv_cache.dtype))
 
 
 def dsv4_qnorm_rope_kv_insert(q, kv, q_out, kv_cache, slot_mapping, positions, cos_sin_cache, eps):
@@ -114,8 +123,7 @@ def save_states(kv, score, ape, ok, positions, state_cache, state_slot_mapping) 
     save = ok & (slots >= 0) & (slots < nsb * sbs)
     ratio = ape.shape[0]
     rows = torch.cat([kv.float(), score.float() + ape[torch.where(ok, positions.long() % ratio, 0)]], dim=1)
-    s = slots[save]
-    state_cache[s // sbs, s % sbs] = rows[save]
+    scatter_rows(state_cache, torch.where(save, slots, -1), rows)
     return save
 
 
