@@ -22,13 +22,26 @@ def num_sms(device: torch.device | str) -> int:
     return os.cpu_count() or 1
 
 
+def is_hip(device: torch.device | str) -> bool:
+    """Whether `device` is an AMD GPU: a CUDA device of a ROCm build of torch (HIP)."""
+    return torch.device(device).type == "cuda" and getattr(torch.version, "hip", None) is not None
+
+
 @functools.cache
 def compute_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """What torch reports as the device's capability, None off CUDA/HIP. On ROCm this is
+    not an NVIDIA architecture: gfx942 (MI300) reports (9, 4) and gfx950 (MI350) (9, 5),
+    so a test for Hopper must also ask `is_hip` (`is_sm90`)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index)
+
+
+def is_sm90(device: torch.device | str) -> bool:
+    """Whether `device` is an NVIDIA sm_90 GPU (H100 / H200: wgmma, TMA), never a ROCm one."""
+    return not is_hip(device) and compute_capability(device) == (9, 0)
 
 
 @functools.cache
@@ -39,7 +52,7 @@ def rocm_arch(device: torch.device | str) -> str | None:
     dispatchers read; no subprocess (aiter's Python side runs rocminfo, which agrees on a
     machine of one GPU model)."""
     device = torch.device(device)
-    if device.type != "cuda" or not getattr(torch.version, "hip", None):
+    if not is_hip(device):
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     name = getattr(torch.cuda.get_device_properties(index), "gcnArchName", "") or ""
@@ -52,7 +65,7 @@ def has_fp8_matrix_units(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return False
-    if getattr(torch.version, "hip", None):
+    if is_hip(device):
         return (rocm_arch(device) or "").startswith(("gfx942", "gfx950", "gfx12"))
     cc = compute_capability(device)
     return cc is not None and cc >= (8, 9)
@@ -65,7 +78,7 @@ def has_ocp_e4m3(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return False
-    if getattr(torch.version, "hip", None):
+    if is_hip(device):
         return (rocm_arch(device) or "").startswith(("gfx950", "gfx12"))
     cc = compute_capability(device)
     return cc is not None and cc >= (8, 9)

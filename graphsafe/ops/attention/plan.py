@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphsafe.device_info import compute_capability, max_shared_memory, num_sms
+from graphsafe.device_info import compute_capability, is_sm90, max_shared_memory, num_sms
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
 from graphsafe.ops.attention.fp8_format import FP8_DTYPE, SCALE_SLOTS, vt_columns
 from graphsafe.workspace import workspace_bytes
@@ -247,12 +247,9 @@ def gluon_module():
 def _sm90_gluon(device: torch.device):
     """The Gluon kernels' module where they can run on `device` (an sm_90 CUDA GPU, not
     HIP, a Triton with Gluon), else None."""
-    if device.type != "cuda" or torch.version.hip is not None:
+    if not is_sm90(device):
         return None
-    module = gluon_module()
-    if module is None or torch.cuda.get_device_capability(device) != (9, 0):
-        return None
-    return module
+    return gluon_module()
 
 
 def tma_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from graphsafe.device_info import max_shared_memory, num_sms
+from graphsafe.device_info import is_sm90, max_shared_memory, num_sms
 
 # A split reads at least this many key rows (capacity-wise) on the GPU: below that the
 # partial write and the combine cost more than the parallelism gains.
@@ -224,9 +224,7 @@ def few_heads_wide_tiles(num_heads: int, device: torch.device) -> KernelConfig |
     runs (triton.py decides): 0.24 vs 0.35 ms at B 64 (dense), 0.138 vs 0.185 ms sparse at
     T 128, K 2048 (H200, `benchmarks/results/h200/2026-11-26-1652_fp8_gluon.txt`). The workspaces cover
     both plans (`workspace_specs` reads the same candidates)."""
-    if device.type != "cuda" or num_heads > 16 or torch.version.hip is not None:
-        return None
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    if num_heads > 16 or not is_sm90(device):
         return None
     cfg = kernel_config(128, device.type, max_shared_memory(device))
     return cfg if cfg.warpgroup_split else None
@@ -327,9 +325,7 @@ def warpgroup_split_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelCon
     runner (`warpgroup_split_applies` says both)."""
     if not cfg.warpgroup_split:
         return False
-    if q.device.type != "cuda" or torch.version.hip is not None or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not is_sm90(q.device) or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if r not in (256, 512) or p != 64:  # the shapes its copy layout and GPU tests cover
         return False
