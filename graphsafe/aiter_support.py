@@ -13,6 +13,7 @@ The table is also README.md's "ROCm" section (`markdown_table()`; a test keeps t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from graphsafe import device_info
@@ -113,6 +114,69 @@ NO_ADAPTER = (
 )
 
 
+# -- aiter's version ------------------------------------------------------------------------------
+# An adapter that relies on a fix asks for the release that carries it (`release_missing`),
+# read from aiter's version: keywords and signatures outlive the bugs (v0.1.16 to v0.1.18
+# take every keyword the MLA adapter passes, and raise on its call).
+AITER_PACKAGE = "amd-aiter"
+
+
+def aiter_version() -> str | None:
+    """The installed aiter's version: `aiter/_version.py` (setuptools_scm writes it at every
+    build, wheel or editable), else the `amd-aiter` package metadata; None when neither can
+    be read. (aiter's `__init__` does not export `__version__`.) Not cached: asked once per
+    call signature, where a `supports` predicate needs it."""
+    try:
+        from aiter._version import __version__
+
+        return str(__version__)
+    except Exception:  # noqa: BLE001 - no _version module (a source tree never built)
+        pass
+    try:
+        from importlib.metadata import version
+
+        return version(AITER_PACKAGE)
+    except Exception:  # noqa: BLE001 - not installed as a package
+        return None
+
+
+_VERSION = re.compile(r"^v?(\d+(?:\.\d+)*)(?:[.-]?(a|b|c|rc|alpha|beta|pre|preview)\.?\d*)?"
+                      r"(?:[.-]?(post|rev|r)\.?\d*)?(?:[.-]?(dev)\.?\d*)?(?:\+.*)?$", re.IGNORECASE)
+
+
+def release_at_least(version: str, release: str) -> bool | None:
+    """Whether PEP 440 `version` is `release` or later (None: not a version). A pre-release
+    or development build of `release` itself (0.1.19rc0, 0.1.19.dev5: setuptools_scm's
+    name for a commit after 0.1.18) is earlier, so it may lack the fix; a post release
+    (0.1.19.post1) is later."""
+    match = _VERSION.match(version.strip())
+    if match is None:
+        return None
+    have = tuple(int(x) for x in match.group(1).split("."))
+    want = tuple(int(x) for x in release.split("."))
+    width = max(len(have), len(want))
+    have, want = have + (0,) * (width - len(have)), want + (0,) * (width - len(want))
+    if have != want:
+        return have > want
+    pre, post, dev = match.group(2), match.group(3), match.group(4)
+    return post is not None or (pre is None and dev is None)
+
+
+def release_missing(release: str, what: str) -> str:
+    """Why the installed aiter cannot serve a call that needs `release` ("" when it is that
+    release or later): `what` says what the release fixed."""
+    version = aiter_version()
+    if version is None:
+        return (f"cannot read the installed aiter's version (aiter/_version.py, package {AITER_PACKAGE}); "
+                f"this call needs aiter >= {release}, where {what}")
+    at_least = release_at_least(version, release)
+    if at_least is None:
+        return f"cannot parse the installed aiter's version {version!r}; this call needs aiter >= {release}, where {what}"
+    if not at_least:
+        return f"aiter {version} predates {release}, where {what}: update aiter (Triton serves the call meanwhile)"
+    return ""
+
+
 def serves(op: str, device) -> bool:
     """Whether the capability table lets aiter serve `op` on `device`'s architecture."""
     capability = CAPABILITIES.get(op)
@@ -131,4 +195,5 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["ARCHS", "CAPABILITIES", "NO_ADAPTER", "Capability", "serves", "markdown_table"]
+__all__ = ["ARCHS", "CAPABILITIES", "NO_ADAPTER", "Capability", "aiter_version", "markdown_table", "release_at_least",
+           "release_missing", "serves"]
