@@ -84,9 +84,18 @@ def has_ocp_e4m3(device: torch.device | str) -> bool:
     return cc is not None and cc >= (8, 9)
 
 
+# LDS per workgroup of the AMD architectures graphsafe plans for, where Triton's driver
+# cannot be asked: MI300X / MI325X (CDNA3) 64 KiB, MI350X / MI355X (CDNA4) 160 KiB.
+LDS_BYTES = {"gfx942": 64 * 1024, "gfx950": 160 * 1024, "gfx90a": 64 * 1024}
+
+
 @functools.cache
 def max_shared_memory(device: torch.device) -> int | None:
-    """Opt-in shared memory per block of a CUDA/HIP device (Triton's driver query), or None."""
+    """Opt-in shared memory per block of a CUDA/HIP device (LDS per workgroup on AMD: 64 KiB
+    on gfx942, 160 KiB on gfx950), from Triton's driver query; on ROCm, where the driver
+    cannot be asked, from `LDS_BYTES` by architecture; else None (the plans then assume
+    their GPU's; `graphsafe.ops.*.plan` choose their kernels' configs from this value)."""
+    device = torch.device(device)
     if device.type != "cuda":
         return None
     try:
@@ -94,5 +103,5 @@ def max_shared_memory(device: torch.device) -> int | None:
 
         index = device.index if device.index is not None else torch.cuda.current_device()
         return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
-    except Exception:  # noqa: BLE001 - no driver: assume a Hopper-class GPU
-        return None
+    except Exception:  # noqa: BLE001 - no driver: the architecture's LDS on ROCm, else unknown
+        return LDS_BYTES.get(rocm_arch(device) or "") if is_hip(device) else None

@@ -100,8 +100,9 @@ MIN_SPLITS, MAX_SPLITS = 2, 16
 # partials would exceed this go to Triton (a 16K-token sparse prefill at H = 128 would
 # allocate 8 GiB per call).
 MAX_SPLIT_PARTIAL_BYTES = 256 * 2**20
-# The aiter release whose non-persistent stage 1 no longer asks for an lse kernel (#4308).
-NEEDED_RELEASE = "0.1.19"
+# The aiter release whose non-persistent stage 1 no longer asks for an lse kernel (#4308):
+# the capability table's.
+NEEDED_RELEASE = aiter_support.CAPABILITIES["mla_decode"].release
 # The non-persistent bf16 kernels address the cache with a 32-bit byte offset.
 KV_BYTE_OFFSET_LIMIT = 2**32
 
@@ -155,7 +156,8 @@ def _support(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int
         return declined(f"aiter would allocate {partials >> 20} MiB of split partials per call, outside the "
                         f"workspace (at most {MAX_SPLIT_PARTIAL_BYTES >> 20} MiB)")
     why = aiter_support.release_missing(
-        NEEDED_RELEASE, "a non-persistent mla_decode_fwd with return_lse finds its kernel (asm_mla.cu, #4308)")
+        aiter_support.CAPABILITIES[op].release,
+        "a non-persistent mla_decode_fwd with return_lse finds its kernel (asm_mla.cu, #4308)")
     return declined(why) if why else SUPPORTED
 
 
