@@ -105,3 +105,13 @@ def max_shared_memory(device: torch.device) -> int | None:
         return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
     except Exception:  # noqa: BLE001 - no driver: the architecture's LDS on ROCm, else unknown
         return LDS_BYTES.get(rocm_arch(device) or "") if is_hip(device) else None
+
+
+def config_shared_memory(device: torch.device | str) -> int | None:
+    """The shared memory the plans fit their Triton configs to, up front (never by failing a
+    launch): on ROCm the LDS per workgroup (`max_shared_memory`: 64 KiB on gfx942, 160 KiB
+    on gfx950), where the capability torch reports ((9, 4), (9, 5)) says nothing about it.
+    None on NVIDIA, whose configs are sized and measured per capability for its GPUs'
+    shared memory (and compiled for sm_90 by the tests), and off GPUs."""
+    return max_shared_memory(torch.device(device)) if is_hip(device) else None
+

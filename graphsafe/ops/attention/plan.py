@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphsafe.device_info import compute_capability, is_sm90, max_shared_memory, num_sms
+from graphsafe.device_info import compute_capability, config_shared_memory, is_sm90, max_shared_memory, num_sms
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
 from graphsafe.ops.attention.fp8_format import FP8_DTYPE, SCALE_SLOTS, vt_columns
 from graphsafe.workspace import workspace_bytes
@@ -64,6 +64,48 @@ def _cdiv(a: int, b: int) -> int:
 def _hopper_or_newer(device: torch.device) -> bool:
     cc = compute_capability(device)
     return cc is not None and cc >= (9, 0)
+
+
+# -- shared memory -----------------------------------------------------------------------
+# What Triton allocates besides the tiles the models below count (barriers, reduction
+# scratch; e.g. Triton 3.6 takes 512 bytes more than 3.9 for the decode kernel at D 256).
+SHARED_SLACK = 2 * 1024
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _split_head(d: int, least: int) -> int:
+    """The padded head dim of the varlen kernel's q.k: a power of two plus a power-of-two
+    remainder (kernels/triton_prefill.py:_split_head_dim; 192 stays 192)."""
+    da = max(least, 1 << (max(d, 1).bit_length() - 1))
+    rest = d - da
+    return da + (0 if rest <= 0 else _pow2(rest, least))
+
+
+def fit_shared_memory(preferred: tuple[int, ...], need, device: torch.device, stage_index: int,
+                      block_n_index: int | None = None) -> tuple[int, ...]:
+    """`preferred` (a config tuple), or where its shared memory `need(config)` exceeds the
+    device's (`device_info.config_shared_memory`: ROCm's LDS; no fit on NVIDIA, whose
+    configs are sized per capability) the same config with fewer pipeline stages
+    (`stage_index` names the tuple's stage count), then, where `block_n_index` is given,
+    with half the key tile, down to 16 keys and one stage."""
+    budget = config_shared_memory(device)
+    if budget is None or need(preferred) <= budget:
+        return preferred
+    config = list(preferred)
+    block_ns = [preferred[block_n_index]] if block_n_index is not None else [None]
+    while block_n_index is not None and block_ns[-1] > 16:
+        block_ns.append(block_ns[-1] // 2)
+    for block_n in block_ns:
+        if block_n is not None:
+            config[block_n_index] = block_n
+        for stages in range(preferred[stage_index], 0, -1):
+            config[stage_index] = stages
+            if need(tuple(config)) <= budget:
+                return tuple(config)
+    return tuple(config)  # the smallest: the compile matrix shows every test shape fits
 
 
 def kv_cache_fp8(k_cache: torch.Tensor) -> bool:
@@ -88,10 +130,23 @@ def decode_block_n(device: torch.device | str) -> int:
     return DECODE_BLOCK_N.get(torch.device(device).type, DECODE_BLOCK_N["cuda"])
 
 
-def decode_config(device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). 3 stages keep ~3 K/V tiles in flight per program."""
+def decode_shared_bytes(config: tuple[int, int, int], d: int, dv: int, kv_fp8: bool) -> int:
+    """Shared memory of the decode kernel (an upper bound, checked against Triton's compiler
+    by the compile matrix): a K and a V tile of BLOCK_N keys, only the larger at one stage
+    (the loads are gathered through the block table: Triton keeps a single buffer of each
+    whatever the stage count)."""
+    block_n, _, stages = config
+    k, v = block_n * _pow2(d), block_n * _pow2(dv)
+    return (k + v if stages > 1 else max(k, v)) * (1 if kv_fp8 else 2) + SHARED_SLACK
+
+
+def decode_config(device: torch.device, d: int = 128, dv: int = 128, kv_fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). 3 stages keep ~3 K/V tiles in flight per program;
+    on ROCm fewer where the LDS is too small (`fit_shared_memory`: the decode kernel at D
+    256 on gfx942); BLOCK_N never changes (the split plan reads it)."""
     stages = 3 if device.type == "cuda" and _hopper_or_newer(device) else 2
-    return decode_block_n(device), 4, stages
+    preferred = (decode_block_n(device), 4, stages)
+    return fit_shared_memory(preferred, lambda c: decode_shared_bytes(c, d, dv, kv_fp8), device, 2)
 
 
 def num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, sms: int, block_n: int) -> int:
@@ -149,7 +204,8 @@ def choose_paged_attention_decode(call, num_splits: int | None = None) -> Decode
         num_splits = plan_decode_splits(b, hk, call.block_table.shape[1], block_size, device)
     path = "empty" if b == 0 or hq == 0 else "one-split" if num_splits == 1 else "split-kv"
     workspace = () if path == "empty" else split_scratch(b, hq, dv, num_splits)
-    return DecodeChoice(path, num_splits, decode_config(device), kv_cache_fp8(call.k_cache), workspace)
+    d, fp8 = call.q.shape[2], kv_cache_fp8(call.k_cache)
+    return DecodeChoice(path, num_splits, decode_config(device, d, dv, fp8), fp8, workspace)
 
 
 def decode_workspace_specs(
@@ -168,20 +224,32 @@ def decode_workspace_specs(
 
 
 # -- paged prefill ------------------------------------------------------------------------
-def paged_prefill_config(device: torch.device, d: int, dv: int, group: int, max_seqlen_q: int
-                         ) -> tuple[int, int, int, int]:
+def paged_prefill_config(device: torch.device, d: int, dv: int, group: int, max_seqlen_q: int,
+                         kv_fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) from shapes and host ints only.
 
     CUDA: 128 rows (8 warps) when a sequence's query block fills them
     (`max_seqlen_q * group > 64`), else 64 (4 warps); 64 keys per tile; 3 stages on
     Hopper at head dims <= 128, 2 otherwise. Head dims > 128 take 64 rows (the fp32
-    accumulator of 128 x 256 would spill). The interpreter (CPU): 16 x 16 tiles, so tiny
-    tests cover several query blocks and key tiles."""
+    accumulator of 128 x 256 would spill). On ROCm fewer stages, then fewer keys per
+    tile, where the LDS is too small (`fit_shared_memory`). The interpreter (CPU): 16 x 16
+    tiles, so tiny tests cover several query blocks and key tiles."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     wide = max(d, dv) > 128
     block_m = 128 if max_seqlen_q * group > 64 and not wide else 64
-    return block_m, 64, 8 if block_m == 128 else 4, 3 if _hopper_or_newer(device) and not wide else 2
+    preferred = (block_m, 64, 8 if block_m == 128 else 4, 3 if _hopper_or_newer(device) and not wide else 2)
+    return fit_shared_memory(preferred, lambda c: paged_prefill_shared_bytes(c, d, dv, kv_fp8), device, 3, 1)
+
+
+def paged_prefill_shared_bytes(config: tuple[int, int, int, int], d: int, dv: int, kv_fp8: bool) -> int:
+    """Shared memory of the paged prefill kernel (an upper bound, checked by the compile
+    matrix): K and V tiles of BLOCK_N keys, two buffers of each from two stages on
+    (gathered loads: Triton keeps at most two)."""
+    _, block_n, _, stages = config
+    least = 32 if kv_fp8 else 16
+    tiles = block_n * (_pow2(d, least) + _pow2(dv, least)) * (1 if kv_fp8 else 2)
+    return min(stages, 2) * tiles + SHARED_SLACK
 
 
 @dataclass(frozen=True)
@@ -202,7 +270,8 @@ def choose_paged_attention_prefill(call, config: tuple[int, int, int, int] | Non
     tq, hq, d = call.q.shape
     hk, dv = call.v_cache.shape[2:]
     path = "empty" if tq * hq * dv == 0 else "triton"
-    config = config or paged_prefill_config(call.q.device, d, dv, hq // hk, call.max_seqlen_q)
+    config = config or paged_prefill_config(call.q.device, d, dv, hq // hk, call.max_seqlen_q,
+                                            kv_cache_fp8(call.k_cache))
     return PagedPrefillChoice(path, config, kv_cache_fp8(call.k_cache))
 
 
@@ -213,9 +282,29 @@ def varlen_config(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q
 
     fp8 on Hopper: 128 x 128 tiles (fp8 wgmma m64n128k32; one CTA of two warpgroups per
     SM at ~255 registers, no spills in the key loop), 3 stages of K and V^T tiles
-    (115 KB of shared memory at D = 128; 2 stages at D = 192). bf16/fp16: 128 x 64."""
+    (115 KB of shared memory at D = 128; 2 stages at D = 192). bf16/fp16: 128 x 64.
+    On ROCm (capability (9, 4) / (9, 5): the Hopper branch below) fewer stages, then fewer
+    keys per tile, where the LDS is too small (`fit_shared_memory`, `varlen_shared_bytes`:
+    e.g. 1 stage at D 128 on gfx942's 64 KiB, where 3 take 80-96 KiB)."""
     if device.type != "cuda":
         return 16, 16, 4, 1  # interpreter: small tiles, so tiny tests cover several blocks
+    preferred = _varlen_preferred(device, d, dv, fp8, max_seqlen_q)
+    return fit_shared_memory(preferred, lambda c: varlen_shared_bytes(c, d, dv, fp8), device, 3, 1)
+
+
+def varlen_shared_bytes(config: tuple[int, int, int, int], d: int, dv: int, fp8: bool) -> int:
+    """Shared memory of the Triton varlen kernel (an upper bound, checked against Triton's
+    compiler by the compile matrix): a K and a V tile of BLOCK_N keys per stage and, for
+    fp8, the scores tile [BLOCK_M, BLOCK_N] in fp32 that the cast of p goes through."""
+    block_m, block_n, _, stages = config
+    least = 32 if fp8 else 16
+    tiles = stages * block_n * (_split_head(d, least) + _pow2(dv, least)) * (1 if fp8 else 2)
+    return tiles + (block_m * block_n * 4 if fp8 else 0) + SHARED_SLACK
+
+
+def _varlen_preferred(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q: int
+                      ) -> tuple[int, int, int, int]:
+    """The config sized for the device's capability (on NVIDIA's GPUs: measured there)."""
     wide = max(d, dv) > 128
     block_m = 128 if max_seqlen_q > 64 else 64
     num_warps = 8 if block_m == 128 else 4

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from graphsafe.device_info import is_sm90, max_shared_memory, num_sms
+from graphsafe.device_info import config_shared_memory, is_sm90, max_shared_memory, num_sms
 
 # A split reads at least this many key rows (capacity-wise) on the GPU: below that the
 # partial write and the combine cost more than the parallelism gains.
@@ -149,6 +149,43 @@ def kernel_config(num_heads: int, device_type: str, max_shared: int | None = Non
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length() if n > 0 else 0
+
+
+# What Triton allocates besides the tiles `shared_memory_bytes` counts (barriers, scratch).
+SHARED_SLACK = 2 * 1024
+
+
+def shared_memory_bytes(cfg: KernelConfig, r: int, p: int, fp8_ds: bool) -> int:
+    """LDS of the Triton attention kernel (kernels/triton_split_kv.py) on tiles `cfg` under
+    Triton's AMD backend, an upper bound checked against its compiler by the compile matrix:
+    `num_stages - 2` buffers (at least one) of the key tile [BLOCK_N, R + P] (16-bit rows,
+    or fp8_ds_mla records plus one tile of their dequantised bf16 latents). Measured for
+    gfx942 (Triton 3.9), 16 heads x 32 keys at R + P = 576: 36 KiB at 2 stages, 108 KiB at 5
+    (Triton 3.6 too)."""
+    width = _pow2(r) + _pow2(p)
+    buffers = max(1, cfg.num_stages - 2)
+    if fp8_ds:
+        from graphsafe.formats.fp8_ds_mla import record_bytes
+
+        return buffers * cfg.block_n * record_bytes(r, p) + cfg.block_n * width * 2 + SHARED_SLACK
+    return buffers * cfg.block_n * width * 2 + SHARED_SLACK
+
+
+def fit_stages(cfg: KernelConfig, device: torch.device, r: int, p: int, fp8_ds: bool) -> KernelConfig:
+    """`cfg`, or on ROCm, where its shared memory (`shared_memory_bytes`) exceeds the LDS
+    (`device_info.config_shared_memory`: 64 KiB on gfx942, 160 KiB on gfx950), the same
+    tiles with the most pipeline stages that fit (at least one): the tiles, so the split
+    plan and the workspace, never change: the 16-head tiles' 5 stages (108 KiB) become 3 on
+    gfx942. The runner's stage drop on OutOfResources stays as the last guard."""
+    budget = config_shared_memory(device)
+    stages = cfg.num_stages
+    while budget is not None and stages > 1 and shared_memory_bytes(replace(cfg, num_stages=stages), r, p, fp8_ds) > budget:
+        stages -= 1
+    return cfg if stages == cfg.num_stages else replace(cfg, num_stages=stages)
 
 
 def plan_kv_splits(
@@ -499,6 +536,8 @@ def choose(call, *, sparse: bool, config: KernelConfig | None = None, num_splits
         if last or kernels[0] in _WIDE_TILE_KERNELS[fp8_ds, sparse]:
             break
     cfg, plan = plan_launch(rows, num_heads, capacity, q.device, cfg)
+    if config is None:
+        cfg = fit_stages(cfg, q.device, r, p, fp8_ds)
     if num_splits is not None:  # tests and tuning only
         plan = forced_plan(capacity, cfg.block_n, num_splits)
     return MlaChoice(kernels, cfg, plan, fmt, sparse, rows, num_heads, r, capacity)

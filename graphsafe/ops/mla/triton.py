@@ -101,9 +101,10 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 
 
 # Pipeline depth that compiled within the device's shared memory, per (config, device,
-# dtype, head dim, cache dtype, variant). The configs are sized for their GPUs (plan.kernel_config);
-# this only guards against a Triton version that allocates a little more shared memory:
-# one stage fewer keeps the tiles, so the split plan and the workspace stay the same.
+# dtype, head dim, cache dtype, variant). The configs are sized for their GPUs up front
+# (plan.kernel_config; on ROCm plan.fit_stages fits the stages to the LDS); this is only the
+# last guard, against a Triton version that allocates more shared memory than the plan's
+# bound: one stage fewer keeps the tiles, so the split plan and the workspace stay the same.
 _STAGES: dict[tuple, int] = {}
 
 
