@@ -50,7 +50,8 @@ _MLA_UNVERIFIED = (
     "`return_lse` (aiter's own op_tests/test_mla.py skips it at the pinned commit); whether their 32-bit KV byte "
     "offset wraps at 4 GiB (unsigned, as #4341 says) or already at 2 GiB"
 )
-_TOPK_UNVERIFIED = "the radix kernel's order of ties and of NaN logits on hardware (read: `stable=True` keeps positions)"
+_TOPK_UNVERIFIED = ("the radix kernel's order of ties and of NaN logits on hardware "
+                    "(read: `stable=True` keeps positions)")
 
 CAPABILITIES: dict[str, Capability] = {
     "mla_decode": Capability(
@@ -207,7 +208,8 @@ def release_missing(release: str, what: str) -> str:
                 f"this call needs aiter >= {release}, where {what}")
     at_least = release_at_least(version, release)
     if at_least is None:
-        return f"cannot parse the installed aiter's version {version!r}; this call needs aiter >= {release}, where {what}"
+        return (f"cannot parse the installed aiter's version {version!r}; this call needs aiter >= {release}, "
+                f"where {what}")
     if not at_least:
         return f"aiter {version} predates {release}, where {what}: update aiter (Triton serves the call meanwhile)"
     return ""

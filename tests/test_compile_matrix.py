@@ -69,7 +69,9 @@ def test_nvidia_configs_are_the_ones_sized_per_capability():
 def test_fitting_takes_fewer_stages_then_fewer_keys(monkeypatch):
     monkeypatch.setattr(attention_plan, "config_shared_memory", lambda device: 64 * 1024)
     need = lambda c: attention_plan.varlen_shared_bytes(c, 256, 256, False)  # noqa: E731
-    assert attention_plan.fit_shared_memory((128, 64, 8, 2), need, CUDA, 3, 1) == (128, 32, 8, 1)
+    candidates = attention_plan._tile_candidates((128, 64, 8, 2))
+    # D 256: 128 rows of q take 64 KiB whatever the keys: 64 rows, 32 keys, one stage
+    assert attention_plan.fit_shared_memory(candidates, need, CUDA) == (64, 32, 4, 1)
     monkeypatch.setattr(mla_plan, "config_shared_memory", lambda device: 64 * 1024)
     cfg = mla_plan.kernel_config(16, "cuda")
     assert mla_plan.fit_stages(cfg, CUDA, 512, 64, False).num_stages == 3

@@ -84,28 +84,31 @@ def _split_head(d: int, least: int) -> int:
     return da + (0 if rest <= 0 else _pow2(rest, least))
 
 
-def fit_shared_memory(preferred: tuple[int, ...], need, device: torch.device, stage_index: int,
-                      block_n_index: int | None = None) -> tuple[int, ...]:
-    """`preferred` (a config tuple), or where its shared memory `need(config)` exceeds the
-    device's (`device_info.config_shared_memory`: ROCm's LDS; no fit on NVIDIA, whose
-    configs are sized per capability) the same config with fewer pipeline stages
-    (`stage_index` names the tuple's stage count), then, where `block_n_index` is given,
-    with half the key tile, down to 16 keys and one stage."""
+def fit_shared_memory(candidates: list[tuple[int, ...]], need, device: torch.device) -> tuple[int, ...]:
+    """The first of `candidates` (configs, preferred first) whose shared memory `need(config)`
+    fits the device's (`device_info.config_shared_memory`: ROCm's LDS), else the last; the
+    first where nothing is fitted (NVIDIA: configs sized per capability)."""
     budget = config_shared_memory(device)
-    if budget is None or need(preferred) <= budget:
-        return preferred
-    config = list(preferred)
-    block_ns = [preferred[block_n_index]] if block_n_index is not None else [None]
-    while block_n_index is not None and block_ns[-1] > 16:
-        block_ns.append(block_ns[-1] // 2)
-    for block_n in block_ns:
-        if block_n is not None:
-            config[block_n_index] = block_n
-        for stages in range(preferred[stage_index], 0, -1):
-            config[stage_index] = stages
-            if need(tuple(config)) <= budget:
-                return tuple(config)
-    return tuple(config)  # the smallest: the compile matrix shows every test shape fits
+    if budget is None:
+        return candidates[0]
+    for config in candidates:
+        if need(config) <= budget:
+            return config
+    return candidates[-1]
+
+
+def _tile_candidates(preferred: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) in the order they are tried: the preferred
+    tiles with fewer stages, then fewer keys per tile (down to 16), then 64 query rows on 4
+    warps with the same sequence."""
+    block_m, block_n, warps, stages = preferred
+    out = []
+    for bm, w in ((block_m, warps),) + (((64, 4),) if block_m > 64 else ()):
+        bn = block_n
+        while bn >= 16:
+            out += [(bm, bn, w, st) for st in range(stages, 0, -1)]
+            bn //= 2
+    return out
 
 
 def kv_cache_fp8(k_cache: torch.Tensor) -> bool:
@@ -145,8 +148,9 @@ def decode_config(device: torch.device, d: int = 128, dv: int = 128, kv_fp8: boo
     on ROCm fewer where the LDS is too small (`fit_shared_memory`: the decode kernel at D
     256 on gfx942); BLOCK_N never changes (the split plan reads it)."""
     stages = 3 if device.type == "cuda" and _hopper_or_newer(device) else 2
-    preferred = (decode_block_n(device), 4, stages)
-    return fit_shared_memory(preferred, lambda c: decode_shared_bytes(c, d, dv, kv_fp8), device, 2)
+    block_n = decode_block_n(device)
+    candidates = [(block_n, 4, st) for st in range(stages, 0, -1)]
+    return fit_shared_memory(candidates, lambda c: decode_shared_bytes(c, d, dv, kv_fp8), device)
 
 
 def num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, sms: int, block_n: int) -> int:
@@ -232,24 +236,26 @@ def paged_prefill_config(device: torch.device, d: int, dv: int, group: int, max_
     (`max_seqlen_q * group > 64`), else 64 (4 warps); 64 keys per tile; 3 stages on
     Hopper at head dims <= 128, 2 otherwise. Head dims > 128 take 64 rows (the fp32
     accumulator of 128 x 256 would spill). On ROCm fewer stages, then fewer keys per
-    tile, where the LDS is too small (`fit_shared_memory`). The interpreter (CPU): 16 x 16
+    tile, then 64 rows, where the LDS is too small (`fit_shared_memory`). The interpreter (CPU): 16 x 16
     tiles, so tiny tests cover several query blocks and key tiles."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     wide = max(d, dv) > 128
     block_m = 128 if max_seqlen_q * group > 64 and not wide else 64
     preferred = (block_m, 64, 8 if block_m == 128 else 4, 3 if _hopper_or_newer(device) and not wide else 2)
-    return fit_shared_memory(preferred, lambda c: paged_prefill_shared_bytes(c, d, dv, kv_fp8), device, 3, 1)
+    return fit_shared_memory(_tile_candidates(preferred), lambda c: paged_prefill_shared_bytes(c, d, dv, kv_fp8),
+                             device)
 
 
 def paged_prefill_shared_bytes(config: tuple[int, int, int, int], d: int, dv: int, kv_fp8: bool) -> int:
-    """Shared memory of the paged prefill kernel (an upper bound, checked by the compile
-    matrix): K and V tiles of BLOCK_N keys, two buffers of each from two stages on
-    (gathered loads: Triton keeps at most two)."""
-    _, block_n, _, stages = config
+    """LDS of the paged prefill kernel under Triton's AMD backend (an upper bound, checked by
+    the compile matrix): K and V tiles of BLOCK_N keys, two buffers of each from two stages
+    on (gathered loads: Triton keeps at most two), or the query tile [BLOCK_M, D] (a dot
+    operand goes through LDS), whichever is larger."""
+    block_m, block_n, _, stages = config
     least = 32 if kv_fp8 else 16
     tiles = block_n * (_pow2(d, least) + _pow2(dv, least)) * (1 if kv_fp8 else 2)
-    return min(stages, 2) * tiles + SHARED_SLACK
+    return max(min(stages, 2) * tiles, block_m * max(_pow2(d), _pow2(dv)) * 2) + SHARED_SLACK
 
 
 @dataclass(frozen=True)
@@ -284,22 +290,25 @@ def varlen_config(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q
     SM at ~255 registers, no spills in the key loop), 3 stages of K and V^T tiles
     (115 KB of shared memory at D = 128; 2 stages at D = 192). bf16/fp16: 128 x 64.
     On ROCm (capability (9, 4) / (9, 5): the Hopper branch below) fewer stages, then fewer
-    keys per tile, where the LDS is too small (`fit_shared_memory`, `varlen_shared_bytes`:
-    e.g. 1 stage at D 128 on gfx942's 64 KiB, where 3 take 80-96 KiB)."""
+    keys per tile, then 64 query rows, where the LDS is too small (`fit_shared_memory`,
+    `varlen_shared_bytes`: e.g. 1 stage at D 128 on gfx942's 64 KiB, where 3 take 80-96 KiB)."""
     if device.type != "cuda":
         return 16, 16, 4, 1  # interpreter: small tiles, so tiny tests cover several blocks
     preferred = _varlen_preferred(device, d, dv, fp8, max_seqlen_q)
-    return fit_shared_memory(preferred, lambda c: varlen_shared_bytes(c, d, dv, fp8), device, 3, 1)
+    return fit_shared_memory(_tile_candidates(preferred), lambda c: varlen_shared_bytes(c, d, dv, fp8), device)
 
 
 def varlen_shared_bytes(config: tuple[int, int, int, int], d: int, dv: int, fp8: bool) -> int:
-    """Shared memory of the Triton varlen kernel (an upper bound, checked against Triton's
-    compiler by the compile matrix): a K and a V tile of BLOCK_N keys per stage and, for
-    fp8, the scores tile [BLOCK_M, BLOCK_N] in fp32 that the cast of p goes through."""
+    """LDS of the Triton varlen kernel under Triton's AMD backend (an upper bound, checked
+    against its compiler by the compile matrix): a K and a V tile of BLOCK_N keys per stage,
+    or the query / output tile [BLOCK_M, max(D, Dv)] in 16 bits (a dot operand goes through
+    LDS: 64 KiB at 128 rows of D 256), whichever is larger, plus for fp8 the scores tile
+    [BLOCK_M, BLOCK_N] in fp32 that the cast of p goes through."""
     block_m, block_n, _, stages = config
     least = 32 if fp8 else 16
     tiles = stages * block_n * (_split_head(d, least) + _pow2(dv, least)) * (1 if fp8 else 2)
-    return tiles + (block_m * block_n * 4 if fp8 else 0) + SHARED_SLACK
+    rows = block_m * max(_split_head(d, least), _pow2(dv, least)) * 2
+    return max(tiles, rows) + (block_m * block_n * 4 if fp8 else 0) + SHARED_SLACK
 
 
 def _varlen_preferred(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q: int

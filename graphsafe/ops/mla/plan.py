@@ -163,16 +163,18 @@ def shared_memory_bytes(cfg: KernelConfig, r: int, p: int, fp8_ds: bool) -> int:
     """LDS of the Triton attention kernel (kernels/triton_split_kv.py) on tiles `cfg` under
     Triton's AMD backend, an upper bound checked against its compiler by the compile matrix:
     `num_stages - 2` buffers (at least one) of the key tile [BLOCK_N, R + P] (16-bit rows,
-    or fp8_ds_mla records plus one tile of their dequantised bf16 latents). Measured for
+    or fp8_ds_mla records plus one tile of their dequantised bf16 latents), or the query
+    tile [BLOCK_H, R + P], whichever is larger. Measured for
     gfx942 (Triton 3.9), 16 heads x 32 keys at R + P = 576: 36 KiB at 2 stages, 108 KiB at 5
     (Triton 3.6 too)."""
     width = _pow2(r) + _pow2(p)
     buffers = max(1, cfg.num_stages - 2)
+    q = cfg.block_h * width * 2  # (a dot operand goes through LDS; reused once loaded)
     if fp8_ds:
         from graphsafe.formats.fp8_ds_mla import record_bytes
 
-        return buffers * cfg.block_n * record_bytes(r, p) + cfg.block_n * width * 2 + SHARED_SLACK
-    return buffers * cfg.block_n * width * 2 + SHARED_SLACK
+        return max(q, buffers * cfg.block_n * record_bytes(r, p) + cfg.block_n * width * 2) + SHARED_SLACK
+    return max(q, buffers * cfg.block_n * width * 2) + SHARED_SLACK
 
 
 def fit_stages(cfg: KernelConfig, device: torch.device, r: int, p: int, fp8_ds: bool) -> KernelConfig:
@@ -183,7 +185,8 @@ def fit_stages(cfg: KernelConfig, device: torch.device, r: int, p: int, fp8_ds: 
     gfx942. The runner's stage drop on OutOfResources stays as the last guard."""
     budget = config_shared_memory(device)
     stages = cfg.num_stages
-    while budget is not None and stages > 1 and shared_memory_bytes(replace(cfg, num_stages=stages), r, p, fp8_ds) > budget:
+    while budget is not None and stages > 1 and (
+            shared_memory_bytes(replace(cfg, num_stages=stages), r, p, fp8_ds) > budget):
         stages -= 1
     return cfg if stages == cfg.num_stages else replace(cfg, num_stages=stages)
 
