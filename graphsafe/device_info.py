@@ -115,3 +115,12 @@ def config_shared_memory(device: torch.device | str) -> int | None:
     shared memory (and compiled for sm_90 by the tests), and off GPUs."""
     return max_shared_memory(torch.device(device)) if is_hip(device) else None
 
+
+def lds_direct_loads(device: torch.device | str) -> bool:
+    """Whether Triton's AMD backend loads global memory straight into LDS on this device
+    (CDNA4, gfx950: `buffer_load_to_local`, async copies). It then pipelines with more LDS
+    buffers and stages an attention kernel's p tile in LDS (measured with Triton 3.9: the
+    varlen kernel at D 128 takes 116 KiB for 3 stages on gfx950, 80 KiB on gfx942); the
+    plans' LDS bounds read this."""
+    return is_hip(device) and (rocm_arch(device) or "").startswith("gfx950")
+

@@ -520,21 +520,22 @@ def ci_selection(variants: list[Variant]) -> list[Variant]:
     return list(chosen.values())
 
 
-def plan_bound(variant: Variant) -> int | None:
+def plan_bound(variant: Variant, direct: bool = False) -> int | None:
     """The LDS its plan bounds this launch by (the models ROCm's configs are fitted with:
-    `graphsafe.ops.attention.plan.*_shared_bytes`, `graphsafe.ops.mla.plan.shared_memory_bytes`),
-    None for kernels without one."""
+    `graphsafe.ops.attention.plan.*_shared_bytes`, `graphsafe.ops.mla.plan.shared_memory_bytes`;
+    `direct`: the target loads straight into LDS, gfx950), None for kernels without one."""
     from graphsafe.ops.attention import plan as attention
     from graphsafe.ops.mla import plan as mla
 
     c, stages, warps = variant.consts, variant.options.get("num_stages", 2), variant.options.get("num_warps", 4)
     if variant.kernel == "triton_prefill._varlen_fwd_kernel":
-        return attention.varlen_shared_bytes((c["BLOCK_M"], c["BLOCK_N"], warps, stages), c["D"], c["DV"], c["FP8"])
+        return attention.varlen_shared_bytes((c["BLOCK_M"], c["BLOCK_N"], warps, stages), c["D"], c["DV"], c["FP8"],
+                                             direct)
     if variant.kernel == "triton_decode._paged_decode_kernel":
-        return attention.decode_shared_bytes((c["BLOCK_N"], warps, stages), c["D"], c["DV"], c["KV_FP8"])
+        return attention.decode_shared_bytes((c["BLOCK_N"], warps, stages), c["D"], c["DV"], c["KV_FP8"], direct)
     if variant.kernel == "triton_paged_prefill._paged_prefill_kernel":
         return attention.paged_prefill_shared_bytes((c["BLOCK_M"], c["BLOCK_N"], warps, stages), c["D"], c["DV"],
-                                                    c["KV_FP8"])
+                                                    c["KV_FP8"], direct)
     if variant.kernel == "triton_split_kv.mla_attn_kernel":
         cfg = mla.KernelConfig(block_h=c["BLOCK_H"], block_n=c["BLOCK_N"], num_warps=warps, num_stages=stages)
         return mla.shared_memory_bytes(cfg, c["R"], c["P"], c["FP8_DS"])
@@ -558,7 +559,8 @@ def compile_all(target: Target, variants: list[Variant], report: Callable[[Compi
             shared = int(k.metadata.shared)
         except Exception as exc:  # noqa: BLE001 - reported per launch
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-        results.append(Compiled(v, shared, error, time.perf_counter() - start, plan_bound(v) if target.hip else None))
+        bound = plan_bound(v, target.arch == "gfx950") if target.hip else None
+        results.append(Compiled(v, shared, error, time.perf_counter() - start, bound))
         if report is not None:
             report(results[-1])
     return results

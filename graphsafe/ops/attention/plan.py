@@ -49,7 +49,14 @@ from dataclasses import dataclass
 
 import torch
 
-from graphsafe.device_info import compute_capability, config_shared_memory, is_sm90, max_shared_memory, num_sms
+from graphsafe.device_info import (
+    compute_capability,
+    config_shared_memory,
+    is_sm90,
+    lds_direct_loads,
+    max_shared_memory,
+    num_sms,
+)
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
 from graphsafe.ops.attention.fp8_format import FP8_DTYPE, SCALE_SLOTS, vt_columns
 from graphsafe.workspace import workspace_bytes
@@ -68,8 +75,9 @@ def _hopper_or_newer(device: torch.device) -> bool:
 
 # -- shared memory -----------------------------------------------------------------------
 # What Triton allocates besides the tiles the models below count (barriers, reduction
-# scratch; e.g. Triton 3.6 takes 512 bytes more than 3.9 for the decode kernel at D 256).
-SHARED_SLACK = 2 * 1024
+# scratch: up to 5 KiB on gfx950; Triton 3.6 takes 512 bytes more than 3.9 for the decode
+# kernel at D 256 on gfx942).
+SHARED_SLACK = 6 * 1024
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -133,14 +141,16 @@ def decode_block_n(device: torch.device | str) -> int:
     return DECODE_BLOCK_N.get(torch.device(device).type, DECODE_BLOCK_N["cuda"])
 
 
-def decode_shared_bytes(config: tuple[int, int, int], d: int, dv: int, kv_fp8: bool) -> int:
-    """Shared memory of the decode kernel (an upper bound, checked against Triton's compiler
-    by the compile matrix): a K and a V tile of BLOCK_N keys, only the larger at one stage
-    (the loads are gathered through the block table: Triton keeps a single buffer of each
-    whatever the stage count)."""
+def decode_shared_bytes(config: tuple[int, int, int], d: int, dv: int, kv_fp8: bool, direct: bool = False) -> int:
+    """LDS of the decode kernel under Triton's AMD backend (an upper bound, checked against
+    its compiler by the compile matrix): a K and a V tile of BLOCK_N keys, only the larger
+    at one stage (the loads are gathered through the block table: Triton keeps one buffer
+    of each whatever the stage count); with direct-to-LDS loads (`direct`, gfx950) two of
+    each from two stages on."""
     block_n, _, stages = config
     k, v = block_n * _pow2(d), block_n * _pow2(dv)
-    return (k + v if stages > 1 else max(k, v)) * (1 if kv_fp8 else 2) + SHARED_SLACK
+    tiles = min(stages, 2) * (k + v) if direct else (k + v if stages > 1 else max(k, v))
+    return tiles * (1 if kv_fp8 else 2) + SHARED_SLACK
 
 
 def decode_config(device: torch.device, d: int = 128, dv: int = 128, kv_fp8: bool = False) -> tuple[int, int, int]:
@@ -150,7 +160,8 @@ def decode_config(device: torch.device, d: int = 128, dv: int = 128, kv_fp8: boo
     stages = 3 if device.type == "cuda" and _hopper_or_newer(device) else 2
     block_n = decode_block_n(device)
     candidates = [(block_n, 4, st) for st in range(stages, 0, -1)]
-    return fit_shared_memory(candidates, lambda c: decode_shared_bytes(c, d, dv, kv_fp8), device)
+    direct = lds_direct_loads(device)
+    return fit_shared_memory(candidates, lambda c: decode_shared_bytes(c, d, dv, kv_fp8, direct), device)
 
 
 def num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, sms: int, block_n: int) -> int:
@@ -243,20 +254,26 @@ def paged_prefill_config(device: torch.device, d: int, dv: int, group: int, max_
     wide = max(d, dv) > 128
     block_m = 128 if max_seqlen_q * group > 64 and not wide else 64
     preferred = (block_m, 64, 8 if block_m == 128 else 4, 3 if _hopper_or_newer(device) and not wide else 2)
-    return fit_shared_memory(_tile_candidates(preferred), lambda c: paged_prefill_shared_bytes(c, d, dv, kv_fp8),
-                             device)
+    direct = lds_direct_loads(device)
+    return fit_shared_memory(_tile_candidates(preferred),
+                             lambda c: paged_prefill_shared_bytes(c, d, dv, kv_fp8, direct), device)
 
 
-def paged_prefill_shared_bytes(config: tuple[int, int, int, int], d: int, dv: int, kv_fp8: bool) -> int:
+def paged_prefill_shared_bytes(config: tuple[int, int, int, int], d: int, dv: int, kv_fp8: bool,
+                               direct: bool = False) -> int:
     """LDS of the paged prefill kernel under Triton's AMD backend (an upper bound, checked by
     the compile matrix): the query tile [BLOCK_M, D] (a dot operand goes through LDS) and
     one K and one V tile of BLOCK_N keys from two stages on (gathered loads: Triton keeps a
-    single buffer of each); at one stage the largest of the three. Measured for gfx942
-    (Triton 3.9), 128 rows x 64 keys at D 128: 32 KiB at 1 stage, 48 KiB at 2 and 3."""
+    single buffer of each); at one stage the largest of the three. With direct-to-LDS loads
+    (`direct`, gfx950): two K and V buffers from two stages on, or q, whichever is larger,
+    and the p tile [BLOCK_M, BLOCK_N] in 16 bits. Measured with Triton 3.9, 128 rows x 64
+    keys at D 128: 32 KiB at 1 stage, 48 KiB at 2 and 3 (gfx942); 82 KiB at 3 (gfx950)."""
     block_m, block_n, _, stages = config
     least = 32 if kv_fp8 else 16
     elem = 1 if kv_fp8 else 2
     q, k, v = block_m * _pow2(d) * 2, block_n * _pow2(d, least) * elem, block_n * _pow2(dv, least) * elem
+    if direct:
+        return max(q, min(stages, 2) * (k + v)) + block_m * block_n * 2 + SHARED_SLACK
     return (q + k + v if stages > 1 else max(q, k, v)) + SHARED_SLACK
 
 
@@ -297,20 +314,23 @@ def varlen_config(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q
     if device.type != "cuda":
         return 16, 16, 4, 1  # interpreter: small tiles, so tiny tests cover several blocks
     preferred = _varlen_preferred(device, d, dv, fp8, max_seqlen_q)
-    return fit_shared_memory(_tile_candidates(preferred), lambda c: varlen_shared_bytes(c, d, dv, fp8), device)
+    direct = lds_direct_loads(device)
+    return fit_shared_memory(_tile_candidates(preferred), lambda c: varlen_shared_bytes(c, d, dv, fp8, direct), device)
 
 
-def varlen_shared_bytes(config: tuple[int, int, int, int], d: int, dv: int, fp8: bool) -> int:
+def varlen_shared_bytes(config: tuple[int, int, int, int], d: int, dv: int, fp8: bool, direct: bool = False) -> int:
     """LDS of the Triton varlen kernel under Triton's AMD backend (an upper bound, checked
     against its compiler by the compile matrix): a K and a V tile of BLOCK_N keys per stage,
     or the query / output tile [BLOCK_M, max(D, Dv)] in 16 bits (a dot operand goes through
-    LDS: 64 KiB at 128 rows of D 256), whichever is larger, plus for fp8 the scores tile
-    [BLOCK_M, BLOCK_N] in fp32 that the cast of p goes through."""
+    LDS: 64 KiB at 128 rows of D 256), whichever is larger, plus the p tile [BLOCK_M,
+    BLOCK_N] where it goes through LDS: for fp8 (its cast, in fp32) and with direct-to-LDS
+    loads (`direct`, gfx950: in 16 bits)."""
     block_m, block_n, _, stages = config
     least = 32 if fp8 else 16
     tiles = stages * block_n * (_split_head(d, least) + _pow2(dv, least)) * (1 if fp8 else 2)
     rows = block_m * max(_split_head(d, least), _pow2(dv, least)) * 2
-    return max(tiles, rows) + (block_m * block_n * 4 if fp8 else 0) + SHARED_SLACK
+    p = block_m * block_n * (4 if fp8 else 2 if direct else 0)
+    return max(tiles, rows) + p + SHARED_SLACK
 
 
 def _varlen_preferred(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q: int

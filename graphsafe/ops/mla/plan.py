@@ -156,25 +156,23 @@ def _pow2(n: int) -> int:
 
 
 # What Triton allocates besides the tiles `shared_memory_bytes` counts (barriers, scratch).
-SHARED_SLACK = 2 * 1024
+SHARED_SLACK = 6 * 1024
 
 
 def shared_memory_bytes(cfg: KernelConfig, r: int, p: int, fp8_ds: bool) -> int:
     """LDS of the Triton attention kernel (kernels/triton_split_kv.py) on tiles `cfg` under
     Triton's AMD backend, an upper bound checked against its compiler by the compile matrix:
-    `num_stages - 2` buffers (at least one) of the key tile [BLOCK_N, R + P] (16-bit rows,
-    or fp8_ds_mla records plus one tile of their dequantised bf16 latents), or the query
-    tile [BLOCK_H, R + P], whichever is larger. Measured for
-    gfx942 (Triton 3.9), 16 heads x 32 keys at R + P = 576: 36 KiB at 2 stages, 108 KiB at 5
-    (Triton 3.6 too)."""
+    the query tile [BLOCK_H, R + P] and `num_stages - 2` buffers (at least one) of the key
+    tile [BLOCK_N, R + P] of 16-bit rows; over fp8_ds_mla records, which go through
+    registers, one tile of their dequantised bf16 latents at any depth. Measured with
+    Triton 3.9, 16 heads x 32 keys at R + P = 576: 36 KiB at 2 stages, 108 KiB at 5 on gfx942
+    (Triton 3.6 too), 48 KiB at 5 on gfx950; fp8_ds_mla 36 / 40 KiB."""
     width = _pow2(r) + _pow2(p)
     buffers = max(1, cfg.num_stages - 2)
-    q = cfg.block_h * width * 2  # (a dot operand goes through LDS; reused once loaded)
-    if fp8_ds:
-        from graphsafe.formats.fp8_ds_mla import record_bytes
-
-        return max(q, buffers * cfg.block_n * record_bytes(r, p) + cfg.block_n * width * 2) + SHARED_SLACK
-    return max(q, buffers * cfg.block_n * width * 2) + SHARED_SLACK
+    q = cfg.block_h * width * 2  # (a dot operand goes through LDS)
+    if fp8_ds:  # the records go through registers into one tile of bf16 latents
+        return q + cfg.block_n * width * 2 + SHARED_SLACK
+    return q + buffers * cfg.block_n * width * 2 + SHARED_SLACK
 
 
 def fit_stages(cfg: KernelConfig, device: torch.device, r: int, p: int, fp8_ds: bool) -> KernelConfig:
