@@ -353,7 +353,22 @@ def record(target: Target, ops: list[str] | None = None) -> tuple[list[Launch], 
                     if backend == "aiter" and not spec.support(backend, call):
                         continue
                     spec.prepare(backend, call)(*args)
+        if target.fp8_units:
+            origin[0] = "flash_attn_varlen fp8 probe"
+            _record_fp8_probe(launches, origin[0])
     return launches, skipped
+
+
+def _record_fp8_probe(launches: list[Launch], origin: str) -> None:
+    """The one plain launch of the ops: the fp8 probe `fp8_prefill_supported` runs once per
+    device (kernels/triton_quant.py:run_fp8_probe), as it launches it on a GPU."""
+    from graphsafe.ops.attention.kernels import triton_quant
+
+    fp8 = [torch.empty(n, dtype=torch.float8_e4m3fn, device="cuda") for n in (64 * 32, 64 * 32)]
+    p, v = torch.empty(64 * 64, device="cuda"), torch.empty(32 * 64, dtype=torch.float8_e4m3fn, device="cuda")
+    s, o = torch.empty(64 * 64, device="cuda"), torch.empty(64 * 32, device="cuda")
+    launches.append(Launch(triton_quant._fp8_probe_kernel, (*fp8, p, v, s, o), {"EMULATE": False, "num_warps": 4},
+                           origin))
 
 
 # -- compiling ---------------------------------------------------------------------------------
