@@ -102,16 +102,21 @@ def _clear_adapter_caches():
 @pytest.fixture
 def aiter_standin(monkeypatch):
     """`aiter = aiter_standin("gfx942")`: the stand-in aiter package (tests/aiter_standin)
-    imported as `aiter` for that architecture, graphsafe's architecture probe answering
-    it; the adapters' caches are cleared before and after, the modules removed after."""
+    imported as `aiter` for that architecture (and `version`, the release it calls itself:
+    default the pinned commit's), graphsafe's architecture probe answering it; the
+    adapters' caches are cleared before and after, the modules removed after."""
     import graphsafe.backends
     import graphsafe.device_info
 
     if not graphsafe.backends.triton_interpreter_enabled():
         pytest.skip("the adapters' Triton kernels run on the stand-in's CPU tensors through Triton's interpreter")
 
-    def install(arch: str):
+    def install(arch: str, version: str | None = None):
         monkeypatch.setenv("AITER_STANDIN_ARCH", arch)
+        if version is None:
+            monkeypatch.delenv("AITER_STANDIN_VERSION", raising=False)
+        else:
+            monkeypatch.setenv("AITER_STANDIN_VERSION", version)
         monkeypatch.syspath_prepend(AITER_STANDIN_DIR)
         _purge_aiter_modules()
         _clear_adapter_caches()

@@ -55,6 +55,9 @@ VARLEN_PARAMS = (
     {**VARLEN_BASE, "self_attn": True, "lens_q": [20, 7, 1], "lens_k": [20, 7, 1]},
     {**VARLEN_BASE, "B": 2, "Hk": 1, "D": 192, "Dv": 128, "max_q": 9, "max_k": 17, "lens_q": [9, 4],
      "lens_k": [17, 4]},
+    # bf16 at 192 / 128: aiter's OPUS kernel on gfx950, fmha v3 on gfx942
+    {**VARLEN_BASE, "B": 2, "Hk": 1, "D": 192, "Dv": 128, "max_q": 9, "max_k": 17, "lens_q": [9, 4],
+     "lens_k": [17, 4], "dtype": torch.bfloat16},
 )
 
 
@@ -139,6 +142,53 @@ def test_varlen_supports_per_the_table(aiter_standin):
     }
     for what, bad in declined.items():
         assert not adapter.supports_flash_attn_varlen(_call(bad)), what
+
+
+def _with_scale(args, scale):
+    return (*args[:7], scale, *args[8:])
+
+
+def test_varlen_declines_a_scale_opus_would_replace(aiter_standin):
+    """Finding 5 of issue 36: on gfx950 aiter serves bf16 at head dims 192 / 128 with its
+    OPUS kernel (since v0.1.18), which replaces a scale <= 0 by 1/sqrt(192); fmha v3 (gfx942)
+    and older aiter take the scale as given."""
+    spec = graphsafe.get_op(VARLEN)
+    params = VARLEN_PARAMS[4]
+    args = case_for(VARLEN).inputs(params, "cpu", 0)
+    for scale in (0.0, -0.08):
+        bad = _with_scale(args, scale)
+        aiter = aiter_standin("gfx950")
+        why = adapter.supports_flash_attn_varlen(_call(bad))
+        assert not why and "OPUS" in why.reason, (scale, why)
+        out = aiter.flash_attn_varlen_func(*bad[:7], softmax_scale=scale, causal=bad[8])
+        with torch.no_grad():
+            expected = spec.runner("reference")(*bad)
+        assert not torch.allclose(out[:13].float(), expected[:13].float(), atol=0.05), "OPUS used another scale"
+        for arch, version in (("gfx942", None), ("gfx950", "0.1.17")):  # fmha v3: the scale as given
+            aiter_standin(arch, version)
+            assert adapter.supports_flash_attn_varlen(_call(bad)), (arch, version, scale)
+            C.check_backend_matches_reference(spec, case_for(VARLEN), "aiter", bad, params)
+    aiter_standin("gfx950")
+    assert adapter.supports_flash_attn_varlen(_call(args))
+    fp16 = case_for(VARLEN).inputs(VARLEN_PARAMS[3], "cpu", 0)  # CK at any scale
+    assert adapter.supports_flash_attn_varlen(_call(_with_scale(fp16, 0.0)))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_varlen_on_inputs_that_require_grad(aiter_standin, arch):
+    """Finding 9 of issue 36: with grad enabled and an input requiring it (the dispatcher
+    passes such tensors as they are), aiter asserts `return_lse` (its autograd forward
+    saves the LSE); graphsafe's op has no backward, so aiter runs without grad."""
+    aiter = aiter_standin(arch)
+    args = _varlen_inputs([0, 4, 9], [0, 6, 20])
+    q = args[0].clone().requires_grad_()
+    with pytest.raises(AssertionError):
+        aiter.flash_attn_varlen_func(q, *args[1:7], softmax_scale=args[7], causal=args[8])
+    grad_args = (q, *args[1:])
+    out = _aiter(VARLEN, grad_args)
+    with torch.no_grad():
+        _compare(VARLEN, args, out.detach())
+    assert torch.is_grad_enabled()
 
 
 def test_standin_varlen_rejects_what_aiter_would_misread(aiter_standin):

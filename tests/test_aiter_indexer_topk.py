@@ -56,7 +56,7 @@ def test_removed_indexer_ops_have_no_aiter_backend():
 # -- fp8_mqa_logits ----------------------------------------------------------------------
 MQA_PARAMS = (
     {"M": 8, "N": 24, "H": 16, "D": 64, "window": "causal"},
-    {"M": 1, "N": 1, "H": 16, "D": 32, "window": "full"},
+    {"M": 1, "N": 1, "H": 16, "D": 64, "window": "full"},
     {"M": 9, "N": 70, "H": 64, "D": 128, "window": "random"},
     {"M": 5, "N": 256, "H": 32, "D": 64, "window": "random"},  # aiter's view is contiguous: no copy
 )
@@ -107,6 +107,62 @@ def test_fp8_mqa_logits_needs_the_gluon_kernel_and_its_shapes(aiter_standin):
         assert not _supports(MQA, args)
     for bad in ({"H": 24}, {"D": 8}, {"M": 0}, {"N": 0}):
         assert not _supports(MQA, case.inputs({**MQA_PARAMS[0], **bad}, "cpu", 0)), bad
+
+
+def test_fp8_mqa_logits_declines_head_dims_the_gluon_kernel_cannot_compile(aiter_standin):
+    """Finding 1 of issue 36: aiter's gfx950 Gluon kernel multiplies with MFMA of K 64 or
+    128 (the head dim is K); at D 16 and 32 Triton's AMD backend aborts the process while
+    compiling it (no exception to catch, no fallback). D 64 to 1024 compile."""
+    aiter_standin("gfx950")
+    case = case_for(MQA)
+    mqa = importlib.import_module(MQA_MODULE).fp8_mqa_logits
+    for d in (16, 32):
+        args = case.inputs({**MQA_PARAMS[0], "D": d}, "cpu", 0)
+        why = _supports(MQA, args)
+        assert not why and "[64, 1024]" in why.reason, (d, why)
+        with pytest.raises(RuntimeError, match="aborts the process"):
+            mqa(*args)
+    for d in (64, 128, 256, 512, 1024):
+        assert _supports(MQA, case.inputs({**MQA_PARAMS[0], "D": d}, "cpu", 0)), d
+    assert not _supports(MQA, case.inputs({**MQA_PARAMS[0], "D": 2048}, "cpu", 0))
+
+
+def test_fp8_mqa_logits_declines_a_strided_k_scale(aiter_standin):
+    """Finding 4 of issue 36: aiter's kernels read kv_scales (and cu_starts / cu_ends) from
+    the data pointer with unit stride, whatever the tensor's strides. The stand-in reads
+    them so: a strided k_scale would give other keys' scales (NaN here)."""
+    aiter_standin("gfx950")
+    q, k, k_scale, w, ks, ke = case_for(MQA).inputs(MQA_PARAMS[2], "cpu", 0)
+    strided = torch.stack([k_scale, torch.full_like(k_scale, float("nan"))], 1)[:, 0]  # stride 2
+    args = (q, k, strided, w, ks, ke)
+    why = _supports(MQA, args)
+    assert not why and "unit stride" in why.reason
+    out = importlib.import_module(MQA_MODULE).fp8_mqa_logits(*args)
+    ref = graphsafe.get_op(MQA).runner("reference")(*args)
+    inside = torch.isfinite(ref)
+    assert inside.any() and torch.isnan(out[inside]).any(), "aiter reads the NaN in between"
+    assert _supports(MQA, (q, k, strided.contiguous(), w, ks, ke))
+    assert _supports(MQA, (q, k[:1], strided[:1], w, ks, ke)), "one key: no stride is read"
+
+
+def test_fp8_mqa_logits_copies_only_the_windows(aiter_standin, monkeypatch):
+    """Finding 8 of issue 36: where aiter's 256-column padded output is not contiguous, the
+    adapter asks aiter not to fill it (`clean_logits=False`: only the windows are written)
+    and writes the contiguous output from the windows, -inf elsewhere, in one launch;
+    where it is (N a multiple of 256) aiter's output is returned as it is."""
+    aiter_standin("gfx950")
+    module = importlib.import_module(MQA_MODULE)
+    original, calls = module.fp8_mqa_logits, []
+    monkeypatch.setattr(module, "fp8_mqa_logits", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    spec = graphsafe.get_op(MQA)
+    for params, clean in ((MQA_PARAMS[2], False), (MQA_PARAMS[0], False), (MQA_PARAMS[3], True)):
+        args = case_for(MQA).inputs(params, "cpu", 1)
+        out = _adapter(MQA).prepare_fp8_mqa_logits(spec.call(*args))(*args)
+        assert calls[-1].get("clean_logits", True) is clean, params
+        ref = spec.runner("reference")(*args)
+        assert out.is_contiguous() and out.shape == ref.shape
+        case_for(MQA).compare(ref, out, args, args, params)
+        assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
 
 
 def test_standin_fp8_mqa_logits_is_aiters(aiter_standin):

@@ -192,22 +192,72 @@ def test_supports_declines_what_aiter_does_not_serve(aiter_standin, arch):
     assert mla_decode_workspace_specs(*shape, device="cpu", backend="aiter", head_dim=576, dtype=torch.float16) == []
 
 
-def test_supports_declines_other_architectures_and_older_aiter(aiter_standin, monkeypatch):
+def test_supports_declines_other_architectures(aiter_standin):
     aiter_standin("gfx90a")
     _, decode = _decode_args(16)
     _, sparse = _sparse_args(16)
     assert not adapter.mla_decode_supports(_call("mla_decode", *decode)) and not adapter.sparse_mla_supports(_call("sparse_mla", *sparse))
     shape = (5, 16, 512, 20)
     assert mla_decode_workspace_specs(*shape, device="cpu", backend="aiter", head_dim=576, dtype=BF16) == []
-    # An mla_decode_fwd without the split arguments (the fixture cleared the adapter's cache).
-    aiter = aiter_standin("gfx942")
 
-    def older(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, page_size=1,
-              nhead_kv=1, sm_scale=None, logit_cap=0.0, return_lse=False):
-        raise AssertionError("never called")
 
-    monkeypatch.setattr(aiter.mla, "mla_decode_fwd", older)
-    assert not adapter.mla_decode_supports(_call("mla_decode", *decode))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_aiter_before_the_lse_fix_goes_to_triton(aiter_standin, arch):
+    """Finding 2 of issue 36: aiter v0.1.16 to v0.1.18 take every keyword of the adapter's
+    call (num_kv_splits, num_kv_splits_indptr, return_lse), but their non-persistent stage
+    1 asks for an lse=1 kernel whenever the LSE is returned (asm_mla.cu `lse_flag = lse !=
+    nullptr` before #4308, v0.1.19), which no csv lists: every call would raise. `supports`
+    reads aiter's version; the stand-in raises as those releases do."""
+    _, decode = _decode_args(16)
+    _, sparse = _sparse_args(128)
+    for version in ("0.1.16", "0.1.18", "0.1.19rc0", "0.1.19.dev12+g0123abcd"):
+        aiter_standin(arch, version)
+        why = adapter.mla_decode_supports(_call("mla_decode", *decode))
+        assert not why and "0.1.19" in why.reason, (version, why)
+        assert not adapter.sparse_mla_supports(_call("sparse_mla", *sparse)), version
+        with pytest.raises(RuntimeError, match="cannot get heuristic kernel!.* lse:1"):
+            adapter.mla_decode(*decode)
+    for version in ("0.1.19", "0.1.19.post2", "0.1.20", None):  # None: the pinned commit's
+        aiter_standin(arch, version)
+        assert adapter.mla_decode_supports(_call("mla_decode", *decode)), version
+        assert adapter.sparse_mla_supports(_call("sparse_mla", *sparse)), version
+    aiter_standin(arch, "a source tree")
+    why = adapter.mla_decode_supports(_call("mla_decode", *decode))
+    assert not why and "version" in why.reason
+
+
+def test_supports_declines_a_cache_past_4_gib(aiter_standin):
+    """Finding 6 of issue 36: the non-persistent bf16 kernels (subQ16_mqa16, subQ128_mqa128,
+    never rebuilt since 2025) address the cache with a 32-bit byte offset, so a cache past
+    4 GiB (3,728,270 slots of 1152 bytes) goes to Triton."""
+    aiter_standin("gfx950")
+    meta = torch.device("meta")
+    q = torch.empty(8, 16, 576, dtype=BF16, device=meta)
+    table = torch.empty(8, 64, dtype=torch.int32, device=meta)
+    lens = torch.empty(8, dtype=torch.int32, device=meta)
+    indices = torch.empty(8, 2048, dtype=torch.int32, device=meta)
+    fits = torch.empty(2**32 // (64 * 1152), 64, 576, dtype=BF16, device=meta)  # 58254 blocks of 64
+    past = torch.empty(fits.shape[0] + 1, 64, 576, dtype=BF16, device=meta)
+    assert fits.numel() * 2 <= 2**32 < past.numel() * 2
+    assert adapter.mla_decode_supports(_call("mla_decode", q, fits, table, lens, 0.1, 512))
+    assert adapter.sparse_mla_supports(_call("sparse_mla", q, fits, indices, 0.1, 512))
+    why = adapter.mla_decode_supports(_call("mla_decode", q, past, table, lens, 0.1, 512))
+    assert not why and "32-bit byte offset" in why.reason
+    assert not adapter.sparse_mla_supports(_call("sparse_mla", q, past, indices, 0.1, 512))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_standin_wraps_no_kv_byte_offset(aiter_standin, monkeypatch, arch):
+    """The stand-in refuses a page whose bytes end past the non-persistent bf16 kernels'
+    32-bit byte offset (scaled down here: a limit of 6 rows)."""
+    aiter = aiter_standin(arch)
+    args = _raw_call(16, rows=2, keys=5)  # pages 0..9 of 1152 bytes
+    monkeypatch.setattr(aiter.mla, "KV_BYTE_OFFSET_LIMIT", 6 * 1152)
+    args[5] = torch.tensor([0, 1, 2, 3, 4, 5, 4, 3, 2, 1], dtype=torch.int32)
+    aiter.mla.mla_decode_fwd(*args, **_splits(2, 2), return_lse=True)
+    args[5][7] = 6
+    with pytest.raises(IndexError, match="32-bit KV byte offset"):
+        aiter.mla.mla_decode_fwd(*args, **_splits(2, 2), return_lse=True)
 
 
 def test_the_dispatcher_picks_aiter_only_where_it_serves(aiter_standin, monkeypatch):

@@ -44,3 +44,22 @@ def test_standin_fp8_type_follows_the_architecture(aiter_standin):
     aiter = aiter_standin("gfx950")
     assert aiter.dtypes.fp8 == torch.float8_e4m3fn
     aiter.dtypes.torch_to_aiter_pybind(torch.zeros(2, dtype=torch.float8_e4m3fn))
+
+
+def test_the_table_says_which_kernel_serves_and_what_never_ran():
+    """Every op aiter serves names the aiter kernel per shape (OPUS included) and what was
+    read in aiter's source but never run on AMD hardware (issue 36)."""
+    for op, cap in aiter_support.CAPABILITIES.items():
+        if cap.archs:
+            assert cap.kernels and cap.unverified, op
+    assert "OPUS" in aiter_support.CAPABILITIES["flash_attn_varlen"].kernels
+    assert aiter_support.CAPABILITIES["mla_decode"].release == "0.1.19"
+
+
+def test_release_at_least_reads_pep440_versions():
+    at_least = aiter_support.release_at_least
+    assert at_least("0.1.19", "0.1.19") and at_least("0.1.19.post2", "0.1.19") and at_least("0.1.20", "0.1.19")
+    assert at_least("0.1.21.dev46+ge4048607a5", "0.1.19")  # a build of the pinned commit
+    assert at_least("0.1.18", "0.1.19") is False and at_least("0.1.19rc0", "0.1.19") is False
+    assert at_least("0.1.19.dev5+g0123abc", "0.1.19") is False  # a commit after 0.1.18
+    assert at_least("not a version", "0.1.19") is None

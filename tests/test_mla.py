@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from graphsafe.testing import case_for
 import graphsafe
+from graphsafe import device_info
 from graphsafe.formats.fp8_ds_mla import dequantize_records, quantize_records, record_bytes
 from graphsafe.ops.mla import mla_decode_workspace_specs, sparse_mla_workspace_specs
 from graphsafe.ops.mla import reference as ref
@@ -1290,14 +1291,14 @@ def test_few_heads_fp8_fits_dense_records_up_to_16_heads(monkeypatch):
     assert not fits(_stand_in_tensor(torch.bfloat16, (2, 17, 576)), records)
     assert not fits(_stand_in_tensor(torch.bfloat16, (2, 16, 576)), _stand_in_tensor(torch.bfloat16, (64, 64, 576)))
     assert not fits(_stand_in_tensor(torch.float16, (2, 16, 576)), records)
-    monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(device_info, "compute_capability", lambda device: (10, 0))
     assert not fits(_stand_in_tensor(torch.bfloat16, (2, 16, 576)), records)
 
 
 def _hopper_stand_ins(monkeypatch):
     """A stand-in sm_90 device for the fit checks: the capability, Hopper's shared memory,
     no HIP."""
-    monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(device_info, "compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(mla_plan, "max_shared_memory", lambda device: 232448)
     monkeypatch.setattr(tri.torch.version, "hip", None)
 
@@ -1329,7 +1330,7 @@ def test_paged_tma_fits_only_views_tma_can_read(monkeypatch):
     assert fits(_stand_in_tensor(torch.bfloat16, (2, 128, 576), (128 * 640, 640, 1)), kv)  # padded heads: rows of 640
     assert not fits(_stand_in_tensor(torch.bfloat16, (2, 128, 576), (256 * 576, 576, 1)), kv)  # 128 of 256 heads
     assert not fits(q, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64))))
-    monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(device_info, "compute_capability", lambda device: (10, 0))
     assert not fits(q, _stand_in_tensor(torch.bfloat16, (64, 64, 576)))
 
 
@@ -1354,7 +1355,7 @@ def test_few_heads_decode_takes_the_tma_kernels_tiles_and_workspace(monkeypatch)
             # sparse_mla over an fp8_ds_mla cache takes them too (topk = ctx keys)
             specs = mla_plan.sparse_mla_workspace(batch, 16, 512, ctx, cuda)
             assert specs == mla_plan.partial_specs(batch, 16, 512, max(narrow, broad, key=lambda p: p.num_splits))
-        monkeypatch.setattr(tri.torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+        monkeypatch.setattr(device_info, "compute_capability", lambda device: (10, 0))
         assert mla_plan.few_heads_wide_tiles(16, cuda) is None
     finally:
         mla_plan._plan.cache_clear()

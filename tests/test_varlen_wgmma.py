@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import graphsafe
+from graphsafe import device_info
 from graphsafe.ops.attention import plan as P
 from graphsafe.ops.attention import triton as T
 from graphsafe.testing.compile_scripts import SPECIALISE_PRELUDE
@@ -162,7 +163,7 @@ def sm90(monkeypatch):
     """A stand-in sm_90 CUDA device (CUDA, not HIP; capability, shared memory); returns the
     monkeypatch to change either."""
     _gluon_module()
-    monkeypatch.setattr(P.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(device_info, "compute_capability", lambda device: (9, 0))
     monkeypatch.setattr(P, "max_shared_memory", lambda device: SM90_SHARED)
     monkeypatch.setattr(P.torch.version, "hip", None)
     return monkeypatch
@@ -276,9 +277,9 @@ def test_hip_and_other_gpus_run_the_triton_kernel(sm90):
     q, k, v = _qkv()
     assert _fits(q, k, v)
     for capability in ((10, 0), (8, 0), (9, 1)):
-        sm90.setattr(P.torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        sm90.setattr(device_info, "compute_capability", lambda device, c=capability: c)
         assert not _fits(q, k, v), capability
-    sm90.setattr(P.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    sm90.setattr(device_info, "compute_capability", lambda device: (9, 0))
     sm90.setattr(P.torch.version, "hip", "6.2")
     assert not _fits(q, k, v)
 

@@ -49,7 +49,14 @@ from dataclasses import dataclass
 
 import torch
 
-from graphsafe.device_info import compute_capability, max_shared_memory, num_sms
+from graphsafe.device_info import (
+    compute_capability,
+    config_shared_memory,
+    is_sm90,
+    lds_direct_loads,
+    max_shared_memory,
+    num_sms,
+)
 from graphsafe.ops.attention.fp8 import fp8_prefill_supported, quantize_inputs
 from graphsafe.ops.attention.fp8_format import FP8_DTYPE, SCALE_SLOTS, vt_columns
 from graphsafe.workspace import workspace_bytes
@@ -64,6 +71,52 @@ def _cdiv(a: int, b: int) -> int:
 def _hopper_or_newer(device: torch.device) -> bool:
     cc = compute_capability(device)
     return cc is not None and cc >= (9, 0)
+
+
+# -- shared memory -----------------------------------------------------------------------
+# What Triton allocates besides the tiles the models below count (barriers, reduction
+# scratch: up to 5 KiB on gfx950; Triton 3.6 takes 512 bytes more than 3.9 for the decode
+# kernel at D 256 on gfx942).
+SHARED_SLACK = 6 * 1024
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _split_head(d: int, least: int) -> int:
+    """The padded head dim of the varlen kernel's q.k: a power of two plus a power-of-two
+    remainder (kernels/triton_prefill.py:_split_head_dim; 192 stays 192)."""
+    da = max(least, 1 << (max(d, 1).bit_length() - 1))
+    rest = d - da
+    return da + (0 if rest <= 0 else _pow2(rest, least))
+
+
+def fit_shared_memory(candidates: list[tuple[int, ...]], need, device: torch.device) -> tuple[int, ...]:
+    """The first of `candidates` (configs, preferred first) whose shared memory `need(config)`
+    fits the device's (`device_info.config_shared_memory`: ROCm's LDS), else the last; the
+    first where nothing is fitted (NVIDIA: configs sized per capability)."""
+    budget = config_shared_memory(device)
+    if budget is None:
+        return candidates[0]
+    for config in candidates:
+        if need(config) <= budget:
+            return config
+    return candidates[-1]
+
+
+def _tile_candidates(preferred: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) in the order they are tried: the preferred
+    tiles with fewer stages, then fewer keys per tile (down to 16), then 64 query rows on 4
+    warps with the same sequence."""
+    block_m, block_n, warps, stages = preferred
+    out = []
+    for bm, w in ((block_m, warps),) + (((64, 4),) if block_m > 64 else ()):
+        bn = block_n
+        while bn >= 16:
+            out += [(bm, bn, w, st) for st in range(stages, 0, -1)]
+            bn //= 2
+    return out
 
 
 def kv_cache_fp8(k_cache: torch.Tensor) -> bool:
@@ -88,10 +141,27 @@ def decode_block_n(device: torch.device | str) -> int:
     return DECODE_BLOCK_N.get(torch.device(device).type, DECODE_BLOCK_N["cuda"])
 
 
-def decode_config(device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). 3 stages keep ~3 K/V tiles in flight per program."""
+def decode_shared_bytes(config: tuple[int, int, int], d: int, dv: int, kv_fp8: bool, direct: bool = False) -> int:
+    """LDS of the decode kernel under Triton's AMD backend (an upper bound, checked against
+    its compiler by the compile matrix): a K and a V tile of BLOCK_N keys, only the larger
+    at one stage (the loads are gathered through the block table: Triton keeps one buffer
+    of each whatever the stage count); with direct-to-LDS loads (`direct`, gfx950) two of
+    each from two stages on."""
+    block_n, _, stages = config
+    k, v = block_n * _pow2(d), block_n * _pow2(dv)
+    tiles = min(stages, 2) * (k + v) if direct else (k + v if stages > 1 else max(k, v))
+    return tiles * (1 if kv_fp8 else 2) + SHARED_SLACK
+
+
+def decode_config(device: torch.device, d: int = 128, dv: int = 128, kv_fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). 3 stages keep ~3 K/V tiles in flight per program;
+    on ROCm fewer where the LDS is too small (`fit_shared_memory`: the decode kernel at D
+    256 on gfx942); BLOCK_N never changes (the split plan reads it)."""
     stages = 3 if device.type == "cuda" and _hopper_or_newer(device) else 2
-    return decode_block_n(device), 4, stages
+    block_n = decode_block_n(device)
+    candidates = [(block_n, 4, st) for st in range(stages, 0, -1)]
+    direct = lds_direct_loads(device)
+    return fit_shared_memory(candidates, lambda c: decode_shared_bytes(c, d, dv, kv_fp8, direct), device)
 
 
 def num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, sms: int, block_n: int) -> int:
@@ -149,7 +219,8 @@ def choose_paged_attention_decode(call, num_splits: int | None = None) -> Decode
         num_splits = plan_decode_splits(b, hk, call.block_table.shape[1], block_size, device)
     path = "empty" if b == 0 or hq == 0 else "one-split" if num_splits == 1 else "split-kv"
     workspace = () if path == "empty" else split_scratch(b, hq, dv, num_splits)
-    return DecodeChoice(path, num_splits, decode_config(device), kv_cache_fp8(call.k_cache), workspace)
+    d, fp8 = call.q.shape[2], kv_cache_fp8(call.k_cache)
+    return DecodeChoice(path, num_splits, decode_config(device, d, dv, fp8), fp8, workspace)
 
 
 def decode_workspace_specs(
@@ -168,20 +239,42 @@ def decode_workspace_specs(
 
 
 # -- paged prefill ------------------------------------------------------------------------
-def paged_prefill_config(device: torch.device, d: int, dv: int, group: int, max_seqlen_q: int
-                         ) -> tuple[int, int, int, int]:
+def paged_prefill_config(device: torch.device, d: int, dv: int, group: int, max_seqlen_q: int,
+                         kv_fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) from shapes and host ints only.
 
     CUDA: 128 rows (8 warps) when a sequence's query block fills them
     (`max_seqlen_q * group > 64`), else 64 (4 warps); 64 keys per tile; 3 stages on
     Hopper at head dims <= 128, 2 otherwise. Head dims > 128 take 64 rows (the fp32
-    accumulator of 128 x 256 would spill). The interpreter (CPU): 16 x 16 tiles, so tiny
-    tests cover several query blocks and key tiles."""
+    accumulator of 128 x 256 would spill). On ROCm fewer stages, then fewer keys per
+    tile, then 64 rows, where the LDS is too small (`fit_shared_memory`). The interpreter (CPU): 16 x 16
+    tiles, so tiny tests cover several query blocks and key tiles."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     wide = max(d, dv) > 128
     block_m = 128 if max_seqlen_q * group > 64 and not wide else 64
-    return block_m, 64, 8 if block_m == 128 else 4, 3 if _hopper_or_newer(device) and not wide else 2
+    preferred = (block_m, 64, 8 if block_m == 128 else 4, 3 if _hopper_or_newer(device) and not wide else 2)
+    direct = lds_direct_loads(device)
+    return fit_shared_memory(_tile_candidates(preferred),
+                             lambda c: paged_prefill_shared_bytes(c, d, dv, kv_fp8, direct), device)
+
+
+def paged_prefill_shared_bytes(config: tuple[int, int, int, int], d: int, dv: int, kv_fp8: bool,
+                               direct: bool = False) -> int:
+    """LDS of the paged prefill kernel under Triton's AMD backend (an upper bound, checked by
+    the compile matrix): the query tile [BLOCK_M, D] (a dot operand goes through LDS) and
+    one K and one V tile of BLOCK_N keys from two stages on (gathered loads: Triton keeps a
+    single buffer of each); at one stage the largest of the three. With direct-to-LDS loads
+    (`direct`, gfx950): two K and V buffers from two stages on, or q, whichever is larger,
+    and the p tile [BLOCK_M, BLOCK_N] in 16 bits. Measured with Triton 3.9, 128 rows x 64
+    keys at D 128: 32 KiB at 1 stage, 48 KiB at 2 and 3 (gfx942); 82 KiB at 3 (gfx950)."""
+    block_m, block_n, _, stages = config
+    least = 32 if kv_fp8 else 16
+    elem = 1 if kv_fp8 else 2
+    q, k, v = block_m * _pow2(d) * 2, block_n * _pow2(d, least) * elem, block_n * _pow2(dv, least) * elem
+    if direct:
+        return max(q, min(stages, 2) * (k + v)) + block_m * block_n * 2 + SHARED_SLACK
+    return (q + k + v if stages > 1 else max(q, k, v)) + SHARED_SLACK
 
 
 @dataclass(frozen=True)
@@ -202,7 +295,8 @@ def choose_paged_attention_prefill(call, config: tuple[int, int, int, int] | Non
     tq, hq, d = call.q.shape
     hk, dv = call.v_cache.shape[2:]
     path = "empty" if tq * hq * dv == 0 else "triton"
-    config = config or paged_prefill_config(call.q.device, d, dv, hq // hk, call.max_seqlen_q)
+    config = config or paged_prefill_config(call.q.device, d, dv, hq // hk, call.max_seqlen_q,
+                                            kv_cache_fp8(call.k_cache))
     return PagedPrefillChoice(path, config, kv_cache_fp8(call.k_cache))
 
 
@@ -213,9 +307,35 @@ def varlen_config(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q
 
     fp8 on Hopper: 128 x 128 tiles (fp8 wgmma m64n128k32; one CTA of two warpgroups per
     SM at ~255 registers, no spills in the key loop), 3 stages of K and V^T tiles
-    (115 KB of shared memory at D = 128; 2 stages at D = 192). bf16/fp16: 128 x 64."""
+    (115 KB of shared memory at D = 128; 2 stages at D = 192). bf16/fp16: 128 x 64.
+    On ROCm (capability (9, 4) / (9, 5): the Hopper branch below) fewer stages, then fewer
+    keys per tile, then 64 query rows, where the LDS is too small (`fit_shared_memory`,
+    `varlen_shared_bytes`: e.g. 1 stage at D 128 on gfx942's 64 KiB, where 3 take 80-96 KiB)."""
     if device.type != "cuda":
         return 16, 16, 4, 1  # interpreter: small tiles, so tiny tests cover several blocks
+    preferred = _varlen_preferred(device, d, dv, fp8, max_seqlen_q)
+    direct = lds_direct_loads(device)
+    return fit_shared_memory(_tile_candidates(preferred), lambda c: varlen_shared_bytes(c, d, dv, fp8, direct), device)
+
+
+def varlen_shared_bytes(config: tuple[int, int, int, int], d: int, dv: int, fp8: bool, direct: bool = False) -> int:
+    """LDS of the Triton varlen kernel under Triton's AMD backend (an upper bound, checked
+    against its compiler by the compile matrix): a K and a V tile of BLOCK_N keys per stage,
+    or the query / output tile [BLOCK_M, max(D, Dv)] in 16 bits (a dot operand goes through
+    LDS: 64 KiB at 128 rows of D 256), whichever is larger, plus the p tile [BLOCK_M,
+    BLOCK_N] where it goes through LDS: for fp8 (its cast, in fp32) and with direct-to-LDS
+    loads (`direct`, gfx950: in 16 bits)."""
+    block_m, block_n, _, stages = config
+    least = 32 if fp8 else 16
+    tiles = stages * block_n * (_split_head(d, least) + _pow2(dv, least)) * (1 if fp8 else 2)
+    rows = block_m * max(_split_head(d, least), _pow2(dv, least)) * 2
+    p = block_m * block_n * (4 if fp8 else 2 if direct else 0)
+    return max(tiles, rows) + p + SHARED_SLACK
+
+
+def _varlen_preferred(device: torch.device, d: int, dv: int, fp8: bool, max_seqlen_q: int
+                      ) -> tuple[int, int, int, int]:
+    """The config sized for the device's capability (on NVIDIA's GPUs: measured there)."""
     wide = max(d, dv) > 128
     block_m = 128 if max_seqlen_q > 64 else 64
     num_warps = 8 if block_m == 128 else 4
@@ -247,12 +367,9 @@ def gluon_module():
 def _sm90_gluon(device: torch.device):
     """The Gluon kernels' module where they can run on `device` (an sm_90 CUDA GPU, not
     HIP, a Triton with Gluon), else None."""
-    if device.type != "cuda" or torch.version.hip is not None:
+    if not is_sm90(device):
         return None
-    module = gluon_module()
-    if module is None or torch.cuda.get_device_capability(device) != (9, 0):
-        return None
-    return module
+    return gluon_module()
 
 
 def tma_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

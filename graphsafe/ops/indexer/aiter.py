@@ -14,15 +14,30 @@ the key scale multiplies the head sum as in graphsafe's formula, and the windows
 clamped to `[max(ks, 0), min(ke, N))` like graphsafe's. Elsewhere aiter takes its Triton
 kernel (aiter/ops/triton/_triton_kernels/attention/fp8_mqa_logits.py:_fp8_mqa_logits_kernel),
 whose `tl.maximum(scores, 0.0)` takes relu(NaN) to 0, and on gfx942 it first converts
-e4m3fn inputs to e4m3fnuz copies: those go to Triton. Taken: e4m3fn q and k, H and D
-powers of two (aiter asserts it), `16 <= D <= 1024` (the Gluon Q layout spreads D / 16
-lanes over a 64-lane wave), at least one query and one key. Small H on the Gluon
-kernel has not run on hardware.
+e4m3fn inputs to e4m3fnuz copies: those go to Triton. Taken:
+* e4m3fn q and k, H and D powers of two (aiter asserts it);
+* `64 <= D <= 1024`: the Gluon kernel multiplies with MFMA instructions whose K is 64 or
+  128 (`AMDMFMALayout(instr_shape=[32, 32, 64] or [16, 16, 128])`, K = the head dim) and
+  lays Q out as D / 16 lanes of a 64-lane wave. At D 16 and 32 Triton's AMD backend
+  aborts the process while compiling it (an LLVM assertion, SIGFPE on Triton 3.6: checked
+  with Triton 3.9 for gfx950, H 16 to 64), which no caller can catch or fall back from;
+  D 64 to 1024 compile (D 1024 at H <= 32 takes 146 KiB of the 160 KiB of LDS);
+* a unit-stride `k_scale` (and `ks`, `ke`, which the op's checks already make
+  contiguous): the kernel reads `kv_scales_ptr + offset + arange(BLOCK_KV)`
+  (`_load_kv_scales_block`) and `cu_start_ptr + row`, ignoring strides; q, k and the
+  weights are read with their strides;
+* q and the weights within 2 GiB of their base: the kernel reads them with buffer loads
+  (`gl.amd.cdna4.buffer_load`, a 32-bit offset);
+* at least one query and one key.
+Small H on the Gluon kernel has not run on hardware.
 Allocations per call: aiter allocates its output itself, a `[M, ceil(N / 256) * 256]`
-float32 buffer filled with -inf (`clean_logits=True`, the default), and returns its
-`[:, :N]` view; unless N is a multiple of 256 that view is not contiguous and we copy it
-into a contiguous `[M, N]` tensor (graphsafe's output contract). Both are ordinary
-allocations (capturable: the graph pool serves them), not workspace.
+float32 buffer, and returns its `[:, :N]` view. Where N is a multiple of 256 that view is
+the whole buffer, contiguous: aiter fills it with -inf (`clean_logits=True`) and it is
+returned as it is. Otherwise it is not contiguous (graphsafe's output is): aiter is called
+with `clean_logits=False` (no -inf fill; its kernel writes only the windows) and a Triton
+launch (kernels/triton_aiter_window.py) writes the contiguous `[M, N]` output from the
+windows, -inf elsewhere, reading nothing outside them. Both are ordinary allocations
+(capturable: the graph pool serves them), not workspace.
 
 Ops with no aiter backend any more (their records are gone; Triton serves them):
 * `indexer_k_quant_and_cache` (aiter/ops/cache.py:indexer_k_quant_and_cache,
@@ -55,10 +70,17 @@ import re
 import torch
 
 from graphsafe import aiter_support, device_info
+from graphsafe.launch import output_allocator
 from graphsafe.registry import SUPPORTED, Backend, Support, declined
 
 _GLUON_TRITON = (3, 6)  # aiter: TRITON_GE_36 gates the Gluon kernels
 MQA_MODULES = ("aiter.ops.triton.attention.fp8_mqa_logits", "aiter.ops.triton.fp8_mqa_logits")
+# The head dims the gfx950 Gluon kernel compiles (module docstring).
+MIN_HEAD_DIM, MAX_HEAD_DIM = 64, 1024
+# aiter pads its output's rows to a multiple of this many columns.
+ALIGN = 256
+# Buffer loads take a 32-bit byte offset.
+BUFFER_LIMIT = 2**31
 
 
 @functools.cache
@@ -114,20 +136,47 @@ def supports_fp8_mqa_logits(call) -> Support:
     m, h, d = q.shape
     if not _pow2(h):
         return declined(f"aiter needs the head count H to be a power of two, got H = {h}")
-    if not (_pow2(d) and 16 <= d <= 1024):
-        return declined(f"aiter needs the head dim D to be a power of two in [16, 1024], got D = {d}")
-    if m == 0 or k.shape[0] == 0:
-        return declined(f"aiter needs at least one query and one key, got M = {m}, N = {k.shape[0]}")
+    if not (_pow2(d) and MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
+        return declined(f"aiter's gfx950 Gluon kernel takes a head dim D that is a power of two in "
+                        f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (MFMA K of 64 or 128; D 16 and 32 abort the process in "
+                        f"Triton's compiler), got D = {d}")
+    n = k.shape[0]
+    if m == 0 or n == 0:
+        return declined(f"aiter needs at least one query and one key, got M = {m}, N = {n}")
+    if n > 1 and call.k_scale.stride(0) != 1:
+        return declined(f"aiter reads kv_scales with unit stride (its kernel ignores strides); k_scale has stride "
+                        f"{call.k_scale.stride(0)}: pass a contiguous k_scale")
+    weights = call.weights
+    for name, x in (("q", q), ("weights", weights)):
+        end = (sum((size - 1) * stride for size, stride in zip(x.shape, x.stride())) + 1) * x.element_size()
+        if end > BUFFER_LIMIT:
+            return declined(f"aiter's Gluon kernel reads {name} with buffer loads (32-bit byte offsets): its "
+                            f"{end} bytes must stay within 2 GiB")
     return SUPPORTED
 
 
 def prepare_fp8_mqa_logits(call):
+    """The runner of this (supported) signature: aiter's call and, unless N is a multiple of
+    ALIGN, the launch writing the contiguous output (module docstring)."""
     fn = _mqa_module().fp8_mqa_logits
+    m, n = call.q.shape[0], call.k.shape[0]
+    if n % ALIGN == 0:
+        def run_whole(q, k, k_scale, weights, ks, ke):
+            # aiter's [M, N] buffer, -inf outside each window (clean_logits=True, the default).
+            return fn(q, k, k_scale, weights, ks, ke)
+
+        return run_whole
+
+    from graphsafe.ops.indexer.kernels.triton_aiter_window import bind_window_copy
+
+    copy = bind_window_copy(call.q, m, n, -(-n // ALIGN) * ALIGN)
+    new_out = output_allocator((m, n), torch.float32, call.q.device)
 
     def run(q, k, k_scale, weights, ks, ke):
-        # clean_logits defaults to True: -inf outside each window.
-        out = fn(q, k, k_scale, weights, ks, ke)
-        return out if out.is_contiguous() else out.contiguous()
+        windows = fn(q, k, k_scale, weights, ks, ke, clean_logits=False)  # only the windows written
+        out = new_out()
+        copy(windows, ks, ke, out)
+        return out
 
     return run
 

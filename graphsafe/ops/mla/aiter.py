@@ -11,6 +11,12 @@ token), in its NON-persistent mode, on gfx942 and gfx950 alike:
   (a repeated slot counts once per occurrence).
 
 Why this call:
+* It needs aiter v0.1.19 or later (`aiter_support.release_missing`, read from aiter's
+  version): before #4308, asm_mla.cu:mla_decode_stage1_asm_fwd set
+  `lse_flag = lse != nullptr` and the non-persistent path passes `final_lse` whenever
+  `return_lse`, so this call looked for an lse=1 non-persistent bf16 kernel, which no
+  csv lists ("cannot get heuristic kernel!" on every call). v0.1.16 to v0.1.18 take every
+  keyword the call passes, so no signature probe can tell.
 * Persistent mode (`work_meta_data` from `get_mla_metadata_v1`) with `return_lse=True`
   needs a bf16 kernel with lse=1, and gfx942 ships none: `hsa/gfx942/mla/mla_asm.csv` has
   lse=1 rows for fp8 only, so `csrc/py_itfs_cu/asm_mla.cu:get_heuristic_kernel_mla` raises
@@ -47,11 +53,16 @@ runs on ROCm): `mla_decode_supports` / `sparse_mla_supports` decline them and th
 registry picks the next backend once per signature. aiter serves: an architecture the
 capability table (`graphsafe.aiter_support`) lists, bf16, head dim 576 with
 kv_lora_rank 512, H 16 or 128 (the non-persistent bf16 kernels of both csv tables:
-gqa 16 and gqa 128), a contiguous q (asm_mla.cu AITER_CHECK `Q->is_contiguous()`; no
-per-call copy), a cache of contiguous blocks of contiguous rows (aiter passes only
-`kv_buffer.stride(0)`, so one slot must be one 576-element row), int32-addressable slots
-and CSR, and an installed `mla_decode_fwd` taking `num_kv_splits`,
-`num_kv_splits_indptr` and `return_lse`.
+gqa 16 `mla_dec_stage1_bf16_a16w16_subQ16_mqa16` and gqa 128
+`mla_dec_stage1_bf16_a16w16_subQ128_mqa128`), a contiguous q (asm_mla.cu AITER_CHECK
+`Q->is_contiguous()`; no per-call copy), a cache of contiguous blocks of contiguous rows
+(aiter passes only `kv_buffer.stride(0)`, so one slot must be one 576-element row) of at
+most 4 GiB, int32-addressable slots and CSR, and aiter >= v0.1.19.
+The 4 GiB: those two kernels date from 2025 (hsa/<arch>/mla/*.co, "Asm extend chip arch"
+#332) and compute a KV byte offset `page_id * page bytes` in 32 bits; #4341 and #4452
+(v0.1.19.post2, v0.1.20) rebuilt the persistent and fp8 kernels of gfx950 with 64-bit
+offsets ("use v_mul_lo_u32 with v_mul_hi_u32"), not these. A cache past 4 GiB (3.7M
+slots of 1152 bytes) goes to Triton.
 
 Not verifiable without an AMD GPU: the numerics of the asm stage-1 kernels (in
 particular NaN/inf propagation, which graphsafe's contract fixes: a NaN in a read input
@@ -59,14 +70,16 @@ must give NaN where the reference gives it), the stage-1 handling of rows with f
 keys than splits and of zero-length rows (our masking covers the latter's outputs), and
 whether non-persistent mode with `return_lse=True` works at all on hardware: aiter's
 own test skips its asm baseline for that combination (op_tests/test_mla.py, "The ASM
-decode baseline aborts for these MLA configs when lse is requested"), so this path is
-untested upstream.
+decode baseline aborts for these MLA configs when lse is requested"; #4308 removed the
+skip with its fix, the pinned commit has it again), so this path is untested upstream;
+and whether the 32-bit KV byte offset of these kernels wraps at 4 GiB or earlier (a
+signed offset would at 2 GiB: aiter's own large-pool test, op_tests/test_mla_ltx.py,
+covers only the rebuilt gfx950 kernels).
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from typing import Any
 
@@ -88,25 +101,17 @@ MIN_SPLITS, MAX_SPLITS = 2, 16
 # partials would exceed this go to Triton (a 16K-token sparse prefill at H = 128 would
 # allocate 8 GiB per call).
 MAX_SPLIT_PARTIAL_BYTES = 256 * 2**20
-# The keywords our call needs from the installed mla_decode_fwd.
-NEEDED_KEYWORDS = frozenset({"num_kv_splits", "num_kv_splits_indptr", "return_lse"})
+# The aiter release whose non-persistent stage 1 no longer asks for an lse kernel (#4308):
+# the capability table's.
+NEEDED_RELEASE = aiter_support.CAPABILITIES["mla_decode"].release
+# The non-persistent bf16 kernels address the cache with a 32-bit byte offset.
+KV_BYTE_OFFSET_LIMIT = 2**32
 
 
 def _mla_decode_fwd() -> Any:
     from aiter.mla import mla_decode_fwd
 
     return mla_decode_fwd
-
-
-@functools.cache
-def _takes_split_keywords() -> bool:
-    """Whether the installed `mla_decode_fwd` takes the split count, split indptr and
-    `return_lse` (False when it cannot be imported or its signature cannot be read)."""
-    try:
-        params = inspect.signature(_mla_decode_fwd()).parameters
-    except (ImportError, TypeError, ValueError):
-        return False
-    return NEEDED_KEYWORDS <= set(params)
 
 
 def _shapes_supported(num_heads: int, head_dim: int, kv_lora_rank: int, dtype: torch.dtype) -> bool:
@@ -139,6 +144,11 @@ def _support(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int
         return declined(f"aiter reads q contiguous; got strides {q.stride()}")
     if not (kv_cache.stride(2) == 1 and kv_cache.stride(1) == d and kv_cache.stride(0) == block_size * d):
         return declined(f"aiter reads the cache as contiguous blocks of contiguous rows; got strides {kv_cache.stride()}")
+    cache_bytes = num_blocks * block_size * d * kv_cache.element_size()
+    if cache_bytes > KV_BYTE_OFFSET_LIMIT:
+        return declined(f"aiter's non-persistent bf16 MLA kernels address the cache with a 32-bit byte offset: "
+                        f"the cache's {cache_bytes} bytes ({num_blocks * block_size} slots) must stay within 4 GiB "
+                        f"({KV_BYTE_OFFSET_LIMIT // (d * kv_cache.element_size())} slots)")
     if num_blocks * block_size >= INT32_LIMIT or rows * width >= INT32_LIMIT:
         return declined(f"aiter's slots and CSR are int32: {num_blocks * block_size} cache slots and "
                         f"{rows * width} CSR entries must stay below 2**31")
@@ -146,9 +156,10 @@ def _support(op: str, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int
     if partials > MAX_SPLIT_PARTIAL_BYTES:
         return declined(f"aiter would allocate {partials >> 20} MiB of split partials per call, outside the "
                         f"workspace (at most {MAX_SPLIT_PARTIAL_BYTES >> 20} MiB)")
-    if not _takes_split_keywords():
-        return declined(f"the installed aiter's mla_decode_fwd lacks {', '.join(sorted(NEEDED_KEYWORDS))}")
-    return SUPPORTED
+    why = aiter_support.release_missing(
+        aiter_support.CAPABILITIES[op].release,
+        "a non-persistent mla_decode_fwd with return_lse finds its kernel (asm_mla.cu, #4308)")
+    return declined(why) if why else SUPPORTED
 
 
 def split_partial_bytes(rows: int, num_heads: int, kv_lora_rank: int, device) -> int:
@@ -159,9 +170,10 @@ def split_partial_bytes(rows: int, num_heads: int, kv_lora_rank: int, device) ->
 def mla_decode_supports(call) -> Support:
     """Whether aiter serves this signature: the capability table lists q's architecture
     for `mla_decode`; bf16; head dim 576 with kv_lora_rank 512; H 16 or 128; contiguous
-    q; a cache of contiguous blocks of contiguous rows; slots and `B * capacity` below
-    2**31; aiter's own split partials at most MAX_SPLIT_PARTIAL_BYTES; an `mla_decode_fwd` taking `num_kv_splits`, `num_kv_splits_indptr` and
-    `return_lse`. The registry hands other signatures to the next backend (Triton)."""
+    q; a cache of contiguous blocks of contiguous rows, at most 4 GiB; slots and
+    `B * capacity` below 2**31; aiter's own split partials at most MAX_SPLIT_PARTIAL_BYTES;
+    aiter >= NEEDED_RELEASE. The registry hands other signatures to the next backend
+    (Triton)."""
     width = call.block_table.shape[1] * call.kv_cache.shape[1]
     return _support("mla_decode", call.q, call.kv_cache, call.kv_lora_rank, width)
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from graphsafe.device_info import max_shared_memory, num_sms
+from graphsafe.device_info import config_shared_memory, is_sm90, max_shared_memory, num_sms
 from graphsafe.formats import fp8_ds_mla
 
 # A split reads at least this many key rows (capacity-wise) on the GPU: below that the
@@ -152,6 +152,44 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length() if n > 0 else 0
+
+
+# What Triton allocates besides the tiles `shared_memory_bytes` counts (barriers, scratch).
+SHARED_SLACK = 6 * 1024
+
+
+def shared_memory_bytes(cfg: KernelConfig, r: int, p: int, fp8_ds: bool) -> int:
+    """LDS of the Triton attention kernel (kernels/triton_split_kv.py) on tiles `cfg` under
+    Triton's AMD backend, an upper bound checked against its compiler by the compile matrix:
+    the query tile [BLOCK_H, R + P] and `num_stages - 2` buffers (at least one) of the key
+    tile [BLOCK_N, R + P] of 16-bit rows; over fp8_ds_mla records, which go through
+    registers, one tile of their dequantised bf16 latents at any depth. Measured with
+    Triton 3.9, 16 heads x 32 keys at R + P = 576: 36 KiB at 2 stages, 108 KiB at 5 on gfx942
+    (Triton 3.6 too), 48 KiB at 5 on gfx950; fp8_ds_mla 36 / 40 KiB."""
+    width = _pow2(r) + _pow2(p)
+    buffers = max(1, cfg.num_stages - 2)
+    q = cfg.block_h * width * 2  # (a dot operand goes through LDS)
+    if fp8_ds:  # the records go through registers into one tile of bf16 latents
+        return q + cfg.block_n * width * 2 + SHARED_SLACK
+    return q + buffers * cfg.block_n * width * 2 + SHARED_SLACK
+
+
+def fit_stages(cfg: KernelConfig, device: torch.device, r: int, p: int, fp8_ds: bool) -> KernelConfig:
+    """`cfg`, or on ROCm, where its shared memory (`shared_memory_bytes`) exceeds the LDS
+    (`device_info.config_shared_memory`: 64 KiB on gfx942, 160 KiB on gfx950), the same
+    tiles with the most pipeline stages that fit (at least one): the tiles, so the split
+    plan and the workspace, never change: the 16-head tiles' 5 stages (108 KiB) become 3 on
+    gfx942. The runner's stage drop on OutOfResources stays as the last guard."""
+    budget = config_shared_memory(device)
+    stages = cfg.num_stages
+    while budget is not None and stages > 1 and (
+            shared_memory_bytes(replace(cfg, num_stages=stages), r, p, fp8_ds) > budget):
+        stages -= 1
+    return cfg if stages == cfg.num_stages else replace(cfg, num_stages=stages)
+
+
 def plan_kv_splits(
     *,
     rows: int,
@@ -225,9 +263,7 @@ def few_heads_wide_tiles(num_heads: int, device: torch.device) -> KernelConfig |
     runs (triton.py decides): 0.24 vs 0.35 ms at B 64 (dense), 0.138 vs 0.185 ms sparse at
     T 128, K 2048 (H200, `benchmarks/results/h200/2026-11-26-1652_fp8_gluon.txt`). The workspaces cover
     both plans (`workspace_specs` reads the same candidates)."""
-    if device.type != "cuda" or num_heads > 16 or torch.version.hip is not None:
-        return None
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    if num_heads > 16 or not is_sm90(device):
         return None
     cfg = kernel_config(128, device.type, max_shared_memory(device))
     return cfg if cfg.warpgroup_split else None
@@ -328,9 +364,7 @@ def warpgroup_split_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelCon
     runner (`warpgroup_split_applies` says both)."""
     if not cfg.warpgroup_split:
         return False
-    if q.device.type != "cuda" or torch.version.hip is not None or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not is_sm90(q.device) or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if r not in (256, 512) or p != 64:  # the shapes its copy layout and GPU tests cover
         return False
@@ -504,6 +538,8 @@ def choose(call, *, sparse: bool, config: KernelConfig | None = None, num_splits
         if last or kernels[0] in _WIDE_TILE_KERNELS[fp8_ds, sparse]:
             break
     cfg, plan = plan_launch(rows, num_heads, capacity, q.device, cfg)
+    if config is None:
+        cfg = fit_stages(cfg, q.device, r, p, fp8_ds)
     if num_splits is not None:  # tests and tuning only
         plan = forced_plan(capacity, cfg.block_n, num_splits)
     return MlaChoice(kernels, cfg, plan, fmt, sparse, rows, num_heads, r, capacity)

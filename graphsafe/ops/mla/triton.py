@@ -60,7 +60,7 @@ from collections.abc import Callable
 import torch
 
 from graphsafe.backends import triton_interpreter_enabled
-from graphsafe.device_info import has_ocp_e4m3
+from graphsafe.device_info import has_ocp_e4m3, is_hip
 from graphsafe.launch import bind, output_allocator
 from graphsafe.ops.mla import plan
 from graphsafe.ops.mla.fake import check_fp8_ds_mla_offset
@@ -101,9 +101,10 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 
 
 # Pipeline depth that compiled within the device's shared memory, per (config, device,
-# dtype, head dim, cache dtype, variant). The configs are sized for their GPUs (plan.kernel_config);
-# this only guards against a Triton version that allocates a little more shared memory:
-# one stage fewer keeps the tiles, so the split plan and the workspace stay the same.
+# dtype, head dim, cache dtype, variant). The configs are sized for their GPUs up front
+# (plan.kernel_config; on ROCm plan.fit_stages fits the stages to the LDS); this is only the
+# last guard, against a Triton version that allocates more shared memory than the plan's
+# bound: one stage fewer keeps the tiles, so the split plan and the workspace stay the same.
 _STAGES: dict[tuple, int] = {}
 
 
@@ -362,7 +363,7 @@ def _prepare(op: str, call, sparse: bool, config: KernelConfig | None, num_split
             DOT_F32=dot_f32,
             # PTX prefetch: NVIDIA only (not the interpreter, not ROCm); its lines count
             # 16-bit elements, so not for fp8_ds_mla records (no default config prefetches).
-            PREFETCH=cfg.l2_prefetch and device.type == "cuda" and torch.version.hip is None and not fp8_ds,
+            PREFETCH=cfg.l2_prefetch and device.type == "cuda" and not is_hip(device) and not fp8_ds,
             LINES=_pow2(_cdiv(head_dim, 64), 1),
             FP8_DS=fp8_ds, FP8_NATIVE=fp8_ds and has_ocp_e4m3(device), TOPK_LENGTH=topk_length, HAS_SINK=sink,
         ),

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from graphsafe.device_info import is_hip
+
 # Width (elements) of the granule a bound program owns: 64 B, one DRAM burst, so the
 # programs of a row split each burst-aligned block of the row without sharing bursts.
 SEGW = 16
@@ -368,20 +370,20 @@ def choose(
     )
 
 
-def _on_rocm() -> bool:
-    return torch.version.hip is not None
+def _on_rocm(device: torch.device) -> bool:
+    return is_hip(device)
 
 
 def choose_top_k_per_row_prefill(call, **overrides) -> TopkChoice:
     """The Triton backend's choice for a `top_k_per_row_prefill` call (overrides: `choose`)."""
     rows, width = call.logits.shape
-    return choose(rows, width, call.topk, call.indices.shape[1], False, _on_rocm(), **overrides)
+    return choose(rows, width, call.topk, call.indices.shape[1], False, _on_rocm(call.logits.device), **overrides)
 
 
 def choose_top_k_per_row_decode(call, **overrides) -> TopkChoice:
     """The Triton backend's choice for a `top_k_per_row_decode` call (overrides: `choose`)."""
     rows, width = call.logits.shape
-    return choose(rows, width, call.topk, call.indices.shape[1], True, _on_rocm(), **overrides)
+    return choose(rows, width, call.topk, call.indices.shape[1], True, _on_rocm(call.logits.device), **overrides)
 
 
 # -- the aiter adapter (aiter.py) ----------------------------------------------------

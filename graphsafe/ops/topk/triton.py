@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from graphsafe.device_info import is_hip
 from graphsafe.launch import bind
 from graphsafe.ops.topk import plan as _plan
 from graphsafe.ops.topk.plan import NMETA, SEGW, workspace_specs, workspace_specs_decode
@@ -59,7 +60,7 @@ def bind_rowwise(logits, next_n, indices, topk, meta_stride, cand_stride, cfg, u
             logits, cand_stride, logits, meta_stride,
             S=32 * cfg.warps * cfg.samples_per_thread, Z=cfg.z, RETRY_Z=cfg.retry_z, E=cfg.per_thread, NW=cfg.warps,
             CAPW=cfg.slots_per_warp, LBLOCK=1024, VEC=vec,
-            ASM=logits.is_cuda and torch.version.hip is None, UNTIL=until, num_warps=cfg.warps,
+            ASM=logits.is_cuda and not is_hip(logits.device), UNTIL=until, num_warps=cfg.warps,
         )
 
     scalar = bound(False)

@@ -13,7 +13,10 @@ What aiter would do out of bounds (read an unchecked block id, write past a cach
 error here: on a GPU it would be undefined behaviour.
 
 The architecture is `AITER_STANDIN_ARCH` ("gfx942" or "gfx950", read at import, as aiter
-reads rocminfo at import); tests install the package with the `aiter_standin` fixture.
+reads rocminfo at import) and the version `AITER_STANDIN_VERSION` (`aiter/_version.py`,
+which setuptools_scm writes at build; default: the pinned commit's); tests install the
+package with the `aiter_standin` fixture. Like aiter's, this `__init__` exports no
+`__version__`.
 """
 
 from aiter import mla  # noqa: F401

@@ -19,7 +19,10 @@ Modelled, with the aiter source of each rule:
   ("unsupport Q dtype"), kv dtype bf16/fp8/i8/u8; then `get_heuristic_kernel_mla`: the
   key (q type, kv type, gqa, ps, qseqlen, lse) after asm_mla.cu's remaps must be a decode
   row of the architecture's `hsa/<arch>/mla/mla_asm.csv`, with `lse = return_lse and
-  persistent` (asm_mla.cu: `lse_flag = lse != nullptr && persistent`), else
+  persistent` (asm_mla.cu: `lse_flag = lse != nullptr && persistent`, since v0.1.19:
+  #4308; before it `lse_flag = lse != nullptr`, and the non-persistent path passes
+  `final_lse` whenever `return_lse`, so such a call looks for an lse=1 non-persistent row,
+  which no bf16 row of gqa 16 or 128 is: the stand-in follows `aiter._version`), else
   "get_heuristic_kernel_mla: cannot get heuristic kernel! ...". Only the bf16/bf16 rows
   the digest of those tables lists are modelled (`KERNELS`); other dtype pairs and head
   counts raise that error here (stricter than aiter: graphsafe never passes them).
@@ -27,7 +30,12 @@ Modelled, with the aiter source of each rule:
   contiguous int32 of their sizes, a `kv_indptr` that is not non-decreasing from >= 0
   or runs past `kv_indices`, a page id of a used `kv_indices` entry outside
   `kv_buffer`'s pages, a `num_kv_splits_indptr` other than `[0, n, .., bs * n]`, a
-  `kv_buffer` whose pages are not dense (aiter passes only its stride(0)).
+  `kv_buffer` whose pages are not dense (aiter passes only its stride(0)), and in the
+  non-persistent bf16 kernels (hsa/<arch>/mla/mla_dec_stage1_bf16_a16w16_subQ16_mqa16.co,
+  _subQ128_mqa128.co and the m16x4 / m32x4 builds, unchanged since 2025; #4341 and #4452
+  rebuilt the persistent and fp8 ones with 64-bit offsets, gfx950 only) a used page whose
+  bytes end past 4 GiB: their KV byte offset is `page_id * page bytes` in 32 bits
+  (v_mul_lo_u32 alone, #4341), so it would wrap to another row.
 
 Results: `o` written in place, attention in float32 over exactly the listed tokens
 (score `sm_scale * q . k` over the whole head, value the first Dv entries of the key
@@ -43,6 +51,7 @@ import os
 
 import torch
 
+from aiter._version import at_least
 from aiter.jit.utils.chip_info import get_cu_num, get_gfx
 from aiter.utility import dtypes
 
@@ -66,6 +75,9 @@ KERNELS = {
         ("bf16", "bf16", 64, 1, 1, 1),
     }),
 }
+
+# The non-persistent kernels' KV byte offset is 32-bit (see the module docstring).
+KV_BYTE_OFFSET_LIMIT = 2**32
 
 # _use_persistent_mla_decode's batch gate (env AITER_MLA_DECODE_PERSISTENT_MAX_BATCH).
 _PERSISTENT_MAX_BATCH_DEFAULT = 32
@@ -164,10 +176,13 @@ def _index_array(name: str, t, min_len: int) -> torch.Tensor:
     return t.cpu().long()
 
 
-def _rows_of(kv_buffer, kv_indptr, kv_indices, kv_last_page_lens, bs: int, page_size: int):
+def _rows_of(kv_buffer, kv_indptr, kv_indices, kv_last_page_lens, bs: int, page_size: int,
+             offset_limit: int | None = None):
     """Per request, the key rows [n, D] its pages name (IndexError where a GPU would read
-    out of bounds)."""
+    out of bounds, or, with `offset_limit`, a page whose bytes end past it: a 32-bit byte
+    offset would wrap)."""
     pages = kv_buffer.shape[0]
+    page_bytes = kv_buffer.stride(0) * kv_buffer.element_size() if pages else 0
     inner = kv_buffer[0] if pages else kv_buffer
     if pages and not inner.is_contiguous():
         raise IndexError("kv_buffer: aiter passes only stride(0); its pages must be dense")
@@ -182,6 +197,9 @@ def _rows_of(kv_buffer, kv_indptr, kv_indices, kv_last_page_lens, bs: int, page_
         ids = indices[indptr[b]: indptr[b + 1]]
         if ids.numel() and (bool((ids < 0).any()) or bool((ids >= pages).any())):
             raise IndexError(f"kv_indices of request {b} name pages outside [0, {pages}): {ids.tolist()}")
+        if ids.numel() and offset_limit is not None and (int(ids.max()) + 1) * page_bytes > offset_limit:
+            raise IndexError(f"kv_indices of request {b} name page {int(ids.max())}, whose bytes end past "
+                             f"{offset_limit}: the kernel's 32-bit KV byte offset wraps")
         keys = flat[ids].reshape(-1, flat.shape[-1])
         if page_size > 1 and ids.numel():
             keys = keys[: (ids.numel() - 1) * page_size + int(last[b])]
@@ -206,11 +224,11 @@ def _attend(q_rows, keys, sm_scale: float, dv: int):
 
 
 def _compute(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q, page_size,
-             sm_scale):
+             sm_scale, offset_limit=None):
     """(out [total_s, H, Dv], lse [total_s, H]) in float32 over the CSR."""
     bs = qo_indptr.shape[0] - 1
     qo = _index_array("qo_indptr", qo_indptr, bs + 1)
-    rows = _rows_of(kv_buffer, kv_indptr, kv_indices, kv_last_page_lens, bs, page_size)
+    rows = _rows_of(kv_buffer, kv_indptr, kv_indices, kv_last_page_lens, bs, page_size, offset_limit)
     total_s, heads, dv = o.shape
     out = torch.full((total_s, heads, dv), float("nan"))
     lse = torch.full((total_s, heads), float("nan"))
@@ -262,13 +280,15 @@ def mla_decode_fwd(
     logits = torch.full((total_s, n, nhead, v_head_dim), float("nan"), device=o.device)
     final_lse = torch.full((total_s, nhead), float("nan"), device=o.device) if return_lse else None
     _stage1_checks(q, kv_buffer, q_scale, kv_scale)
-    _lookup_kernel(_kernel_key(q.dtype, kv_buffer.dtype, nhead // nhead_kv, max_seqlen_q, False, 0),
+    # Before v0.1.19 (#4308) stage 1 asks for an lse kernel whenever final_lse is passed.
+    lse_flag = 0 if at_least("0.1.19") else int(return_lse)
+    _lookup_kernel(_kernel_key(q.dtype, kv_buffer.dtype, nhead // nhead_kv, max_seqlen_q, False, lse_flag),
                    1 if max_seqlen_q == 1 else int(causal))
     _check_splits_indptr(num_kv_splits_indptr, bs, n)
-    out, lse = _compute(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
-                        page_size, sm_scale)
-    o.copy_(out.to(o.dtype))
     bf16 = q.dtype == kv_buffer.dtype == torch.bfloat16
+    out, lse = _compute(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
+                        page_size, sm_scale, KV_BYTE_OFFSET_LIMIT if bf16 else None)
+    o.copy_(out.to(o.dtype))
     if n == 1 and (q.dtype == dtypes.fp8 or (q.dtype == torch.bfloat16 and max_seqlen_q == 4)
                    or (bf16 and nhead in (32, 8))):
         # The early return: no reduce; stage 1 (lse_flag 0) does not write final_lse.

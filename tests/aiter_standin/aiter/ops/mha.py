@@ -2,9 +2,18 @@
 
 aiter's router (mha.py:3446-3676) on gfx942/gfx950 ends in
 `FlashAttnVarlenFunc.forward`: head dims padded to a multiple of 8 (copies), then
-`_flash_attn_varlen_forward` (q/k/v made contiguous where `stride(-1) != 1`), then the
-fmha v3 asm kernel (bf16, hdim 128/128 or 192/128) or CK `mha_varlen_fwd`; it returns
-`out_padded[..., :head_size_v]`, one tensor when no LSE / probabilities are asked.
+`_flash_attn_varlen_forward` (q/k/v made contiguous where `stride(-1) != 1`), then
+(mha.py:2894-2935) on gfx950 for bf16 with head dims 192 / 128 the OPUS kernel
+(`fmha_fwd_bf16_opus_varlen_fwd`, since v0.1.18, on by default, off with
+`AITER_DISABLE_FMHA_OPUS=1`), else the fmha v3 asm kernel (bf16, hdim 128/128 or
+192/128) or CK `mha_varlen_fwd`; it returns `out_padded[..., :head_size_v]`, one tensor
+when no LSE / probabilities are asked. Then, when grad is enabled and q, k or v requires
+it, `assert return_lse` (FlashAttnVarlenFunc.forward saves the LSE for backward).
+
+OPUS (csrc/py_itfs_cu/fmha_fwd_bf16_opus_kernels.cu:launch_d192_v128) replaces a
+`softmax_scale <= 0` by `1 / sqrt(192)`, and checks `max_seqlen_q > 0 and max_seqlen_k
+> 0` and int32 contiguous seqstart arrays of B + 1 entries; the v3 and CK kernels take the
+scale as given.
 
 The stand-in raises the TORCH_CHECKs of csrc/py_itfs_cu/asm_mha_varlen_fwd.cu and
 csrc/py_itfs_ck/mha_varlen_fwd_kernels.cu as RuntimeError: dtype fp16/bf16, k and v of
@@ -21,7 +30,13 @@ every sequence, and rows of a sequence at positions >= max_seqlen_q (outside the
 are not written: NaN here (`torch::empty` in aiter).
 """
 
+import math
+import os
+
 import torch
+
+from aiter._version import at_least
+from aiter.jit.utils.chip_info import get_gfx
 
 __all__ = ["flash_attn_varlen_func"]
 
@@ -62,19 +77,33 @@ def flash_attn_varlen_func(
     )
     if unmodelled:
         raise NotImplementedError("stand-in: only the plain varlen forward graphsafe calls")
+    is_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** (-0.5)
     dv = v.shape[-1]
     q, k, v = (_pad8(x) for x in (q, k, v))  # FlashAttnVarlenFunc.forward
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))  # maybe_contiguous
     _torch_checks(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if _opus(q, v):
+        _check(max_seqlen_q > 0 and max_seqlen_k > 0, "group mode requires max_seqlen_q / max_seqlen_k > 0")
+        if softmax_scale <= 0.0:
+            softmax_scale = 1.0 / math.sqrt(192.0)
     starts_q = _bounds(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     starts_k = _bounds(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
     out_padded = torch.full((q.shape[0], q.shape[1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     for b in range(len(starts_q) - 1):
         _sequence(out_padded, q, k, v, starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1],
                   max_seqlen_q, softmax_scale, causal)
+    if is_grad:
+        assert return_lse  # FlashAttnVarlenFunc.forward: the backward needs the LSE
     return out_padded[..., :dv]
+
+
+def _opus(q, v) -> bool:
+    """mha.py:can_impl_fmha_fwd_hd192_v128_bf16_opus_varlen, for the calls graphsafe makes."""
+    enabled = int(os.environ.get("AITER_DISABLE_FMHA_OPUS", "0")) == 0 and at_least("0.1.18")
+    return (enabled and get_gfx() == "gfx950" and q.dtype == torch.bfloat16 and q.shape[-1] == 192
+            and v.shape[-1] == 128)
 
 
 def _pad8(x):
