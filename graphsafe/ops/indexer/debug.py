@@ -28,8 +28,8 @@ def debug_check_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, bloc
     op = "cp_gather_indexer_k_quant_cache"
     debug.non_decreasing(op, "cu_seq_lens", cu_seq_lens)
     n = dst_k.shape[0]
-    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens[:1], 0, "the first row of dst_k")
-    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens[-1:], n, "the rows of dst_k")
+    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens, 0, "the first row of dst_k", used=slice(0, 1))
+    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens, n, "the rows of dst_k", used=slice(-1, None))
     lengths = cu_seq_lens[1:].long() - cu_seq_lens[:-1].long()
     bs = kv_cache.shape[1]
     debug.ids_in_range(op, "block_table", block_table, kv_cache.shape[0], used=debug.table_entries_read(block_table, lengths, bs),
@@ -88,8 +88,9 @@ def debug_check_sparse_attn_indexer_prefill(
     nb, bs = kv_cache.shape[:2]
     debug.ids_in_range(op, "slot_mapping", slot_mapping, nb * bs, what="cache slots")
     debug.non_decreasing(op, "cu_seq_lens", cu_seq_lens)
-    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens[:1], 0, "the first gathered row")
-    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens[-1:], total_seq_lens, "total_seq_lens")
+    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens, 0, "the first gathered row", used=slice(0, 1))
+    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens, total_seq_lens, "total_seq_lens",
+                          used=slice(-1, None))
     lengths = cu_seq_lens[1:].long() - cu_seq_lens[:-1].long()
     debug.ids_in_range(op, "block_table", block_table, nb, used=debug.table_entries_read(block_table, lengths, bs),
                        what="block ids (below each request's context)")
