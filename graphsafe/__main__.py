@@ -1,9 +1,10 @@
-"""Command line: `python -m graphsafe {list,check,bench,demo}`.
+"""Command line: `python -m graphsafe {list,check,bench,demo,soak}`.
 
     list    every op, its schema, the backend serving it on each device here, its fake
     check   the op contract on every op, on every device here; a table; exit 1 on failure
     bench   benchmarks (GPU for meaningful numbers); a table, optionally JSON
     demo    greedy decoding with the demo model: eager, compiled, compiled + CUDA graphs; a table
+    soak    many graph replays of the demo model under changing load: memory, allocations, outputs
 """
 
 from __future__ import annotations
@@ -207,6 +208,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.exit_code(rows)
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    from graphsafe import demo
+    from graphsafe.demo import soak
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    opts = soak.default_soak_options(device)
+    for name in ("steps", "max_batch", "max_prompt", "checks", "seed", "backend", "threads"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(opts, name, value)
+    if args.decode:
+        opts.min_decode, opts.max_decode = args.decode
+    opts.compile = args.compile
+    opts.progress = not args.no_progress
+    try:
+        opts.model_overrides = dict(demo.parse_override(o) for o in args.model or ())
+        result = soak.run_soak(opts)
+    except demo.DemoError as err:
+        print(f"soak: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        soak.write_json(result, args.json)
+    return 0 if result.ok else 1
+
+
 def _version_line() -> str:
     import graphsafe
 
@@ -259,11 +285,29 @@ def main(argv: list[str] | None = None) -> int:
     dm.add_argument("--no-progress", action="store_true", help="no progress bar")
     dm.add_argument("--tp", type=int, help="tensor-parallel ranks, one process each: run under torchrun, e.g. "
                     "torchrun --nproc-per-node 2 -m graphsafe demo --tp 2 (NCCL on GPUs, gloo on CPUs)")
+    sk = sub.add_parser("soak", help="many graph replays of the demo model with changing batches and lengths, "
+                        "prefill overlapping on a second stream: memory, allocations, outputs")
+    sk.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present, else cpu")
+    sk.add_argument("--steps", type=int, help="decode steps in all (default: 10000 on a GPU, 48 on the CPU)")
+    sk.add_argument("--max-batch", type=int, help="the largest batch (default: 64 on a GPU, 4 on the CPU)")
+    sk.add_argument("--max-prompt", type=int, help="the longest prompt (default: 256 on a GPU, 24 on the CPU)")
+    sk.add_argument("--decode", type=int, nargs=2, metavar=("MIN", "MAX"),
+                    help="decode steps of an episode (default: 16 128 on a GPU, 4 8 on the CPU)")
+    sk.add_argument("--checks", type=int, help="episodes rerun eagerly and compared (default: 5 on a GPU, 3)")
+    sk.add_argument("--seed", type=int, help="seed of the weights, prompts and episode plan (default: 0)")
+    sk.add_argument("--compile", action="store_true", help="capture torch.compile(fullgraph=True, dynamic=True) of "
+                    "the step (default: the eager step)")
+    sk.add_argument("--backend", help="torch.compile backend with --compile (default: inductor)")
+    sk.add_argument("--model", action="append", metavar="KEY=VALUE", help="a field of the demo model's config")
+    sk.add_argument("--threads", type=int, help="CPU threads during the run (default: 1)")
+    sk.add_argument("--json", help="also write the figures as JSON to this path")
+    sk.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command == "check" and not torch.cuda.is_available():
         # Kernel backends are checked through Triton's interpreter on CPU-only machines.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "demo": cmd_demo}[args.command](args)
+    return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "demo": cmd_demo,
+            "soak": cmd_soak}[args.command](args)
 
 
 if __name__ == "__main__":
