@@ -32,10 +32,17 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
+    from graphsafe.testing.contract import nonfinite_warning_filters
+
     skip_gpu = pytest.mark.skip(reason="needs a CUDA/HIP device")
+    # Tests that feed NaN or inf on purpose: the numpy warnings of Triton's interpreter
+    # about them are expected there (and only there).
+    nonfinite = pytest.mark.filterwarnings(*nonfinite_warning_filters())
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        if "nonfinite" in item.keywords:
+            item.add_marker(nonfinite)
 
 
 @pytest.fixture(autouse=True)

@@ -227,3 +227,20 @@ def test_fullgraph_compile_matches_eager(name):
     from graphsafe.testing.compare import default_compare
 
     default_compare(spec, expected, actual, eager_args, compiled_args, exact=True)
+
+
+def test_cli_check_prints_the_table_alone():
+    """`python -m graphsafe check`: the table and its verdict, nothing else (the NaN and inf
+    its checks feed on purpose make Triton's interpreter warn: filtered inside)."""
+    import subprocess
+    import sys
+
+    ops = ["mla_decode", "paged_attention_prefill"]
+    proc = subprocess.run([sys.executable, "-m", "graphsafe", "check", "--device", "cpu", *(a for op in ops for a in ("--op", op))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not proc.stderr, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:3] == ["op", "device", "serving"] and set(lines[1]) == {"-"}
+    assert [line.split()[0] for line in lines[2:-2]] == ops and lines[-2] == ""
+    assert lines[-1] == "all contract checks passed (2 ops, devices: cpu)"

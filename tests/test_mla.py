@@ -391,6 +391,7 @@ def _same_nonfinite_places(expected, actual, args=None):
     cases.compare_attention(finite[0], finite[1], args, args, None)
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_nonfinite_keys_and_queries_give_the_reference_places_across_splits(num_splits):
     """NaN in q or a read row, or a +inf score: NaN out and lse for that head; a -inf score
@@ -554,6 +555,7 @@ def _fp8_with_unread_block_0(kv, r, p):
     return torch.cat([block[None], kv])
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("backend,num_splits", RUNS)
 def test_poisoned_unread_fp8_ds_records_never_reach_outputs(backend, num_splits):
     """0xFF bytes (NaN latent bytes, NaN scales, NaN rope) in block 0, in the tail of a
@@ -589,6 +591,7 @@ def test_poisoned_unread_fp8_ds_records_never_reach_outputs(backend, num_splits)
     assert not out.isnan().any() and not lse.isnan().any()
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_nonfinite_fp8_ds_records_give_the_reference_places(num_splits):
     """A latent written with an inf reads back a NaN tile: every head of the requests
