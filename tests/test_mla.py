@@ -1498,6 +1498,7 @@ def _sparse_option_args(seed: int = 8, **over):
     return q, kv, idx, scale, r
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("backend,num_splits", RUNS)
 def test_attn_sink_scales_out_by_the_sigmoid_and_leaves_lse(backend, num_splits):
     """Per head: a +inf sink gives out 0, -inf leaves out bit-equal to no sink, NaN gives
@@ -1518,6 +1519,7 @@ def test_attn_sink_scales_out_by_the_sigmoid_and_leaves_lse(backend, num_splits)
     assert (kept[keyed] < 0.99).all() and (kept[keyed] > 0.01).all(), "a sink that matters"
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("backend,num_splits", RUNS)
 def test_topk_length_zero_gives_zero_and_minus_inf_whatever_the_sink(backend, num_splits):
     q, kv, idx, scale, r = _sparse_option_args(invalid=0.0)
