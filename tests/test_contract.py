@@ -235,7 +235,7 @@ def test_cli_check_prints_the_table_alone():
     import subprocess
     import sys
 
-    ops = ["mla_decode", "paged_attention_prefill"]
+    ops = ["indexer_k_quant_and_cache", "mla_decode"]  # quick, and both warned before
     proc = subprocess.run([sys.executable, "-m", "graphsafe", "check", "--device", "cpu", *(a for op in ops for a in ("--op", op))],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
