@@ -28,6 +28,7 @@ decode it would overlap, still in lane 1; memory is the process's resident set
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -176,8 +177,6 @@ def _memory(device: torch.device) -> dict[str, int]:
         return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
     try:
         with open("/proc/self/statm") as f:
-            import os
-
             return {"rss": int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")}
     except (OSError, ValueError):
         return {}
