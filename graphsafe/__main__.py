@@ -1,9 +1,10 @@
-"""Command line: `python -m graphsafe {list,check,bench,demo}`.
+"""Command line: `python -m graphsafe {list,check,bench,demo,soak}`.
 
     list    every op, its schema, the backend serving it on each device here, its fake
     check   the op contract on every op, on every device here; a table; exit 1 on failure
     bench   benchmarks (GPU for meaningful numbers); a table, optionally JSON
     demo    greedy decoding with the demo model: eager, compiled, compiled + CUDA graphs; a table
+    soak    many graph replays of the demo model under changing load: memory, allocations, outputs
 """
 
 from __future__ import annotations
@@ -104,7 +105,27 @@ def _check_predicates(spec, case, device: torch.device, seed: int) -> str:
     return f"{counts['accepted']}/{counts['accepted'] + counts['declined']}"
 
 
+def _quick_params(case, device_type: str) -> dict:
+    """The one input set of a default `check`: the op's example, or its smaller
+    interpreter example where Triton's interpreter runs the kernels (a CPU)."""
+    from graphsafe.backends import triton_interpreter_enabled
+
+    if device_type == "cpu" and triton_interpreter_enabled():
+        return case.interpreter_example or case.example
+    return case.example
+
+
 def cmd_check(args: argparse.Namespace) -> int:
+    from graphsafe.testing import contract as C
+
+    # The checks feed NaN and inf on purpose (and random cache bytes decode to NaN): the
+    # numpy warnings of Triton's interpreter about them would break up the table. Any
+    # other warning still shows.
+    with C.nonfinite_expected():
+        return _check_table(args)
+
+
+def _check_table(args: argparse.Namespace) -> int:
     from graphsafe.backends import device_types_here
     from graphsafe.testing import contract as C
     from graphsafe.testing.cases import case_for
@@ -129,7 +150,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         for name in names:
             spec = table[name]
             case = case_for(spec.name)
-            sets = C.example_inputs(case, device, seed=args.seed)
+            sets = C.example_inputs(case, device, seed=args.seed) if args.full else [
+                (params, case.inputs(params, device, args.seed)) for params in [_quick_params(case, device_type)]]
             kernels = [b for b in spec.available_backends(device_type) if b != "reference"]
 
             def kernels_match(spec=spec, case=case, sets=sets, kernels=kernels) -> str:
@@ -167,7 +189,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 "predicates": lambda: _check_predicates(spec, case, device, args.seed),
             }
             if device_type == "cuda":
-                gpu_sets = [case.example, *case.edge_cases, *case.gpu_examples]
+                gpu_sets = [case.example, *(case.edge_cases if args.full else ()), *case.gpu_examples]
 
                 def each_gpu(check, spec=spec, gpu_sets=gpu_sets) -> None:
                     for params in gpu_sets:
@@ -253,6 +275,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo.exit_code(rows)
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    from graphsafe import demo
+    from graphsafe.demo import soak
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    opts = soak.default_soak_options(device)
+    for name in ("steps", "max_batch", "max_prompt", "checks", "seed", "backend", "threads"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(opts, name, value)
+    if args.decode:
+        opts.min_decode, opts.max_decode = args.decode
+    opts.compile = args.compile
+    opts.progress = not args.no_progress
+    try:
+        opts.model_overrides = dict(demo.parse_override(o) for o in args.model or ())
+        result = soak.run_soak(opts)
+    except demo.DemoError as err:
+        print(f"soak: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        soak.write_json(result, args.json)
+    return 0 if result.ok else 1
+
+
 def _version_line() -> str:
     import graphsafe
 
@@ -270,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--op", action="append", help="only this op (repeatable)")
     check.add_argument("--device", action="append", choices=["cpu", "cuda"], help="only this device type (repeatable)")
     check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--full", action="store_true", help="every check on each op's example and every edge case "
+                       "(default: the example alone; on CUDA the GPU checks also run the realistic shapes)")
     bench = sub.add_parser("bench", help="benchmarks: medians, bytes, %% of bandwidth, peers")
     bench.add_argument("--op", action="append", help="only this benchmark case (repeatable)")
     bench.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
@@ -308,11 +357,29 @@ def main(argv: list[str] | None = None) -> int:
     dm.add_argument("--no-progress", action="store_true", help="no progress bar")
     dm.add_argument("--tp", type=int, help="tensor-parallel ranks, one process each: run under torchrun, e.g. "
                     "torchrun --nproc-per-node 2 -m graphsafe demo --tp 2 (NCCL on GPUs, gloo on CPUs)")
+    sk = sub.add_parser("soak", help="many graph replays of the demo model with changing batches and lengths, "
+                        "prefill overlapping on a second stream: memory, allocations, outputs")
+    sk.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present, else cpu")
+    sk.add_argument("--steps", type=int, help="decode steps in all (default: 10000 on a GPU, 48 on the CPU)")
+    sk.add_argument("--max-batch", type=int, help="the largest batch (default: 64 on a GPU, 4 on the CPU)")
+    sk.add_argument("--max-prompt", type=int, help="the longest prompt (default: 256 on a GPU, 24 on the CPU)")
+    sk.add_argument("--decode", type=int, nargs=2, metavar=("MIN", "MAX"),
+                    help="decode steps of an episode (default: 16 128 on a GPU, 4 8 on the CPU)")
+    sk.add_argument("--checks", type=int, help="episodes rerun eagerly and compared (default: 5 on a GPU, 3)")
+    sk.add_argument("--seed", type=int, help="seed of the weights, prompts and episode plan (default: 0)")
+    sk.add_argument("--compile", action="store_true", help="capture torch.compile(fullgraph=True, dynamic=True) of "
+                    "the step (default: the eager step)")
+    sk.add_argument("--backend", help="torch.compile backend with --compile (default: inductor)")
+    sk.add_argument("--model", action="append", metavar="KEY=VALUE", help="a field of the demo model's config")
+    sk.add_argument("--threads", type=int, help="CPU threads during the run (default: 1)")
+    sk.add_argument("--json", help="also write the figures as JSON to this path")
+    sk.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command == "check" and not torch.cuda.is_available():
         # Kernel backends are checked through Triton's interpreter on CPU-only machines.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "demo": cmd_demo}[args.command](args)
+    return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "demo": cmd_demo,
+            "soak": cmd_soak}[args.command](args)
 
 
 if __name__ == "__main__":

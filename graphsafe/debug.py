@@ -65,24 +65,36 @@ def _fail(op: str, arg: str, expected: str, got: str) -> None:
     raise InputError(f"graphsafe.{op}: argument '{arg}' must be {expected}, got {got} (GRAPHSAFE_DEBUG_CHECKS)")
 
 
-def _where(mask: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(i) for i in mask.nonzero()[0])
+# The entries a check looks at: a bool mask of the checked tensor's shape, or an index into it.
+Used = torch.Tensor | slice | int | None
 
 
-def ids_in_range(op: str, arg: str, ids: torch.Tensor, high: int, *, used: torch.Tensor | None = None,
+def _refuse_first(op: str, arg: str, values: torch.Tensor, bad: torch.Tensor, used: Used, expected: str) -> None:
+    """Raise naming the first True of `bad` (of values's shape) where `used` holds, by its
+    index in `values`: the whole argument goes in and `used` selects entries (a bool mask
+    of values's shape, or an index such as `slice(-1, None)`), so the message names the
+    argument's own index, never one of a slice."""
+    if used is not None:
+        if not isinstance(used, torch.Tensor):
+            mask = torch.zeros(values.shape, dtype=torch.bool, device=bad.device)
+            mask[used] = True
+            used = mask
+        bad = bad & used.to(bad.device)
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.cpu().nonzero()[0])
+        _fail(op, arg, expected, f"{int(values.detach().cpu()[at])} at index {list(at)}")
+
+
+def ids_in_range(op: str, arg: str, ids: torch.Tensor, high: int, *, used: Used = None,
                  padding: int | None = -1, what: str = "ids") -> None:
-    """Every id (where `used`, a bool mask of ids's shape, is True) is in `[0, high)` or
-    equals `padding`."""
+    """Every id (where `used`, a bool mask of ids's shape or an index into ids, holds) is
+    in `[0, high)` or equals `padding`."""
     ids = ids.detach()
     bad = (ids < 0) | (ids >= high)
     if padding is not None:
         bad &= ids != padding
-    if used is not None:
-        bad &= used.to(ids.device)
-    if bool(bad.any()):
-        at = _where(bad.cpu())
-        pad = f" or {padding} (padding)" if padding is not None else ""
-        _fail(op, arg, f"{what} in [0, {high}){pad}", f"{int(ids.cpu()[at])} at index {list(at)}")
+    pad = f" or {padding} (padding)" if padding is not None else ""
+    _refuse_first(op, arg, ids, bad, used, f"{what} in [0, {high}){pad}")
 
 
 def table_entries_read(block_table: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -105,19 +117,15 @@ def values_distinct(op: str, arg: str, values: torch.Tensor, what: str) -> None:
         _fail(op, arg, f"distinct {what} (or -1)", f"{what.rstrip('s')} {value} at indices {at}")
 
 
-def values_at_most(op: str, arg: str, values: torch.Tensor, limit: int, why: str) -> None:
-    """Every value of `values` is <= `limit` (`why` names the limit)."""
-    over = values.detach() > limit
-    if bool(over.any()):
-        at = _where(over.cpu())
-        _fail(op, arg, f"at most {limit} ({why})", f"{int(values.cpu()[at])} at index {list(at)}")
+def values_at_most(op: str, arg: str, values: torch.Tensor, limit: int, why: str, *, used: Used = None) -> None:
+    """Every value of `values` (where `used` holds, as for `ids_in_range`) is <= `limit`
+    (`why` names the limit)."""
+    _refuse_first(op, arg, values, values.detach() > limit, used, f"at most {limit} ({why})")
 
 
-def values_at_least(op: str, arg: str, values: torch.Tensor, limit: int, why: str) -> None:
-    under = values.detach() < limit
-    if bool(under.any()):
-        at = _where(under.cpu())
-        _fail(op, arg, f"at least {limit} ({why})", f"{int(values.cpu()[at])} at index {list(at)}")
+def values_at_least(op: str, arg: str, values: torch.Tensor, limit: int, why: str, *, used: Used = None) -> None:
+    """Every value of `values` (where `used` holds) is >= `limit`."""
+    _refuse_first(op, arg, values, values.detach() < limit, used, f"at least {limit} ({why})")
 
 
 def non_decreasing(op: str, arg: str, values: torch.Tensor) -> None:

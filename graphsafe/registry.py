@@ -532,7 +532,10 @@ def _fake_raising_traced_errors(fake: Impl, check: Impl, call_type: type) -> Imp
 def _concrete(x: Any) -> Any:
     """A SymInt's value in this call (its hint), or `x` unchanged."""
     if isinstance(x, torch.SymInt):
-        return int(x.node.shape_env.size_hint(x.node.expr))
+        shape_env = x.node.shape_env
+        # Newer torch deprecates size_hint (a FutureWarning) for guarding_hint_or_throw.
+        hint = getattr(shape_env, "guarding_hint_or_throw", None) or shape_env.size_hint
+        return int(hint(x.node.expr))
     return x
 
 

@@ -270,6 +270,7 @@ def _decode_inputs(seed=5):
     return q, kc, vc, table.reshape(3, 4).int(), torch.tensor([6, 16, 9], dtype=torch.int32), scale
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("backend", _both_backends())
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_nan_in_block_zero_or_past_seq_len_never_reaches_outputs(backend, splits):
@@ -351,6 +352,7 @@ def test_varlen_cu_seqlens_past_the_end_are_cut(backend, mode):
         _close(cut, naive_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, d**-0.5, True), torch.float16, "cut")
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("backend", _both_backends())
 def test_varlen_nan_outside_sequences_never_reaches_outputs(backend):
     """Rows past cu_seqlens[B] (and keys of a sequence without queries) hold NaN: the
@@ -480,6 +482,7 @@ def _quantise_with_kernels(q, k, v):
     return k8, vt, scales
 
 
+@pytest.mark.nonfinite
 @needs_triton
 @pytest.mark.parametrize("tokens", [16, 37])
 def test_quantisation_kernels_are_bit_exact(tokens):
@@ -714,6 +717,7 @@ def _variant_inputs(seq_lens, seed, **params):
                              **params}, "cpu", seed))
 
 
+@pytest.mark.nonfinite
 @needs_triton
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_kernel_sink_infinities(splits):
@@ -732,6 +736,7 @@ def test_decode_kernel_sink_infinities(splits):
     assert out[1:, 1::2].isnan().all()
 
 
+@pytest.mark.nonfinite
 @needs_triton
 @pytest.mark.parametrize("splits", [1, 4, 7])
 def test_decode_kernel_window_never_reads_before_it(splits):
@@ -770,6 +775,7 @@ def test_decode_kernel_split_counts_agree_on_variants(variant):
         attention_compare(expected, actual, vmax, torch.float16, False, 0, f"{variant}, {splits} splits")
 
 
+@pytest.mark.nonfinite
 @needs_triton
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_kernel_softcap_of_infinite_scores(splits):

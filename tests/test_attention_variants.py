@@ -87,6 +87,7 @@ def _poison(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 16, 4, 1)])
 @pytest.mark.parametrize("mode", ["off", "fp8_inputs"])
 @pytest.mark.parametrize("causal", [True, False])
@@ -123,6 +124,7 @@ def _rows_that_see_a_key(lens_q: list[int], lens_k: list[int], total_q: int) -> 
     return sees
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("mode", ["off", "on", "fp8_inputs"])
 def test_sink_limits(mode):
     """Causal, window 5. A sink of -inf changes nothing (bit-equal to no sinks); +inf
@@ -147,6 +149,7 @@ def test_sinks_match_reference(mode):
     _compare((*args[:SINKS], sinks), what=f"sinks {mode}")
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("mode", ["off", "on", "fp8_inputs"])
 @pytest.mark.parametrize("softcap", [0.5, 4.0])
 def test_softcap_matches_reference_with_large_scores(mode, softcap):
@@ -159,6 +162,7 @@ def test_softcap_matches_reference_with_large_scores(mode, softcap):
     assert (capped.float() - uncapped.float()).abs().max() > 0.1
 
 
+@pytest.mark.nonfinite
 def test_softcap_turns_infinite_scores_finite():
     """An inf in a query row makes its scores +-inf; capped they are +-softcap, so the
     row stays finite (as the reference computes it)."""

@@ -229,6 +229,7 @@ def _ds_run_both(args: tuple) -> tuple[tuple, tuple]:
     return _run("concat_and_cache_mla", "reference", args), _run("concat_and_cache_mla", "triton", args)
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ds_mla_reference_writes_quantize_records_per_token(dtype):
     """Each written slot holds `quantize_records` of its token alone; skipped tokens
@@ -251,6 +252,7 @@ def test_ds_mla_reference_writes_quantize_records_per_token(dtype):
     assert torch.equal(base[~written], before[~written]), "bytes outside the written records changed"
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("p", [16, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ds_mla_triton_bytes_equal_reference(dtype, p):
@@ -271,6 +273,7 @@ def test_ds_mla_triton_bytes_equal_reference(dtype, p):
         assert_bits_equal(ref[2], tri[2], "fp8_ds_mla records from bf16")
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ds_mla_slots_outside_the_cache_write_nothing(backend):
     """-1, -2, -5, num_slots, 10**6: nothing written (no wrap-around), nothing read (the

@@ -304,3 +304,20 @@ def test_supports_predicates_hold_with_each_option_on_edge_cases(aiter_standin, 
     spec, case = graphsafe.get_op(name), case_for(name)
     for i, params in enumerate([case.example, *case.edge_cases, *case.adapter_examples]):
         C.check_supports_with_each_option(spec, case, params, torch.device("cpu"), seed=i)
+
+
+def test_cli_check_prints_the_table_alone():
+    """`python -m graphsafe check`: the table and its verdict, nothing else (the NaN and inf
+    its checks feed on purpose make Triton's interpreter warn: filtered inside)."""
+    import subprocess
+    import sys
+
+    ops = ["indexer_k_quant_and_cache", "mla_decode"]  # quick, and both warned before
+    proc = subprocess.run([sys.executable, "-m", "graphsafe", "check", "--device", "cpu", *(a for op in ops for a in ("--op", op))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not proc.stderr, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:3] == ["op", "device", "serving"] and set(lines[1]) == {"-"}
+    assert [line.split()[0] for line in lines[2:-2]] == ops and lines[-2] == ""
+    assert lines[-1] == "all contract checks passed (2 ops, devices: cpu)"

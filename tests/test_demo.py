@@ -145,6 +145,8 @@ def _check_table(text: str, batches=(1, 3), picks_equal=True, no_recompiles=True
 def test_demo_table_with_the_fake_model():
     rows, text = _run()
     _check_table(text)
+    # 5 steps, the first 2 of warm-up: the header says how many steps the median is over.
+    assert "5 greedy steps (step ms: the median of 3 steps, 3..5; 2 steps of warm-up left out)" in text, text
     assert demo.exit_code(rows) == 0
     by = {(r.mode, r.batch): r for r in rows}
     for b in (1, 3):
@@ -229,6 +231,37 @@ def test_bad_options_are_refused():
         demo.parse_override("layers")
 
 
+def test_unknown_model_fields_are_refused_with_the_closest_name(monkeypatch, capsys):
+    """A typo in --model would otherwise run the defaults silently."""
+    import graphsafe.models
+    from graphsafe.__main__ import main
+
+    built = []
+    monkeypatch.setattr(graphsafe.models, "build_demo_model", lambda *a, **k: built.append(1))
+    cases = {
+        "num_hidden_layer": r"--model num_hidden_layer=1: .*did you mean num_hidden_layers\?",
+        "indx_topk": r"did you mean index_topk\?",
+        "nosuchfield": r"no field 'nosuchfield': the fields: .*num_hidden_layers",
+        "num_key_value_heads": r"follows num_attention_heads",
+        "rope_theta": r"no field 'rope_theta'",  # read from rope_parameters: it would change nothing
+        "tp": r"--tp",
+    }
+    for field, message in cases.items():
+        with pytest.raises(demo.DemoError, match=message):
+            demo.run_demo(demo.DemoOptions(progress=False, model_overrides={field: 1}), out=io.StringIO())
+    assert main(["demo", "--no-progress", "--model", "num_hidden_layer=1"]) == 2
+    assert "did you mean num_hidden_layers?" in capsys.readouterr().err
+    assert not built, "refused before any work"
+    from graphsafe.demo.options import check_model_overrides
+
+    check_model_overrides({"num_hidden_layers": 1, "max_num_batched_tokens": 64, "kv_cache_dtype": "auto"})
+    monkeypatch.undo()
+    from graphsafe.models import build_demo_model
+
+    with pytest.raises(TypeError, match="did you mean num_hidden_layers"):
+        build_demo_model("cpu", with_hf=False, num_hidden_layer=1)
+
+
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     built = []
@@ -282,6 +315,7 @@ def test_cli_demo_with_the_real_model_on_the_cpu(tmp_path):
     # aot_eager runs eager's kernels: the picks are equal. Recompiles are the model's
     # business (tests/test_models*.py); here they only need to be reported.
     _check_table(proc.stdout, no_recompiles=False)
+    assert "4 greedy steps (step ms: the median of 2 steps, 3..4;" in proc.stdout
 
 
 @pytest.mark.skipif(not _real_model_available(), reason="graphsafe.models is not there yet")

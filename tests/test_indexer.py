@@ -566,6 +566,24 @@ def test_gather_decreasing_cu_seq_lens_is_defined_and_refused_by_the_debug_switc
         graphsafe.cp_gather_indexer_k_quant_cache(cache, dst_k.clone(), dst_scale.clone(), table, cu)
 
 
+def test_debug_switch_names_the_true_index_of_a_bad_cu_seq_lens_entry():
+    """The bound checks look at cu_seq_lens' first and last entries: the message names
+    the entry's index in the argument (3 here), not its index in a slice of it."""
+    cache, dst_k, dst_scale, table, cu = _inputs("cp_gather_indexer_k_quant_cache", cases.EXAMPLE_GATHER)
+    n, last = dst_k.shape[0], cu.shape[0] - 1
+    assert last > 0
+    past_end = cu.clone()
+    past_end[last] = n + 81
+    below_zero = cu.clone()
+    below_zero[0] = -1
+    with graphsafe.debug_checks(True):
+        with pytest.raises(InputError, match=rf"'cu_seq_lens'.*at most {n} .*got {n + 81} at index \[{last}\]"):
+            graphsafe.cp_gather_indexer_k_quant_cache(cache, dst_k.clone(), dst_scale.clone(), table, past_end)
+        with pytest.raises(InputError, match=r"'cu_seq_lens'.*at least 0 .*got -1 at index \[0\]"):
+            graphsafe.cp_gather_indexer_k_quant_cache(cache, dst_k.clone(), dst_scale.clone(), table, below_zero)
+
+
+@pytest.mark.nonfinite
 def test_quant_nan_and_inf_scales_agree_bit_for_bit():
     """NaN in a group: scale 0x7FC00000 and all values 0x7F; +-inf: scale +inf, finite
     values +-0, the infs NaN (0x7F). Reference and Triton write the same bytes."""

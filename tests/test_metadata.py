@@ -401,3 +401,23 @@ def test_staging_uses_one_allocation_per_build(monkeypatch):
     monkeypatch.setattr(torch, "empty", counting_empty)
     builder.build(_decode_batch([3, 4]))
     assert calls == [torch.uint8]  # the four fields share one (pinned, on a GPU) staging block
+
+
+def test_states_over_disjoint_blocks_never_share_a_cache_key():
+    """Two model states side by side (one prefilling while the other decodes) hand out
+    disjoint blocks; with the same lengths and allocation history their block-table
+    versions must still differ, or the builder would serve the first state's table."""
+    from graphsafe.models.state import HostState
+
+    builder = DecodeMetadataBuilder(2, 4, 4, "cpu")
+    for ids in (range(0, 8), range(8, 16)):
+        state = HostState(2, 4, 4, 16, 16, block_ids=ids)
+        rows = state.add_requests([3, 5])
+        state.commit_prefill(rows, [3, 5])
+        meta = builder.build(state.decode_batch(), torch.tensor([1, 2]))
+        assert not meta.cache_hit
+        table = state.block_table[:2, :2]
+        assert torch.equal(meta.inputs.block_table[:2, :2], table)
+        assert set(table[0, :1].tolist() + table[1, :2].tolist()) <= set(ids)
+    with pytest.raises(ValueError, match="block_ids"):
+        HostState(2, 4, 4, 16, 16, block_ids=[0, 16])

@@ -394,6 +394,7 @@ def _same_nonfinite_places(expected, actual, args=None):
     cases.compare_attention(finite[0], finite[1], args, args, None)
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_nonfinite_keys_and_queries_give_the_reference_places_across_splits(num_splits):
     """NaN in q or a read row, or a +inf score: NaN out and lse for that head; a -inf score
@@ -557,6 +558,7 @@ def _fp8_with_unread_block_0(kv, r, p):
     return torch.cat([block[None], kv])
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("backend,num_splits", RUNS)
 def test_poisoned_unread_fp8_ds_records_never_reach_outputs(backend, num_splits):
     """0xFF bytes (NaN latent bytes, NaN scales, NaN rope) in block 0, in the tail of a
@@ -592,6 +594,7 @@ def test_poisoned_unread_fp8_ds_records_never_reach_outputs(backend, num_splits)
     assert not out.isnan().any() and not lse.isnan().any()
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_nonfinite_fp8_ds_records_give_the_reference_places(num_splits):
     """A latent written with an inf reads back a NaN tile: every head of the requests
@@ -1514,6 +1517,7 @@ def _sparse_option_args(seed: int = 8, **over):
     return q, kv, idx, scale, r
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("backend,num_splits", RUNS)
 def test_attn_sink_scales_out_by_the_sigmoid_and_leaves_lse(backend, num_splits):
     """Per head: a +inf sink gives out 0, -inf leaves out bit-equal to no sink, NaN gives
@@ -1534,6 +1538,7 @@ def test_attn_sink_scales_out_by_the_sigmoid_and_leaves_lse(backend, num_splits)
     assert (kept[keyed] < 0.99).all() and (kept[keyed] > 0.01).all(), "a sink that matters"
 
 
+@pytest.mark.nonfinite
 @pytest.mark.parametrize("backend,num_splits", RUNS)
 def test_topk_length_zero_gives_zero_and_minus_inf_whatever_the_sink(backend, num_splits):
     q, kv, idx, scale, r = _sparse_option_args(invalid=0.0)

@@ -107,6 +107,32 @@ def test_registered_op_dispatches_checks_and_has_a_fake():
     torch.testing.assert_close(compiled(x, y), x + y)
 
 
+def test_traced_bad_input_reads_symbolic_sizes_without_deprecation_warnings():
+    """Under dynamic shapes the message gives the call's sizes, read through the
+    shape env's current API: torch's deprecated `size_hint` warns (FutureWarning)."""
+    import warnings
+
+    def check(x, y):
+        if x.shape != y.shape:
+            raise graphsafe.InputError(f"add: 'y' must be of shape {list(x.shape)}, got {list(y.shape)}")
+
+    def fake(x, y):
+        check(x, y)
+        return torch.empty_like(x)
+
+    add = new_registry(_ns()).register_op("add", fake=fake, check=check, backends={"reference": torch.add})(_stub)
+    torch._dynamo.reset()
+    compiled = torch.compile(add, fullgraph=True, backend="aot_eager", dynamic=True)
+    compiled(torch.randn(3), torch.randn(3))  # sizes are symbols from here on
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(graphsafe.InputError, match=r"add: 'y' must be of shape \[5\], got \[6\]"):
+            compiled(torch.randn(5), torch.randn(6))
+    ours = [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))
+            and "graphsafe" in w.filename]
+    assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
+
+
 def test_each_signature_is_checked_selected_and_prepared_once(monkeypatch):
     reg = new_registry(_ns())
     calls, ref, tri = _calls()

@@ -13,7 +13,7 @@ from typing import Any, Iterator, TextIO
 
 import torch
 
-from graphsafe.demo.options import DemoOptions, Row
+from graphsafe.demo.options import DemoOptions, Row, measured_steps
 
 
 # -- measurement helpers --------------------------------------------------------------------
@@ -173,8 +173,9 @@ def _decode(
     fwd, whole = _Counters(device), _Counters(device)
     times = []
     _sync(device)
+    timed = measured_steps(opts)
     for i in range(opts.steps):
-        measured = i >= min(opts.warmup, opts.steps - 1)
+        measured = i in timed
         t0 = time.perf_counter()
         with whole.window() if measured else nullcontext():
             inputs = model.decode_inputs(state, tokens)
@@ -194,7 +195,7 @@ def _decode(
 
 
 def _fill_row(row: Row, times: list[float], fwd: _Counters, whole: _Counters, opts: DemoOptions) -> None:
-    measured = times[min(opts.warmup, len(times) - 1):]
+    measured = times[measured_steps(opts).start:]
     row.step_ms = 1e3 * statistics.median(measured)
     row.tokens_per_s = row.batch / (row.step_ms / 1e3)
     if fwd.cuda:

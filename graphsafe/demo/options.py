@@ -137,7 +137,31 @@ def check_plot_available() -> None:
         ) from err
 
 
-def _validate(opts: DemoOptions, device: torch.device) -> None:
+def measured_steps(opts: DemoOptions) -> range:
+    """The steps (0-based) behind the latency median: all but the first `warmup`, at
+    least the last one."""
+    return range(min(opts.warmup, opts.steps - 1), opts.steps)
+
+
+def check_model_overrides(overrides: dict[str, Any]) -> None:
+    """Refuse a `--model` field the demo model does not have, naming the closest one
+    (`num_hidden_layer` -> num_hidden_layers), before any work."""
+    from graphsafe.models.demo import DEMO_MODEL_FIELDS, unknown_override
+
+    for key, value in overrides.items():
+        if key == "tp":
+            raise DemoError(f"--model tp={value}: tensor parallelism is the demo's --tp option")
+        why = unknown_override(key, tuple(f for f in DEMO_MODEL_FIELDS if f != "tp"))
+        if why:
+            raise DemoError(f"--model {key}={value}: {why}")
+
+
+def _validate(opts: DemoOptions, device: torch.device, default_build: bool = True) -> None:
+    """Refuse options the run cannot honour, before any work. `default_build`: the demo
+    model is graphsafe's (its `--model` fields are known); a caller's `build` takes its
+    own."""
+    if default_build:
+        check_model_overrides(opts.model_overrides)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DemoError("--device cuda: no CUDA device here")
     unknown = [m for m in opts.modes if m not in MODES]

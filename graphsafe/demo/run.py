@@ -47,7 +47,7 @@ def run_demo(
     rows of both runs come back, bf16 first (`Row.kv_cache` tells them apart)."""
     out = out or sys.stdout
     device = torch.device(opts.device)
-    _validate(opts, device)
+    _validate(opts, device, default_build=build is None)
     tp = None
     if opts.tp > 1:
         tp, device = _init_tensor_parallel(opts)

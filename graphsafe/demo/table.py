@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from graphsafe.demo.options import (
-    DemoOptions, FP8_CACHE_KV_LORA_RANK, KV_CACHES, MODES, Row, check_plot_available, uses_fp8_cache,
+    DemoOptions, FP8_CACHE_KV_LORA_RANK, KV_CACHES, MODES, Row, check_plot_available, measured_steps,
+    uses_fp8_cache,
 )
 
 
@@ -46,6 +47,10 @@ def _device_name(device: torch.device) -> str:
     return f"cpu (torch {torch.__version__})"
 
 
+def _steps(n: int) -> str:
+    return f"{n} step{'s' * (n != 1)}"
+
+
 def _num(x: float | None, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
@@ -67,10 +72,11 @@ def format_table(rows: Sequence[Row], opts: DemoOptions, device: torch.device, b
     """The demo's table: the run, the model and its MLA cache's bytes per token (per
     layer and in all layers), `notes`, one line per (mode, batch), then what the
     columns mean."""
+    timed = measured_steps(opts)
     lines = [
         f"graphsafe demo on {_device_name(device)}: prompt {opts.prompt_len} tokens, {opts.steps} greedy steps "
-        f"(median over steps {min(opts.warmup, opts.steps - 1) + 1}..{opts.steps}), compile backend "
-        f"{opts.backend}, model built in {build_s:.1f} s",
+        f"(step ms: the median of {_steps(len(timed))}, {timed.start + 1}..{opts.steps}; "
+        f"{_steps(timed.start)} of warm-up left out), compile backend {opts.backend}, model built in {build_s:.1f} s",
     ]
     if model is not None:
         lines.append(f"model: {_describe(model)}")
@@ -103,11 +109,12 @@ def format_table(rows: Sequence[Row], opts: DemoOptions, device: torch.device, b
         return "\n".join(lines)
     lines += [
         "",
-        "step ms: median wall time of a whole step (metadata build, forward with greedy argmax, state advance,",
-        "  device synchronised at the end). breaks / recompiles: dynamo graph breaks and graphs compiled beyond the",
-        "  first (fullgraph=True, dynamic=True). syncs, allocs: per step, host syncs (sync-debug warn) and",
-        "  caching-allocator allocations, for the forward alone / the whole step (CUDA only). setup s: compile",
-        "  (first step) or warm-up + capture of every bucket. picks = eager: every mode is fed eager's tokens",
+        "step ms: median wall time of a whole step over the steps the header names (metadata build, forward",
+        "  with greedy argmax, state advance, device synchronised at the end). breaks / recompiles: dynamo graph",
+        "  breaks and graphs compiled beyond the first (fullgraph=True, dynamic=True). syncs, allocs: per step,",
+        "  over the same steps, host syncs (sync-debug warn) and caching-allocator allocations, for the forward",
+        "  alone / the whole step (CUDA only). setup s: compile (first step) or warm-up + capture of every",
+        "  bucket. picks = eager: every mode is fed eager's tokens",
         "  (teacher forcing) and its greedy picks are compared with eager's. Compiled code rounds bf16 differently",
         "  (fused ops, ~1 ulp); the logits come out of a bf16 lm_head (0.0625 apart near 10), so this random",
         "  model's top two often tie within an ulp and a pick can flip: \"near-tie\" means every flip is at a",

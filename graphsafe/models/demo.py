@@ -9,6 +9,7 @@ two compute the same function. Every layer is a dense MLP (no MoE): the config s
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from typing import Any
 
@@ -53,6 +54,24 @@ _MODEL_KWARGS = ("max_batch", "max_model_len", "block_size", "num_blocks", "max_
 _EXTRA_FIELDS = ("index_scale_fmt", "prefill_fp8", "kv_cache_dtype", "mlp_bias", "indexer_bias")
 # Extras that add weights transformers' DeepseekV32 does not have (its strict load refuses them).
 _NOT_IN_TRANSFORMERS = ("mlp_bias", "indexer_bias")
+# Config fields demo_hf_config sets from others (an override would be overwritten).
+_DERIVED_FIELDS = {"first_k_dense_replace": "num_hidden_layers", "mlp_layer_types": "num_hidden_layers",
+                   "num_key_value_heads": "num_attention_heads"}
+# Every name build_demo_model's overrides take. Other transformers fields would reach only
+# the transformers model (rope_theta, for one, is read from rope_parameters): refused.
+DEMO_MODEL_FIELDS = tuple(sorted({*DEMO_HF_CONFIG, *_MODEL_KWARGS, *_EXTRA_FIELDS} - set(_DERIVED_FIELDS)))
+
+
+def unknown_override(name: str, fields: tuple[str, ...] = DEMO_MODEL_FIELDS) -> str | None:
+    """None when `name` is one of `fields`; else why it is refused, with the closest valid
+    name (difflib) or, without a close one, every valid name."""
+    if name in fields:
+        return None
+    if name in _DERIVED_FIELDS:
+        return f"{name} follows {_DERIVED_FIELDS[name]} in the demo model: set that instead"
+    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else f"the fields: {', '.join(fields)}"
+    return f"the demo model has no field {name!r}: {hint}"
 
 
 def demo_hf_config(**overrides: Any) -> dict[str, Any]:
@@ -94,8 +113,13 @@ def build_demo_model(
     (`max_batch` default 8, `max_model_len` default 256, `block_size` default 16,
     `num_blocks`, `max_num_batched_tokens`, and `tp`, a `TensorParallel` for one rank's
     shard). `with_hf`: build the transformers model
-    (on the CPU); None means "if transformers is importable".
+    (on the CPU); None means "if transformers is importable". Any other name raises
+    TypeError with the closest valid one (`DEMO_MODEL_FIELDS`).
     """
+    for name in overrides:
+        why = unknown_override(name)
+        if why:
+            raise TypeError(f"build_demo_model: {why}")
     model_kwargs = {"max_batch": 8, "max_model_len": 256, "block_size": 16}
     model_kwargs.update({k: overrides.pop(k) for k in _MODEL_KWARGS if k in overrides})
     extra = {k: overrides.pop(k) for k in _EXTRA_FIELDS if k in overrides}

@@ -226,10 +226,13 @@ class DeepseekV32Model(nn.Module):
         )
 
     # -- host bookkeeping ----------------------------------------------------------------
-    def new_state(self) -> HostState:
-        """Fresh request bookkeeping over this model's caches (one state at a time: the
-        caches are shared, so a new state starts from an empty cache logically)."""
-        return HostState(self.max_batch, self.max_blocks, self.block_size, self.num_blocks, self.max_model_len)
+    def new_state(self, block_ids: Sequence[int] | None = None) -> HostState:
+        """Fresh request bookkeeping over this model's caches. The caches are shared, so
+        a new state starts from an empty cache logically, handing out `block_ids` (default
+        every block: one state at a time). States with disjoint `block_ids` may be used
+        side by side, e.g. one prefilling on a second stream while another decodes."""
+        return HostState(self.max_batch, self.max_blocks, self.block_size, self.num_blocks, self.max_model_len,
+                         block_ids)
 
     def decode_inputs(self, state: HostState, next_tokens: torch.Tensor) -> DecodeInputs:
         """Inputs of the next decode step of every request in `state`: `next_tokens [n]`

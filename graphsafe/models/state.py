@@ -8,14 +8,26 @@ blocks, so one slot mapping serves both writes.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from graphsafe.metadata.batch import BatchSpec
 
+# Block-table versions, unique across states: the decode builder caches metadata by
+# (batch, lengths, version), and a new state's first table must never look like the
+# last one the builder saw of another state.
+_versions = itertools.count(1)
+
 
 class HostState:
-    def __init__(self, max_batch: int, max_blocks: int, block_size: int, num_blocks: int, max_model_len: int):
+    def __init__(self, max_batch: int, max_blocks: int, block_size: int, num_blocks: int, max_model_len: int,
+                 block_ids: Sequence[int] | None = None):
+        """`block_ids`: the cache blocks this state hands out (default all `num_blocks`):
+        states given disjoint ids can live side by side (one prefilling while another
+        decodes) over the same caches."""
         self.max_batch = max_batch
         self.max_blocks = max_blocks
         self.block_size = block_size
@@ -25,8 +37,11 @@ class HostState:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32)  # tokens cached per row
         self.block_table = torch.zeros(max_batch, max_blocks, dtype=torch.int32)
         self.blocks_held = np.zeros(max_batch, dtype=np.int64)
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self.block_table_version = 0
+        ids = list(range(num_blocks) if block_ids is None else block_ids)
+        if any(not 0 <= i < num_blocks for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"block_ids: expected distinct ids in [0, {num_blocks}), got {ids}")
+        self._free = ids[::-1]  # pop() hands out the first ids first
+        self.block_table_version = next(_versions)
         # Tokens handed to `advance` at each step (device tensors, never read back here).
         self.outputs: list[torch.Tensor] = []
 
@@ -44,7 +59,7 @@ class HostState:
         for j in range(held, need):
             table[row, j] = self._free.pop()
         self.blocks_held[row] = need
-        self.block_table_version += 1
+        self.block_table_version = next(_versions)
 
     def add_requests(self, lengths: list[int]) -> list[int]:
         """New rows with room for `lengths[i]` tokens each; their seq_lens stay 0 until the

@@ -30,10 +30,8 @@ def debug_check_cp_gather_indexer_k_quant_cache(call) -> None:
     op = "cp_gather_indexer_k_quant_cache"
     debug.non_decreasing(op, "cu_seq_lens", cu_seq_lens)
     n = dst_k.shape[0]
-    # cu_seq_lens whole, never a slice, so that a message names the entry's own index; it
-    # does not decrease (checked above), so its first and last entries bound all of them.
-    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens, 0, "the first row of dst_k")
-    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens, n, "the rows of dst_k")
+    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens, 0, "the first row of dst_k", used=slice(0, 1))
+    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens, n, "the rows of dst_k", used=slice(-1, None))
     lengths = cu_seq_lens[1:].long() - cu_seq_lens[:-1].long()
     bs = kv_cache.shape[1]
     debug.ids_in_range(op, "block_table", block_table, kv_cache.shape[0], used=debug.table_entries_read(block_table, lengths, bs),
@@ -94,10 +92,9 @@ def debug_check_sparse_attn_indexer_prefill(call) -> None:
     nb, bs = kv_cache.shape[:2]
     debug.ids_in_range(op, "slot_mapping", slot_mapping, nb * bs, what="cache slots")
     debug.non_decreasing(op, "cu_seq_lens", cu_seq_lens)
-    # cu_seq_lens whole, never a slice, so that a message names the entry's own index; it
-    # does not decrease (checked above), so its first and last entries bound all of them.
-    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens, 0, "the first gathered row")
-    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens, total_seq_lens, "total_seq_lens")
+    debug.values_at_least(op, "cu_seq_lens", cu_seq_lens, 0, "the first gathered row", used=slice(0, 1))
+    debug.values_at_most(op, "cu_seq_lens", cu_seq_lens, total_seq_lens, "total_seq_lens",
+                          used=slice(-1, None))
     lengths = cu_seq_lens[1:].long() - cu_seq_lens[:-1].long()
     debug.ids_in_range(op, "block_table", block_table, nb, used=debug.table_entries_read(block_table, lengths, bs),
                        what="block ids (below each request's context)")
