@@ -141,9 +141,21 @@ def test_growth_inside_a_guarded_call_checks_the_old_arena_first():
 
 
 # -- through the registry ----------------------------------------------------------------
-def _sparse_mla_args(device: str):
-    case = case_for("sparse_mla")  # its example splits the keys: partials in the workspace
-    return case.inputs(case.example, device, 0)
+def _sparse_mla_args(device: str, backend: str):
+    """Inputs on which `backend` takes scratch here: the first of the example, the edge cases
+    and (on a GPU) the realistic shapes whose call asks the workspace for it (the CPU's
+    example splits the keys; on an H200 its kernel needs no partials, a longer top-k does)."""
+    spec, case = graphsafe.get_op("sparse_mla"), case_for("sparse_mla")
+    sets = [case.example, *case.edge_cases] + (list(case.gpu_examples) if device == "cuda" else [])
+    requests = lambda: current_workspace_manager(device).stats().requests.get("sparse_mla", 0)  # noqa: E731
+    for i, params in enumerate(sets):
+        args = case.inputs(params, device, i)
+        before = requests()
+        with graphsafe.use_backend(backend, ops=["sparse_mla"]):
+            spec.overload(*C.clone_args(args))
+        if requests() > before:
+            return args
+    pytest.fail(f"no sparse_mla input of its case takes scratch on {device} with {backend}")
 
 
 def _plant_overrun(monkeypatch):
@@ -173,7 +185,7 @@ def test_the_debug_switch_guards_every_op_call(device, monkeypatch):
     if not backends:
         pytest.skip(f"no backend of sparse_mla with scratch runs on {device} here")
     backend = backends[0]
-    args = _sparse_mla_args(device)
+    args = _sparse_mla_args(device, backend)
     _plant_overrun(monkeypatch)
     with graphsafe.use_backend(backend, ops=["sparse_mla"]):
         spec.overload(*C.clone_args(args))  # off: no scope, the plain path
