@@ -59,7 +59,7 @@ def newest_per_case(runs: list[tuple[str, dict]]) -> dict[str, tuple[str, dict, 
 
 
 def _is_peer(impl: str) -> bool:
-    return impl.startswith(PEERS) or impl == REFERENCE
+    return impl.lower().startswith(PEERS) or impl == REFERENCE  # ("FlashMLA model1" too)
 
 
 def _roofline(row: dict) -> float | None:
