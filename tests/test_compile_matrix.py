@@ -67,6 +67,20 @@ def test_nvidia_configs_are_the_ones_sized_per_capability():
     assert device_info.config_shared_memory("cpu") is None
 
 
+def test_every_op_of_the_registry_is_recorded():
+    """Registry-wide: every op's case builds at every shape (fake tensors, or real CPU ones
+    where its make reads what it drew) and every op with a Triton record binds a launch, so
+    a new op cannot fall out of the matrix (dsv4_compress_kv and the indexer's prefill
+    composite were skipped whole before)."""
+    from graphsafe.registry import REGISTRY
+
+    launches, skipped = M.record(M.TARGETS["gfx942"])
+    assert skipped == []
+    recorded = {v.split("[")[0] for launch in launches for v in [launch.origin]}
+    triton_ops = {op for op, spec in REGISTRY.ops.items() if "triton" in spec.backends}
+    assert triton_ops - recorded == set()
+
+
 def test_emulation_leaves_nothing_behind():
     """After recording, every graphsafe name is bound to what it was before: a leaked
     recording `bind` turned later launches into no-ops (the aiter CSR kernels wrote nothing)."""
@@ -114,6 +128,8 @@ def test_every_triton_launch_compiles_and_fits(compile_for_sm90, target):
                 "triton_paged_prefill._paged_prefill_kernel", "triton_split_kv.mla_attn_kernel",
                 "triton_split_kv.combine_kernel", "triton_mqa_logits.mqa_logits_kernel",
                 "triton_paged_mqa_logits.paged_mqa_logits_kernel", "triton_two_launch._final_kernel"}
+    expected |= {"triton_sparse_attn.dsv4_attn_kernel", "triton_compress.compress_kernel",
+                 "triton_qnorm_rope_insert.qnorm_rope_kv_insert_kernel"}
     if target != "sm90":  # the aiter adapters' kernels
         expected |= {"triton_aiter_csr._count_kernel", "triton_sequence_bounds._sequence_bounds_kernel",
                      "triton_external._finish_external_kernel"}

@@ -327,6 +327,35 @@ def _params(case) -> list[dict]:
     return out
 
 
+# A make that reads values it drew (counts, masks) cannot run on fake tensors: it builds
+# real CPU inputs instead, as long as they stay this small (the fake CUDA copies hold nothing).
+REAL_INPUT_BYTES = 256 << 20
+
+
+def _fake_inputs(case, params: dict) -> tuple:
+    """Fake CUDA tensors of the shapes, strides and dtypes `case.make` gives `params`: made
+    on fake tensors, or for real on the CPU where the make reads the values it drew."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    def make() -> tuple:
+        return tuple(case.make(params, torch.device("cpu"), torch.Generator().manual_seed(0)))
+
+    try:
+        return tuple(_on_cuda(a) for a in make())
+    except (torch._subclasses.fake_tensor.DataDependentOutputException, GuardOnDataDependentSymNode):
+        pass
+    budget = case.host_bytes(params) if hasattr(case, "host_bytes") else None
+    if budget is not None and budget > REAL_INPUT_BYTES:
+        raise MemoryError(f"real inputs of {budget} bytes")
+    with unset_fake_temporarily():
+        real = make()
+        size = sum(a.numel() * a.element_size() for a in real if isinstance(a, torch.Tensor))
+    if size > REAL_INPUT_BYTES:
+        raise MemoryError(f"real inputs of {size} bytes")
+    return tuple(_on_cuda(a) for a in real)
+
+
 def record(target: Target, ops: list[str] | None = None) -> tuple[list[Launch], list[str]]:
     """The launches the runners bind for every op (or `ops`) at its test case's shapes on
     `target`, and the (op, backend, params) that could not be recorded, with why."""
@@ -345,10 +374,9 @@ def record(target: Target, ops: list[str] | None = None) -> tuple[list[Launch], 
             backends = ["triton"] + (["aiter"] if target.hip and "aiter" in spec.backends else [])
             for i, params in enumerate(_params(case)):
                 try:
-                    args = tuple(_on_cuda(a) for a in case.make(params, torch.device("cpu"),
-                                                                   torch.Generator().manual_seed(0)))
+                    args = _fake_inputs(case, params)
                 except Exception as exc:  # noqa: BLE001 - a value-dependent make: reported
-                    skipped.append(f"{op} params {i}: inputs not built on fake tensors ({type(exc).__name__})")
+                    skipped.append(f"{op} params {i}: inputs not built ({type(exc).__name__}: {str(exc)[:80]})")
                     continue
                 for backend in backends:
                     if backend not in spec.backends:
