@@ -61,8 +61,15 @@ def _min_max_max(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _sum_max_max(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, tl.maximum(a1, b1), tl.maximum(a2, b2)
+def _min_max_max_axis0(a, b, c, ASM: tl.constexpr):
+    """(min a, max b, max c) along axis 0 of unsigned keys: one tuple reduction where the
+    inline-asm path runs (sm_90), three native ones elsewhere (the same values: integers;
+    Triton's interpreter runs a tuple reduction's combine function per element in Python,
+    about 100x slower than its numpy reductions)."""
+    if ASM:
+        return tl.reduce((a, b, c), 0, _min_max_max)
+    else:
+        return tl.min(a, 0), tl.max(b, 0), tl.max(c, 0)
 
 
 @triton.jit
@@ -110,8 +117,8 @@ def _sample_bound(row_ptr, lo, hi, topk, Z, SE: tl.constexpr, E: tl.constexpr, T
     # would split a run of equal keys into "above" and "tied"); at least 1, as key 0
     # means "no key" (masked entries). A thread's registers first, then across the
     # threads.
-    vmin, bin_max, smax = tl.reduce((tl.where(skey >= prefix, skey, 0xFFFFFFFF), tl.where(skey <= last, skey, 0), skey),
-                                    0, _min_max_max)
+    vmin, bin_max, smax = _min_max_max_axis0(tl.where(skey >= prefix, skey, 0xFFFFFFFF), tl.where(skey <= last, skey, 0),
+                                             skey, ASM)
     vmin, bin_max, smax = _cta_min_max_max(vmin, bin_max, smax, T, ASM)
     return tl.maximum(vmin, 1), (n_bin >= 2) & (vmin == bin_max), smax, first
 
@@ -456,8 +463,8 @@ def _cta_min_max_max(a, b, c, T: tl.constexpr, ASM: tl.constexpr):
                                             [tl.arange(0, 32), buf], dtype=(tl.uint32, tl.uint32, tl.uint32),
                                             is_pure=False, pack=1)
         return tl.min(x, 0), tl.max(y, 0), tl.max(z, 0)
-    else:
-        return tl.reduce((a, b, c), 0, _min_max_max)
+    else:  # (three native reductions: `_min_max_max_axis0`)
+        return tl.min(a, 0), tl.max(b, 0), tl.max(c, 0)
 
 
 @triton.jit
@@ -472,9 +479,8 @@ def _warps_sum_max_max(a, b, c, T: tl.constexpr, ASM: tl.constexpr):
                                             [tl.arange(0, 32), buf], dtype=(tl.int32, tl.int32, tl.int32),
                                             is_pure=False, pack=1)
         return tl.sum(x, 0), tl.max(y, 0), tl.max(z, 0)
-    else:
-        total, max_b, max_c = tl.reduce((a, b, c), 0, _sum_max_max)
-        return total // 32, max_b, max_c
+    else:  # (three native reductions: `_min_max_max_axis0`)
+        return tl.sum(a, 0) // 32, tl.max(b, 0), tl.max(c, 0)
 
 
 # _lane_bins' asm: $1 key, $2 lo_k, $3 hi_k, $4 sh, $5..$9 the lane's masks m_0..m_4.
