@@ -135,6 +135,7 @@ def test_decode_drawn_with_every_kernel(p, seed):
     check_decode(args, _run(DECODE, "triton", args, nested="triton"), CPU_TOL)
 
 
+@pytest.mark.nonfinite  # unread cache rows hold random bytes (NaN / huge fp8 scales) on purpose
 @settings(max_examples=8)
 @given(p=cases._params_composite_prefill(), seed=st.integers(0, 2**31 - 1))
 def test_prefill_drawn_with_every_kernel(p, seed):

@@ -436,10 +436,10 @@ def test_rowwise_plan_and_worst_case():
 
 
 @triton.jit
-def _search_probe(keys_ptr, out_ptr, n, k_lo, k_hi, BLOCK: tl.constexpr):
+def _search_probe(keys_ptr, out_ptr, n, k_lo, k_hi, BLOCK: tl.constexpr, TUPLE: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     key = tl.load(keys_ptr + offs, mask=offs < n, other=0).to(tl.uint32, bitcast=True)
-    v, m = _radix_search(key, k_lo, k_hi, n, BLOCK // 32, 32)
+    v, m = _radix_search(key, k_lo, k_hi, n, BLOCK // 32, 32, TUPLE)
     tl.store(out_ptr, v.to(tl.int32, bitcast=True))
     tl.store(out_ptr + 1, m)
 
@@ -457,11 +457,17 @@ def _search_probe(keys_ptr, out_ptr, n, k_lo, k_hi, BLOCK: tl.constexpr):
 @example(keys=[12345] * 9, k=3, slack=3)  # all equal: the prefix is the key
 def test_radix_search_finds_the_kth_largest_key(keys, k, slack):
     """The bound search behind both launches: run to the last bit it returns the k-th
-    largest key; else it stops at a prefix with k..k+slack keys at or above it."""
+    largest key; else it stops at a prefix with k..k+slack keys at or above it. With the
+    GPU's tuple reduction and the interpreter's native sums alike (the same counts)."""
     k = min(k, len(keys))
     t = torch.tensor(keys, dtype=torch.int64)
-    out = torch.zeros(2, dtype=torch.int32)
-    _search_probe[(1,)](t.to(torch.int32), out, len(keys), k, k + slack, BLOCK=64)
+    outs = []
+    for tuple_reduce in (True, False):
+        out = torch.zeros(2, dtype=torch.int32)
+        _search_probe[(1,)](t.to(torch.int32), out, len(keys), k, k + slack, BLOCK=64, TUPLE=tuple_reduce)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), outs
+    out = outs[0]
     v, m = int(out[0]) & 0xFFFFFFFF, int(out[1])
     kth = int(t.sort(descending=True).values[k - 1])
     assert m == int((t >= v).sum()) >= k, "n counts the keys at or above the bound"
@@ -628,13 +634,13 @@ target = GPUTarget("cuda", 90, 32)
 B, F = tt._bound_kernel, tt._final_kernel
 cases = [
     # decode at 128K (P1 = 8), at 32K (P1 = 4), prefill (one program a row), tiny shapes
-    (B, dict(P1=8, BJ=2048, DP=8, REG=1024, SEGW=16, MARGIN=12.0, DECODE=True, SC=256), ("next_n",), 8),
-    (B, dict(P1=4, BJ=4096, DP=2, REG=1024, SEGW=16, MARGIN=12.0, DECODE=True, SC=512), ("next_n",), 16),
-    (B, dict(P1=1, BJ=8192, DP=1, REG=4096, SEGW=16, MARGIN=12.0, DECODE=False, SC=512), (), 16),
-    (B, dict(P1=2, BJ=128, DP=4, REG=64, SEGW=16, MARGIN=12.0, DECODE=False, SC=32), ("next_n", "width"), 1),
-    (F, dict(P1=8, REG=1024, IN_REGS=True, LBLOCK=1024, DECODE=True, SC=512), ("next_n",), 16),
-    (F, dict(P1=1, REG=4096, IN_REGS=True, LBLOCK=1024, DECODE=False, SC=256), (), 8),
-    (F, dict(P1=16, REG=1024, IN_REGS=False, LBLOCK=1024, DECODE=True, SC=256), ("next_n", "out_cols", "width"), 8),
+    (B, dict(P1=8, BJ=2048, DP=8, REG=1024, SEGW=16, MARGIN=12.0, DECODE=True, SC=256, TUPLE=True), ("next_n",), 8),
+    (B, dict(P1=4, BJ=4096, DP=2, REG=1024, SEGW=16, MARGIN=12.0, DECODE=True, SC=512, TUPLE=True), ("next_n",), 16),
+    (B, dict(P1=1, BJ=8192, DP=1, REG=4096, SEGW=16, MARGIN=12.0, DECODE=False, SC=512, TUPLE=True), (), 16),
+    (B, dict(P1=2, BJ=128, DP=4, REG=64, SEGW=16, MARGIN=12.0, DECODE=False, SC=32, TUPLE=True), ("next_n", "width"), 1),
+    (F, dict(P1=8, REG=1024, IN_REGS=True, LBLOCK=1024, DECODE=True, SC=512, TUPLE=True), ("next_n",), 16),
+    (F, dict(P1=1, REG=4096, IN_REGS=True, LBLOCK=1024, DECODE=False, SC=256, TUPLE=True), (), 8),
+    (F, dict(P1=16, REG=1024, IN_REGS=False, LBLOCK=1024, DECODE=True, SC=256, TUPLE=True), ("next_n", "out_cols", "width"), 8),
     (ext._finish_external_kernel, {"LOCALIZE": True, "BLOCK": 1024}, ("topk",), 4),
     (ext._decode_row_ends_kernel, {"BLOCK": 1024}, ("next_n",), 4),
 ]

@@ -92,14 +92,14 @@ def _bind_two_launch(logits, indices, topk: int, next_n: int, choice: _plan.Topk
         _bound_kernel, (rows * plan.p1,),
         *common, t, strides[0], t, strides[1],
         P1=plan.p1, BJ=plan.bj, DP=plan.dp, REG=plan.reg, SEGW=SEGW, MARGIN=plan.margin, DECODE=choice.decode,
-        SC=choice.bound_columns,
+        SC=choice.bound_columns, TUPLE=logits.is_cuda,  # (native sums under the interpreter: same values)
         num_warps=choice.bound_warps,
     )
     final = bind(
         _final_kernel, (rows,),
         *common, indices, indices.stride(0), indices.shape[1], t, strides[0], t, strides[1],
         P1=plan.p1, REG=plan.reg, IN_REGS=plan.in_registers, LBLOCK=choice.lblock,
-        DECODE=choice.decode, SC=choice.final_columns,
+        DECODE=choice.decode, SC=choice.final_columns, TUPLE=logits.is_cuda,
         num_warps=choice.final_warps,
     )
 

@@ -80,7 +80,7 @@ def _pair(acc, J: tl.constexpr):
 
 
 @triton.jit
-def _radix_search(keys, k_lo, k_hi, n_valid, R: tl.constexpr, C: tl.constexpr):
+def _radix_search(keys, k_lo, k_hi, n_valid, R: tl.constexpr, C: tl.constexpr, TUPLE: tl.constexpr):
     """(v, n) with n = #(keys >= v) >= k_lo, searched three bits a round.
 
     `keys` is a 1-D [R * C] uint32 tensor with 0 in the slots that hold no key: every
@@ -116,7 +116,11 @@ def _radix_search(keys, k_lo, k_hi, n_valid, R: tl.constexpr, C: tl.constexpr):
     while (sh >= 0) & (n > k_hi):
         d = tl.where(keys >= v, tl.minimum((keys - v) >> sh.to(tl.uint32), 7), 0).to(tl.int64)
         acc = tl.sum(tl.reshape(ones >> (56 - 8 * d), [R, C]), axis=0)
-        c12, c34, c56, c7 = tl.reduce((_pair(acc, 0), _pair(acc, 2), _pair(acc, 4), _pair(acc, 6)), 0, _add4)
+        if TUPLE:  # one tuple reduction (a GPU)
+            c12, c34, c56, c7 = tl.reduce((_pair(acc, 0), _pair(acc, 2), _pair(acc, 4), _pair(acc, 6)), 0, _add4)
+        else:  # the same sums, native: Triton's interpreter runs a combine function per element in Python
+            c12, c34, c56, c7 = (tl.sum(_pair(acc, 0), 0), tl.sum(_pair(acc, 2), 0), tl.sum(_pair(acc, 4), 0),
+                                 tl.sum(_pair(acc, 6), 0))
         # c_j = #(keys >= v + j * 2^sh), non-increasing in j: the digit is how many reach k_lo.
         c1, c2, c3, c4, c5, c6 = c12 & 0xFFFF, c12 >> 16, c34 & 0xFFFF, c34 >> 16, c56 & 0xFFFF, c56 >> 16
         best = ((c1 >= k_lo).to(tl.int32) + (c2 >= k_lo).to(tl.int32) + (c3 >= k_lo).to(tl.int32)
@@ -157,7 +161,7 @@ def _bound_kernel(
     logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
     meta_ptr, stride_mr, cand_ptr, stride_cr,
     P1: tl.constexpr, BJ: tl.constexpr, DP: tl.constexpr, REG: tl.constexpr, SEGW: tl.constexpr,
-    MARGIN: tl.constexpr, DECODE: tl.constexpr, SC: tl.constexpr,
+    MARGIN: tl.constexpr, DECODE: tl.constexpr, SC: tl.constexpr, TUPLE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // P1
@@ -197,7 +201,7 @@ def _bound_kernel(
         else:
             mu = topk.to(tl.float32) * n_c.to(tl.float32) / n.to(tl.float32)
             kc = (mu + MARGIN * tl.sqrt(mu)).to(tl.int32) + 2
-        w, _n_w = _radix_search(colmax, kc, kc + kc // 16 + 1, n_cols, BJ // SC, SC)
+        w, _n_w = _radix_search(colmax, kc, kc + kc // 16 + 1, n_cols, BJ // SC, SC, TUPLE)
         # Key 0 is "no key": a bound of at least 1 never keeps it (the one NaN pattern
         # with key 0 is then never kept; the final check sees too few kept entries if
         # the row needs it).
@@ -226,7 +230,7 @@ def _bound_kernel(
 
 @triton.jit
 def _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1: tl.constexpr, REG: tl.constexpr,
-                           SC: tl.constexpr):
+                           SC: tl.constexpr, TUPLE: tl.constexpr):
     """Top-k of the kept candidates ([P1, REG] keys and positions, the first kept[c] of
     row c valid) held in registers; 1 if written, 0 if not provably the row's top-k.
 
@@ -238,7 +242,7 @@ def _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1: tl.constexp
     n_ok = tl.sum(tl.sum(valid.to(tl.int32), axis=1), axis=0)
     ok = (n_ok >= topk).to(tl.int32)
     if ok != 0:
-        v, _n = _radix_search(tl.reshape(key, [P1 * REG]), topk, topk, n_ok, P1 * REG // SC, SC)
+        v, _n = _radix_search(tl.reshape(key, [P1 * REG]), topk, topk, n_ok, P1 * REG // SC, SC, TUPLE)
         # The topk-th largest of them (v itself when the search ran to the last bit).
         t = tl.min(tl.min(tl.where(valid & (key >= v), key, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=1), axis=0)
         above = valid & (key > t)
@@ -255,7 +259,7 @@ def _final_kernel(
     logits_ptr, stride_lr, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, topk,
     out_ptr, stride_or, out_cols, meta_ptr, stride_mr, cand_ptr, stride_cr,
     P1: tl.constexpr, REG: tl.constexpr, IN_REGS: tl.constexpr, LBLOCK: tl.constexpr, DECODE: tl.constexpr,
-    SC: tl.constexpr,
+    SC: tl.constexpr, TUPLE: tl.constexpr,
 ):
     row = tl.program_id(0)
     lo, hi, shift = row_bounds(row, starts_ptr, ends_ptr, seq_lens_ptr, next_n, width, DECODE)
@@ -283,7 +287,7 @@ def _final_kernel(
         ok = ((tl.max(n_gt, axis=0) <= REG) & (n_kept >= topk)).to(tl.int32)
         if ok != 0:
             if IN_REGS:
-                ok = _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1, REG, SC)
+                ok = _select_kept_registers(key, pos, kept, max_w, topk, out_row, P1, REG, SC, TUPLE)
             else:
                 b1 = (P1 * REG + LBLOCK - 1) // LBLOCK
                 t, need = radix_kth(
