@@ -173,6 +173,7 @@ def test_decode_short_contexts_pad_the_tail_and_padding_rows_are_minus_one(backe
     assert torch.equal(out[0], cache0)
 
 
+@pytest.mark.nonfinite  # unread cache rows hold random bytes (NaN / huge fp8 scales) on purpose
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_padding_tokens_and_exact_contexts(backend):
     args = _prefill_args(seed=3, B=2, T=12, max_ctx=4, topk=3)  # at most 8 real tokens: padding
@@ -310,6 +311,7 @@ def test_chunks_cover_the_rows_in_order():
         assert all(e - s <= rows for s, e in chunks) and len(chunks) == -(-m // rows)
 
 
+@pytest.mark.nonfinite  # unread cache rows hold random bytes (NaN / huge fp8 scales) on purpose
 @pytest.mark.parametrize("tokens", [12, 11])  # 11: a shorter last chunk
 @pytest.mark.parametrize("chunk", ["1", "2", "3-1", "3", "3+1", "default"])
 def test_prefill_result_does_not_depend_on_the_chunking(chunk, tokens, monkeypatch):
