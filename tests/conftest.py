@@ -30,13 +30,21 @@ settings.load_profile(os.environ.get("GRAPHSAFE_HYPOTHESIS_PROFILE", "default"))
 
 HAS_CUDA = torch.cuda.is_available()
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Nested @triton.jit calls without the interpreter's redundant re-patching (same
+    # semantics; graphsafe/testing/interpreter.py says why and where it applies).
+    from graphsafe.testing.interpreter import install as _install_interpreter_shortcut
+
+    _install_interpreter_shortcut()
+
 
 def _runs_long(item) -> bool:
-    """The few tests that take most of a CPU run: the top-k ops' contract checks through
-    Triton's interpreter and the sm_90 compiles."""
+    """The few tests that take most of a CPU run: the top-k and DSv4 ops' contract checks
+    through Triton's interpreter and the sm_90 compiles."""
     if "compile_for_sm90" in getattr(item, "fixturenames", ()):
         return True
-    return item.nodeid.startswith("tests/test_contract.py") and "top_k_per_row" in item.nodeid and "-triton]" in item.nodeid
+    return (item.nodeid.startswith("tests/test_contract.py") and "-triton]" in item.nodeid
+            and ("top_k_per_row" in item.nodeid or "[dsv4_" in item.nodeid))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -304,3 +304,16 @@ def test_peer_ratio_note_covers_every_external_peer():
     rows = [row("graphsafe[triton]", 0.3), row("reference eager", 3.0), row("flashmla sparse decode", 0.2),
             row("flashinfer MLA fa3", 0.6)]
     assert ratio_note(rows) == "graphsafe / flashmla sparse decode = 1.50; graphsafe / flashinfer MLA fa3 = 0.50"
+
+
+def test_flashmla_sparse_decode_lse_is_read_heads_before_queries():
+    """FlashMLA returns the decode LSE as [batch, heads, s_q]; read as [batch, s_q, heads]
+    (the bench did until 2026-11-28) it mixed heads and queries: |lse diff| 0.23-0.63 on
+    the H200 while the outputs agreed."""
+    from graphsafe.bench import flashmla
+
+    b, s_q, heads, padded = 3, 2, 16, 64
+    ours = torch.randn(b * s_q, heads)
+    theirs = torch.full((b, padded, s_q), float("nan"))
+    theirs[:, :heads, :] = ours.view(b, s_q, heads).transpose(1, 2)
+    assert torch.equal(flashmla.sparse_decode_lse(theirs, s_q, heads), ours)

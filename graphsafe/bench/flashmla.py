@@ -76,6 +76,13 @@ def pad_heads(q: torch.Tensor, heads: int) -> torch.Tensor:
     return torch.cat([q, q.new_zeros((*q.shape[:-2], pad, q.shape[-1]))], dim=-2).contiguous()
 
 
+def sparse_decode_lse(lse: torch.Tensor, s_q: int, heads: int) -> torch.Tensor:
+    """FlashMLA's decode LSE `[batch, padded heads, s_q]` (its docstring: `(batch_size,
+    num_heads_q, seq_len_q)`) as graphsafe's `[tokens, heads]`, tokens request-major."""
+    b, padded = lse.shape[0], lse.shape[1]
+    return lse.reshape(b, padded, s_q).transpose(1, 2).reshape(b * s_q, padded)[:, :heads]
+
+
 def sparse_decode_peers(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                         kv_lora_rank: int, graphsafe_out: tuple, queries_per_request: int) -> tuple[dict, str]:
     """`flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=...)`: the V3.2 sparse decode
@@ -103,10 +110,9 @@ def sparse_decode_peers(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.
     def compare(result) -> str:
         o, l = result
         o = o.reshape(tokens, padded, kv_lora_rank)[:, :heads]
-        l = l.reshape(-1, padded)[:, :heads] if l.numel() == tokens * padded else None
         text = f"max |out - graphsafe| {_max_diff(o, out):.3g}"
-        if l is not None:
-            text += f", |lse - graphsafe| {_max_diff(l.reshape(tokens, heads), lse):.3g}"
+        if l.numel() == tokens * padded:
+            text += f", |lse - graphsafe| {_max_diff(sparse_decode_lse(l, s_q, heads), lse):.3g}"
         return text
 
     return _run_variant(device, label, make, compare)
