@@ -18,7 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from graphsafe.kernels.fp8_bits import bf16_rounded_bits, e4m3_bytes_to_f16
+from graphsafe.kernels.fp8_bits import e4m3_bytes_to_f16
+# The MLA split-KV kernel's helpers (this kernel shares its partial layout and combine too).
+from graphsafe.ops.mla.kernels.triton_split_kv import _dot, _in_range, _round_bf16_bits
 
 # fp8_dsv4 record geometry (graphsafe.formats.fp8_dsv4): globals read in @jit code are constexprs.
 NOPE = tl.constexpr(448)
@@ -27,26 +29,6 @@ SCALE_BYTES = tl.constexpr(8)
 TILE = tl.constexpr(64)
 NAN_SCALE = tl.constexpr(255)
 POW2_M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127, a UE8M0 byte 0
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_F32: tl.constexpr):
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _in_range(ids, n):
-    """0 <= ids < n in one unsigned compare (a negative id wraps to a huge one); n >= 0."""
-    return ids.to(tl.uint32, bitcast=True) < n
-
-
-@triton.jit
-def _round_bf16_bits(x):
-    """float32 `x` rounded to the nearest bfloat16 on its bits (NaN kept): what the GPU's
-    conversion does and the interpreter's (truncating) does not."""
-    return tl.where(x != x, x, bf16_rounded_bits(x).to(tl.float32, bitcast=True))
 
 
 @triton.jit

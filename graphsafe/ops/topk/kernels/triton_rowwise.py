@@ -463,8 +463,8 @@ def _cta_min_max_max(a, b, c, T: tl.constexpr, ASM: tl.constexpr):
                                             [tl.arange(0, 32), buf], dtype=(tl.uint32, tl.uint32, tl.uint32),
                                             is_pure=False, pack=1)
         return tl.min(x, 0), tl.max(y, 0), tl.max(z, 0)
-    else:  # (three native reductions: `_min_max_max_axis0`)
-        return tl.min(a, 0), tl.max(b, 0), tl.max(c, 0)
+    else:
+        return _min_max_max_axis0(a, b, c, ASM)
 
 
 @triton.jit
