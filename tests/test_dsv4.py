@@ -127,6 +127,45 @@ def test_workspace_follows_the_plan():
     assert graphsafe.ops.dsv4.dsv4_sparse_attn_workspace_specs(3, 4, 512, 40, 24, device="cpu") == []
 
 
+def test_choice_names_the_gluon_kernel_then_the_triton_fallback(monkeypatch):
+    """Where the Gluon kernel fits (an sm_90 signature: patched in here), the choice names it
+    with the Triton kernel as the fallback of the calls it cannot run, on the Gluon tiles and
+    their split plan; the workspace sizing covers the larger of both candidates' partials."""
+    monkeypatch.setattr(plan, "gluon_fits", lambda *a: True)
+    q, swa, idx, scale, sink, length, comp, xidx, xlength = _inputs(seed=2)
+    call = SPEC.call(q, swa, idx, scale, sink, length, comp, xidx, xlength)
+    choice = plan.choose(call)
+    assert choice.kernels == (plan.GLUON_SPARSE_ATTN, plan.TRITON_SPARSE_ATTN)
+    assert choice.config == plan.GLUON_TILES and choice.kernel == plan.GLUON_SPARSE_ATTN
+    assert "gluon_sparse_attn (else triton_sparse_attn); tiles 64 heads x 64 keys" in choice.describe()
+    # Forced tiles (tests, tuning) keep the Triton kernel alone.
+    assert plan.choose(call, config=plan.tiles(4, "cpu")).kernels == (plan.TRITON_SPARSE_ATTN,)
+    # Off sm_90 (this CPU) the real test declines.
+    monkeypatch.undo()
+    assert plan.choose(call).kernels == (plan.TRITON_SPARSE_ATTN,)
+
+
+def test_gluon_fits_only_what_its_copies_can_address(monkeypatch):
+    """The Gluon kernel's signature test on an sm_90 device (patched in): bf16 q of head dim
+    512 with row strides of multiples of 16 elements (Triton's specialisation proves those
+    16-byte aligned; a stride of 8 elements left its cp.async of q uncompilable on Triton
+    3.6), fp8_dsv4 records in both caches."""
+    if plan.gluon_module() is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(plan, "is_sm90", lambda device: True)
+    monkeypatch.setattr(plan, "max_shared_memory", lambda device: 227 * 1024)
+    q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
+    rec, xrec = fp8_dsv4.empty_cache(4, 64, "cpu"), fp8_dsv4.empty_cache(2, 64, "cpu")
+    assert plan.gluon_fits(q, rec, xrec) and plan.gluon_fits(q, rec, None)
+    assert not plan.gluon_fits(torch.zeros(4, 64, 520, dtype=torch.bfloat16)[..., :512], rec, None)  # stride 520
+    assert plan.gluon_fits(torch.zeros(4, 72, 512, dtype=torch.bfloat16)[:, :64], rec, None)  # strides 72 * 512, 512
+    assert not plan.gluon_fits(q.half(), rec, None)
+    assert not plan.gluon_fits(q, torch.zeros(4, 64, 512, dtype=torch.bfloat16), None)
+    assert not plan.gluon_fits(q, rec, torch.zeros(4, 64, 512, dtype=torch.bfloat16))
+    monkeypatch.setattr(plan, "max_shared_memory", lambda device: 100 * 1024)
+    assert not plan.gluon_fits(q, rec, None)
+
+
 _COMPILE_SCRIPT = r"""
 import sys
 try:
@@ -207,6 +246,74 @@ def test_kernels_compile_for_sm90_without_a_gpu(compile_for_sm90):
     assert out.count("compiled dsv4_attn_kernel") == 6 and "compiled combine_kernel" in out, out
     assert out.count("compiled qnorm_rope_kv_insert_kernel") == 2, out
     assert out.count("compiled compress_kernel") == 4 and out.count("compiled save_state_kernel") == 3, out
+
+
+_GLUON_COMPILE_SCRIPT = r"""
+import sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy, warpgroup_mma
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+from graphsafe.ops.dsv4.kernels import gluon_sparse_attn as G
+import torch
+from graphsafe.formats import fp8_dsv4
+from graphsafe.ops.dsv4 import plan, triton as tri
+
+launches = []
+
+def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluon launches, run nothing
+    def launch(*tensors):
+        it = iter(tensors)
+        if kernel is G.dsv4_attn_wgmma_kernel:
+            launches.append((tuple(next(it) if isinstance(a, torch.Tensor) else a for a in args), dict(kw)))
+    return launch
+
+tri.bind = record
+plan.gluon_fits = lambda *a: True  # what an sm_90 device gives these calls
+""" + SPECIALISE_PRELUDE + r"""
+TYPES[torch.uint8] = "u8"
+for heads in (64, 128):
+    q = torch.randn(4, heads, 512, dtype=torch.bfloat16)
+    rec, xrec = fp8_dsv4.empty_cache(4, 64, "cpu"), fp8_dsv4.empty_cache(16, 64, "cpu")
+    idx = torch.zeros(4, 128, dtype=torch.int32)
+    xidx = torch.zeros(4, 512, dtype=torch.int32)
+    sink = torch.zeros(heads)
+    lens = torch.zeros(4, dtype=torch.int32)
+    tri.dsv4_sparse_attn(q, rec, idx, 0.04, sink, lens, xrec, xidx, lens, num_splits=4)
+    tri.dsv4_sparse_attn(q, rec, idx, 0.04, sink, None, xrec, xidx, None, num_splits=1)
+    tri.dsv4_sparse_attn(q, rec, idx, 0.04, None, None, None, None, None, num_splits=1)
+assert len(launches) == 6, len(launches)
+seen = set()
+for args, kw in launches:
+    key = tuple(sorted(kw.items()))
+    if key in seen:
+        continue
+    seen.add(key)
+    k = triton.compile(specialise(G.dsv4_attn_wgmma_kernel, args, kw, GluonASTSource),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": kw.pop("num_warps")})
+    shapes = wgmma_shapes(k)
+    print("compiled dsv4_attn_wgmma_kernel", kw, "shared", k.metadata.shared, shapes)
+    # Per 64 keys each warpgroup scores its 32 keys over 512 columns (8 + 8 + 8 + 4 + 4 k-steps
+    # of 16, in five wgmmas) and accumulates its half of each value piece (128 / 128 / 128 / 64
+    # / 64 columns) over the 64 keys (4 k-steps each); the phases (window, compressed) one loop each.
+    phases = 2 if kw["HAS_EXTRA"] else 1
+    assert shapes == {"m64n32k16": phases * (32 + 8), "m64n64k16": phases * 12}, shapes
+    assert k.metadata.shared <= G.shared_memory_bytes() <= 227 * 1024, k.metadata.shared
+    assert "e4m3x2" in k.asm["ptx"], "the hardware e4m3 conversion"
+print("OK")
+"""
+
+
+def test_gluon_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
+    """The sm_90 Gluon kernel (never run by the interpreter), launched as the runner launches
+    it (split or not, sink, lengths, the extra cache), compiles for sm_90 with this Triton:
+    each warpgroup issues the wgmmas of its own half of the scores and values, the e4m3
+    bytes convert in hardware, and it fits Hopper's 227 KiB of shared memory."""
+    out = compile_for_sm90(_GLUON_COMPILE_SCRIPT, timeout=1200)
+    assert out.count("compiled dsv4_attn_wgmma_kernel") == 3, out
 
 
 # -- dsv4_qnorm_rope_kv_insert ---------------------------------------------------------------

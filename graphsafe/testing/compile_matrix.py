@@ -284,9 +284,11 @@ def emulate(target: Target, launches: list[Launch], origin: list[str]) -> Iterat
     replaced.append((available, real_available))
     if not target.hip:  # sm_90: the Triton kernels, not the Gluon ones (their own tests compile those)
         import graphsafe.ops.attention.plan as attention_plan
+        import graphsafe.ops.dsv4.plan as dsv4_plan
         import graphsafe.ops.mla.plan as mla_plan
 
         patch(attention_plan, "gluon_module", lambda: None)
+        patch(dsv4_plan, "gluon_module", lambda: None)
         patch(mla_plan, "kernel_module", lambda kernel: None)
     saved_aiter = {name: module for name, module in sys.modules.items() if name == "aiter" or name.startswith("aiter.")}
     sys.modules.update(_stand_in_aiter())

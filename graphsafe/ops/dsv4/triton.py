@@ -19,6 +19,7 @@ No module here imports triton at import time (`import graphsafe` must not).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -44,6 +45,42 @@ def _attn_kernels():
     return triton_sparse_attn.dsv4_attn_kernel, triton_split_kv.combine_kernel
 
 
+# Keys whose Gluon kernel failed to compile: their calls run the Triton kernel (warned once).
+_GLUON_FAILED: set[tuple] = set()
+
+
+def _gluon_or_triton(key: tuple, gluon, make_triton):
+    """`run(q, kv_cache, ..., extra_kv_cache, ...)` (the kernel's tensors): the Gluon launch
+    for calls whose q and caches are 16-byte aligned, until it fails to compile (nothing
+    launched; warned once per `key`), else the Triton launch `make_triton()` (made on
+    first need) on the same split plan."""
+    triton_launch = None
+
+    def run(*tensors):
+        nonlocal triton_launch
+        q, kv, xkv = tensors[0], tensors[1], tensors[4]
+        if key not in _GLUON_FAILED and not (q.data_ptr() | kv.data_ptr() | xkv.data_ptr()) & 15:
+            try:
+                return gluon(*tensors)
+            except _compile_errors() as exc:
+                _GLUON_FAILED.add(key)
+                warnings.warn(f"graphsafe dsv4_sparse_attn: the sm_90 Gluon kernel did not compile for {key} "
+                              f"({exc}); running the Triton kernel", RuntimeWarning, stacklevel=2)
+        if triton_launch is None:
+            triton_launch = make_triton()
+        triton_launch(*tensors)
+
+    return run
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compile raises (OutOfResources; RuntimeError: a failed MLIR pass)."""
+    import triton
+    from triton.runtime import OutOfResources
+
+    return OutOfResources, triton.CompilationError, RuntimeError
+
+
 @functools.cache
 def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.empty(0, device=device)
@@ -63,35 +100,50 @@ def prepare_dsv4_sparse_attn(call, *, config: plan.Dsv4Tiles | None = None, num_
 
         return nothing
     choice = plan.choose(call, config=config, num_splits=num_splits)
-    cfg, split_plan = choice.config, choice.plan
+    split_plan = choice.plan
     records = choice.cache_format == "fp8_dsv4"
     extra = call.extra_kv_cache
     has_extra = extra is not None
-    head_tiles = -(-heads // cfg.block_h)
-    grid = (head_tiles * split_plan.num_splits * rows,)
     ph = _placeholder(device)
     nb, bs = kv_cache.shape[:2]
     xnb, xbs = extra.shape[:2] if has_extra else (1, 1)
     sink_stride = call.attn_sink.stride(0) if call.attn_sink is not None else None
-    attn_kernel, combine_kernel = _attn_kernels()
-    attention = bind(
-        attn_kernel, grid,
+    args = (
         ph, ph, ph, ph, ph, ph, ph, ph, ph, ph, ph, ph,
         float(call.sm_scale) * LOG2E,
-        heads, head_tiles, split_plan.num_splits, split_plan.tokens_per_split, choice.topk, choice.extra_topk,
+        heads, None, split_plan.num_splits, split_plan.tokens_per_split, choice.topk, choice.extra_topk,
         nb * bs, xnb * xbs,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), call.indices.stride(0),
         extra.stride(0) if has_extra else 0, extra.stride(1) if has_extra else 0,
         call.extra_indices.stride(0) if has_extra else 0,
         heads * d, d, heads, sink_stride or 0,
-        D=d, BLOCK_D=_pow2(d), BLOCK_SIZE=bs, EXTRA_BLOCK_SIZE=xbs, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        RECORDS=records, FP8_NATIVE=records and has_ocp_e4m3(device),
-        DOT_F32=device.type == "cpu" and triton_interpreter_enabled(),
-        HAS_EXTRA=has_extra, TOPK_LENGTH=call.topk_length is not None,
-        EXTRA_TOPK_LENGTH=has_extra and call.extra_topk_length is not None,
-        HAS_SINK=sink_stride is not None, SPLIT=choice.split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    options = dict(BLOCK_SIZE=bs, EXTRA_BLOCK_SIZE=xbs, HAS_EXTRA=has_extra, TOPK_LENGTH=call.topk_length is not None,
+                   EXTRA_TOPK_LENGTH=has_extra and call.extra_topk_length is not None,
+                   HAS_SINK=sink_stride is not None, SPLIT=choice.split)
+
+    def launch_on(cfg: plan.Dsv4Tiles, kernel, **constexprs):
+        """The attention kernel bound on tiles `cfg` (its head tiles make the grid)."""
+        head_tiles = -(-heads // cfg.block_h)
+        bound = (*args[:14], head_tiles, *args[15:])
+        return bind(kernel, (head_tiles * split_plan.num_splits * rows,), *bound, **options, **constexprs,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def triton_launch():
+        cfg = choice.config if choice.kernel == plan.TRITON_SPARSE_ATTN else plan.tiles(heads, device.type)
+        return launch_on(
+            cfg, _attn_kernels()[0], D=d, BLOCK_D=_pow2(d), BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+            RECORDS=records, FP8_NATIVE=records and has_ocp_e4m3(device),
+            DOT_F32=device.type == "cpu" and triton_interpreter_enabled(),
+        )
+
+    if choice.kernel == plan.GLUON_SPARSE_ATTN:
+        gluon = launch_on(choice.config, plan.gluon_module().dsv4_attn_wgmma_kernel)
+        key = ("dsv4_sparse_attn", device, q.stride()[:2], tuple(sorted(options.items())))
+        attention = _gluon_or_triton(key, gluon, triton_launch)
+    else:
+        attention = triton_launch()
+    _, combine_kernel = _attn_kernels()
 
     def tensors(q, kv_cache, indices, attn_sink, topk_length, extra_kv_cache, extra_indices, extra_topk_length):
         """The kernel's 8 input tensors, a placeholder (never read) for each absent one."""
