@@ -372,7 +372,12 @@ class DeepseekV4Model(nn.Module):
         # The value carried RoPE: rotate the output back (the conjugate, at the query's position).
         cs = rope[pos.clamp(min=0)]
         o = rotate(out[:, : cfg.num_heads], cs[:, None, : ROPE // 2], -cs[:, None, ROPE // 2 :])
-        o = o.reshape(t, cfg.o_groups, -1).transpose(0, 1)  # [G, T, H / G * 512]
+        # [G, T, H / G * 512]: the heads split into groups, then each group's rows joined. One
+        # reshape [T, H, 512] -> [T, G, H / G * 512] of this (unrealised) result would split
+        # and join a dimension at once, which Inductor lowers through a flat view that guards
+        # T == 1 when it compiles at T = 1 (a recompile at the next batch size, whose graph
+        # the CUDA-graph buckets of size 1 then replay).
+        o = o.unflatten(1, (cfg.o_groups, -1)).flatten(2).transpose(0, 1)
         # A contiguous copy, then a view: `reshape` of the transposed result would make
         # Dynamo guard on T == 1 (the V3.2 model's note).
         o = torch.bmm(o, layer.wo_a.transpose(1, 2)).transpose(0, 1)
