@@ -217,6 +217,17 @@ Launch = Callable[..., Any]
 _PLAIN_LAUNCHES = [0]
 
 
+@functools.cache
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed kernel compile raises at a launch (nothing launched): OutOfResources,
+    triton.CompilationError, RuntimeError (a failed MLIR pass). The runners that have a
+    fallback kernel catch these around their Gluon launches."""
+    import triton
+    from triton.runtime import OutOfResources
+
+    return OutOfResources, triton.CompilationError, RuntimeError
+
+
 def plain_launch_count() -> int:
     """Launches so far, in this process, that went through `kernel[grid]` (the binder)."""
     return _PLAIN_LAUNCHES[0]

@@ -5,6 +5,8 @@ kernels compiled for sm_90 without a GPU."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -164,6 +166,39 @@ def test_gluon_fits_only_what_its_copies_can_address(monkeypatch):
     assert not plan.gluon_fits(q, rec, torch.zeros(4, 64, 512, dtype=torch.bfloat16))
     monkeypatch.setattr(plan, "max_shared_memory", lambda device: 100 * 1024)
     assert not plan.gluon_fits(q, rec, None)
+
+
+def test_a_gluon_compile_failure_runs_the_triton_kernel_on_the_same_plan(monkeypatch):
+    """Where the Gluon kernel is chosen but fails to compile (nothing launched: patched in
+    here), the runner warns once, runs the Triton kernel on the Gluon plan's splits (the
+    same partials) and never tries that signature's Gluon launch again."""
+    gluon = plan.gluon_module()
+    if gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setattr(plan, "gluon_fits", lambda *a: True)
+    real_bind, tries = dsv4_triton.bind, []
+
+    def bind(kernel, grid, *args, **kw):
+        if kernel is gluon.dsv4_attn_wgmma_kernel:
+            def fail(*tensors):
+                tries.append(1)
+                raise RuntimeError("PassManager::run failed")
+            return fail
+        return real_bind(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(dsv4_triton, "bind", bind)
+    monkeypatch.setattr(dsv4_triton, "_GLUON_FAILED", set())
+    args = _inputs(seed=5)
+    run = dsv4_triton.prepare_dsv4_sparse_attn(SPEC.call(*args), num_splits=2)
+    with pytest.warns(RuntimeWarning, match="Gluon kernel did not compile"):
+        out, lse = run(*args)
+    ref_out, ref_lse = SPEC.runner("reference")(*args)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again, _ = run(*args)
+    assert torch.equal(again, out) and len(tries) == 1 and len(dsv4_triton._GLUON_FAILED) == 1
 
 
 _COMPILE_SCRIPT = r"""

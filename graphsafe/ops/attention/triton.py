@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from graphsafe.device_info import num_sms
-from graphsafe.launch import Launch, bind, output_allocator
+from graphsafe.launch import Launch, bind, compile_errors, output_allocator
 from graphsafe.ops.attention import plan, reference
 from graphsafe.ops.attention.fake import output_dtype
 from graphsafe.ops.attention.fp8_format import AMAX_Q, DESCALE_K, DESCALE_Q, DESCALE_V, ONE, vt_columns
@@ -356,14 +356,6 @@ def flash_attn_varlen(
 _FAILED: set[tuple] = set()
 
 
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    """What a failed Gluon compile raises (RuntimeError: a failed MLIR pass)."""
-    import triton
-    from triton.runtime import OutOfResources
-
-    return (OutOfResources, triton.CompilationError, RuntimeError)
-
-
 def _compile_failed(key: tuple, exc: Exception) -> None:
     """Remember that the Gluon kernel of signature `key` did not compile (its later calls
     and bindings run the Triton kernel at once) and say so, once per signature."""
@@ -386,7 +378,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
     kernel, block_m, block_n, ws = gluon.kernel, gluon.block_m, gluon.block_n, gluon.warp_spec
     num_m_blocks = _cdiv(max_seqlen_q, block_m)
     key = (q.dtype, d, dv, block_m, block_n, causal, kernel, ws)
-    errors = _compile_errors()
+    errors = compile_errors()
     wgmma = None
     if key not in _FAILED:
         work = num_m_blocks * num_seqs * hq
@@ -451,7 +443,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
     block_m, block_n, ws = gluon.block_m, gluon.block_n, gluon.warp_spec
     num_m_blocks = _cdiv(max_seqlen_q, block_m)
     key = (q.dtype, d, dv, block_m, block_n, causal, gluon.kernel, ws)
-    errors = _compile_errors()
+    errors = compile_errors()
     wgmma = None
     if key not in _FAILED:
         stages, consumer_regs, loader_regs = ws

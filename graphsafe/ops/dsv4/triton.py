@@ -25,7 +25,7 @@ import torch
 
 from graphsafe.backends import triton_interpreter_enabled
 from graphsafe.device_info import has_ocp_e4m3
-from graphsafe.launch import bind, output_allocator
+from graphsafe.launch import bind, compile_errors, output_allocator
 from graphsafe.ops.dsv4 import plan
 from graphsafe.registry import Backend, prepared
 from graphsafe.workspace import current_workspace_manager
@@ -62,7 +62,7 @@ def _gluon_or_triton(key: tuple, gluon, make_triton):
         if key not in _GLUON_FAILED and not (q.data_ptr() | kv.data_ptr() | xkv.data_ptr()) & 15:
             try:
                 return gluon(*tensors)
-            except _compile_errors() as exc:
+            except compile_errors() as exc:
                 _GLUON_FAILED.add(key)
                 warnings.warn(f"graphsafe dsv4_sparse_attn: the sm_90 Gluon kernel did not compile for {key} "
                               f"({exc}); running the Triton kernel", RuntimeWarning, stacklevel=2)
@@ -71,14 +71,6 @@ def _gluon_or_triton(key: tuple, gluon, make_triton):
         triton_launch(*tensors)
 
     return run
-
-
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    """What a failed compile raises (OutOfResources; RuntimeError: a failed MLIR pass)."""
-    import triton
-    from triton.runtime import OutOfResources
-
-    return OutOfResources, triton.CompilationError, RuntimeError
 
 
 @functools.cache

@@ -61,7 +61,7 @@ import torch
 
 from graphsafe.backends import triton_interpreter_enabled
 from graphsafe.device_info import has_ocp_e4m3, is_hip
-from graphsafe.launch import bind, output_allocator
+from graphsafe.launch import bind, compile_errors, output_allocator
 from graphsafe.ops.mla import plan
 from graphsafe.ops.mla.fake import check_fp8_ds_mla_offset
 from graphsafe.ops.mla.plan import (
@@ -89,15 +89,6 @@ def _split_kv():
     from graphsafe.ops.mla.kernels import triton_split_kv
 
     return triton_split_kv
-
-
-@functools.cache
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    """What a failed compile raises (OutOfResources; RuntimeError: a failed MLIR pass)."""
-    import triton
-    from triton.runtime import OutOfResources
-
-    return OutOfResources, triton.CompilationError, RuntimeError
 
 
 # Pipeline depth that compiled within the device's shared memory, per (config, device,
@@ -223,7 +214,7 @@ def _gluon_or_fallback(key: tuple, gluon: Launch | None, make_fallback: Callable
         if gluon is not None and not (q.data_ptr() | kv.data_ptr()) & 15:
             try:
                 return gluon(q, kv, *rest)
-            except _compile_errors() as exc:
+            except compile_errors() as exc:
                 gluon = None
                 _gluon_failed(key, exc)
         if fallback is None:
