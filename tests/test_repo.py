@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -90,3 +92,24 @@ def test_performance_page_is_generated_from_the_results():
 def test_docs_are_linked_from_the_readme_and_cited_design_exists():
     assert "docs/design.md" in README and "docs/performance.md" in README
     assert (ROOT / "docs" / "design.md").is_file()
+
+
+def test_gluon_cluster_probe_runs(compile_for_sm90):
+    """benchmarks/gluon_cluster_probe.py (the evidence of benchmarks/NOTES.md on clusters in
+    Gluon) still runs with this Triton: its control kernel, a tile split over a 2-CTA
+    cluster with no exchange, compiles for sm_90, and every case prints a verdict."""
+    probe = ROOT / "benchmarks" / "gluon_cluster_probe.py"
+    script = (
+        "import runpy\n"
+        "try:\n"
+        f"    runpy.run_path({str(probe)!r}, run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('OK')\n"
+    )
+    out = compile_for_sm90(script, timeout=600)
+    if "NO_GLUON" in out:
+        pytest.skip("this Triton has no Gluon or no CUDA backend")
+    assert re.search(r"^split +compiles", out, re.M), out
+    for case in ("split_to_whole", "rows_to_columns"):
+        assert re.search(rf"^{case} +(compiles|does not compile)", out, re.M), out
