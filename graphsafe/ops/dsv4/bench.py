@@ -149,21 +149,25 @@ TUNE_TILES = [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (32, 16, 4, 2), (6
     cpu=None,
 ))
 def dsv4_tune(device: torch.device, shapes: tuple):
-    """Tiles and split counts of the Triton kernel at the decode shapes (graphsafe only)."""
+    """The chosen kernel (the Gluon kernel on sm_90) at other split counts (10 at K + K2 = 640
+    is one 64-key tile a split), and the Triton kernel's tiles, at the decode shapes
+    (graphsafe only)."""
+    from graphsafe.ops.dsv4 import plan as dsv4_plan
     from graphsafe.ops.dsv4 import triton as backend
-    from graphsafe.ops.dsv4.plan import Dsv4Tiles, plan_launch
+    from graphsafe.ops.dsv4.plan import Dsv4Tiles
 
+    spec = get_op("dsv4_sparse_attn")
     for tokens, heads, window, extra_topk in shapes:
         args = decode_inputs(tokens, heads, window, extra_topk, device)
-        cfg, plan = plan_launch(tokens, heads, window + extra_topk, device)
-        impls = {f"default {cfg}": lambda: backend.dsv4_sparse_attn(*args)}
+        choice = dsv4_plan.choose(spec.call(*args))
+        impls = {f"default: {choice.describe()}": lambda: backend.dsv4_sparse_attn(*args)}
+        for n in (1, 2, 3, 4, 5, 8, 10, 16):
+            impls[f"{choice.kernel}, splits {n}"] = lambda n=n: backend.dsv4_sparse_attn(*args, num_splits=n)
         for t in TUNE_TILES:
             c = Dsv4Tiles(*t)
-            impls[f"tiles {t}"] = lambda c=c: backend.dsv4_sparse_attn(*args, config=c)
-        for n in (1, 2, 4, 8, 16):
-            impls[f"splits {n}"] = lambda n=n: backend.dsv4_sparse_attn(*args, num_splits=n)
-        problem = _problem(get_op("dsv4_sparse_attn"), args, device, tokens, heads, window, extra_topk)
+            impls[f"triton tiles {t}"] = lambda c=c: backend.dsv4_sparse_attn(*args, config=c)
+        problem = _problem(spec, args, device, tokens, heads, window, extra_topk)
         problem.case, problem.impls = "dsv4_tune", impls
-        problem.shape += f" (plan S={plan.num_splits})"
+        problem.shape += f" (plan S={choice.plan.num_splits})"
         yield problem
         del args
