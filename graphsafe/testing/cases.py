@@ -138,6 +138,21 @@ def reads_no_floats(params: Params, args: Args, gen: torch.Generator) -> None:
     return None
 
 
+def assert_out_lse_close(expected, actual, out_tolerance: tuple[float, float],
+                         lse_tolerance: tuple[float, float]) -> None:
+    """An attention op's (out, lse) against the expected pair: shapes and dtypes (lse
+    float32), out and lse within (rtol, atol), and the rows without a key (lse -inf) the
+    same ones exactly."""
+    (e_out, e_lse), (a_out, a_lse) = expected, actual
+    assert a_out.shape == e_out.shape and a_out.dtype == e_out.dtype, "out: shape/dtype"
+    assert a_lse.shape == e_lse.shape and a_lse.dtype == torch.float32, "lse: shape/dtype"
+    rtol, atol = out_tolerance
+    torch.testing.assert_close(a_out.float().cpu(), e_out.float().cpu(), rtol=rtol, atol=atol, msg=lambda m: f"out: {m}")
+    assert torch.equal(torch.isneginf(a_lse).cpu(), torch.isneginf(e_lse).cpu()), "lse: rows without a key differ"
+    rtol, atol = lse_tolerance
+    torch.testing.assert_close(a_lse.cpu(), e_lse.cpu(), rtol=rtol, atol=atol, msg=lambda m: f"lse: {m}")
+
+
 _CASES: dict[str, OpCase] = {}
 
 

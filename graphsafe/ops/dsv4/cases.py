@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.formats import fp8_dsv4
-from graphsafe.testing.cases import BadInput, OpCase, Params, register_case
+from graphsafe.testing.cases import BadInput, OpCase, Params, assert_out_lse_close, register_case
 from graphsafe.testing.tensors import randn
 
 RECORDS = "fp8_dsv4"
@@ -35,15 +35,7 @@ def head_dim(p: Params) -> int:
 
 
 def compare_attention(expected, actual, expected_args, actual_args, params: Params) -> None:
-    (e_out, e_lse), (a_out, a_lse) = expected, actual
-    assert a_out.shape == e_out.shape and a_out.dtype == e_out.dtype, "out: shape/dtype"
-    assert a_lse.shape == e_lse.shape and a_lse.dtype == torch.float32, "lse: shape/dtype"
-    rtol, atol = OUT_TOLERANCE
-    torch.testing.assert_close(a_out.float().cpu(), e_out.float().cpu(), rtol=rtol, atol=atol,
-                               msg=lambda m: f"out: {m}")
-    assert torch.equal(torch.isneginf(a_lse).cpu(), torch.isneginf(e_lse).cpu()), "lse: rows without a key differ"
-    rtol, atol = LSE_TOLERANCE
-    torch.testing.assert_close(a_lse.cpu(), e_lse.cpu(), rtol=rtol, atol=atol, msg=lambda m: f"lse: {m}")
+    assert_out_lse_close(expected, actual, OUT_TOLERANCE, LSE_TOLERANCE)
 
 
 def _q(shape, device, gen, strided: bool) -> torch.Tensor:

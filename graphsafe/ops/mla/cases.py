@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from graphsafe.formats.fp8_ds_mla import TILE, dequantize_records, quantize_records, record_bytes
-from graphsafe.testing.cases import BadInput, OpCase, Params, flag, register_case
+from graphsafe.testing.cases import BadInput, OpCase, Params, assert_out_lse_close, flag, register_case
 from graphsafe.testing.tensors import randn
 
 # Ids out of range that `out_of_range` mixes in: huge, negative (never wrapping around),
@@ -56,18 +56,12 @@ def compare_attention(expected, actual, expected_args, actual_args, params: Para
     """out within a couple of ulps of its dtype (plus FP8_DS_OUT_ATOL over an fp8_ds_mla
     cache), lse within 1e-4 (3e-2 over an fp8_ds_mla cache; the cache kind told by the args
     or the params); -inf rows must match exactly."""
-    (e_out, e_lse), (a_out, a_lse) = expected, actual
     quantized = (expected_args is not None and expected_args[1].dtype == torch.uint8) or (
         params is not None and fp8_ds(params))
-    rtol, atol = OUT_TOLERANCES[e_out.dtype]
+    rtol, atol = OUT_TOLERANCES[expected[0].dtype]
     if quantized:
         atol += FP8_DS_OUT_ATOL
-    assert a_out.shape == e_out.shape and a_out.dtype == e_out.dtype, "out: shape/dtype"
-    assert a_lse.shape == e_lse.shape and a_lse.dtype == torch.float32, "lse: shape/dtype"
-    torch.testing.assert_close(a_out.float().cpu(), e_out.float().cpu(), rtol=rtol, atol=atol, msg=lambda m: f"out: {m}")
-    assert torch.equal(torch.isneginf(a_lse).cpu(), torch.isneginf(e_lse).cpu()), "lse: rows without a key differ"
-    rtol, atol = FP8_DS_LSE_TOLERANCE if quantized else LSE_TOLERANCE
-    torch.testing.assert_close(a_lse.cpu(), e_lse.cpu(), rtol=rtol, atol=atol, msg=lambda m: f"lse: {m}")
+    assert_out_lse_close(expected, actual, (rtol, atol), FP8_DS_LSE_TOLERANCE if quantized else LSE_TOLERANCE)
 
 
 def _q(shape, dtype, device, gen, strided: bool) -> torch.Tensor:

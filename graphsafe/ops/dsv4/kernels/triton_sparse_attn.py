@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 from graphsafe.kernels.fp8_bits import e4m3_bytes_to_f16
-# The MLA split-KV kernel's helpers (this kernel shares its partial layout and combine too).
-from graphsafe.ops.mla.kernels.triton_split_kv import _dot, _in_range, _round_bf16_bits
+# The MLA split-KV kernel's helpers, its sink rule among them (this kernel shares its partial
+# layout and combine too).
+from graphsafe.ops.mla.kernels.triton_split_kv import _dot, _in_range, _round_bf16_bits, _with_sink
 
 # fp8_dsv4 record geometry (graphsafe.formats.fp8_dsv4): globals read in @jit code are constexprs.
 NOPE = tl.constexpr(448)
@@ -106,13 +107,6 @@ def _attend(q, m_i, l_i, acc, cache_ptr, map_row, start, end, num_slots, stride_
         acc = _dot(p.to(tl.bfloat16), k, acc * alpha[:, None], DOT_F32)
         m_i = m_new
     return m_i, l_i, acc
-
-
-@triton.jit
-def _with_sink(l, m, no_key, sink):
-    """The denominator with the attention sink in base 2: `l + 2^(sink log2 e - m)`; 1 for a
-    row without a key (its out stays 0 whatever the sink)."""
-    return tl.where(no_key, 1.0, l + tl.exp2(sink * 1.4426950408889634 - m))
 
 
 @triton.jit
