@@ -53,16 +53,19 @@ def _gluon_or_triton(key: tuple, gluon, make_triton):
     """`run(q, kv_cache, ..., extra_kv_cache, ...)` (the kernel's tensors): the Gluon launch
     for calls whose q and caches are 16-byte aligned, until it fails to compile (nothing
     launched; warned once per `key`), else the Triton launch `make_triton()` (made on
-    first need) on the same split plan."""
+    first need) on the same split plan. A key that failed before binds no Gluon launch."""
     triton_launch = None
+    if key in _GLUON_FAILED:
+        gluon = None
 
     def run(*tensors):
-        nonlocal triton_launch
+        nonlocal gluon, triton_launch
         q, kv, xkv = tensors[0], tensors[1], tensors[4]
-        if key not in _GLUON_FAILED and not (q.data_ptr() | kv.data_ptr() | xkv.data_ptr()) & 15:
+        if gluon is not None and not (q.data_ptr() | kv.data_ptr() | xkv.data_ptr()) & 15:
             try:
                 return gluon(*tensors)
             except compile_errors() as exc:
+                gluon = None
                 _GLUON_FAILED.add(key)
                 warnings.warn(f"graphsafe dsv4_sparse_attn: the sm_90 Gluon kernel did not compile for {key} "
                               f"({exc}); running the Triton kernel", RuntimeWarning, stacklevel=2)
