@@ -250,12 +250,16 @@ def flash_attn_varlen(device: torch.device, shapes: tuple):
 
 
 # -- paged prefill ------------------------------------------------------------------------
-# (sequences, new tokens each, keys each with the new ones) at Llama-3-8B shapes, block 16:
-# by default chunked prefill (512-token chunks after 3.5K cached tokens).
+# (sequences, new tokens each, keys each with the new ones, cache block size) at Llama-3-8B
+# shapes: by default chunked prefill (512-token chunks after 3.5K cached tokens) in blocks of
+# 16 (vLLM's default) and 64; the full set adds prompts with no prefix, a prefix cache hit
+# (128 new tokens over 8K), decode-like chunks of 16 tokens (the Triton kernel's 16-row
+# packing), and the prefix-cache shape in blocks of 64.
 PAGED_PREFILL_SHAPES = Shapes(
-    default=((8, 512, 4096),),
-    full=((8, 512, 4096), (4, 2048, 2048), (32, 128, 8192), (64, 16, 4096)),
-    cpu=((2, 16, 64),),
+    default=((8, 512, 4096, 16), (8, 512, 4096, 64)),
+    full=((8, 512, 4096, 16), (8, 512, 4096, 64), (4, 2048, 2048, 16), (32, 128, 8192, 16), (32, 128, 8192, 64),
+          (64, 16, 4096, 16)),
+    cpu=((2, 16, 64, 16),),
 )
 
 
@@ -293,12 +297,28 @@ def _gathered_varlen(args):
     return run
 
 
+def _paged_triton_kernel(args):
+    """The paged prefill's Triton kernel with its own tiles (what the sm_90 Gluon kernel
+    replaces), its runner prepared once as the op's is; None where the op runs it anyway."""
+    from graphsafe.ops.attention import plan, triton as T
+
+    call = get_op("paged_attention_prefill").call(*args)
+    choice = plan.choose_paged_attention_prefill(call)
+    if choice.gluon is None:
+        return None
+    runner = T.bind_paged_attention_prefill(call, plan.choose_paged_attention_prefill(call, choice.config))
+    return lambda: runner(*args)
+
+
 def _paged_prefill_problem(spec, args, device, label: str) -> Problem:
     q, k_cache, v_cache, table, lens, cu, n, scale, causal = args[:9]
     window_left, softcap, sinks = args[11:]
     b, ctx = table.shape[0], table.shape[1] * k_cache.shape[1]
     hq, hk, d, dv = q.shape[1], k_cache.shape[2], q.shape[2], v_cache.shape[3]
     impls, note = _graphsafe_only(spec, args, device, b * hq * n * ctx * 4 * 3)
+    if device.type == "cuda" and (triton_kernel := _paged_triton_kernel(args)) is not None:
+        (first, run_first), *rest = impls.items()
+        impls = {first: run_first, "graphsafe triton kernel": triton_kernel, **dict(rest)}
     impls["graphsafe gather + flash_attn_varlen"] = _gathered_varlen(args)
     fi_impls, fi_note = {}, "flashinfer: no sinks in its paged prefill wrapper" if sinks is not None else ""
     if sinks is None:
@@ -318,9 +338,10 @@ def paged_attention_prefill(device: torch.device, shapes: tuple):
     """Causal prefill chunks over the paged cache: against the gather + varlen workaround,
     the reference and FlashInfer's paged prefill."""
     spec = get_op("paged_attention_prefill")
-    for b, n, ctx in shapes:
-        args = _paged_prefill_inputs(b, n, ctx, device)
-        yield _paged_prefill_problem(spec, args, device, f"{b}x{n} new over ctx={ctx} Hq=32 Hk=8 D=128 bs=16 bf16")
+    for b, n, ctx, block_size in shapes:
+        args = _paged_prefill_inputs(b, n, ctx, device, block_size=block_size)
+        yield _paged_prefill_problem(spec, args, device,
+                                     f"{b}x{n} new over ctx={ctx} Hq=32 Hk=8 D=128 bs={block_size} bf16")
         del args
 
 

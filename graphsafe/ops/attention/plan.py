@@ -35,7 +35,11 @@ candidates, so sizing and launch cannot disagree.
   kernels in the order they are tried: a call the Gluon kernel cannot take at run time
   (q, k or v not 16-byte aligned, or a Gluon compile that failed: a warning says so
   once) runs the next, the Triton kernel, with the same plan.
-* `paged_attention_prefill`: the Triton kernel's tiles (`paged_prefill_config`).
+* `paged_attention_prefill`: the Triton kernel's tiles (`paged_prefill_config`) and, on
+  sm_90, the Gluon kernel tried first (`paged_gluon_plan`): "paged-tma", the varlen "tma"
+  kernel walking the block table (a key tile's boxes each read from its cache block by
+  TMA) for the plain bf16/fp16 call (D = Dv = 128, 128-row blocks, block sizes a power of
+  two >= 16, no variant), the Triton kernel after it as for varlen.
 
 Pure Python: triton is never imported here at module level (Gluon's kernel module only
 lazily, to ask its shared memory and whether this Triton has Gluon at all).
@@ -281,23 +285,69 @@ def paged_prefill_shared_bytes(config: tuple[int, int, int, int], d: int, dv: in
 class PagedPrefillChoice:
     """How one `paged_attention_prefill` signature runs: `path` "empty" (the output has
     no element: nothing launches) or "triton" (zero the rows outside every sequence, then
-    the kernel, with `config` (BLOCK_M, BLOCK_N, num_warps, num_stages)); `kv_fp8` as for
-    decode. No scratch: one program covers all keys of its query block (no split-KV)."""
+    the attention kernels), `kernels` in the order they are tried (("gluon-paged-tma",
+    "triton") where `gluon` is set: a call the Gluon kernel cannot take, misaligned or
+    after a failed compile, runs the Triton kernel), `config` the Triton kernel's
+    (BLOCK_M, BLOCK_N, num_warps, num_stages); `kv_fp8` as for decode. No scratch: one
+    program covers all keys of its query block (no split-KV)."""
 
     path: str
     config: tuple[int, int, int, int]
     kv_fp8: bool
+    kernels: tuple[str, ...] = ("triton",)
+    gluon: GluonPlan | None = None
+
+
+def paged_gluon_plan(call) -> GluonPlan | None:
+    """The sm_90 Gluon kernel's plan for this paged prefill signature (alignment aside), or
+    None (the Triton kernel): q and both caches of one 16-bit dtype, D = Dv = 128, some
+    sequence with more than 64 queries (128-row blocks), no variant (window, softcap,
+    sinks), a finite positive scale; TMA views: q [tokens, heads x D] and each cache
+    [blocks x block size, heads x D] (unit strides along D, heads contiguous, a block's
+    rows one after another, row strides of whole 16 bytes), block sizes a power of two
+    from 16 (a box of a key tile lies in one block: `gluon_prefill.paged_tma_descriptors`)
+    and a cache of fewer than 2^31 rows (TMA coordinates are int32); int32 block table and
+    seq_lens."""
+    q, k_cache, v_cache = call.q, call.k_cache, call.v_cache
+    dtype = q.dtype
+    if dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != dtype or v_cache.dtype != dtype:
+        return None
+    if (0 <= call.window_left) or call.softcap != 0.0 or call.sinks is not None:
+        return None
+    if not (math.isfinite(call.scale) and call.scale > 0) or call.max_seqlen_q <= 64:
+        return None
+    if call.block_table.dtype != torch.int32 or call.seq_lens.dtype != torch.int32:
+        return None
+    module = _sm90_gluon(q.device)
+    if module is None:
+        return None
+    num_blocks, page, hk, d = k_cache.shape
+    if not (d == v_cache.shape[3] == 128 and q.shape[2] == d and q.shape[0] > 0 and num_blocks > 0):
+        return None
+    if page < 16 or page & (page - 1) or num_blocks * page >= 2**31:
+        return None
+    if q.stride(2) != 1 or q.stride(1) != d or q.stride(0) % 8:
+        return None
+    for cache in (k_cache, v_cache):
+        if cache.stride(3) != 1 or cache.stride(2) != d or cache.stride(1) % 8 or cache.stride(0) != page * cache.stride(1):
+            return None
+    plan = GluonPlan("paged-tma", 128, 128, warp_specialisation("tma", d), 2)
+    smem = max_shared_memory(q.device)
+    return plan if smem is not None and shared_memory(module, plan, d, d) <= smem else None
 
 
 def choose_paged_attention_prefill(call, config: tuple[int, int, int, int] | None = None) -> PagedPrefillChoice:
     """The paged prefill's plan for this call signature. `config` (tests and benchmarks
-    only) overrides (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    only) overrides the Triton kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) and so
+    asks for that kernel."""
     tq, hq, d = call.q.shape
     hk, dv = call.v_cache.shape[2:]
     path = "empty" if tq * hq * dv == 0 else "triton"
+    gluon = None if path == "empty" or config is not None else paged_gluon_plan(call)
     config = config or paged_prefill_config(call.q.device, d, dv, hq // hk, call.max_seqlen_q,
                                             kv_cache_fp8(call.k_cache))
-    return PagedPrefillChoice(path, config, kv_cache_fp8(call.k_cache))
+    kernels = ("triton",) if gluon is None else (gluon.name, "triton")
+    return PagedPrefillChoice(path, config, kv_cache_fp8(call.k_cache), kernels, gluon)
 
 
 # -- varlen prefill: the Triton kernel -----------------------------------------------------
@@ -436,7 +486,7 @@ def tma_q_buffers(d: int) -> int:
 @dataclass(frozen=True)
 class GluonPlan:
     """The launch plan of one sm_90 Gluon kernel: `kernel` "tma", "ws" or "wgmma" (16-bit)
-    or "tma-fp8"; the tiles; `warp_spec` (stages, consumer registers, loader registers),
+    or "tma-fp8" (varlen), "paged-tma" (paged prefill); the tiles; `warp_spec` (stages, consumer registers, loader registers),
     None for "wgmma"; the q buffers of the TMA kernels; `copies`: fp8 on the contiguous
     fp8 copies of bf16/fp16 q and k that the op quantises (the q copy is scratch)."""
 

@@ -113,9 +113,10 @@ def paged_attention_decode(
 
 # -- paged prefill ------------------------------------------------------------------------
 def prepare_paged_attention_prefill(call):
-    """The runner of this call signature (the record's `prepare`): the plan's tiles, the
-    grid and both launches fixed here. A call makes 2 launches: zero the output rows
-    outside every sequence (`triton_quant.bind_prepare`), then attention. No workspace."""
+    """The runner of this call signature (the record's `prepare`): the plan's kernels and
+    tiles, the grid and both launches fixed here. A call makes 2 launches: zero the output
+    rows outside every sequence (`triton_quant.bind_prepare`), then attention (on sm_90
+    the Gluon kernel where the plan names it, else the Triton kernel). No workspace."""
     return bind_paged_attention_prefill(call, plan.choose_paged_attention_prefill(call))
 
 
@@ -141,6 +142,8 @@ def bind_paged_attention_prefill(call, choice: plan.PagedPrefillChoice):
     attend = bind_paged_prefill(q, k_cache, v_cache, call.block_table, call.seq_lens, num_seqs, call.max_seqlen_q,
                                 call.scale, call.causal, call.window_left, call.softcap, sinks_stride, choice.config,
                                 choice.kv_fp8)
+    if choice.gluon is not None and attend is not None:
+        attend = bind_gluon_paged_prefill(call, num_seqs, choice.gluon, attend)
     kv_fp8 = choice.kv_fp8
 
     def run(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, scale, causal,
@@ -356,13 +359,52 @@ def flash_attn_varlen(
 _FAILED: set[tuple] = set()
 
 
-def _compile_failed(key: tuple, exc: Exception) -> None:
+def _compile_failed(key: tuple, exc: Exception, op: str = "flash_attn_varlen") -> None:
     """Remember that the Gluon kernel of signature `key` did not compile (its later calls
     and bindings run the Triton kernel at once) and say so, once per signature."""
     if key not in _FAILED:
         _FAILED.add(key)
-        warnings.warn(f"graphsafe flash_attn_varlen: the sm_90 Gluon kernel did not compile for {key} ({exc}); "
+        warnings.warn(f"graphsafe {op}: the sm_90 Gluon kernel did not compile for {key} ({exc}); "
                       "running the Triton kernel", RuntimeWarning, stacklevel=3)
+
+
+def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_launch: Launch) -> Launch:
+    """A launch with `triton_launch`'s arguments, `(q, k_cache, v_cache, block_table,
+    seq_lens, cu_seqlens_q, k_scale, v_scale, sinks, out)` into a contiguous `out` [Tq, Hq,
+    Dv]: the paged Gluon kernel of plan `gluon` (it reads no scales nor sinks) for 16-byte
+    aligned q and caches, else `triton_launch` (the Choice's next kernel), as for every
+    call once the Gluon kernel failed to compile."""
+    module = plan.gluon_module()
+    q, k_cache, v_cache, block_table = call.q, call.k_cache, call.v_cache, call.block_table
+    tq, hq, d = q.shape
+    num_blocks, page, hk, dv = v_cache.shape
+    num_m_blocks = _cdiv(call.max_seqlen_q, gluon.block_m)
+    key = (q.dtype, d, dv, page, call.causal, gluon.kernel, gluon.warp_spec)
+    errors = compile_errors()
+    kernel = None
+    if key not in _FAILED:
+        stages, consumer_regs, loader_regs = gluon.warp_spec
+        work = num_m_blocks * num_seqs * hq
+        descriptors = module.paged_tma_descriptors(q, k_cache, v_cache)  # templates: each call's tensors
+        kernel = bind(module.paged_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
+                      q, q, q, q,  # out, cu_q, seq_lens, block_table: only their device is read
+                      hq * dv, dv, call.seq_lens.stride(0), block_table.stride(0), block_table.stride(1),
+                      call.scale * LOG2E, hq, num_m_blocks, tq, block_table.shape[1] * page, num_seqs, num_blocks,
+                      GROUP=hq // hk, DK=d, DV=dv, BLOCK_M=gluon.block_m, BLOCK_N=gluon.block_n, CAUSAL=call.causal,
+                      STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PAGE=page,
+                      Q_BUFFERS=gluon.q_buffers, num_warps=4)
+
+    def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, sinks, out):
+        nonlocal kernel
+        if kernel is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
+            try:
+                return kernel(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table)
+            except errors as exc:  # nothing ran: the Triton kernel runs the call
+                kernel = None
+                _compile_failed(key, exc, "paged_attention_prefill")
+        triton_launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, sinks, out)
+
+    return launch
 
 
 def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,

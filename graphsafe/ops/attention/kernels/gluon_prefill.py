@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from graphsafe.ops.attention.fp8_format import P_SCALE
-from graphsafe.kernels.gluon_compat import cp_async, cta_barrier, tma_load
+from graphsafe.kernels.gluon_compat import cp_async, cta_barrier, nvmma_chunks, tma_load
 
 P_LOG2 = gl.constexpr(int(P_SCALE).bit_length() - 1)  # P_SCALE = 2^P_LOG2
 FLT_MIN = gl.constexpr(1.1754943508222875e-38)  # smallest normal float32
@@ -151,14 +151,16 @@ def _copy_rows(smem, base, row0, row_end, stride, ROWS: gl.constexpr, D: gl.cons
 @gluon.jit
 def _softmax_step(s, m_i, l_i, n0, offs_m, k_len, diag, qk_scale,
                   BLOCK_N: gl.constexpr, S_COL: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                  FP8: gl.constexpr = False, lead=0):
+                  FP8: gl.constexpr = False, lead=0, bad=0, BOX: gl.constexpr = 0):
     """One key tile's scores s [BLOCK_M, BLOCK_N] (keys n0 ...) into the online softmax:
     (p unnormalised, alpha = the old rows' rescale, the new row max, the new row sum).
     MASKED tiles hide keys past the sequence and, CAUSAL, past row i's diagonal (n > i + diag).
     FP8: qk_scale carries the descales, so any sign (nonzero: the caller's): the row's
     largest scaled score is its max or its min score, and a hidden key's score is the
     value that scales to -inf; p comes scaled by P_SCALE (e4m3 has no room below 2^-9),
-    in l as in acc, so it cancels; keys before `lead` (`_ws_bounds`' frame) are hidden too."""
+    in l as in acc, so it cancels; keys before `lead` (`_ws_bounds`' frame) are hidden too.
+    BOX > 0 (the paged kernel): bit i of `bad` hides keys [n0 + i BOX, n0 + (i + 1) BOX),
+    a cache block whose id is outside the cache (`_bad_boxes`)."""
     if FP8:
         positive = qk_scale > 0
         hidden = gl.where(positive, float("-inf"), float("inf"))
@@ -171,6 +173,8 @@ def _softmax_step(s, m_i, l_i, n0, offs_m, k_len, diag, qk_scale,
             visible = visible & (offs_n >= lead)[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
+        if BOX > 0:
+            visible = visible & (((bad >> ((offs_n - n0) // BOX)) & 1) == 0)[None, :]
         s = gl.where(visible, s, hidden)
     if FP8:
         if positive:
@@ -206,18 +210,20 @@ def _full_tiles(r0, k_len, diag, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, t, full_tiles, offs_m, k_len, diag, qk_scale,
                   BLOCK_N: gl.constexpr, S_COL: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr = False,
-                  lead=0):
+                  lead=0, bad=0, BOX: gl.constexpr = 0):
     """`_softmax_step` of key tile t: unmasked when it is one of the first `full_tiles`
-    (FP8: not tile 0 of a frame with a lead), masked otherwise."""
+    (FP8: not tile 0 of a frame with a lead; paged, BOX > 0: no bad box), masked otherwise."""
     unmasked = t < full_tiles
     if FP8:
         unmasked = unmasked & ((t > 0) | (lead == 0))
+    if BOX > 0:
+        unmasked = unmasked & (bad == 0)
     if unmasked:
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, t * BLOCK_N, offs_m, k_len, diag, qk_scale,
                                            BLOCK_N, S_COL, False, CAUSAL, FP8, lead)
     else:
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, t * BLOCK_N, offs_m, k_len, diag, qk_scale,
-                                           BLOCK_N, S_COL, True, CAUSAL, FP8, lead)
+                                           BLOCK_N, S_COL, True, CAUSAL, FP8, lead, bad, BOX)
     return p, alpha, m_i, l_i
 
 
@@ -369,7 +375,8 @@ def _ws_tile(tile, num_m_blocks, num_q_heads, GROUP: gl.constexpr, BLOCK_M: gl.c
 
 @gluon.jit
 def _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr, WARPS: gl.constexpr, KV_ALIGN: gl.constexpr = 1):
+               CAUSAL: gl.constexpr, WARPS: gl.constexpr, KV_ALIGN: gl.constexpr = 1, PAGED: gl.constexpr = False,
+               stride_lens=1):
     """(q_start, q_len, k_start, k_len, diag, n_tiles, lead) of a work tile, its keys in a
     frame that starts at k_start rounded down to KV_ALIGN tokens (the fp8 kernel's V^T
     tiles start at whole 16-byte columns, as TMA needs): k_start is the frame's first
@@ -377,11 +384,18 @@ def _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M: gl.constexp
     sequence's keys + lead, and row i sees frame keys n <= i + diag (bottom-right causal).
     KV_ALIGN = 1: lead = 0, the sequence's own bounds. n_tiles = 0 when the block starts
     past its sequence's rows (every partition skips the tile) or when no row of it sees
-    a key (the loader skips it, the consumers write its rows' zeros)."""
+    a key (the loader skips it, the consumers write its rows' zeros).
+    PAGED: cu_k_ptr is seq_lens (stride `stride_lens`) and total_k the keys a block table
+    row holds; the keys are the cache's positions [0, k_len), k_len = seq_lens[b] clamped
+    to [0, total_k] (k_start 0: the loader maps positions to cache rows)."""
     q_start, q_end = _sequence_bounds(cu_q_ptr, b, total_q, WARPS)
     q_len = q_end - q_start
-    k_start, k_end = _sequence_bounds(cu_k_ptr, b, total_k, WARPS)
-    k_len = k_end - k_start
+    if PAGED:
+        k_start = 0
+        k_len = gl.minimum(gl.maximum(gl.load(cu_k_ptr + b * stride_lens), 0), total_k)
+    else:
+        k_start, k_end = _sequence_bounds(cu_k_ptr, b, total_k, WARPS)
+        k_len = k_end - k_start
     diag = k_len - q_len  # row i sees keys n <= i + diag (bottom-right causal)
     lead = 0
     if KV_ALIGN > 1:
@@ -492,10 +506,53 @@ def _p_operand(p, dtype: gl.constexpr, P_OPERAND: gl.constexpr, p_smem, FP8: gl.
 
 
 @gluon.jit
+def _bad_boxes(table_row, stride_tm, num_blocks, t, k_len, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+               BOX: gl.constexpr):
+    """The paged kernel's key tile t as BLOCK_N / BOX boxes of BOX keys (BOX = min(PAGE,
+    BLOCK_N), a box in one cache block): bit i set where box i starts inside the sequence
+    (before k_len) but its block id, `table_row[(t BLOCK_N + i BOX) // PAGE]`, is outside
+    [0, num_blocks) (a padding block: its keys are hidden, as the reference's). Reads no
+    table entry past the sequence's last block."""
+    bad = 0
+    for i in gl.static_range(BLOCK_N // BOX):
+        key0 = t * BLOCK_N + i * BOX
+        inside = key0 < k_len
+        block = gl.load(table_row + gl.where(inside, key0 // PAGE, 0) * stride_tm)
+        # One unsigned compare: a negative id wraps to a huge one.
+        bad = bad | gl.where(inside & (block.to(gl.uint32, bitcast=True) >= num_blocks), 1 << i, 0)
+    return bad
+
+
+@gluon.jit
+def _box_row(table_row, stride_tm, num_blocks, key0, k_len, PAGE: gl.constexpr, BOX: gl.constexpr):
+    """The cache row (of the [blocks x PAGE, heads x head dim] view) of position key0, the
+    first of a box of BOX keys in one block; -BOX (a box wholly outside the view: TMA fills
+    it with zeros, reading nothing) for a box past the sequence or in a padding block."""
+    inside = key0 < k_len
+    block = gl.load(table_row + gl.where(inside, key0 // PAGE, 0) * stride_tm)
+    ok = inside & (block.to(gl.uint32, bitcast=True) < num_blocks)
+    return gl.where(ok, block * PAGE + key0 % PAGE, -BOX)
+
+
+@gluon.jit
+def _tma_boxes(desc, table_row, stride_tm, num_blocks, key0, k_len, col, barrier, smem, first,
+               CHUNKS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, BOX: gl.constexpr):
+    """The paged kernel's copies of the key tile at positions [key0, key0 + BLOCK_N): per
+    box of BOX keys one TMA copy [BOX, 64] per 64-column chunk c (columns col + 64 c on)
+    into rows [i BOX, (i + 1) BOX) of smem[first + c] ([BLOCK_N, 64] chunks, 128-byte rows:
+    a box lands in whole 1-KiB swizzle atoms)."""
+    for i in gl.static_range(BLOCK_N // BOX):
+        row = _box_row(table_row, stride_tm, num_blocks, key0 + i * BOX, k_len, PAGE, BOX)
+        for c in gl.static_range(CHUNKS):
+            tma_load(desc, [row, col + c * 64], barrier, smem.index(first + c).slice(i * BOX, BOX))
+
+
+@gluon.jit
 def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                  acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, qk_scale,
                  WG: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 CHUNKS: gl.constexpr, FP8: gl.constexpr = False, p_smem=None, lead=0):
+                 CHUNKS: gl.constexpr, FP8: gl.constexpr = False, p_smem=None, lead=0,
+                 table_row=0, stride_tm=0, num_blocks=0, PAGE: gl.constexpr = 0, BOX: gl.constexpr = 0):
     """One warpgroup's key loop over a work tile's n_tiles (> 0) key tiles, at ring position
     `ring` and q buffer `count % (q buffers)`: (acc, row max, row sum). Releases every
     buffer it read.
@@ -504,7 +561,9 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     FP8: q, k and p are float8e4nv, v_smem holds V^T tiles [DV, BLOCK_N] (fp8 wgmma reads
     both operands K-major), qk_scale any nonzero value (`_softmax_step`); p goes through
     this warpgroup's `p_smem` [64, BLOCK_N] (Triton 3.6 cannot keep 8-bit registers of
-    an in-flight wgmma alive: no 8-bit operands in registers)."""
+    an in-flight wgmma alive: no 8-bit operands in registers).
+    PAGE > 0 (the paged kernel): keys of a padding block are hidden (`_bad_boxes` of
+    `table_row`, read beside the copies)."""
     dtype: gl.constexpr = q_smem.dtype
     K_STEP: gl.constexpr = 32 if FP8 else 16  # wgmma's K: 32 bytes of the operands' rows
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -521,6 +580,9 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     qb = count % Q_BUFFERS
     q0 = (2 * qb + WG) * CHUNKS
     mbarrier.wait(q_full.index(qb), (count // Q_BUFFERS) & 1)
+    bad = 0
+    if PAGE > 0:
+        bad = _bad_boxes(table_row, stride_tm, num_blocks, 0, k_len, BLOCK_N, PAGE, BOX)
     s0 = ring % STAGES
     mbarrier.wait(k_full.index(s0), (ring // STAGES) & 1)
     fence_async_shared()
@@ -530,12 +592,14 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     # fill the buffer for the next work tile meanwhile (with one q buffer, no bubble).
     mbarrier.arrive(q_empty.index(qb), pred=n_tiles == 1)
     p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, full_tiles, offs_m, k_len, diag, qk_scale,
-                                       BLOCK_N, S_COL, CAUSAL, FP8, lead)
+                                       BLOCK_N, S_COL, CAUSAL, FP8, lead, bad, BOX)
     p_op = _p_operand(p, dtype, P_OPERAND, p_smem, FP8)
     for j in range(0, n_tiles - 1):
         # In: p_op of key tile j (ring position ring + j), acc at its row max.
         sk = (ring + j + 1) % STAGES
         sv = (ring + j) % STAGES
+        if PAGE > 0:
+            bad = _bad_boxes(table_row, stride_tm, num_blocks, j + 1, k_len, BLOCK_N, PAGE, BOX)
         mbarrier.wait(k_full.index(sk), ((ring + j + 1) // STAGES) & 1)
         mbarrier.wait(v_full.index(sv), ((ring + j) // STAGES) & 1)
         fence_async_shared()
@@ -547,7 +611,7 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
         mbarrier.arrive(k_empty.index(sk))
         mbarrier.arrive(q_empty.index(qb), pred=j + 2 == n_tiles)
         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j + 1, full_tiles, offs_m, k_len, diag,
-                                           qk_scale, BLOCK_N, S_COL, CAUSAL, FP8, lead)
+                                           qk_scale, BLOCK_N, S_COL, CAUSAL, FP8, lead, bad, BOX)
         if FP8:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         else:
@@ -586,13 +650,16 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
                  out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                  total_q, total_k, WG: gl.constexpr, GROUP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr,
-                 FP8: gl.constexpr = False, descales=None, p_smem=None):
+                 FP8: gl.constexpr = False, descales=None, p_smem=None, paging=None, PAGE: gl.constexpr = 0,
+                 BOX: gl.constexpr = 0):
     """Consumer partition WG (one warpgroup): rows [m0 + 64 WG, m0 + 64 WG + 64) of each
     work tile, the key loop of `varlen_fwd_wgmma_kernel` on the buffers the loader fills;
     a buffer is released (one arrive per consumer) once this warpgroup's wgmma read it.
     FP8: `descales` = (q, k, v descale pointers, their (sequence, kv head) strides): each
     work tile's scores are scaled by qk_scale x its q and k descales, its output by its v
-    descale; `p_smem` [2, 64, BLOCK_N]: each warpgroup's p buffer."""
+    descale; `p_smem` [2, 64, BLOCK_N]: each warpgroup's p buffer.
+    PAGE > 0 (`paged_fwd_tma_kernel`): cu_k_ptr is seq_lens, total_k the keys of a block
+    table row, `paging` = (block table, its two strides, seq_lens' stride, cache blocks)."""
     K_STEP: gl.constexpr = 32 if FP8 else 16
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_N, K_STEP])
@@ -605,8 +672,17 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     count = 0
     for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
         b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
-        q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
-            cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 4, 16 if FP8 else 1)
+        table_row = 0
+        stride_tm = 0
+        num_blocks = 0
+        if PAGE > 0:
+            table_ptr, stride_tb, stride_tm, stride_lens, num_blocks = paging
+            table_row = table_ptr + b.to(gl.int64) * stride_tb
+            q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
+                cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 4, 1, True, stride_lens)
+        else:
+            q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
+                cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 4, 16 if FP8 else 1)
         if m0 < q_len:  # (a block past its sequence's rows has nothing to write)
             r0 = m0 + 64 * WG
             m_i = gl.full([64], float("-inf"), gl.float32, layout=S_ROW)
@@ -621,7 +697,8 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
             if n_tiles > 0:  # (else no row of the block sees a key: it writes 0)
                 acc, m_i, l_i = _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                                              acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, tile_scale,
-                                             WG, DV, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, p_buffer, lead)
+                                             WG, DV, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, p_buffer, lead,
+                                             table_row, stride_tm, num_blocks, PAGE, BOX)
                 ring += n_tiles
                 count += 1
             out_base = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
@@ -718,7 +795,8 @@ def _tma_chunks(desc, row, col, barrier, smem, first, CHUNKS: gl.constexpr):
 def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                 q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
                 GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr):
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
+                paging=None, v_boxes=None, PAGE: gl.constexpr = 0, BOX: gl.constexpr = 0):
     """Loader partition (one warp) of `varlen_fwd_tma_kernel`: `_ws_loader`'s order of
     copies, each one TMA copy (q in two 64-row halves) completing its buffer's barrier by
     the bytes it lands. The copies read whole tiles at the sequence's rows: rows past a
@@ -729,16 +807,30 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
     v_desc is V^T's [kv heads x Dv, tokens], its tiles [Dv, BLOCK_N], keys its columns;
     a TMA tile must start at a 16-byte column, so the keys run in `_ws_bounds`' frame
     from the sequence's first token rounded down to 16, and the first tile's columns
-    before the sequence are zeroed too."""
+    before the sequence are zeroed too.
+    PAGE > 0 (`paged_fwd_tma_kernel`): a key tile is BLOCK_N / BOX boxes, each read from its
+    cache block (`_tma_boxes`: `paging` as `_ws_consumer`'s; `v_boxes` the V stages seen
+    as [STAGES x DV / 64, BLOCK_N, 64] chunks); boxes past the sequence or in a padding
+    block are TMA's zeros."""
     CHUNKS: gl.constexpr = DK // q_desc.block_type.shape[1]
     Q_BUFFERS: gl.constexpr = q_full.shape[0]
+    if PAGE > 0:  # a V tile: DV / 64 chunks of BLOCK_N / BOX boxes
+        V_BYTES: gl.constexpr = (DV // 64) * (BLOCK_N // BOX) * v_desc.block_type.nbytes
+    else:
+        V_BYTES: gl.constexpr = v_desc.block_type.nbytes
     ring = 0
     count = 0
     fixes = 0
     for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
         b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
-        q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
-            cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 1, 16 if FP8 else 1)
+        if PAGE > 0:
+            table_ptr, stride_tb, stride_tm, stride_lens, num_blocks = paging
+            table_row = table_ptr + b.to(gl.int64) * stride_tb
+            q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
+                cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 1, 1, True, stride_lens)
+        else:
+            q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
+                cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 1, 16 if FP8 else 1)
         if n_tiles > 0:
             qb = count % Q_BUFFERS
             mbarrier.wait(q_empty.index(qb), ((count // Q_BUFFERS) & 1) ^ 1)
@@ -751,8 +843,13 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
                 free_phase = ((ring // STAGES) & 1) ^ 1
                 row = k_start + t * BLOCK_N
                 mbarrier.wait(k_empty.index(s), free_phase)
-                mbarrier.expect(k_full.index(s), CHUNKS * k_desc.block_type.nbytes)
-                _tma_chunks(k_desc, row, kv_head * DK, k_full.index(s), k_smem, s * CHUNKS, CHUNKS)
+                if PAGE > 0:
+                    mbarrier.expect(k_full.index(s), CHUNKS * (BLOCK_N // BOX) * k_desc.block_type.nbytes)
+                    _tma_boxes(k_desc, table_row, stride_tm, num_blocks, t * BLOCK_N, k_len, kv_head * DK,
+                               k_full.index(s), k_smem, s * CHUNKS, CHUNKS, BLOCK_N, PAGE, BOX)
+                else:
+                    mbarrier.expect(k_full.index(s), CHUNKS * k_desc.block_type.nbytes)
+                    _tma_chunks(k_desc, row, kv_head * DK, k_full.index(s), k_smem, s * CHUNKS, CHUNKS)
                 mbarrier.wait(v_empty.index(s), free_phase)
                 keys = k_len - t * BLOCK_N  # keys of the sequence (frame) in this tile
                 if FP8:
@@ -762,11 +859,19 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
                     v_at = [row, kv_head * DV]
                     first = 0
                 if (keys >= BLOCK_N) & (first == 0):
-                    mbarrier.expect(v_full.index(s), v_desc.block_type.nbytes)
-                    tma_load(v_desc, v_at, v_full.index(s), v_smem.index(s))
+                    mbarrier.expect(v_full.index(s), V_BYTES)
+                    if PAGE > 0:
+                        _tma_boxes(v_desc, table_row, stride_tm, num_blocks, t * BLOCK_N, k_len, kv_head * DV,
+                                   v_full.index(s), v_boxes, s * (DV // 64), DV // 64, BLOCK_N, PAGE, BOX)
+                    else:
+                        tma_load(v_desc, v_at, v_full.index(s), v_smem.index(s))
                 else:
-                    mbarrier.expect(v_landed.index(0), v_desc.block_type.nbytes)
-                    tma_load(v_desc, v_at, v_landed.index(0), v_smem.index(s))
+                    mbarrier.expect(v_landed.index(0), V_BYTES)
+                    if PAGE > 0:
+                        _tma_boxes(v_desc, table_row, stride_tm, num_blocks, t * BLOCK_N, k_len, kv_head * DV,
+                                   v_landed.index(0), v_boxes, s * (DV // 64), DV // 64, BLOCK_N, PAGE, BOX)
+                    else:
+                        tma_load(v_desc, v_at, v_landed.index(0), v_smem.index(s))
                     mbarrier.wait(v_landed.index(0), fixes & 1)
                     fixes += 1
                     if FP8:
@@ -843,4 +948,80 @@ def varlen_fwd_tma_kernel(
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                        q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
                        GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# -- paged prefill: the TMA kernel walking the block table --------------------------------------
+def paged_tma_descriptors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """Host TMA descriptors (templates: each call passes its own q and caches) of
+    `paged_fwd_tma_kernel`: q as 2-D [tokens, heads x D] with [64, 64] blocks, the caches
+    as 2-D [blocks x block size, kv heads x D] (the caller checked a block's rows follow
+    each other: block stride = block size x token stride) with [BOX, 64] blocks, BOX =
+    min(block size, 128): one box of a key tile lies in one cache block."""
+    num_blocks, page, hk, d = k_cache.shape
+    box = min(page, 128)
+    return (_rows(q, q.shape, q.stride(0), 64, 64),
+            _descriptor(k_cache, [num_blocks * page, hk * d], [k_cache.stride(1), 1], [box, 64]),
+            _descriptor(v_cache, [num_blocks * page, hk * v_cache.shape[3]], [v_cache.stride(1), 1], [box, 64]))
+
+
+@gluon.jit
+def paged_fwd_tma_kernel(
+    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, lens_ptr, table_ptr, stride_ot, stride_oh,
+    stride_lens, stride_tb, stride_tm, qk_scale, num_q_heads, num_m_blocks, total_q, max_len, num_seqs, num_blocks,
+    GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    PAGE: gl.constexpr, Q_BUFFERS: gl.constexpr = 2,
+):
+    """`paged_attention_prefill` (bf16/fp16, no variant) as `varlen_fwd_tma_kernel`: the same
+    persistent work tiles, loader warp and consumer warpgroups, with each sequence's keys
+    the cache positions [0, seq_lens[b]) of its block table row (query token i at position
+    i + seq_lens[b] - its query count, bottom-right causal). The loader reads a key tile
+    as boxes of BOX = min(PAGE, BLOCK_N) rows, each from its block (`_tma_boxes`): every
+    box a TMA copy of [BOX, 64] (head dims as 64-column chunks, so a box fills whole
+    swizzle atoms of its rows); a box past the sequence or in a padding block (an id
+    outside [0, num_blocks)) is TMA's zeros, and the consumers hide a padding block's keys
+    (`_bad_boxes`), rows past seq_lens[b] as in varlen. max_len: keys a table row holds
+    (its columns x PAGE); DK = DV = a multiple of 64; launch with num_warps=4."""
+    dtype: gl.constexpr = q_desc.dtype
+    CHUNKS: gl.constexpr = DK // 64
+    BOX: gl.constexpr = k_desc.block_type.shape[0]
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS * CHUNKS, 64, 64], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS, BLOCK_N, 64], k_desc.layout)
+    # V stages as p.V reads them, [BLOCK_N, DV]; a 128-byte swizzled buffer wider than 64
+    # columns lies as its 64-column chunks one after another, so the loader writes them
+    # as [BLOCK_N, 64] chunks (`v_boxes`).
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype))
+    v_boxes = nvmma_chunks(v_smem, dtype, STAGES * (DV // 64), BLOCK_N, 64)
+    q_full = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(v_landed.index(0), count=1)
+    num_work = num_m_blocks * num_seqs * num_q_heads
+    paging = (table_ptr, stride_tb, stride_tm, stride_lens, num_blocks)
+    gl.warp_specialize([
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                        out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        total_q, max_len, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, False,
+                        paging, q_smem, paging, PAGE, BOX)),
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                        out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        total_q, max_len, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, False,
+                        paging, q_smem, paging, PAGE, BOX)),
+        (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
+                       q_desc, k_desc, v_desc, cu_q_ptr, lens_ptr, num_q_heads, num_m_blocks, num_work, total_q,
+                       max_len, GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, paging, v_boxes, PAGE, BOX)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -1,0 +1,278 @@
+"""The sm_90 Gluon kernel of `paged_attention_prefill` (`gluon_prefill.paged_fwd_tma_kernel`)
+on the CPU: its launches, as `prepare_paged_attention_prefill` binds them, compile for
+sm_90 (wgmma shapes, TMA copies per key tile, shared memory within the plan's estimate);
+where it runs (`plan.paged_gluon_plan` on stand-in sm_90 tensors); the launch's fallback
+to the Triton kernel (misaligned inputs, a failed compile). Its numerics are checked on
+the GPU (tests/test_paged_prefill_gpu.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import types
+import warnings
+
+import pytest
+import torch
+
+from graphsafe import device_info
+from graphsafe.ops.attention import plan as P
+from graphsafe.ops.attention import triton as T
+from graphsafe.testing.compile_scripts import SPECIALISE_PRELUDE
+
+_PAGED_COMPILE_SCRIPT = r"""
+import re, sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma
+except ImportError:
+    print("NO_BACKEND"); sys.exit(0)
+from graphsafe.ops.attention.kernels import gluon_prefill as G
+import torch
+from graphsafe.ops.attention import plan as P, triton as T
+from graphsafe.ops.attention.kernels import triton_paged_prefill, triton_quant
+
+launches = []
+
+def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluon launches
+    def launch(*tensors):
+        if kernel is G.paged_fwd_tma_kernel:
+            it = iter(tensors)
+            def take(a):  # a descriptor (a template) stays: the signature is its block and layout
+                if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor":
+                    t = next(it)
+                    return a if type(a).__name__ == "TensorDescriptor" else t
+                return a
+            launches.append((tuple(take(a) for a in args), dict(kw)))
+    return launch
+
+for module in (T, triton_paged_prefill, triton_quant):
+    module.bind = record
+# As on sm_90 (the CPU tensors stand in for CUDA ones): the plan of these shapes.
+P.paged_gluon_plan = lambda call: P.GluonPlan("paged-tma", 128, 128, P.warp_specialisation("tma", 128), 2)
+""" + SPECIALISE_PRELUDE + r"""
+# (dtype, block size, causal): every box count a key tile takes (8, 2, 1, and a block
+# spanning two tiles), fp16 once.
+CALLS = [(torch.bfloat16, 16, True), (torch.bfloat16, 64, False), (torch.float16, 128, True),
+         (torch.bfloat16, 256, True)]
+for dtype, bs, causal in CALLS:
+    q = torch.zeros(600, 8, 128, dtype=dtype)
+    cache = torch.zeros(64, bs, 2, 128, dtype=dtype)
+    table = torch.zeros(2, 4096 // bs, dtype=torch.int32)
+    lens = torch.full((2,), 4096, dtype=torch.int32)
+    cu = torch.tensor([0, 300, 600], dtype=torch.int32)
+    before = len(launches)
+    T.paged_attention_prefill(q, cache, cache, table, lens, cu, 300, 0.088, causal)
+    assert len(launches) == before + 1, "the Gluon kernel is bound and launched"
+for args, kw in launches:
+    kw = dict(kw)
+    warps = kw.pop("num_warps")
+    k = triton.compile(specialise(G.paged_fwd_tma_kernel, args, kw, GluonASTSource),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    shapes = wgmma_shapes(k)
+    ptx = k.asm["ptx"]
+    tma_copies = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    box = min(kw["PAGE"], 128)
+    print("compiled page", kw["PAGE"], "causal", kw["CAUSAL"], "shared", k.metadata.shared, shapes, "tma", tma_copies)
+    # q.k (n 128, 128 / 16 k-steps) and p.V (n 128, 128 / 16 k-steps), each in the loop and
+    # once outside it, in each of the two consumer partitions.
+    assert shapes == {"m64n128k16": 2 * (2 * 8 + 2 * 8)}, shapes
+    # q: two 64-row halves x two 64-column chunks; K: a copy per box and chunk; V: the
+    # same twice (a whole tile, and a tile cut by the sequence's end whose tail is zeroed).
+    assert tma_copies == 4 + 3 * (128 // box) * 2, tma_copies
+    need = G.shared_memory_bytes(128, 128, 128, 128, 2, 2)
+    assert k.metadata.shared <= need <= 227 * 1024, (k.metadata.shared, need)
+print("OK")
+"""
+
+
+def test_paged_gluon_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
+    """`prepare_paged_attention_prefill`'s Gluon launch (block sizes 16, 64, 128, 256;
+    bf16 and fp16; causal or not) compiles for sm_90 with this Triton: the wgmma shapes and
+    counts, one TMA copy per box and 64-column chunk of a key tile, and shared memory within
+    the estimate the plan decides by."""
+    out = compile_for_sm90(_PAGED_COMPILE_SCRIPT, timeout=900)
+    print(out)
+    assert out.count("compiled") == 4, out
+
+
+# -- where the Gluon kernel runs -----------------------------------------------------------------
+SM90_SHARED = 232448
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    if P.gluon_module() is None:
+        pytest.skip("this Triton has no Gluon (or not the Hopper ops the kernel uses)")
+    monkeypatch.setattr(device_info, "compute_capability", lambda device: (9, 0))
+    monkeypatch.setattr(P, "max_shared_memory", lambda device: SM90_SHARED)
+    monkeypatch.setattr(P.torch.version, "hip", None)
+    return monkeypatch
+
+
+def _stand_in(dtype, shape, stride=None):
+    """A CUDA tensor's shape, strides and dtype (all the plan reads), contiguous unless
+    `stride` is given."""
+    if stride is None:
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return types.SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=shape,
+                                 stride=lambda dim=None: stride if dim is None else stride[dim])
+
+
+def _call(dtype=torch.bfloat16, d=128, dv=None, bs=16, max_seqlen_q=512, scale=0.088, window_left=-1, softcap=0.0,
+          sinks=None, q_stride=None, cache_stride=None, k_dtype=None, table_dtype=torch.int32, lens_dtype=torch.int32,
+          num_blocks=1000):
+    dv = d if dv is None else dv
+    return types.SimpleNamespace(
+        q=_stand_in(dtype, (1024, 8, d), q_stride), k_cache=_stand_in(k_dtype or dtype, (num_blocks, bs, 2, d),
+                                                                       cache_stride),
+        v_cache=_stand_in(dtype, (num_blocks, bs, 2, dv)), block_table=_stand_in(table_dtype, (2, 4096 // bs)),
+        seq_lens=_stand_in(lens_dtype, (2,)), max_seqlen_q=max_seqlen_q, scale=scale, window_left=window_left,
+        softcap=softcap, sinks=sinks, causal=True)
+
+
+def _fits(**kw) -> bool:
+    return P.paged_gluon_plan(_call(**kw)) is not None
+
+
+@pytest.mark.parametrize("bs", [16, 32, 64, 128, 256, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_plain_calls_fit_on_sm90(sm90, dtype, bs):
+    assert _fits(dtype=dtype, bs=bs)
+    plan = P.paged_gluon_plan(_call(dtype=dtype, bs=bs))
+    assert (plan.name, plan.block_m, plan.block_n) == ("gluon-paged-tma", 128, 128)
+
+
+_DECLINED = {
+    "64 queries at most (64-row blocks)": dict(max_seqlen_q=64),
+    "a window": dict(window_left=127),
+    "softcap": dict(softcap=30.0),
+    "sinks": dict(sinks=object()),
+    "scale 0": dict(scale=0.0),
+    "nan scale": dict(scale=math.nan),
+    "D 64": dict(d=64),
+    "D 256": dict(d=256),
+    "Dv 64 != D 128": dict(dv=64),
+    "fp8 cache": dict(k_dtype=torch.float8_e4m3fn),
+    "float32": dict(dtype=torch.float32),
+    "block size 8": dict(bs=8),
+    "block size 48": dict(bs=48),
+    "int64 block table": dict(table_dtype=torch.int64),
+    "int64 seq_lens": dict(lens_dtype=torch.int64),
+    "q heads padded": dict(q_stride=(8 * 144, 144, 1)),
+    "q token stride of 8 k + 4 elements": dict(q_stride=(8 * 128 + 4, 128, 1)),
+    "cache heads padded": dict(cache_stride=(16 * 2 * 144, 2 * 144, 144, 1)),
+    "cache blocks padded": dict(cache_stride=(16 * 256 + 64, 256, 128, 1)),
+    "cache of 2^31 rows": dict(num_blocks=2**27),
+}
+
+
+@pytest.mark.parametrize("case", list(_DECLINED))
+def test_other_calls_run_the_triton_kernel_on_sm90(sm90, case):
+    assert not _fits(**_DECLINED[case])
+
+
+def test_the_paged_kernel_needs_its_shared_memory(sm90):
+    need = P.gluon_module().shared_memory_bytes(128, 128, 128, 128, 2, 2)
+    for smem, fits in ((need, True), (need - 1, False), (None, False)):
+        sm90.setattr(P, "max_shared_memory", lambda device, s=smem: s)
+        assert _fits() == fits, smem
+
+
+def test_other_gpus_and_the_cpu_run_the_triton_kernel(sm90):
+    assert _fits()
+    for capability in ((10, 0), (8, 0)):
+        sm90.setattr(device_info, "compute_capability", lambda device, c=capability: c)
+        assert not _fits(), capability
+    sm90.undo()
+    q = torch.zeros(600, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(64, 16, 2, 128, dtype=torch.bfloat16)
+    call = types.SimpleNamespace(q=q, k_cache=cache, v_cache=cache, block_table=torch.zeros(2, 4, dtype=torch.int32),
+                                 seq_lens=torch.zeros(2, dtype=torch.int32), max_seqlen_q=300, scale=0.08,
+                                 window_left=-1, softcap=0.0, sinks=None, causal=True)
+    assert P.paged_gluon_plan(call) is None
+
+
+# -- the launch: the Triton kernel for misaligned calls and failed compiles --------------------
+class _StandInKernel:
+    """Stands in for the Gluon kernel under `graphsafe.launch.bind` (its signature is the
+    real kernel's); each launch records its tensors, then raises `error` if given."""
+
+    def __init__(self, signature: inspect.Signature, error: Exception | None = None):
+        def fn(*args, **kwargs):
+            pass
+
+        fn.__signature__ = signature
+        self.fn, self.error, self.calls = fn, error, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, **kw):
+            # a TMA descriptor as the tensor it views
+            self.calls.append([getattr(a, "base", a) for a in args
+                               if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor"])
+            if self.error is not None:
+                raise self.error
+
+        return launch
+
+
+def _bind(monkeypatch, error=None):
+    """(Gluon stand-in, Triton launch records, launch, call tensors) for a bf16 block-16
+    signature bound by `bind_gluon_paged_prefill`."""
+    real = P.gluon_module()
+    if real is None:
+        pytest.skip("this Triton has no Gluon")
+    gluon = _StandInKernel(inspect.signature(real.paged_fwd_tma_kernel.fn), error)
+    module = types.SimpleNamespace(paged_fwd_tma_kernel=gluon, paged_tma_descriptors=real.paged_tma_descriptors)
+    monkeypatch.setattr(P, "gluon_module", lambda: module)
+    monkeypatch.setattr(T, "_FAILED", set())
+    monkeypatch.setattr(T, "num_sms", lambda device: 132)
+    q = torch.zeros(600, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(64, 16, 2, 128, dtype=torch.bfloat16)
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    lens = torch.full((2,), 1024, dtype=torch.int32)
+    cu = torch.tensor([0, 300, 600], dtype=torch.int32)
+    call = types.SimpleNamespace(q=q, k_cache=cache, v_cache=cache, block_table=table, seq_lens=lens,
+                                 max_seqlen_q=300, scale=0.088, causal=True)
+    triton_calls = []
+    launch = T.bind_gluon_paged_prefill(call, 2, P.GluonPlan("paged-tma", 128, 128, (2, 232, 32), 2),
+                                        lambda *tensors: triton_calls.append(tensors))
+    tensors = (q, cache, cache, table, lens, cu, q, q, q, torch.empty(600, 8, 128, dtype=torch.bfloat16))
+    return gluon, triton_calls, launch, tensors
+
+
+def test_aligned_calls_run_the_gluon_kernel(monkeypatch):
+    gluon, triton_calls, launch, tensors = _bind(monkeypatch)
+    launch(*tensors)
+    assert len(gluon.calls) == 1 and not triton_calls
+    q, k_cache, v_cache, table, lens, cu, *_, out = tensors
+    # The kernel's tensor order: q, k_cache, v_cache (as descriptors' bases), out, cu_q, seq_lens, block table.
+    assert all(a is b for a, b in zip(gluon.calls[0], (q, k_cache, v_cache, out, cu, lens, table), strict=True))
+
+
+def test_misaligned_q_runs_the_triton_kernel(monkeypatch):
+    gluon, triton_calls, launch, tensors = _bind(monkeypatch)
+    q = tensors[0]
+    shifted = torch.zeros(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    assert shifted.data_ptr() % 16
+    call = (shifted, *tensors[1:])
+    launch(*call)
+    assert not gluon.calls and len(triton_calls) == 1
+    assert all(a is b for a, b in zip(triton_calls[0], call, strict=True))
+    assert not T._FAILED
+
+
+def test_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch):
+    gluon, triton_calls, launch, tensors = _bind(monkeypatch, RuntimeError("PassManager::run failed"))
+    with pytest.warns(RuntimeWarning, match="paged_attention_prefill: the sm_90 Gluon kernel did not compile"):
+        launch(*tensors)
+    assert (len(gluon.calls), len(triton_calls)) == (1, 1)
+    assert T._FAILED == {(torch.bfloat16, 128, 128, 16, True, "paged-tma", (2, 232, 32))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch(*tensors)
+    assert (len(gluon.calls), len(triton_calls)) == (1, 2)
