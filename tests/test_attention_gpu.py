@@ -356,8 +356,10 @@ WGMMA_VARLEN_CASES = {
     "ragged-full-fp16": _wgmma_case(_RAGGED, _RAGGED, 8, 2, 128, torch.float16, False, "tma"),
     "prefix-keys": _wgmma_case([50, 200, 129], [700, 200, 1029], 4, 1, 128, torch.bfloat16, True, "tma"),
     "rows-see-no-key": _wgmma_case([512, 10], [100, 10], 4, 2, 128, torch.bfloat16, True, "tma"),
-    "empty-seqs-d64": _wgmma_case([0, 64, 0, 200], [0, 64, 5, 200], 4, 2, 64, torch.bfloat16, True, "wgmma"),
-    "full-d64-fp16": _wgmma_case([256, 333], [256, 333], 4, 4, 64, torch.float16, False, "wgmma"),
+    "empty-seqs-d64": _wgmma_case([0, 64, 0, 200], [0, 64, 5, 200], 4, 2, 64, torch.bfloat16, True, "tma"),
+    "full-d64-fp16": _wgmma_case([256, 333], [256, 333], 4, 4, 64, torch.float16, False, "tma"),
+    "short-d64": _wgmma_case([60, 0, 33], [60, 5, 300], 4, 2, 64, torch.bfloat16, True, "wgmma"),
+    "padded-heads-d64": _wgmma_case([256, 333], [256, 333], 4, 2, 64, torch.bfloat16, True, "wgmma", layout="padded"),
     "short-64-row-tiles": _wgmma_case([60, 40], [60, 400], 8, 8, 128, torch.bfloat16, True, "wgmma"),
     "llama-2x2048": _wgmma_case([2048] * 2, [2048] * 2, 32, 8, 128, torch.bfloat16, True, "tma"),
     "many-ragged-d128": _wgmma_case([0, 5, 0, 130, 1, 0, 64, 257, 700, 129, 3, 0],
@@ -478,6 +480,53 @@ def test_varlen_wgmma_graph_replay_with_new_lengths(d, dv):
         torch.cuda.synchronize()
         err = _max_err(out, expected)
         assert not out.isnan().any() and err < 2e-2, (new_lens, err)
+
+
+# name: (lens_q, lens_k, D, Dv, causal, window_left, softcap, sinks): the TMA kernel's variants.
+TMA_VARIANT_CASES = {
+    "window-100": ([300, 1, 77, 1000], [300, 1, 77, 1000], 128, 128, True, 100, 0.0, False),
+    "window-100-over-prefix": ([300, 200, 129], [2000, 200, 1029], 128, 128, True, 100, 0.0, False),
+    "window-0-not-causal": ([300, 700], [900, 700], 128, 128, False, 0, 0.0, False),
+    "window-500-not-causal": ([300, 1000], [300, 1000], 128, 128, False, 500, 0.0, False),
+    "softcap-30": ([300, 1, 77, 1000], [300, 1, 77, 1000], 128, 128, True, -1, 30.0, False),
+    "sinks": ([300, 1, 77, 1000], [300, 1, 77, 1000], 128, 128, True, -1, 0.0, True),
+    "all-three": ([2048, 700], [2048, 1500], 128, 128, True, 127, 50.0, True),
+    "mla-d192-all-three": ([300, 1000], [800, 1000], 192, 128, True, 255, 30.0, True),
+    "gpt-oss-d64-sinks-window": ([2048, 300], [2048, 700], 64, 64, True, 127, 0.0, True),
+    "d64-sinks": ([300, 1, 77, 1000], [300, 1, 77, 1000], 64, 64, True, -1, 0.0, True),
+}
+
+
+@pytest.mark.parametrize("case", list(TMA_VARIANT_CASES))
+def test_varlen_tma_variants_against_reference(case):
+    """Sliding window, logit softcap and sinks on the TMA kernel (its constexprs) against
+    the float32 reference and the Triton kernel; keys before every row's window are NaN
+    (never read), as are the rows past the last sequence."""
+    lens_q, lens_k, d, dv, causal, window_left, softcap, with_sinks = TMA_VARIANT_CASES[case]
+    q, k, v, cu_q, cu_k = _wgmma_inputs(lens_q, lens_k, 8, 2, d, torch.bfloat16, seed=29, dv=dv)
+    if window_left >= 0:  # keys no row of their sequence sees (row i sees n >= i + Lk - Lq - window_left)
+        for start, n_q, n_k in zip(cu_k[:-1].tolist(), lens_q, lens_k):
+            unseen = max(0, n_k - n_q - window_left)
+            k[start : start + unseen] = float("nan")
+            v[start : start + unseen] = float("nan")
+    sinks = torch.randn(8, device=CUDA) * 2 if with_sinks else None
+    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), d**-0.5, causal, None, None, None, "off", window_left,
+            softcap, sinks)
+    from graphsafe.ops.attention.plan import choose_flash_attn_varlen
+
+    choice = choose_flash_attn_varlen(graphsafe.get_op("flash_attn_varlen").call(*args))
+    if choice.gluon is None:
+        pytest.skip("the Gluon varlen kernel serves sm_90 GPUs only")
+    assert choice.gluon.kernel == "tma"
+    T = _triton()
+    actual = T.flash_attn_varlen(*args)
+    triton_kernel = T.flash_attn_varlen(*args, config=choice.config)
+    expected = _float_reference(args)
+    torch.cuda.synchronize()
+    _assert_gluon_compiled()
+    assert not expected.isnan().any() and not actual.isnan().any()
+    err, triton_err = _max_err(actual, expected), _max_err(triton_kernel, expected)
+    assert err <= max(2 * triton_err, 2e-2), (err, triton_err)
 
 
 def test_varlen_wgmma_misaligned_inputs_run_the_triton_kernel():

@@ -53,20 +53,25 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluo
 for module in (T, triton_paged_prefill, triton_quant):
     module.bind = record
 # As on sm_90 (the CPU tensors stand in for CUDA ones): the plan of these shapes.
-P.paged_gluon_plan = lambda call: P.GluonPlan("paged-tma", 128, 128, P.warp_specialisation("tma", 128), 2)
+P.paged_gluon_plan = lambda call: P.GluonPlan("paged-tma", 128, P.tma_key_tile(call.q.shape[2], call.window_left >= 0),
+                                              P.warp_specialisation("tma", 128), 2)
 """ + SPECIALISE_PRELUDE + r"""
 # (dtype, block size, causal): every box count a key tile takes (8, 2, 1, and a block
 # spanning two tiles), fp16 once.
 CALLS = [(torch.bfloat16, 16, True), (torch.bfloat16, 64, False), (torch.float16, 128, True),
          (torch.bfloat16, 256, True)]
+# And the variants (window, softcap, sinks) at block size 16, at D 128 and (64-key tiles) D 64.
+CALLS += [(torch.bfloat16, 16, "variants"), (torch.bfloat16, 16, "variants-d64")]
 for dtype, bs, causal in CALLS:
-    q = torch.zeros(600, 8, 128, dtype=dtype)
-    cache = torch.zeros(64, bs, 2, 128, dtype=dtype)
+    variants = (255, 30.0, torch.zeros(8)) if str(causal).startswith("variants") else (-1, 0.0, None)
+    d = 64 if causal == "variants-d64" else 128
+    q = torch.zeros(600, 8, d, dtype=dtype)
+    cache = torch.zeros(64, bs, 2, d, dtype=dtype)
     table = torch.zeros(2, 4096 // bs, dtype=torch.int32)
     lens = torch.full((2,), 4096, dtype=torch.int32)
     cu = torch.tensor([0, 300, 600], dtype=torch.int32)
     before = len(launches)
-    T.paged_attention_prefill(q, cache, cache, table, lens, cu, 300, 0.088, causal)
+    T.paged_attention_prefill(q, cache, cache, table, lens, cu, 300, 0.088, bool(causal), None, None, *variants)
     assert len(launches) == before + 1, "the Gluon kernel is bound and launched"
 for args, kw in launches:
     kw = dict(kw)
@@ -76,15 +81,21 @@ for args, kw in launches:
     shapes = wgmma_shapes(k)
     ptx = k.asm["ptx"]
     tma_copies = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
-    box = min(kw["PAGE"], 128)
-    print("compiled page", kw["PAGE"], "causal", kw["CAUSAL"], "shared", k.metadata.shared, shapes, "tma", tma_copies)
-    # q.k (n 128, 128 / 16 k-steps) and p.V (n 128, 128 / 16 k-steps), each in the loop and
-    # once outside it, in each of the two consumer partitions.
-    assert shapes == {"m64n128k16": 2 * (2 * 8 + 2 * 8)}, shapes
-    # q: two 64-row halves x two 64-column chunks; K: a copy per box and chunk; V: the
-    # same twice (a whole tile, and a tile cut by the sequence's end whose tail is zeroed).
-    assert tma_copies == 4 + 3 * (128 // box) * 2, tma_copies
-    need = G.shared_memory_bytes(128, 128, 128, 128, 2, 2)
+    bn, d = kw["BLOCK_N"], kw["DK"]
+    box = min(kw["PAGE"], bn)
+    print("compiled page", kw["PAGE"], "causal", kw["CAUSAL"], "window", kw.get("WINDOW_LEFT"), "softcap",
+          kw.get("SOFTCAP"), "sinks", kw.get("HAS_SINKS"), "shared", k.metadata.shared, shapes, "tma", tma_copies)
+    # q.k (n BLOCK_N, D / 16 k-steps) and p.V (n D, BLOCK_N / 16 k-steps), each in the loop
+    # and once outside it, in each of the two consumer partitions.
+    want = {}
+    for shape, count in ((f"m64n{bn}k16", 2 * d // 16), (f"m64n{d}k16", 2 * bn // 16)):
+        want[shape] = want.get(shape, 0) + 2 * count
+    assert shapes == want, (shapes, want)
+    # q: two 64-row halves x its 64-column chunks; K: a copy per box and chunk; V: the
+    # same twice (a whole tile, and a tile cut by the sequence's end or a window's start
+    # whose rows outside are zeroed).
+    assert tma_copies == (3 * bn // box + 2) * (d // 64), tma_copies
+    need = G.shared_memory_bytes(128, bn, d, d, 2, 2)
     assert k.metadata.shared <= need <= 227 * 1024, (k.metadata.shared, need)
 print("OK")
 """
@@ -92,12 +103,12 @@ print("OK")
 
 def test_paged_gluon_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     """`prepare_paged_attention_prefill`'s Gluon launch (block sizes 16, 64, 128, 256;
-    bf16 and fp16; causal or not) compiles for sm_90 with this Triton: the wgmma shapes and
+    bf16 and fp16; causal or not; window, softcap and sinks) compiles for sm_90 with this Triton: the wgmma shapes and
     counts, one TMA copy per box and 64-column chunk of a key tile, and shared memory within
     the estimate the plan decides by."""
     out = compile_for_sm90(_PAGED_COMPILE_SCRIPT, timeout=900)
     print(out)
-    assert out.count("compiled") == 4, out
+    assert out.count("compiled") == 6 and "window 255" in out, out
 
 
 # -- where the Gluon kernel runs -----------------------------------------------------------------
@@ -139,22 +150,27 @@ def _fits(**kw) -> bool:
     return P.paged_gluon_plan(_call(**kw)) is not None
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bs", [16, 32, 64, 128, 256, 1024])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_plain_calls_fit_on_sm90(sm90, dtype, bs):
-    assert _fits(dtype=dtype, bs=bs)
-    plan = P.paged_gluon_plan(_call(dtype=dtype, bs=bs))
+def test_plain_calls_fit_on_sm90(sm90, dtype, bs, d):
+    assert _fits(dtype=dtype, bs=bs, d=d)
+    plan = P.paged_gluon_plan(_call(dtype=dtype, bs=bs, d=d))
     assert (plan.name, plan.block_m, plan.block_n) == ("gluon-paged-tma", 128, 128)
+
+
+def test_a_window_at_d64_takes_64_key_tiles(sm90):
+    """The key tile as the varlen TMA kernel's (`plan.tma_key_tile`): 64 keys at D 64 with a
+    window narrower than a table row's keys, 128 otherwise."""
+    tiles = {(d, w): P.paged_gluon_plan(_call(d=d, window_left=w)).block_n for d in (64, 128) for w in (-1, 127, 4096)}
+    assert tiles == {(64, -1): 128, (64, 127): 64, (64, 4096): 128, (128, -1): 128, (128, 127): 128, (128, 4096): 128}
 
 
 _DECLINED = {
     "64 queries at most (64-row blocks)": dict(max_seqlen_q=64),
-    "a window": dict(window_left=127),
-    "softcap": dict(softcap=30.0),
-    "sinks": dict(sinks=object()),
     "scale 0": dict(scale=0.0),
     "nan scale": dict(scale=math.nan),
-    "D 64": dict(d=64),
+    "D 96": dict(d=96),
     "D 256": dict(d=256),
     "Dv 64 != D 128": dict(dv=64),
     "fp8 cache": dict(k_dtype=torch.float8_e4m3fn),
@@ -169,6 +185,11 @@ _DECLINED = {
     "cache blocks padded": dict(cache_stride=(16 * 256 + 64, 256, 128, 1)),
     "cache of 2^31 rows": dict(num_blocks=2**27),
 }
+
+
+def test_variants_fit_on_sm90(sm90):
+    """A window, softcap and sinks are the kernel's constexprs: they keep the Gluon kernel."""
+    assert _fits(window_left=127, softcap=30.0, sinks=object())
 
 
 @pytest.mark.parametrize("case", list(_DECLINED))
@@ -237,7 +258,7 @@ def _bind(monkeypatch, error=None):
     lens = torch.full((2,), 1024, dtype=torch.int32)
     cu = torch.tensor([0, 300, 600], dtype=torch.int32)
     call = types.SimpleNamespace(q=q, k_cache=cache, v_cache=cache, block_table=table, seq_lens=lens,
-                                 max_seqlen_q=300, scale=0.088, causal=True)
+                                 max_seqlen_q=300, scale=0.088, causal=True, window_left=-1, softcap=0.0, sinks=None)
     triton_calls = []
     launch = T.bind_gluon_paged_prefill(call, 2, P.GluonPlan("paged-tma", 128, 128, (2, 232, 32), 2),
                                         lambda *tensors: triton_calls.append(tensors))
@@ -249,9 +270,10 @@ def test_aligned_calls_run_the_gluon_kernel(monkeypatch):
     gluon, triton_calls, launch, tensors = _bind(monkeypatch)
     launch(*tensors)
     assert len(gluon.calls) == 1 and not triton_calls
-    q, k_cache, v_cache, table, lens, cu, *_, out = tensors
-    # The kernel's tensor order: q, k_cache, v_cache (as descriptors' bases), out, cu_q, seq_lens, block table.
-    assert all(a is b for a, b in zip(gluon.calls[0], (q, k_cache, v_cache, out, cu, lens, table), strict=True))
+    q, k_cache, v_cache, table, lens, cu, _, _, sinks, out = tensors
+    # The kernel's tensor order: q, k_cache, v_cache (as descriptors' bases), out, cu_q, seq_lens, block table,
+    # sinks (here a placeholder).
+    assert all(a is b for a, b in zip(gluon.calls[0], (q, k_cache, v_cache, out, cu, lens, table, sinks), strict=True))
 
 
 def test_misaligned_q_runs_the_triton_kernel(monkeypatch):
@@ -271,7 +293,7 @@ def test_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch):
     with pytest.warns(RuntimeWarning, match="paged_attention_prefill: the sm_90 Gluon kernel did not compile"):
         launch(*tensors)
     assert (len(gluon.calls), len(triton_calls)) == (1, 1)
-    assert T._FAILED == {(torch.bfloat16, 128, 128, 16, True, "paged-tma", (2, 232, 32))}
+    assert T._FAILED == {(torch.bfloat16, 128, 128, 16, True, "paged-tma", (2, 232, 32), -1, 0.0, False)}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch(*tensors)

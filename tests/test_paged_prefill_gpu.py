@@ -29,13 +29,15 @@ def _triton():
 
 
 def _paged_inputs(lens_q, lens_k, hq, hk, block_size, dtype, seed, padding=(), spare=3, d=128, table_cols=None,
-                  num_blocks=None, q_rows=None):
+                  num_blocks=None, q_rows=None, window_left=-1):
     """q [sum(lens_q) + 16, Hq, d] (its last 16 rows NaN: outside every sequence), caches
     of shuffled blocks, every row no sequence reads NaN (blocks no sequence owns, rows
     past a sequence's length in its last block), table entries past a sequence's last
     block -1; `padding`: (sequence, table column, id) entries overwritten with padding
     ids (-1 or >= the block count) inside sequences. `table_cols`, `num_blocks`, `q_rows`
-    fix the table's columns, the cache's blocks and q's rows (a replay's new inputs)."""
+    fix the table's columns, the cache's blocks and q's rows (a replay's new inputs).
+    `window_left` >= 0: the keys before every query row's window are NaN too (no row reads
+    them)."""
     gen = torch.Generator(device=CUDA).manual_seed(seed)
     mb = table_cols or max(1, max(math.ceil(n / block_size) for n in lens_k))
     nb = num_blocks or len(lens_k) * mb + spare
@@ -50,6 +52,10 @@ def _paged_inputs(lens_q, lens_k, hq, hk, block_size, dtype, seed, padding=(), s
         blocks = table[b, pos // block_size].long()
         k_cache[blocks, pos % block_size] = torch.randn(n, hk, d, device=CUDA, dtype=dtype, generator=gen)
         v_cache[blocks, pos % block_size] = torch.randn(n, hk, d, device=CUDA, dtype=dtype, generator=gen)
+        if window_left >= 0:
+            unseen = pos[pos < n - lens_q[b] - window_left]
+            k_cache[blocks[unseen], unseen % block_size] = float("nan")
+            v_cache[blocks[unseen], unseen % block_size] = float("nan")
     for b, col, block_id in padding:
         table[b, col] = block_id
     tq = sum(lens_q)
@@ -92,6 +98,8 @@ CASES = {
     "rows-see-no-key": ([512, 10], [100, 10], 4, 2, 16, torch.bfloat16, True, ()),
     "empty-and-tiny": ([0, 65, 0, 200, 3], [5, 65, 0, 4000, 3], 8, 2, 16, torch.bfloat16, True, ()),
     "llama-8x512-over-4096": ([512] * 8, [4096] * 8, 32, 8, 16, torch.bfloat16, True, ()),
+    "d64-bs16": ([512, 300], [4096, 1000], 8, 2, 16, torch.bfloat16, True, (), 64),
+    "d64-padding-bs64-fp16": ([300, 200], [2048, 700], 8, 2, 64, torch.float16, True, ((0, 3, -1),), 64),
 }
 
 
@@ -100,9 +108,11 @@ def test_paged_gluon_kernel_against_reference(case):
     """The Gluon kernel (the default plain bf16/fp16 path on sm_90) against the float32
     reference: within twice the Triton kernel's error (or 2e-2), no NaN where the
     reference has none (NaN rows are never read), the rows outside every sequence 0."""
-    lens_q, lens_k, hq, hk, bs, dtype, causal, padding = CASES[case]
-    q, k_cache, v_cache, table, lens, cu = _paged_inputs(lens_q, lens_k, hq, hk, bs, dtype, seed=31, padding=padding)
-    args = (q, k_cache, v_cache, table, lens, cu, max(lens_q), 128**-0.5, causal)
+    lens_q, lens_k, hq, hk, bs, dtype, causal, padding, *d = CASES[case]
+    d = d[0] if d else 128
+    q, k_cache, v_cache, table, lens, cu = _paged_inputs(lens_q, lens_k, hq, hk, bs, dtype, seed=31, padding=padding,
+                                                         d=d)
+    args = (q, k_cache, v_cache, table, lens, cu, max(lens_q), d**-0.5, causal)
     choice = _chosen(args)
     assert choice.kernels == ("gluon-paged-tma", "triton")
     T = _triton()
@@ -118,6 +128,43 @@ def test_paged_gluon_kernel_against_reference(case):
     print(f"{case}: Gluon max error {err:.3g}, Triton {triton_err:.3g}")
     assert err <= max(2 * triton_err, 2e-2), (err, triton_err)
     assert not actual[sum(lens_q) :].any(), "rows outside every sequence are 0"
+
+
+# name: (lens_q, lens_k, block size, causal, window_left, softcap, sinks)
+VARIANT_CASES = {
+    "window-100-bs16": ([512, 300], [4096, 1000], 16, True, 100, 0.0, False),
+    "window-700-not-causal-bs64": ([300, 129], [2000, 700], 64, False, 700, 0.0, False),
+    "window-0-bs16": ([200], [900], 16, True, 0, 0.0, False),
+    "softcap-30-bs16": ([512, 77], [3000, 900], 16, True, -1, 30.0, False),
+    "sinks-bs64": ([512, 300], [600, 300], 64, True, -1, 0.0, True),
+    "all-three-bs16": ([512, 200, 65], [4096, 1000, 65], 16, True, 127, 50.0, True),
+    "gpt-oss-d64-sinks-window-bs16": ([512, 200], [4096, 1000], 16, True, 127, 0.0, True, 64),
+    "d64-sinks-bs64": ([512, 65], [1000, 65], 64, True, -1, 0.0, True, 64),
+}
+
+
+@pytest.mark.parametrize("case", list(VARIANT_CASES))
+def test_paged_gluon_variants_against_reference(case):
+    """Sliding window, logit softcap and sinks (the kernel's constexprs) against the float32
+    reference and the Triton kernel; keys before every row's window are NaN (never read)."""
+    lens_q, lens_k, bs, causal, window_left, softcap, with_sinks, *d = VARIANT_CASES[case]
+    d = d[0] if d else 128
+    q, k_cache, v_cache, table, lens, cu = _paged_inputs(lens_q, lens_k, 8, 2, bs, torch.bfloat16, seed=36,
+                                                         window_left=window_left, d=d)
+    sinks = torch.randn(8, device=CUDA) * 2 if with_sinks else None
+    args = (q, k_cache, v_cache, table, lens, cu, max(lens_q), d**-0.5, causal, None, None, window_left, softcap,
+            sinks)
+    choice = _chosen(args)
+    T = _triton()
+    actual = T.paged_attention_prefill(*args)
+    triton_kernel = T.paged_attention_prefill(*args, config=choice.config)
+    expected = _float_reference(args)
+    torch.cuda.synchronize()
+    _assert_gluon_compiled()
+    assert not expected.isnan().any() and not actual.isnan().any()
+    err = (actual.float() - expected.float()).abs().max().item()
+    triton_err = (triton_kernel.float() - expected.float()).abs().max().item()
+    assert err <= max(2 * triton_err, 2e-2), (err, triton_err)
 
 
 def test_paged_gluon_graph_replay_with_new_lengths_and_tables():

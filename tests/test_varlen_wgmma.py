@@ -64,8 +64,8 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluo
 for module in (T, triton_prefill, triton_quant):
     module.bind = record
 # The names choose_flash_attn_varlen calls: every call gets its shapes' Gluon plan (as on sm_90).
-P.gluon_plan = lambda q, k, v, max_q, *a: P.gluon_plan_for(
-    P.varlen_kernel(max_q, q.shape[2], v.shape[2], P.tma_views(q, k, v)), max_q, q.shape[2])
+P.gluon_plan = lambda q, k, v, max_q, *a, window=False: P.gluon_plan_for(
+    P.varlen_kernel(max_q, q.shape[2], v.shape[2], P.tma_views(q, k, v)), max_q, q.shape[2], window=window)
 P.gluon_fp8_plan = lambda q, k, v, max_q, variants, copies=False: P.gluon_plan_for("tma-fp8", max_q, q.shape[2], copies)
 """ + SPECIALISE_PRELUDE + r"""
 # (dtype, D, Dv, max_seqlen_q, head stride of q): every kernel, causal or not, bf16; fp16
@@ -84,9 +84,22 @@ for (dtype, d, dv, max_q, head_stride), causal in CALLS:
     v = torch.zeros(t, 2, dv, dtype=dtype)
     cu = torch.tensor([0, max_q, t], dtype=torch.int32)
     T.flash_attn_varlen(q, k, v, cu, cu, max_q, max_q, d ** -0.5, causal)
-    # 128-row blocks at D >= 128 with contiguous heads: TMA; padded heads: cp.async; else one partition.
-    want = ("ws" if head_stride else "tma") if max_q > 64 and d >= 128 else "wgmma"
+    # 128-row blocks with contiguous heads: TMA; padded heads at D 128: cp.async; else one partition.
+    want = ("tma" if not head_stride else "ws" if d >= 128 else "wgmma") if max_q > 64 else "wgmma"
     assert KERNELS[launches[-1][0]] == want, (d, max_q, head_stride, launches[-1][0])
+# The variants (window, softcap, sinks) on the TMA kernel, as constexprs.
+q = torch.zeros(8192, 8, 128, dtype=torch.bfloat16)
+k = torch.zeros(8192, 2, 128, dtype=torch.bfloat16)
+cu = torch.tensor([0, 4096, 8192], dtype=torch.int32)
+T.flash_attn_varlen(q, k, k, cu, cu, 4096, 4096, 0.088, True, None, None, None, "off", 255, 30.0, torch.zeros(8))
+assert KERNELS[launches[-1][0]] == "tma", launches[-1][0]
+kw = launches[-1][2]
+assert (kw["WINDOW_LEFT"], round(kw["SOFTCAP"], 3), kw["HAS_SINKS"]) == (255, 43.281, True), kw
+# gpt-oss: D 64, sinks and a 128-token window: the TMA kernel with 64-key tiles.
+q64 = torch.zeros(8192, 8, 64, dtype=torch.bfloat16)
+k64 = torch.zeros(8192, 2, 64, dtype=torch.bfloat16)
+T.flash_attn_varlen(q64, k64, k64, cu, cu, 4096, 4096, 0.125, True, None, None, None, "off", 127, 0.0, torch.zeros(8))
+assert KERNELS[launches[-1][0]] == "tma" and launches[-1][2]["BLOCK_N"] == 64, launches[-1][2]
 # fp8 inputs (q, k, v float8_e4m3fn, per-tensor descales): the fp8 "tma" kernel.
 fp8 = torch.float8_e4m3fn
 for causal in (True, False):
@@ -96,12 +109,13 @@ for causal in (True, False):
     T.flash_attn_varlen(q8, k8, v8, cu, cu, 4096, 4096, 0.088, causal, descale, descale, descale)
     assert KERNELS[launches[-1][0]] == "tma" and launches[-1][2]["FP8"], launches[-1][0]
 kinds = sorted(KERNELS[kernel] for kernel, _, _ in launches)
-assert kinds == ["tma"] * 7 + ["wgmma"] * 7 + ["ws"] * 3, kinds
+assert kinds == ["tma"] * 11 + ["wgmma"] * 5 + ["ws"] * 3, kinds
 # One compile per kernel family (kernel, tile, fp8): its widest head dim, causal (the
 # masked diagonal's code too); every launch above was checked for the kernel it binds.
 families = {}
 for kernel, args, kw in launches:
-    key = (kernel, kw["BLOCK_M"], kw["BLOCK_N"], bool(kw.get("FP8")))
+    key = (kernel, kw["BLOCK_M"], kw["BLOCK_N"], bool(kw.get("FP8")), kw.get("WINDOW_LEFT", -1) >= 0,
+           kw.get("DK", kw.get("D")) == 64)
     rank = (kw.get("DK", kw.get("D")), kw["CAUSAL"])
     if key not in families or rank > families[key][0]:
         families[key] = (rank, (kernel, args, kw))
@@ -120,7 +134,7 @@ for _, (kernel, args, kw) in families.values():
     # 128-row blocks run a warp-specialised kernel (4 warps at launch), the rest the
     # single-partition one (a warp per 16 rows).
     ws = kind != "wgmma"
-    assert ws == (tiles[0] == 128 and d >= 128), (kind, tiles)
+    assert ws == (tiles[0] == 128 and (d >= 128 or kind == "tma")), (kind, tiles)
     assert warps == (4 if ws else tiles[0] // 16), warps
     # Per program code: q.k (n = BLOCK_N, D / 16 k-steps) in the prologue and the loop; p.V
     # (n = Dv, BLOCK_N / 16 k-steps) in the loop and after it; the warp-specialised kernels
@@ -221,7 +235,8 @@ def test_mla_prefill_head_dims_fit_with_128_row_blocks_and_tma_views(sm90, dtype
 
 FP8 = torch.float8_e4m3fn
 _DECLINED = {
-    "a variant": lambda: _fits(*_qkv(), variants=True),
+    "a variant on the one-partition kernel (64-row blocks)": lambda: _fits(*_qkv(), 64, variants=True),
+    "a variant on the cp.async kernel (padded heads)": lambda: _fits(*_qkv(q_stride=(8 * 144, 144, 1)), variants=True),
     "D=192/Dv=128, 64-row blocks": lambda: _fits(*_qkv(d=192, dv=128), 64),
     "D=192/Dv=192": lambda: _fits(*_qkv(d=192)),
     "D=256": lambda: _fits(*_qkv(d=256)),
@@ -238,7 +253,7 @@ _DECLINED = {
     "token stride of 8 k + 4 elements": lambda: _fits(*_qkv(q_stride=(8 * 128 + 4, 128, 1))),
     "head stride of 8 k + 4 elements": lambda: _fits(*_qkv(q_stride=(8 * 256, 132, 1))),
     "cp.async: head stride of 16 k + 8 elements": lambda: _fits(*_qkv(q_stride=(8 * 136, 136, 1))),
-    "cp.async: token stride of 16 k + 8 elements": lambda: _fits(*_qkv(d=64, q_stride=(8 * 64 + 8, 64, 1))),
+    "cp.async: token stride of 16 k + 8 elements": lambda: _fits(*_qkv(d=64, q_stride=(8 * 64 + 8, 64, 1)), 40),
     "non-unit last stride": lambda: _fits(*_qkv(q_stride=(8 * 256, 256, 2))),
 }
 
@@ -248,6 +263,13 @@ def test_other_calls_run_the_triton_kernel_on_sm90(sm90, case):
     """Each departure from the plain call declines the Gluon kernel, the rest as in
     test_plain_16_bit_calls_fit_on_sm90."""
     assert not _DECLINED[case]()
+
+
+def test_variants_fit_the_tma_kernel(sm90):
+    """A window, softcap or sinks (the TMA kernel's constexprs) keep the "tma" kernel: D 128
+    and D 192 / Dv 128 with 128-row blocks and contiguous heads."""
+    assert _fits(*_qkv(), 300, variants=True)
+    assert _fits(*_qkv(d=192, dv=128), 4096, variants=True)
 
 
 def test_strided_rows_fit_where_the_copies_can_use_them(sm90):
@@ -305,9 +327,9 @@ def test_the_gluon_kernel_needs_its_shared_memory(sm90, d, dv, head_stride, max_
     the device's is unknown. One case per kernel and tile shape."""
     q_stride = None if head_stride is None else (8 * head_stride, head_stride, 1)
     kernel = P.varlen_kernel(max_seqlen_q, d, dv, head_stride is None)
-    block_m, block_n = P.wgmma_varlen_tiles(max_seqlen_q, d)
-    ws = P.warp_specialisation(kernel, d)
-    assert (ws is not None) == (block_m == 128 and d >= 128)
+    plan = P.gluon_plan_for(kernel, max_seqlen_q, d)
+    block_m, block_n, ws = plan.block_m, plan.block_n, plan.warp_spec
+    assert (ws is not None) == (block_m == 128 and (d >= 128 or kernel == "tma"))
     stages, q_buffers = (2, 1) if ws is None else (ws[0], P.tma_q_buffers(d) if kernel == "tma" else 2)
     need = _gluon_module().shared_memory_bytes(block_m, block_n, d, dv, stages, q_buffers)
     assert need <= SM90_SHARED
@@ -413,7 +435,8 @@ def test_gluon_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch
         launch(*call)
     assert (len(gluon.calls), len(triton_launch.calls)) == (1, 1), "the failed compile: Triton ran the call"
     assert all(a is b for a, b in zip(triton_launch.calls[0], call, strict=True))
-    assert T._FAILED == {(torch.bfloat16, 128, 128, 64, 128, True, "wgmma", None)}  # 64-row tiles: one partition
+    # 64-row tiles: one partition; no variant
+    assert T._FAILED == {(torch.bfloat16, 128, 128, 64, 128, True, "wgmma", None, -1, 0.0, False)}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch(*call)
@@ -446,17 +469,18 @@ def _prepare(args, config=None):
 
 @pytest.fixture
 def binds(monkeypatch):
-    """Stand-ins: `plan.gluon_plan` gives a Gluon plan for every plain call (as on sm_90;
-    variants declined, as the real one does) and `triton.bind_wgmma_varlen` records its
-    binding and wraps the Triton launch. Returns (fits calls, bindings, Gluon launches)."""
+    """Stand-ins: `plan.gluon_plan` gives a Gluon plan for every call (as on sm_90: "wgmma"
+    for these short sequences, "tma" where the call has a variant, as a long one would) and
+    `triton.bind_wgmma_varlen` records its binding (the variants it was given) and wraps
+    the Triton launch. Returns (fits calls, bindings, Gluon launches)."""
     fits_calls, bindings, launches = [], [], []
 
-    def fits(q, k, v, max_seqlen_q, scale, variants):
+    def fits(q, k, v, max_seqlen_q, scale, variants, window=False):
         fits_calls.append(variants)
-        return None if variants else P.gluon_plan_for("wgmma", max_seqlen_q, q.shape[2])
+        return P.gluon_plan_for("tma" if variants else "wgmma", max_seqlen_q, q.shape[2], window=window)
 
-    def bind(q, k, v, num_seqs, max_seqlen_q, scale, causal, gluon, triton_launch):
-        bindings.append((num_seqs, max_seqlen_q, scale, causal))
+    def bind(q, k, v, num_seqs, max_seqlen_q, scale, causal, gluon, triton_launch, **variants):
+        bindings.append((num_seqs, max_seqlen_q, scale, causal, gluon.kernel, variants))
 
         def launch(*tensors):
             launches.append(tensors)
@@ -475,27 +499,32 @@ def test_plain_calls_bind_and_run_the_gluon_launch(binds):
     fits_calls, bindings, launches = binds
     args = _varlen_args()
     out = _prepare(args)(*args)
-    assert fits_calls == [False] and bindings == [(2, 14, 0.125, True)] and len(launches) == 1
+    plain = {"window_left": -1, "softcap": 0.0, "sinks_stride": None}
+    assert fits_calls == [False] and bindings == [(2, 14, 0.125, True, "wgmma", plain)] and len(launches) == 1
     triton_kernel = T.flash_attn_varlen(*args, config=P.varlen_config(args[0].device, 64, 64, False, 14))
     assert torch.equal(out, triton_kernel), "the wrapped Triton launch computed the call"
 
 
 def test_a_window_wider_than_the_keys_is_no_variant(binds):
     """window_left >= Tk hides no key (the Triton kernel compiles it as no window): the
-    Gluon launch is bound; one key narrower is a variant."""
+    plan is asked without variants; one key narrower is a variant."""
     fits_calls, bindings, _ = binds
     _prepare(_varlen_args(window_left=24))
     _prepare(_varlen_args(window_left=23))
-    assert fits_calls == [False, True] and len(bindings) == 1
+    assert fits_calls == [False, True] and [b[4] for b in bindings] == ["wgmma", "tma"]
 
 
 @pytest.mark.parametrize("variant", ["window", "softcap", "sinks"])
-def test_variants_never_bind_the_gluon_launch(binds, variant):
+def test_variants_ask_the_plan_and_reach_the_gluon_binding(binds, variant):
+    """A variant asks the plan with variants=True, and the binding of the plan it gives
+    gets the call's window, softcap and sinks' stride (its constexprs)."""
     fits_calls, bindings, _ = binds
     options = {"window": {"window_left": 3}, "softcap": {"softcap": 30.0},
-               "sinks": {"sinks": torch.zeros(4)}}[variant]
+               "sinks": {"sinks": torch.zeros(8)[::2]}}[variant]
     _prepare(_varlen_args(**options))
-    assert fits_calls == [True] and not bindings, "asked with variants=True, never bound"
+    want = {"window_left": 3 if variant == "window" else -1, "softcap": 30.0 if variant == "softcap" else 0.0,
+            "sinks_stride": 2 if variant == "sinks" else None}
+    assert fits_calls == [True] and bindings == [(2, 14, 0.125, True, "tma", want)]
 
 
 def test_a_config_override_never_binds_the_gluon_launch(binds):

@@ -21,13 +21,14 @@ candidates, so sizing and launch cannot disagree.
   inputs, or the reference where fp8 was asked of a GPU without working fp8 matrix
   units), the Triton FA2 kernel's tiles (`varlen_config`) and, on sm_90, a Gluon kernel
   (kernels/gluon_prefill.py) tried first. Three Gluon kernels serve the plain
-  bf16/fp16 call (a positive softmax scale, no variant: window, softcap, sinks), chosen
-  by `varlen_kernel`:
-  - "tma": persistent, warp-specialised, K/V/q by TMA: 128-row blocks at D = Dv = 128
-    and at MLA prefill's D = 192, Dv = 128, for q, k, v whose heads are contiguous (TMA
-    reads them as 2-D [tokens, heads * head dim]);
+  bf16/fp16 call (a positive softmax scale), chosen by `varlen_kernel`; the variants
+  (window, softcap, sinks) run on "tma" only:
+  - "tma": persistent, warp-specialised, K/V/q by TMA: 128-row blocks at D = Dv = 64
+    and 128 and at MLA prefill's D = 192, Dv = 128, for q, k, v whose heads are
+    contiguous (TMA reads them as 2-D [tokens, heads * head dim]);
   - "ws": the same with 16-byte cp.async copies, for D = Dv = 128 in other layouts;
-  - "wgmma": one partition, for 64-row blocks (every sequence short) and D = Dv = 64.
+  - "wgmma": one partition, for 64-row blocks (every sequence short) and D = Dv = 64 in
+    other layouts.
   The fp8 paths run the "tma" kernel with fp8 wgmma ("tma-fp8") at D = Dv = 128 and
   128-row blocks (`gluon_fp8_plan`): on fp8 inputs (q, k as given, V^T from its
   transposed copy) and on bf16/fp16 inputs, from the fp8 copies of q, k and V^T the op
@@ -39,7 +40,8 @@ candidates, so sizing and launch cannot disagree.
   sm_90, the Gluon kernel tried first (`paged_gluon_plan`): "paged-tma", the varlen "tma"
   kernel walking the block table (a key tile's boxes each read from its cache block by
   TMA) for the plain bf16/fp16 call (D = Dv = 128, 128-row blocks, block sizes a power of
-  two >= 16, no variant), the Triton kernel after it as for varlen.
+  two >= 16; the variants as the varlen "tma" kernel's), the Triton kernel after it as
+  for varlen.
 
 Pure Python: triton is never imported here at module level (Gluon's kernel module only
 lazily, to ask its shared memory and whether this Triton has Gluon at all).
@@ -300,9 +302,9 @@ class PagedPrefillChoice:
 
 def paged_gluon_plan(call) -> GluonPlan | None:
     """The sm_90 Gluon kernel's plan for this paged prefill signature (alignment aside), or
-    None (the Triton kernel): q and both caches of one 16-bit dtype, D = Dv = 128, some
-    sequence with more than 64 queries (128-row blocks), no variant (window, softcap,
-    sinks), a finite positive scale; TMA views: q [tokens, heads x D] and each cache
+    None (the Triton kernel): q and both caches of one 16-bit dtype, D = Dv = 64 or 128, some
+    sequence with more than 64 queries (128-row blocks), a finite positive scale (the
+    variants, window, softcap and sinks, are the kernel's constexprs); TMA views: q [tokens, heads x D] and each cache
     [blocks x block size, heads x D] (unit strides along D, heads contiguous, a block's
     rows one after another, row strides of whole 16 bytes), block sizes a power of two
     from 16 (a box of a key tile lies in one block: `gluon_prefill.paged_tma_descriptors`)
@@ -312,8 +314,6 @@ def paged_gluon_plan(call) -> GluonPlan | None:
     dtype = q.dtype
     if dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != dtype or v_cache.dtype != dtype:
         return None
-    if (0 <= call.window_left) or call.softcap != 0.0 or call.sinks is not None:
-        return None
     if not (math.isfinite(call.scale) and call.scale > 0) or call.max_seqlen_q <= 64:
         return None
     if call.block_table.dtype != torch.int32 or call.seq_lens.dtype != torch.int32:
@@ -322,7 +322,7 @@ def paged_gluon_plan(call) -> GluonPlan | None:
     if module is None:
         return None
     num_blocks, page, hk, d = k_cache.shape
-    if not (d == v_cache.shape[3] == 128 and q.shape[2] == d and q.shape[0] > 0 and num_blocks > 0):
+    if not (d == v_cache.shape[3] and d in (64, 128) and q.shape[2] == d and q.shape[0] > 0 and num_blocks > 0):
         return None
     if page < 16 or page & (page - 1) or num_blocks * page >= 2**31:
         return None
@@ -331,7 +331,8 @@ def paged_gluon_plan(call) -> GluonPlan | None:
     for cache in (k_cache, v_cache):
         if cache.stride(3) != 1 or cache.stride(2) != d or cache.stride(1) % 8 or cache.stride(0) != page * cache.stride(1):
             return None
-    plan = GluonPlan("paged-tma", 128, 128, warp_specialisation("tma", d), 2)
+    window = 0 <= call.window_left < call.block_table.shape[1] * page
+    plan = GluonPlan("paged-tma", 128, tma_key_tile(d, window), warp_specialisation("tma", d), 2)
     smem = max_shared_memory(q.device)
     return plan if smem is not None and shared_memory(module, plan, d, d) <= smem else None
 
@@ -433,7 +434,7 @@ def varlen_kernel(max_seqlen_q: int, d: int, dv: int, tma: bool) -> str | None:
     """Which 16-bit Gluon kernel serves these shapes (module docstring), or None: the
     Triton kernel."""
     long_rows = max_seqlen_q > 64  # 128-row blocks
-    if long_rows and tma and (d, dv) in ((128, 128), (192, 128)):
+    if long_rows and tma and (d, dv) in ((64, 64), (128, 128), (192, 128)):
         return "tma"
     if long_rows and d == dv == 128:
         return "ws"
@@ -503,10 +504,21 @@ class GluonPlan:
         return f"gluon-{self.kernel}"
 
 
-def gluon_plan_for(kernel: str, max_seqlen_q: int, d: int, copies: bool = False) -> GluonPlan:
+def tma_key_tile(d: int, window: bool) -> int:
+    """Keys a tile of the TMA kernels (varlen "tma", paged "paged-tma"): 128, but 64 at
+    D = 64 with a sliding window. Measured on an H200 at gpt-oss-120b's shapes (64/8 heads,
+    D 64, 8 x 4096 causal, ms): plain, 128-key tiles 2.85, 64-key 3.22 (the one-partition
+    "wgmma" kernel 3.00, Triton 2.93); sinks + a 128-token window, 64-key tiles 0.82,
+    128-key 0.94 (Triton 1.10)."""
+    return 64 if d == 64 and window else 128
+
+
+def gluon_plan_for(kernel: str, max_seqlen_q: int, d: int, copies: bool = False, window: bool = False) -> GluonPlan:
     """The plan of Gluon kernel `kernel` at these shapes (tiles, warp specialisation, q
     buffers): the one place they are derived from the kernel's name."""
     block_m, block_n = wgmma_varlen_tiles(max_seqlen_q, d)
+    if kernel == "tma":
+        block_n = tma_key_tile(d, window)
     if kernel == "tma-fp8":
         return GluonPlan(kernel, block_m, block_n, warp_specialisation_fp8(), 2, copies)
     ws = warp_specialisation(kernel, d)
@@ -529,23 +541,23 @@ def fp8_shared_memory(module, block_m: int, block_n: int, d: int, dv: int) -> in
 
 
 def gluon_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int, scale: float,
-               variants: bool) -> GluonPlan | None:
+               variants: bool, window: bool = False) -> GluonPlan | None:
     """The Gluon kernel this bf16/fp16 call signature runs (alignment aside), or None (the
     Triton kernel): an sm_90 CUDA device, q, k, v of one 16-bit dtype with head dims one
     of the kernels serves (`varlen_kernel`), unit strides along D, a finite positive
-    scale, no variant, the shared memory of the launch, and row strides the copies can
+    scale, no variant but on the "tma" kernel, the shared memory of the launch, and row strides the copies can
     use: TMA's token stride a whole number of 16 bytes; the 16-byte cp.async copies'
     token and head strides multiples of 16 elements (what Triton's specialisation of an
     int proves: with 8, the copies cannot be proven 16-byte aligned and the kernel does
     not compile)."""
-    if variants or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return None
     module = _sm90_gluon(q.device)
     if module is None:
         return None
     d, dv = q.shape[2], v.shape[2]
     kernel = varlen_kernel(max_seqlen_q, d, dv, tma_views(q, k, v))
-    if kernel is None or not (math.isfinite(scale) and scale > 0):
+    if kernel is None or not (math.isfinite(scale) and scale > 0) or (variants and kernel != "tma"):
         return None
     if any(x.stride(2) != 1 for x in (q, k, v)):
         return None
@@ -554,7 +566,7 @@ def gluon_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: 
             return None
     elif any(x.stride(0) % 16 or x.stride(1) % 16 for x in (q, k, v)):
         return None
-    plan = gluon_plan_for(kernel, max_seqlen_q, d)
+    plan = gluon_plan_for(kernel, max_seqlen_q, d, window=window)
     smem = max_shared_memory(q.device)
     return plan if smem is not None and shared_memory(module, plan, d, dv) <= smem else None
 
@@ -661,10 +673,12 @@ def choose_flash_attn_varlen(call, config: tuple[int, int, int, int] | None = No
     num_seqs = call.cu_seqlens_q.shape[0] - 1
     gluon = None
     if num_seqs > 0 and call.max_seqlen_q > 0 and not explicit:
-        # (A window of every key is none: the Triton kernel compiles it away; the Gluon kernels take no variant.)
-        variants = (0 <= call.window_left < tk) or call.softcap != 0.0 or call.sinks is not None
+        # (A window of every key is none: the kernels compile it away; of the 16-bit Gluon kernels only "tma"
+        # takes the variants, of the fp8 path none.)
+        window = 0 <= call.window_left < tk
+        variants = window or call.softcap != 0.0 or call.sinks is not None
         if path == "16-bit":
-            gluon = gluon_plan(q, k, v, call.max_seqlen_q, call.scale, variants)
+            gluon = gluon_plan(q, k, v, call.max_seqlen_q, call.scale, variants, window=window)
         else:
             gluon = gluon_fp8_plan(q, k, v, call.max_seqlen_q, variants, copies=quantize)
     if num_seqs == 0 or call.max_seqlen_q == 0:

@@ -261,7 +261,7 @@ def bind_flash_attn_varlen(call, choice: plan.VarlenChoice):
             max_seqlen_q, scale, causal, None, False, choice.config, emulate, tk, **variants,
         ) if attends else None
         if gluon is not None:
-            attend = bind_wgmma_varlen(q, k, v, num_seqs, max_seqlen_q, scale, causal, gluon, attend)
+            attend = bind_wgmma_varlen(q, k, v, num_seqs, max_seqlen_q, scale, causal, gluon, attend, **variants)
 
         def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                 q_descale=None, k_descale=None, v_descale=None, fp8="off",
@@ -355,6 +355,18 @@ def flash_attn_varlen(
 
 
 # -- varlen prefill: the sm_90 Gluon launches and their runtime fallback ---------------------
+def _qk_scale(scale: float, softcap: float) -> float:
+    """The Gluon TMA kernels' score scale: scale x log2(e), or with a softcap the tanh's
+    exp2 argument per raw score, scale x 2 log2(e) / softcap (as the Triton kernels')."""
+    return scale * 2 * LOG2E / softcap if softcap > 0 else scale * LOG2E
+
+
+def _variant_meta(window_left: int, softcap: float, sinks_stride: int | None) -> dict:
+    """The Gluon TMA kernels' variant constexprs (the cap in log2 units)."""
+    return {"WINDOW_LEFT": window_left, "SOFTCAP": softcap * LOG2E if softcap > 0 else 0.0,
+            "HAS_SINKS": sinks_stride is not None}
+
+
 # Signatures (dtype, head dims, tiles, causal, kernel, warp specialisation) whose Gluon kernel failed to compile.
 _FAILED: set[tuple] = set()
 
@@ -371,34 +383,38 @@ def _compile_failed(key: tuple, exc: Exception, op: str = "flash_attn_varlen") -
 def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_launch: Launch) -> Launch:
     """A launch with `triton_launch`'s arguments, `(q, k_cache, v_cache, block_table,
     seq_lens, cu_seqlens_q, k_scale, v_scale, sinks, out)` into a contiguous `out` [Tq, Hq,
-    Dv]: the paged Gluon kernel of plan `gluon` (it reads no scales nor sinks) for 16-byte
-    aligned q and caches, else `triton_launch` (the Choice's next kernel), as for every
-    call once the Gluon kernel failed to compile."""
+    Dv]: the paged Gluon kernel of plan `gluon` (it reads no scales; sinks where the call
+    has them, else a placeholder) for 16-byte aligned q and caches, else `triton_launch`
+    (the Choice's next kernel), as for every call once the Gluon kernel failed to compile.
+    The call's variants are its constexprs (a window of a table row's keys or more is none)."""
     module = plan.gluon_module()
     q, k_cache, v_cache, block_table = call.q, call.k_cache, call.v_cache, call.block_table
     tq, hq, d = q.shape
     num_blocks, page, hk, dv = v_cache.shape
     num_m_blocks = _cdiv(call.max_seqlen_q, gluon.block_m)
-    key = (q.dtype, d, dv, page, call.causal, gluon.kernel, gluon.warp_spec)
+    max_len = block_table.shape[1] * page
+    sinks_stride = None if call.sinks is None else call.sinks.stride(0)
+    variant = _variant_meta(call.window_left if call.window_left < max_len else -1, call.softcap, sinks_stride)
+    key = (q.dtype, d, dv, page, call.causal, gluon.kernel, gluon.warp_spec, *variant.values())
     errors = compile_errors()
     kernel = None
     if key not in _FAILED:
         stages, consumer_regs, loader_regs = gluon.warp_spec
         work = num_m_blocks * num_seqs * hq
-        descriptors = module.paged_tma_descriptors(q, k_cache, v_cache)  # templates: each call's tensors
+        descriptors = module.paged_tma_descriptors(q, k_cache, v_cache, gluon.block_n)  # templates: each call's
         kernel = bind(module.paged_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
-                      q, q, q, q,  # out, cu_q, seq_lens, block_table: only their device is read
+                      q, q, q, q, q,  # out, cu_q, seq_lens, block_table, sinks: only their device is read
                       hq * dv, dv, call.seq_lens.stride(0), block_table.stride(0), block_table.stride(1),
-                      call.scale * LOG2E, hq, num_m_blocks, tq, block_table.shape[1] * page, num_seqs, num_blocks,
-                      GROUP=hq // hk, DK=d, DV=dv, BLOCK_M=gluon.block_m, BLOCK_N=gluon.block_n, CAUSAL=call.causal,
-                      STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, PAGE=page,
-                      Q_BUFFERS=gluon.q_buffers, num_warps=4)
+                      sinks_stride or 0, _qk_scale(call.scale, call.softcap), hq, num_m_blocks, tq, max_len, num_seqs,
+                      num_blocks, GROUP=hq // hk, DK=d, DV=dv, BLOCK_M=gluon.block_m, BLOCK_N=gluon.block_n,
+                      CAUSAL=call.causal, STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
+                      PAGE=page, Q_BUFFERS=gluon.q_buffers, **variant, num_warps=4)
 
     def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, sinks, out):
         nonlocal kernel
         if kernel is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
             try:
-                return kernel(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table)
+                return kernel(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, sinks)
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 kernel = None
                 _compile_failed(key, exc, "paged_attention_prefill")
@@ -408,32 +424,37 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
 
 
 def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,
-                      scale: float, causal: bool, gluon: plan.GluonPlan, triton_launch: Launch) -> Launch:
-    """A launch with `triton_launch`'s arguments, `(q, k, v, out, cu_q, cu_k, *rest)` into a
-    contiguous `out` [Tq, Hq, Dv]: the Gluon kernel of plan `gluon` (which reads no `rest`:
-    descales and sinks, placeholders here) for 16-byte aligned q, k, v, else
-    `triton_launch` (the Choice's next kernel), as for every call once the Gluon kernel
-    failed to compile."""
+                      scale: float, causal: bool, gluon: plan.GluonPlan, triton_launch: Launch,
+                      window_left: int = -1, softcap: float = 0.0, sinks_stride: int | None = None) -> Launch:
+    """A launch with `triton_launch`'s arguments, `(q, k, v, out, cu_q, cu_k, q_descale,
+    k_descale, v_descale, sinks)` into a contiguous `out` [Tq, Hq, Dv]: the Gluon kernel of
+    plan `gluon` (which reads no descales, placeholders here) for 16-byte aligned q, k, v,
+    else `triton_launch` (the Choice's next kernel), as for every call once the Gluon
+    kernel failed to compile. The variants (`window_left`, `softcap`, `sinks_stride`: None
+    without sinks, whose argument is then a placeholder) run on the "tma" kernel only (the
+    plan's rule); a window of Tk keys or more is none."""
     module = plan.gluon_module()
     tq, hq, d = q.shape
     tk, hk, dv = v.shape
     kernel, block_m, block_n, ws = gluon.kernel, gluon.block_m, gluon.block_n, gluon.warp_spec
     num_m_blocks = _cdiv(max_seqlen_q, block_m)
-    key = (q.dtype, d, dv, block_m, block_n, causal, kernel, ws)
+    window_left = window_left if window_left < tk else -1
+    variant = _variant_meta(window_left, softcap, sinks_stride)
+    key = (q.dtype, d, dv, block_m, block_n, causal, kernel, ws, *variant.values())
     errors = compile_errors()
     wgmma = None
     if key not in _FAILED:
         work = num_m_blocks * num_seqs * hq
         meta = {"GROUP": hq // hk, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal}
-        sizes = (scale * LOG2E, hq, num_m_blocks, tq, tk)
+        sizes = (_qk_scale(scale, softcap), hq, num_m_blocks, tq, tk)
         if kernel == "tma":  # persistent: a program per SM walks the work tiles
             stages, consumer_regs, loader_regs = ws
             descriptors = module.tma_descriptors(q, k, v, block_n)  # templates: each call's q, k, v
             wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
-                         q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8)
-                         hq * dv, dv, *(0,) * 6, *sizes, num_seqs, **meta, DK=d, DV=dv, STAGES=stages,
-                         CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=False,
-                         Q_BUFFERS=gluon.q_buffers, num_warps=4)
+                         q, q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8), sinks
+                         hq * dv, dv, *(0,) * 6, sinks_stride or 0, *sizes, num_seqs, **meta, DK=d, DV=dv,
+                         STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=False,
+                         Q_BUFFERS=gluon.q_buffers, **variant, num_warps=4)
         else:
             args = (q, q, q, q, q, q,  # placeholders: only their device is read
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq * d, d, *sizes)
@@ -444,14 +465,15 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
                 wgmma = bind(module.varlen_fwd_ws_kernel, (min(work, num_sms(q.device)),), *args, num_seqs, **meta,
                              D=d, STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
 
-    # The TMA kernel's descale pointers (read by its fp8 variant only): placeholders.
-    placeholders = 3 if kernel == "tma" else 0
+    tma = kernel == "tma"
 
     def launch(q, k, v, out, cu_q, cu_k, *rest):
         nonlocal wgmma
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
             try:
-                return wgmma(q, k, v, out, cu_q, cu_k, *(q,) * placeholders)
+                if tma:  # its descale pointers (read by its fp8 variant only) are placeholders; sinks
+                    return wgmma(q, k, v, out, cu_q, cu_k, q, q, q, rest[3])
+                return wgmma(q, k, v, out, cu_q, cu_k)
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None
                 _compile_failed(key, exc)
@@ -493,18 +515,18 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
         descriptors = module.tma_descriptors_fp8(like, q_view, k_view, vt_shape, block_n)  # templates
         strides = tuple(x for pair in descale_strides for x in pair)
         wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
-                     q, q, q, q, q, q,  # out, cu_q, cu_k, the descales: only their device is read
-                     hq * dv, dv, *strides, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
+                     q, q, q, q, q, q, q,  # out, cu_q, cu_k, the descales, sinks: only their device is read
+                     hq * dv, dv, *strides, 0, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
                      GROUP=hq // hk, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DK=d, DV=dv, STAGES=stages,
                      CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, Q_BUFFERS=gluon.q_buffers,
-                     num_warps=4)
+                     **_variant_meta(-1, 0.0, None), num_warps=4)
 
     def launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks) -> bool:
         """Whether the call ran (False only without a `triton_launch`: the caller runs it)."""
         nonlocal wgmma
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | vt.data_ptr()) & 15:
             try:
-                wgmma(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale)
+                wgmma(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, q_descale)  # (no sinks: a placeholder)
                 return True
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None

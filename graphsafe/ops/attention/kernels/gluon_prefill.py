@@ -22,7 +22,7 @@ Three kernels share that loop (`plan.varlen_kernel` picks):
   synchronised by mbarriers only, so the consumers never wait for each other and a
   program's next tile loads while its current one computes (1.99 ms at the shape above).
   TMA reads whole tiles: rows past a sequence are masked (K) or zeroed in shared memory
-  before use (V, `_zero_rows_from`), so no neighbour's NaN meets a p = 0. Shared memory
+  before use (V, `_zero_rows_outside`), so no neighbour's NaN meets a p = 0. Shared memory
   at D = 128: two q buffers [128, D] 64 KiB + 2 stages x (K 32 + V 32) KiB = 192 KiB;
   at D = 192: one q buffer 48 KiB + 2 stages x (K 48 + V 32) KiB = 208 KiB (a consumer
   releases q after its last q.k, so the next tile's q lands during the last p.V).
@@ -151,7 +151,8 @@ def _copy_rows(smem, base, row0, row_end, stride, ROWS: gl.constexpr, D: gl.cons
 @gluon.jit
 def _softmax_step(s, m_i, l_i, n0, offs_m, k_len, diag, qk_scale,
                   BLOCK_N: gl.constexpr, S_COL: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                  FP8: gl.constexpr = False, lead=0, bad=0, BOX: gl.constexpr = 0):
+                  FP8: gl.constexpr = False, lead=0, bad=0, BOX: gl.constexpr = 0,
+                  WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0):
     """One key tile's scores s [BLOCK_M, BLOCK_N] (keys n0 ...) into the online softmax:
     (p unnormalised, alpha = the old rows' rescale, the new row max, the new row sum).
     MASKED tiles hide keys past the sequence and, CAUSAL, past row i's diagonal (n > i + diag).
@@ -160,12 +161,21 @@ def _softmax_step(s, m_i, l_i, n0, offs_m, k_len, diag, qk_scale,
     value that scales to -inf; p comes scaled by P_SCALE (e4m3 has no room below 2^-9),
     in l as in acc, so it cancels; keys before `lead` (`_ws_bounds`' frame) are hidden too.
     BOX > 0 (the paged kernel): bit i of `bad` hides keys [n0 + i BOX, n0 + (i + 1) BOX),
-    a cache block whose id is outside the cache (`_bad_boxes`)."""
+    a cache block whose id is outside the cache (`_bad_boxes`).
+    Variants (16-bit only, as the Triton kernel's): WINDOW_LEFT >= 0 hides, in MASKED tiles,
+    keys before row i's window (n < i + diag - WINDOW_LEFT); SOFTCAP > 0 (the cap in log2
+    units) caps the scores to SOFTCAP * tanh(.) before the mask, qk_scale being the tanh
+    argument's scale (the capped scores are in log2 units already)."""
     if FP8:
         positive = qk_scale > 0
         hidden = gl.where(positive, float("-inf"), float("inf"))
     else:
         hidden = float("-inf")
+    if SOFTCAP > 0:
+        # tanh(x) = 1 - 2 / (2^(2 x log2(e)) + 1) (qk_scale folds that factor in): +-inf
+        # scores cap to +-1, NaN stays NaN; the scale is spent here.
+        s = SOFTCAP * (1.0 - 2.0 / (gl.exp2(s * qk_scale) + 1.0))
+        qk_scale = 1.0
     if MASKED:
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=S_COL)
         visible = (offs_n < k_len)[None, :]
@@ -175,6 +185,8 @@ def _softmax_step(s, m_i, l_i, n0, offs_m, k_len, diag, qk_scale,
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
         if BOX > 0:
             visible = visible & (((bad >> ((offs_n - n0) // BOX)) & 1) == 0)[None, :]
+        if WINDOW_LEFT >= 0:
+            visible = visible & (offs_n[None, :] >= offs_m[:, None] + (diag - WINDOW_LEFT))
         s = gl.where(visible, s, hidden)
     if FP8:
         if positive:
@@ -210,29 +222,38 @@ def _full_tiles(r0, k_len, diag, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
 @gluon.jit
 def _softmax_tile(s, m_i, l_i, t, full_tiles, offs_m, k_len, diag, qk_scale,
                   BLOCK_N: gl.constexpr, S_COL: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr = False,
-                  lead=0, bad=0, BOX: gl.constexpr = 0):
+                  lead=0, bad=0, BOX: gl.constexpr = 0, first_full=0, WINDOW_LEFT: gl.constexpr = -1,
+                  SOFTCAP: gl.constexpr = 0.0):
     """`_softmax_step` of key tile t: unmasked when it is one of the first `full_tiles`
-    (FP8: not tile 0 of a frame with a lead; paged, BOX > 0: no bad box), masked otherwise."""
+    (FP8: not tile 0 of a frame with a lead; paged, BOX > 0: no bad box; WINDOW_LEFT >= 0:
+    not before `first_full`, the first tile inside every row's window), masked otherwise."""
     unmasked = t < full_tiles
+    if WINDOW_LEFT >= 0:
+        unmasked = unmasked & (t >= first_full)
     if FP8:
         unmasked = unmasked & ((t > 0) | (lead == 0))
     if BOX > 0:
         unmasked = unmasked & (bad == 0)
     if unmasked:
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, t * BLOCK_N, offs_m, k_len, diag, qk_scale,
-                                           BLOCK_N, S_COL, False, CAUSAL, FP8, lead)
+                                           BLOCK_N, S_COL, False, CAUSAL, FP8, lead, SOFTCAP=SOFTCAP)
     else:
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, t * BLOCK_N, offs_m, k_len, diag, qk_scale,
-                                           BLOCK_N, S_COL, True, CAUSAL, FP8, lead, bad, BOX)
+                                           BLOCK_N, S_COL, True, CAUSAL, FP8, lead, bad, BOX, WINDOW_LEFT, SOFTCAP)
     return p, alpha, m_i, l_i
 
 
 @gluon.jit
 def _store_rows(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot,
-                D: gl.constexpr, O_MMA: gl.constexpr, CAUSAL: gl.constexpr, v_scale=1.0, FP8: gl.constexpr = False):
+                D: gl.constexpr, O_MMA: gl.constexpr, CAUSAL: gl.constexpr, v_scale=1.0, FP8: gl.constexpr = False,
+                m_i=0.0, sink=0.0, HAS_SINKS: gl.constexpr = False):
     """out rows `rows` (O_MMA's row slice) = acc / l (FP8: acc * v_scale / l), in out's
     dtype: 0 for a row that sees no key (decided from indices, as the Triton kernel), NaN
-    where the sum is NaN (NaN scores); rows at or past q_len are not written."""
+    where the sum is NaN (NaN scores); rows at or past q_len are not written. HAS_SINKS: the head's sink logit `sink` joins
+    the normaliser once, against the final row max m_i (0 for a row whose scores are all
+    -inf, as in the reference): l += 2^(sink log2(e) - m)."""
+    if HAS_SINKS:
+        l_i = l_i + gl.exp2(sink * 1.4426950408889634 - gl.where(m_i == float("-inf"), 0.0, m_i))
     norm = gl.where(l_i == 0.0, 1.0, l_i)
     if FP8:
         acc = acc * v_scale
@@ -412,6 +433,23 @@ def _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M: gl.constexp
 
 
 @gluon.jit
+def _window_tiles(m0, diag, n_tiles, BLOCK_N: gl.constexpr, WINDOW_LEFT: gl.constexpr):
+    """(first key tile, key tiles, key_lo) of a work tile from row m0 on: with a window
+    (WINDOW_LEFT >= 0) the tiles start at the tile of key_lo, the first key row m0 sees
+    (earlier tiles are never loaded; the loader zeroes the first tile's values before
+    key_lo, so keys no row of the block sees never enter the arithmetic, not even as
+    0 * NaN, as in the Triton kernel); else tile 0 and key_lo 0."""
+    if WINDOW_LEFT >= 0:
+        key_lo = gl.maximum(m0 + diag - WINDOW_LEFT, 0)
+        t_lo = key_lo // BLOCK_N
+        n_tiles = gl.maximum(n_tiles - t_lo, 0)
+    else:
+        key_lo = 0
+        t_lo = 0
+    return t_lo, n_tiles, key_lo
+
+
+@gluon.jit
 def _ws_copy_tile(smem, base, row0, row_end, stride, ROWS: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
     """The loader's copy of rows [row0, row0 + ROWS) into smem [ROWS, D], 32 rows at a time
     (few live addresses in the loader's small register budget); rows at or past `row_end`
@@ -552,7 +590,8 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
                  acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, qk_scale,
                  WG: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  CHUNKS: gl.constexpr, FP8: gl.constexpr = False, p_smem=None, lead=0,
-                 table_row=0, stride_tm=0, num_blocks=0, PAGE: gl.constexpr = 0, BOX: gl.constexpr = 0):
+                 table_row=0, stride_tm=0, num_blocks=0, PAGE: gl.constexpr = 0, BOX: gl.constexpr = 0,
+                 t_lo=0, q_len=0, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0):
     """One warpgroup's key loop over a work tile's n_tiles (> 0) key tiles, at ring position
     `ring` and q buffer `count % (q buffers)`: (acc, row max, row sum). Releases every
     buffer it read.
@@ -563,7 +602,9 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     this warpgroup's `p_smem` [64, BLOCK_N] (Triton 3.6 cannot keep 8-bit registers of
     an in-flight wgmma alive: no 8-bit operands in registers).
     PAGE > 0 (the paged kernel): keys of a padding block are hidden (`_bad_boxes` of
-    `table_row`, read beside the copies)."""
+    `table_row`, read beside the copies). The n_tiles key tiles are tiles t_lo, t_lo + 1,
+    ... (`_window_tiles`); WINDOW_LEFT, SOFTCAP: `_softmax_step`'s variants (q_len: the
+    sequence's query rows, for the tiles inside every row's window)."""
     dtype: gl.constexpr = q_smem.dtype
     K_STEP: gl.constexpr = 32 if FP8 else 16  # wgmma's K: 32 bytes of the operands' rows
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -576,13 +617,17 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_MMA)
     offs_m = r0 + gl.arange(0, 64, layout=S_ROW)
     full_tiles = _full_tiles(r0, k_len, diag, BLOCK_N, CAUSAL)
+    first_full = 0
+    if WINDOW_LEFT >= 0:  # the tile from which the window of this warpgroup's last row holds every key
+        r_last = gl.maximum(gl.minimum(r0 + 64, q_len) - 1, r0)
+        first_full = gl.cdiv(gl.maximum(r_last + diag - WINDOW_LEFT, 0), BLOCK_N)
     Q_BUFFERS: gl.constexpr = q_full.shape[0]
     qb = count % Q_BUFFERS
     q0 = (2 * qb + WG) * CHUNKS
     mbarrier.wait(q_full.index(qb), (count // Q_BUFFERS) & 1)
     bad = 0
     if PAGE > 0:
-        bad = _bad_boxes(table_row, stride_tm, num_blocks, 0, k_len, BLOCK_N, PAGE, BOX)
+        bad = _bad_boxes(table_row, stride_tm, num_blocks, t_lo, k_len, BLOCK_N, PAGE, BOX)
     s0 = ring % STAGES
     mbarrier.wait(k_full.index(s0), (ring // STAGES) & 1)
     fence_async_shared()
@@ -591,15 +636,15 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     # q is released once its last q.k is done (not after the last p.V): the loader can
     # fill the buffer for the next work tile meanwhile (with one q buffer, no bubble).
     mbarrier.arrive(q_empty.index(qb), pred=n_tiles == 1)
-    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, 0, full_tiles, offs_m, k_len, diag, qk_scale,
-                                       BLOCK_N, S_COL, CAUSAL, FP8, lead, bad, BOX)
+    p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, t_lo, full_tiles, offs_m, k_len, diag, qk_scale,
+                                       BLOCK_N, S_COL, CAUSAL, FP8, lead, bad, BOX, first_full, WINDOW_LEFT, SOFTCAP)
     p_op = _p_operand(p, dtype, P_OPERAND, p_smem, FP8)
     for j in range(0, n_tiles - 1):
         # In: p_op of key tile j (ring position ring + j), acc at its row max.
         sk = (ring + j + 1) % STAGES
         sv = (ring + j) % STAGES
         if PAGE > 0:
-            bad = _bad_boxes(table_row, stride_tm, num_blocks, j + 1, k_len, BLOCK_N, PAGE, BOX)
+            bad = _bad_boxes(table_row, stride_tm, num_blocks, t_lo + j + 1, k_len, BLOCK_N, PAGE, BOX)
         mbarrier.wait(k_full.index(sk), ((ring + j + 1) // STAGES) & 1)
         mbarrier.wait(v_full.index(sv), ((ring + j) // STAGES) & 1)
         fence_async_shared()
@@ -610,8 +655,9 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         mbarrier.arrive(k_empty.index(sk))
         mbarrier.arrive(q_empty.index(qb), pred=j + 2 == n_tiles)
-        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, j + 1, full_tiles, offs_m, k_len, diag,
-                                           qk_scale, BLOCK_N, S_COL, CAUSAL, FP8, lead, bad, BOX)
+        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, t_lo + j + 1, full_tiles, offs_m, k_len, diag,
+                                           qk_scale, BLOCK_N, S_COL, CAUSAL, FP8, lead, bad, BOX, first_full,
+                                           WINDOW_LEFT, SOFTCAP)
         if FP8:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         else:
@@ -651,7 +697,8 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
                  total_q, total_k, WG: gl.constexpr, GROUP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr,
                  FP8: gl.constexpr = False, descales=None, p_smem=None, paging=None, PAGE: gl.constexpr = 0,
-                 BOX: gl.constexpr = 0):
+                 BOX: gl.constexpr = 0, sinks=None, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
+                 HAS_SINKS: gl.constexpr = False):
     """Consumer partition WG (one warpgroup): rows [m0 + 64 WG, m0 + 64 WG + 64) of each
     work tile, the key loop of `varlen_fwd_wgmma_kernel` on the buffers the loader fills;
     a buffer is released (one arrive per consumer) once this warpgroup's wgmma read it.
@@ -659,7 +706,9 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     work tile's scores are scaled by qk_scale x its q and k descales, its output by its v
     descale; `p_smem` [2, 64, BLOCK_N]: each warpgroup's p buffer.
     PAGE > 0 (`paged_fwd_tma_kernel`): cu_k_ptr is seq_lens, total_k the keys of a block
-    table row, `paging` = (block table, its two strides, seq_lens' stride, cache blocks)."""
+    table row, `paging` = (block table, its two strides, seq_lens' stride, cache blocks).
+    Variants (16-bit): WINDOW_LEFT, SOFTCAP (`_softmax_step`), HAS_SINKS (`sinks` = (the
+    sinks' pointer, their stride): `_store_rows`)."""
     K_STEP: gl.constexpr = 32 if FP8 else 16
     S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_N, K_STEP])
@@ -683,6 +732,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
         else:
             q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
                 cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 4, 16 if FP8 else 1)
+        t_lo, n_tiles, key_lo = _window_tiles(m0, diag, n_tiles, BLOCK_N, WINDOW_LEFT)
         if m0 < q_len:  # (a block past its sequence's rows has nothing to write)
             r0 = m0 + 64 * WG
             m_i = gl.full([64], float("-inf"), gl.float32, layout=S_ROW)
@@ -698,13 +748,18 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
                 acc, m_i, l_i = _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                                              acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, tile_scale,
                                              WG, DV, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, p_buffer, lead,
-                                             table_row, stride_tm, num_blocks, PAGE, BOX)
+                                             table_row, stride_tm, num_blocks, PAGE, BOX, t_lo, q_len, WINDOW_LEFT,
+                                             SOFTCAP)
                 ring += n_tiles
                 count += 1
             out_base = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
             # (the sequence's own key count and diagonal: without the frame's lead)
+            sink = 0.0
+            if HAS_SINKS:
+                sinks_ptr, stride_sinks = sinks
+                sink = gl.load(sinks_ptr + head * stride_sinks)
             _store_rows(acc, l_i, out_base, r0 + gl.arange(0, 64, layout=O_ROW), q_len, k_len - lead, diag - lead,
-                        stride_ot, DV, O_MMA, CAUSAL, v_scale, FP8)
+                        stride_ot, DV, O_MMA, CAUSAL, v_scale, FP8, m_i, sink, HAS_SINKS)
 
 
 @gluon.jit
@@ -759,15 +814,15 @@ def varlen_fwd_ws_kernel(
 
 # -- warp-specialised, persistent, TMA loads ---------------------------------------------------------
 @gluon.jit
-def _zero_rows_from(tile, first, ROWS: gl.constexpr, D: gl.constexpr):
-    """Zero rows [first, ROWS) of the shared tile [ROWS, D] (one warp, 8 rows at a time,
-    generic-proxy stores: the caller fences before the tensor cores read the tile)."""
+def _zero_rows_outside(tile, lo, hi, ROWS: gl.constexpr, D: gl.constexpr):
+    """Zero the rows outside [lo, hi) of the shared tile [ROWS, D] (one warp, 8 rows at a
+    time, generic-proxy stores: the caller fences before the tensor cores read the tile)."""
     L: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [1, 1], [1, 0])
     for r in gl.static_range(0, ROWS, 8):
-        if r + 8 > first:
+        if (r < lo) | (r + 8 > hi):
             chunk = tile.slice(r, 8)
             rows = r + gl.arange(0, 8, layout=gl.SliceLayout(1, L))
-            chunk.store(gl.where((rows < first)[:, None], chunk.load(L), 0.0))
+            chunk.store(gl.where(((rows >= lo) & (rows < hi))[:, None], chunk.load(L), 0.0))
 
 
 @gluon.jit
@@ -796,7 +851,8 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
                 q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
                 GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
-                paging=None, v_boxes=None, PAGE: gl.constexpr = 0, BOX: gl.constexpr = 0):
+                paging=None, v_boxes=None, PAGE: gl.constexpr = 0, BOX: gl.constexpr = 0,
+                WINDOW_LEFT: gl.constexpr = -1):
     """Loader partition (one warp) of `varlen_fwd_tma_kernel`: `_ws_loader`'s order of
     copies, each one TMA copy (q in two 64-row halves) completing its buffer's barrier by
     the bytes it lands. The copies read whole tiles at the sequence's rows: rows past a
@@ -811,7 +867,8 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
     PAGE > 0 (`paged_fwd_tma_kernel`): a key tile is BLOCK_N / BOX boxes, each read from its
     cache block (`_tma_boxes`: `paging` as `_ws_consumer`'s; `v_boxes` the V stages seen
     as [STAGES x DV / 64, BLOCK_N, 64] chunks); boxes past the sequence or in a padding
-    block are TMA's zeros."""
+    block are TMA's zeros. WINDOW_LEFT >= 0: the tiles from `_window_tiles`' first on, that
+    tile's values before key_lo zeroed as the tail's."""
     CHUNKS: gl.constexpr = DK // q_desc.block_type.shape[1]
     Q_BUFFERS: gl.constexpr = q_full.shape[0]
     if PAGE > 0:  # a V tile: DV / 64 chunks of BLOCK_N / BOX boxes
@@ -831,6 +888,7 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
         else:
             q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
                 cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 1, 16 if FP8 else 1)
+        t_lo, n_tiles, key_lo = _window_tiles(m0, diag, n_tiles, BLOCK_N, WINDOW_LEFT)
         if n_tiles > 0:
             qb = count % Q_BUFFERS
             mbarrier.wait(q_empty.index(qb), ((count // Q_BUFFERS) & 1) ^ 1)
@@ -838,7 +896,8 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
             for w in gl.static_range(2):
                 _tma_chunks(q_desc, q_start + m0 + 64 * w, head * DK, q_full.index(qb), q_smem, (2 * qb + w) * CHUNKS,
                             CHUNKS)
-            for t in range(n_tiles):
+            for j in range(n_tiles):
+                t = t_lo + j
                 s = ring % STAGES
                 free_phase = ((ring // STAGES) & 1) ^ 1
                 row = k_start + t * BLOCK_N
@@ -858,6 +917,8 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
                 else:
                     v_at = [row, kv_head * DV]
                     first = 0
+                    if WINDOW_LEFT >= 0:  # the first tile's keys before key_lo: no row of the block sees them
+                        first = gl.where(j == 0, key_lo - t * BLOCK_N, 0)
                 if (keys >= BLOCK_N) & (first == 0):
                     mbarrier.expect(v_full.index(s), V_BYTES)
                     if PAGE > 0:
@@ -877,7 +938,7 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
                     if FP8:
                         _zero_columns_outside(v_smem.index(s), first, keys, DV, BLOCK_N)
                     else:
-                        _zero_rows_from(v_smem.index(s), keys, BLOCK_N, DV)
+                        _zero_rows_outside(v_smem.index(s), first, keys, BLOCK_N, DV)
                     fence_async_shared()
                     mbarrier.arrive(v_full.index(s))
                 ring += 1
@@ -886,12 +947,13 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
 
 @gluon.jit
 def varlen_fwd_tma_kernel(
-    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, stride_ot, stride_oh,
-    stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h,
+    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, sinks_ptr, stride_ot, stride_oh,
+    stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_sinks,
     qk_scale, num_q_heads, num_m_blocks, total_q, total_k, num_seqs,
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-    FP8: gl.constexpr, Q_BUFFERS: gl.constexpr = 2,
+    FP8: gl.constexpr, Q_BUFFERS: gl.constexpr = 2, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
+    HAS_SINKS: gl.constexpr = False,
 ):
     """`varlen_fwd_ws_kernel` with a one-warp TMA loader: q, k, v come as TMA descriptors
     of their 2-D views [tokens, heads * head dim] (blocks [64, DK] for q, [BLOCK_N, DK]
@@ -902,7 +964,12 @@ def varlen_fwd_tma_kernel(
     FP8: q, k float8e4nv and v_desc V^T (the fp8 path's transposed copy [kv heads x Dv,
     tokens], blocks [Dv, BLOCK_N]); qd/kd/vd_ptr the descales, each (sequence, kv head)
     strided (0, 0 for one per tensor); qk_scale may be negative. Without FP8 they are
-    placeholders, never read."""
+    placeholders, never read.
+
+    Variants (16-bit only), as the Triton kernel's: WINDOW_LEFT >= 0 a sliding window (tiles
+    from the first key a work tile's first row sees), SOFTCAP > 0 the logit cap in log2
+    units (qk_scale the tanh argument's scale), HAS_SINKS a sink logit per query head
+    (`sinks_ptr`, stride `stride_sinks`; else a placeholder, never read)."""
     dtype: gl.constexpr = q_desc.dtype
     KC: gl.constexpr = q_desc.block_type.shape[1]  # q and k columns a chunk
     CHUNKS: gl.constexpr = DK // KC
@@ -939,27 +1006,30 @@ def varlen_fwd_tma_kernel(
                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                         total_q, total_k, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
                         (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
-                         stride_vd_h), p_smem)),
+                         stride_vd_h), p_smem, (sinks_ptr, stride_sinks), 0, 0, (sinks_ptr, stride_sinks), WINDOW_LEFT,
+                        SOFTCAP, HAS_SINKS)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                         total_q, total_k, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
                         (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
-                         stride_vd_h), p_smem)),
+                         stride_vd_h), p_smem, (sinks_ptr, stride_sinks), 0, 0, (sinks_ptr, stride_sinks), WINDOW_LEFT,
+                        SOFTCAP, HAS_SINKS)),
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                        q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
-                       GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8)),
+                       GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, (sinks_ptr, stride_sinks), v_smem, 0, 0,
+                       WINDOW_LEFT)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # -- paged prefill: the TMA kernel walking the block table --------------------------------------
-def paged_tma_descriptors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+def paged_tma_descriptors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple:
     """Host TMA descriptors (templates: each call passes its own q and caches) of
     `paged_fwd_tma_kernel`: q as 2-D [tokens, heads x D] with [64, 64] blocks, the caches
     as 2-D [blocks x block size, kv heads x D] (the caller checked a block's rows follow
     each other: block stride = block size x token stride) with [BOX, 64] blocks, BOX =
-    min(block size, 128): one box of a key tile lies in one cache block."""
+    min(block size, BLOCK_N): one box of a key tile lies in one cache block."""
     num_blocks, page, hk, d = k_cache.shape
-    box = min(page, 128)
+    box = min(page, block_n)
     return (_rows(q, q.shape, q.stride(0), 64, 64),
             _descriptor(k_cache, [num_blocks * page, hk * d], [k_cache.stride(1), 1], [box, 64]),
             _descriptor(v_cache, [num_blocks * page, hk * v_cache.shape[3]], [v_cache.stride(1), 1], [box, 64]))
@@ -967,11 +1037,13 @@ def paged_tma_descriptors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 @gluon.jit
 def paged_fwd_tma_kernel(
-    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, lens_ptr, table_ptr, stride_ot, stride_oh,
-    stride_lens, stride_tb, stride_tm, qk_scale, num_q_heads, num_m_blocks, total_q, max_len, num_seqs, num_blocks,
+    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, lens_ptr, table_ptr, sinks_ptr, stride_ot, stride_oh,
+    stride_lens, stride_tb, stride_tm, stride_sinks, qk_scale, num_q_heads, num_m_blocks, total_q, max_len, num_seqs,
+    num_blocks,
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-    PAGE: gl.constexpr, Q_BUFFERS: gl.constexpr = 2,
+    PAGE: gl.constexpr, Q_BUFFERS: gl.constexpr = 2, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
+    HAS_SINKS: gl.constexpr = False,
 ):
     """`paged_attention_prefill` (bf16/fp16, no variant) as `varlen_fwd_tma_kernel`: the same
     persistent work tiles, loader warp and consumer warpgroups, with each sequence's keys
@@ -982,7 +1054,9 @@ def paged_fwd_tma_kernel(
     swizzle atoms of its rows); a box past the sequence or in a padding block (an id
     outside [0, num_blocks)) is TMA's zeros, and the consumers hide a padding block's keys
     (`_bad_boxes`), rows past seq_lens[b] as in varlen. max_len: keys a table row holds
-    (its columns x PAGE); DK = DV = a multiple of 64; launch with num_warps=4."""
+    (its columns x PAGE); DK = DV = a multiple of 64; launch with num_warps=4. The variants
+    (WINDOW_LEFT, SOFTCAP, HAS_SINKS with `sinks_ptr`, `stride_sinks`) as
+    `varlen_fwd_tma_kernel`'s."""
     dtype: gl.constexpr = q_desc.dtype
     CHUNKS: gl.constexpr = DK // 64
     BOX: gl.constexpr = k_desc.block_type.shape[0]
@@ -1016,12 +1090,15 @@ def paged_fwd_tma_kernel(
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                         total_q, max_len, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, False,
-                        paging, q_smem, paging, PAGE, BOX)),
+                        paging, q_smem, paging, PAGE, BOX, (sinks_ptr, stride_sinks), WINDOW_LEFT, SOFTCAP,
+                        HAS_SINKS)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                         total_q, max_len, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, False,
-                        paging, q_smem, paging, PAGE, BOX)),
+                        paging, q_smem, paging, PAGE, BOX, (sinks_ptr, stride_sinks), WINDOW_LEFT, SOFTCAP,
+                        HAS_SINKS)),
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                        q_desc, k_desc, v_desc, cu_q_ptr, lens_ptr, num_q_heads, num_m_blocks, num_work, total_q,
-                       max_len, GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, paging, v_boxes, PAGE, BOX)),
+                       max_len, GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, paging, v_boxes, PAGE, BOX,
+                       WINDOW_LEFT)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
