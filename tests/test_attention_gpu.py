@@ -359,6 +359,8 @@ WGMMA_VARLEN_CASES = {
     "empty-seqs-d64": _wgmma_case([0, 64, 0, 200], [0, 64, 5, 200], 4, 2, 64, torch.bfloat16, True, "tma"),
     "full-d64-fp16": _wgmma_case([256, 333], [256, 333], 4, 4, 64, torch.float16, False, "tma"),
     "short-d64": _wgmma_case([60, 0, 33], [60, 5, 300], 4, 2, 64, torch.bfloat16, True, "wgmma"),
+    "gemma-d256-ragged": _wgmma_case(_RAGGED, _RAGGED, 4, 2, 256, torch.bfloat16, True, "tma"),
+    "d256-prefix-full-fp16": _wgmma_case([50, 200, 129], [700, 200, 1029], 4, 2, 256, torch.float16, False, "tma"),
     "padded-heads-d64": _wgmma_case([256, 333], [256, 333], 4, 2, 64, torch.bfloat16, True, "wgmma", layout="padded"),
     "short-64-row-tiles": _wgmma_case([60, 40], [60, 400], 8, 8, 128, torch.bfloat16, True, "wgmma"),
     "llama-2x2048": _wgmma_case([2048] * 2, [2048] * 2, 32, 8, 128, torch.bfloat16, True, "tma"),
@@ -494,6 +496,7 @@ TMA_VARIANT_CASES = {
     "mla-d192-all-three": ([300, 1000], [800, 1000], 192, 128, True, 255, 30.0, True),
     "gpt-oss-d64-sinks-window": ([2048, 300], [2048, 700], 64, 64, True, 127, 0.0, True),
     "d64-sinks": ([300, 1, 77, 1000], [300, 1, 77, 1000], 64, 64, True, -1, 0.0, True),
+    "gemma-d256-window-softcap": ([2048, 300], [2048, 700], 256, 256, True, 1023, 50.0, False),
 }
 
 

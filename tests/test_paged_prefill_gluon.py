@@ -54,17 +54,18 @@ for module in (T, triton_paged_prefill, triton_quant):
     module.bind = record
 # As on sm_90 (the CPU tensors stand in for CUDA ones): the plan of these shapes.
 P.paged_gluon_plan = lambda call: P.GluonPlan("paged-tma", 128, P.tma_key_tile(call.q.shape[2], call.window_left >= 0),
-                                              P.warp_specialisation("tma", 128), 2)
+                                              P.warp_specialisation("tma", 128), P.tma_q_buffers(call.q.shape[2]))
 """ + SPECIALISE_PRELUDE + r"""
 # (dtype, block size, causal): every box count a key tile takes (8, 2, 1, and a block
 # spanning two tiles), fp16 once.
 CALLS = [(torch.bfloat16, 16, True), (torch.bfloat16, 64, False), (torch.float16, 128, True),
          (torch.bfloat16, 256, True)]
-# And the variants (window, softcap, sinks) at block size 16, at D 128 and (64-key tiles) D 64.
-CALLS += [(torch.bfloat16, 16, "variants"), (torch.bfloat16, 16, "variants-d64")]
+# And the variants (window, softcap, sinks) at block size 16, at D 128 and (64-key tiles) D 64
+# and D 256 (one q buffer).
+CALLS += [(torch.bfloat16, 16, "variants"), (torch.bfloat16, 16, "variants-d64"), (torch.bfloat16, 16, "variants-d256")]
 for dtype, bs, causal in CALLS:
     variants = (255, 30.0, torch.zeros(8)) if str(causal).startswith("variants") else (-1, 0.0, None)
-    d = 64 if causal == "variants-d64" else 128
+    d = {"variants-d64": 64, "variants-d256": 256}.get(causal, 128)
     q = torch.zeros(600, 8, d, dtype=dtype)
     cache = torch.zeros(64, bs, 2, d, dtype=dtype)
     table = torch.zeros(2, 4096 // bs, dtype=torch.int32)
@@ -95,7 +96,7 @@ for args, kw in launches:
     # same twice (a whole tile, and a tile cut by the sequence's end or a window's start
     # whose rows outside are zeroed).
     assert tma_copies == (3 * bn // box + 2) * (d // 64), tma_copies
-    need = G.shared_memory_bytes(128, bn, d, d, 2, 2)
+    need = G.shared_memory_bytes(128, bn, d, d, 2, kw["Q_BUFFERS"])
     assert k.metadata.shared <= need <= 227 * 1024, (k.metadata.shared, need)
 print("OK")
 """
@@ -108,7 +109,7 @@ def test_paged_gluon_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     the estimate the plan decides by."""
     out = compile_for_sm90(_PAGED_COMPILE_SCRIPT, timeout=900)
     print(out)
-    assert out.count("compiled") == 6 and "window 255" in out, out
+    assert out.count("compiled") == 7 and "window 255" in out, out
 
 
 # -- where the Gluon kernel runs -----------------------------------------------------------------
@@ -150,13 +151,15 @@ def _fits(**kw) -> bool:
     return P.paged_gluon_plan(_call(**kw)) is not None
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("bs", [16, 32, 64, 128, 256, 1024])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_plain_calls_fit_on_sm90(sm90, dtype, bs, d):
+    """D 64 and 128: 128-key tiles, two q buffers; D 256 64-key tiles and one (shared memory)."""
     assert _fits(dtype=dtype, bs=bs, d=d)
     plan = P.paged_gluon_plan(_call(dtype=dtype, bs=bs, d=d))
-    assert (plan.name, plan.block_m, plan.block_n) == ("gluon-paged-tma", 128, 128)
+    want = (64, 1) if d == 256 else (128, 2)
+    assert (plan.name, plan.block_m, (plan.block_n, plan.q_buffers)) == ("gluon-paged-tma", 128, want)
 
 
 def test_a_window_at_d64_takes_64_key_tiles(sm90):
@@ -166,12 +169,19 @@ def test_a_window_at_d64_takes_64_key_tiles(sm90):
     assert tiles == {(64, -1): 128, (64, 127): 64, (64, 4096): 128, (128, -1): 128, (128, 127): 128, (128, 4096): 128}
 
 
+def test_the_d256_kernel_needs_its_shared_memory(sm90):
+    need = P.gluon_module().shared_memory_bytes(128, 64, 256, 256, 2, 1)
+    for smem, fits in ((need, True), (need - 1, False)):
+        sm90.setattr(P, "max_shared_memory", lambda device, s=smem: s)
+        assert _fits(d=256) == fits, smem
+
+
 _DECLINED = {
     "64 queries at most (64-row blocks)": dict(max_seqlen_q=64),
     "scale 0": dict(scale=0.0),
     "nan scale": dict(scale=math.nan),
     "D 96": dict(d=96),
-    "D 256": dict(d=256),
+    "D 192": dict(d=192),
     "Dv 64 != D 128": dict(dv=64),
     "fp8 cache": dict(k_dtype=torch.float8_e4m3fn),
     "float32": dict(dtype=torch.float32),

@@ -100,6 +100,7 @@ CASES = {
     "llama-8x512-over-4096": ([512] * 8, [4096] * 8, 32, 8, 16, torch.bfloat16, True, ()),
     "d64-bs16": ([512, 300], [4096, 1000], 8, 2, 16, torch.bfloat16, True, (), 64),
     "d64-padding-bs64-fp16": ([300, 200], [2048, 700], 8, 2, 64, torch.float16, True, ((0, 3, -1),), 64),
+    "d256-padding-bs16": ([512, 300], [4096, 1000], 4, 2, 16, torch.bfloat16, True, ((0, 9, -1),), 256),
 }
 
 
@@ -140,6 +141,7 @@ VARIANT_CASES = {
     "all-three-bs16": ([512, 200, 65], [4096, 1000, 65], 16, True, 127, 50.0, True),
     "gpt-oss-d64-sinks-window-bs16": ([512, 200], [4096, 1000], 16, True, 127, 0.0, True, 64),
     "d64-sinks-bs64": ([512, 65], [1000, 65], 64, True, -1, 0.0, True, 64),
+    "gemma-d256-window-softcap-bs16": ([512, 200], [4096, 1000], 16, True, 1023, 50.0, False, 256),
 }
 
 

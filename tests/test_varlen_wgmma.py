@@ -72,7 +72,7 @@ P.gluon_fp8_plan = lambda q, k, v, max_q, variants, copies=False: P.gluon_plan_f
 # for one launch of each kernel. Heads padded to 144 columns: no TMA view ("ws").
 CASES = [(torch.bfloat16, 64, 64, 40, None), (torch.bfloat16, 64, 64, 4096, None), (torch.bfloat16, 128, 128, 40, None),
          (torch.bfloat16, 128, 128, 4096, None), (torch.bfloat16, 128, 128, 4096, 144),
-         (torch.bfloat16, 192, 128, 4096, None)]
+         (torch.bfloat16, 192, 128, 4096, None), (torch.bfloat16, 256, 256, 4096, None)]
 CALLS = [(c, causal) for c in CASES for causal in (True, False)]
 CALLS += [((torch.float16, 128, 128, 4096, None), True), ((torch.float16, 128, 128, 4096, 144), True),
           ((torch.float16, 64, 64, 40, None), True)]
@@ -109,13 +109,13 @@ for causal in (True, False):
     T.flash_attn_varlen(q8, k8, v8, cu, cu, 4096, 4096, 0.088, causal, descale, descale, descale)
     assert KERNELS[launches[-1][0]] == "tma" and launches[-1][2]["FP8"], launches[-1][0]
 kinds = sorted(KERNELS[kernel] for kernel, _, _ in launches)
-assert kinds == ["tma"] * 11 + ["wgmma"] * 5 + ["ws"] * 3, kinds
+assert kinds == ["tma"] * 13 + ["wgmma"] * 5 + ["ws"] * 3, kinds
 # One compile per kernel family (kernel, tile, fp8): its widest head dim, causal (the
 # masked diagonal's code too); every launch above was checked for the kernel it binds.
 families = {}
 for kernel, args, kw in launches:
     key = (kernel, kw["BLOCK_M"], kw["BLOCK_N"], bool(kw.get("FP8")), kw.get("WINDOW_LEFT", -1) >= 0,
-           kw.get("DK", kw.get("D")) == 64)
+           kw.get("DK", kw.get("D")) in (64, 256))
     rank = (kw.get("DK", kw.get("D")), kw["CAUSAL"])
     if key not in families or rank > families[key][0]:
         families[key] = (rank, (kernel, args, kw))
@@ -239,7 +239,8 @@ _DECLINED = {
     "a variant on the cp.async kernel (padded heads)": lambda: _fits(*_qkv(q_stride=(8 * 144, 144, 1)), variants=True),
     "D=192/Dv=128, 64-row blocks": lambda: _fits(*_qkv(d=192, dv=128), 64),
     "D=192/Dv=192": lambda: _fits(*_qkv(d=192)),
-    "D=256": lambda: _fits(*_qkv(d=256)),
+    "D=96": lambda: _fits(*_qkv(d=96)),
+    "D=256, 64-row blocks": lambda: _fits(*_qkv(d=256), 64),
     "Dv=64 != D=128": lambda: _fits(*_qkv(d=128, dv=64)),
     "Dv=128 != D=64": lambda: _fits(*_qkv(d=64, dv=128)),
     "fp8": lambda: _fits(*_qkv(FP8)),
@@ -263,6 +264,14 @@ def test_other_calls_run_the_triton_kernel_on_sm90(sm90, case):
     """Each departure from the plain call declines the Gluon kernel, the rest as in
     test_plain_16_bit_calls_fit_on_sm90."""
     assert not _DECLINED[case]()
+
+
+def test_d256_fits_the_tma_kernel_with_64_key_tiles_and_one_q_buffer(sm90):
+    """Gemma-2's D 256 with 128-row blocks and contiguous heads: the "tma" kernel, 64-key
+    tiles and one q buffer (two would not leave shared memory for two key stages)."""
+    plan = P.gluon_plan(*_qkv(d=256), 4096, 0.0625, False)
+    assert (plan.kernel, plan.block_n, plan.q_buffers) == ("tma", 64, 1)
+    assert _fits(*_qkv(d=256), 4096, variants=True)
 
 
 def test_variants_fit_the_tma_kernel(sm90):
