@@ -4,12 +4,12 @@
     python benchmarks/performance_page.py --check    # exit 1 when docs/performance.md is stale
 
 Results live in `benchmarks/results/<device>/<date>-<time>_<what>.json` (the JSON that
-`python -m graphsafe bench --json` writes: meta, ceilings, rows). For each device and each
-bench case, the page shows the newest run that measured the case: per shape graphsafe's
-median (graph replay), its share of the roofline (of the copy bandwidth, or of the matmul
-peak for compute-bound problems, both measured in the same run) and each external peer
-(FlashMLA, FlashInfer) and the compiled reference on the same inputs, with graphsafe / peer
-ratios (> 1: graphsafe is slower). Plots (matplotlib, the `plot` extra; skipped without
+`python -m graphsafe bench --json` writes: meta, ceilings, rows). For each device, bench
+case and shape, the page shows the newest run that measured it: graphsafe's median (graph
+replay), its share of the roofline (of the copy bandwidth, or of the matmul peak for
+compute-bound problems, both measured in the same run) and each external peer (FlashMLA,
+FlashInfer), graphsafe's own other paths (`BASELINES`) and the compiled reference on the
+same inputs, with graphsafe / peer ratios (> 1: graphsafe is slower). Plots (matplotlib, the `plot` extra; skipped without
 it): per device and case, time per shape of graphsafe and each peer; per device, the share
 of the roofline each case's shapes reach.
 """
@@ -28,6 +28,9 @@ IMAGES = ROOT / "docs" / "img"
 # Rows of these impls are shown beside graphsafe's (external peers first).
 PEERS = ("flashmla", "flashinfer")
 REFERENCE = "reference compiled"
+# graphsafe's own other paths, shown beside its default as the peers are: the portable Triton
+# kernel where a Gluon one replaced it, and what a user without the paged op would run.
+BASELINES = ("graphsafe triton kernel", "graphsafe gather + flash_attn_varlen")
 # Cases that are not kernels (host cost, the demo's step, workspace bookkeeping): their own section.
 HOST_CASES = ("host_cost", "dispatch_overhead", "workspace", "demo_step")
 DEVICE_NAMES = {"h100": "H100", "h200": "H200", "h200x2": "2 x H200"}
@@ -46,15 +49,28 @@ def load_runs(results: pathlib.Path = RESULTS) -> dict[str, list[tuple[str, dict
     return runs
 
 
-def newest_per_case(runs: list[tuple[str, dict]]) -> dict[str, tuple[str, dict, list[dict]]]:
-    """{case: (file, run, its rows of the case)} from the newest run that measured the case."""
-    best: dict[str, tuple[str, dict, list[dict]]] = {}
+def newest_per_case(runs: list[tuple[str, dict]]) -> dict[str, tuple[list[str], dict[str, dict], list[dict]]]:
+    """{case: (files, {file: run}, rows)}: each shape of the case from the newest run that
+    measured that shape (so a run of a few shapes, as the variants' bench, which reports
+    the ops' own cases, hides none of the others), in the order the shapes were first met."""
+    per_shape: dict[str, dict[str, tuple[str, dict, list[dict]]]] = defaultdict(dict)
     for file, doc in sorted(runs, key=lambda r: r[1]["meta"].get("started", "")):
-        by_case: dict[str, list[dict]] = defaultdict(list)
+        by_shape: dict[tuple[str, str], list[dict]] = defaultdict(list)
         for row in doc["rows"]:
-            by_case[row["case"]].append(row)
-        for case, rows in by_case.items():
-            best[case] = (file, doc, rows)
+            by_shape[(row["case"], row["shape"])].append(row)
+        for (case, shape), rows in by_shape.items():
+            per_shape[case][shape] = (file, doc, rows)
+    best: dict[str, tuple[list[str], dict[str, dict], list[dict]]] = {}
+    for case, shapes in per_shape.items():
+        files: list[str] = []
+        docs: dict[str, dict] = {}
+        rows: list[dict] = []
+        for file, doc, shape_rows in shapes.values():
+            if file not in docs:
+                files.append(file)
+                docs[file] = doc
+            rows += shape_rows
+        best[case] = (files, docs, rows)
     return best
 
 
@@ -80,10 +96,9 @@ def case_table(rows: list[dict]) -> tuple[list[str], list[dict]]:
     shapes: dict[str, dict] = {}
     for row in rows:
         entry = shapes.setdefault(row["shape"], {"graphsafe": None, "peers": {}, "unit": row.get("unit", "ms")})
-        if row["impl"].startswith("graphsafe"):
-            if entry["graphsafe"] is None:
-                entry["graphsafe"] = row
-        elif _is_peer(row["impl"]) and row.get("error") is None and row.get("median_ms"):
+        if row["impl"].startswith("graphsafe") and entry["graphsafe"] is None:
+            entry["graphsafe"] = row
+        elif (_is_peer(row["impl"]) or row["impl"] in BASELINES) and row.get("error") is None and row.get("median_ms"):
             entry["peers"][row["impl"]] = row["median_ms"]
     peers = sorted({p for e in shapes.values() for p in e["peers"]}, key=lambda p: (p == REFERENCE, p))
     head = ["shape", "graphsafe", "% roofline"] + [f"{p} (graphsafe / it)" for p in peers]
@@ -119,8 +134,8 @@ def render(runs: dict[str, list[tuple[str, dict]]]) -> tuple[str, dict]:
         "# Performance",
         "",
         "Generated by `python benchmarks/performance_page.py` from the bench JSON in `benchmarks/results/`",
-        "(`python -m graphsafe bench --json ...` on each GPU); do not edit by hand. Per device and case: the",
-        "newest run that measured it, graphsafe's median device time (CUDA-graph replay, ms) and share of",
+        "(`python -m graphsafe bench --json ...` on each GPU); do not edit by hand. Per device, case and shape:",
+        "the newest run that measured it, graphsafe's median device time (CUDA-graph replay, ms) and share of",
         "the roofline (copy bandwidth or matmul peak, measured in the same run), and each peer on the same",
         "inputs with the ratio graphsafe / peer (> 1: graphsafe is slower). The tries not kept, and why, are",
         "in `benchmarks/NOTES.md`.",
@@ -133,7 +148,7 @@ def render(runs: dict[str, list[tuple[str, dict]]]) -> tuple[str, dict]:
             continue
         name = DEVICE_NAMES.get(device, device)
         out += [f"## {name}", ""]
-        metas = {file: doc for file, doc, _ in best.values()}
+        metas = {file: doc for _, docs, _ in best.values() for file, doc in docs.items()}
         for file, doc in sorted(metas.items(), key=lambda kv: kv[1]["meta"].get("started", "")):
             meta, ceil = doc["meta"], doc.get("ceilings", {})
             bw = ceil.get("copy_bytes_per_s")
@@ -146,12 +161,12 @@ def render(runs: dict[str, list[tuple[str, dict]]]) -> tuple[str, dict]:
         if (IMAGES / f"{device}_roofline.png").exists() or _can_plot():
             out += [f"![share of the roofline per case, {name}](img/{device}_roofline.png)", ""]
         for case in sorted(best, key=lambda c: (c in HOST_CASES, c)):
-            file, _, rows = best[case]
+            files, _, rows = best[case]
             lines, points = host_table(rows) if case in HOST_CASES else case_table(rows)
             if len(lines) <= 2:
                 continue
             plots[(device, case)] = points
-            out += [f"### {case} ({name})", "", f"From `{file}`.", ""] + lines + [""]
+            out += [f"### {case} ({name})", "", "From " + ", ".join(f"`{f}`" for f in files) + ".", ""] + lines + [""]
             external = any(k != REFERENCE for p in points for k in p["peers"])
             if external and ((IMAGES / f"{device}_{case}.png").exists() or _can_plot()):
                 out += [f"![{case}: graphsafe and peers, {name}](img/{device}_{case}.png)", ""]

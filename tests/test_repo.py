@@ -89,6 +89,30 @@ def test_performance_page_is_generated_from_the_results():
         assert (ROOT / "docs" / image).is_file(), image
 
 
+def test_performance_page_takes_each_shape_from_its_newest_run():
+    """A newer run of a few shapes of a case (the variants' bench reports the ops' own cases)
+    replaces those shapes only; the others stay from the older run; the table shows
+    graphsafe's own other paths (the Triton kernel) beside the peers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("performance_page", ROOT / "benchmarks" / "performance_page.py")
+    page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page)
+
+    def run(started, rows):
+        return {"meta": {"started": started}, "rows": [{"case": "op", "shape": shape, "impl": impl, "median_ms": ms}
+                                                       for shape, impl, ms in rows]}
+
+    old = run("2026-01-01", [("a", "graphsafe[triton]", 1.0), ("a", "graphsafe triton kernel", 2.0),
+                             ("b", "graphsafe[triton]", 3.0)])
+    new = run("2026-01-02", [("b", "graphsafe[triton]", 4.0), ("b", "flashinfer x", 2.0)])
+    files, docs, rows = page.newest_per_case([("new.json", new), ("old.json", old)])["op"]
+    assert files == ["old.json", "new.json"] and set(docs) == {"old.json", "new.json"}
+    assert [(r["shape"], r["median_ms"]) for r in rows if r["impl"] == "graphsafe[triton]"] == [("a", 1.0), ("b", 4.0)]
+    lines, points = page.case_table(rows)
+    assert [p["peers"] for p in points] == [{"graphsafe triton kernel": 2.0}, {"flashinfer x": 2.0}]
+
+
 def test_docs_are_linked_from_the_readme_and_cited_design_exists():
     assert "docs/design.md" in README and "docs/performance.md" in README
     assert (ROOT / "docs" / "design.md").is_file()
