@@ -20,6 +20,7 @@ from graphsafe import device_info
 from graphsafe.ops.attention import plan as P
 from graphsafe.ops.attention import triton as T
 from graphsafe.testing.compile_scripts import SPECIALISE_PRELUDE
+from graphsafe.testing.stand_ins import StandInKernel
 
 _PAGED_COMPILE_SCRIPT = r"""
 import re, sys
@@ -229,35 +230,13 @@ def test_other_gpus_and_the_cpu_run_the_triton_kernel(sm90):
 
 
 # -- the launch: the Triton kernel for misaligned calls and failed compiles --------------------
-class _StandInKernel:
-    """Stands in for the Gluon kernel under `graphsafe.launch.bind` (its signature is the
-    real kernel's); each launch records its tensors, then raises `error` if given."""
-
-    def __init__(self, signature: inspect.Signature, error: Exception | None = None):
-        def fn(*args, **kwargs):
-            pass
-
-        fn.__signature__ = signature
-        self.fn, self.error, self.calls = fn, error, []
-
-    def __getitem__(self, grid):
-        def launch(*args, num_warps, **kw):
-            # a TMA descriptor as the tensor it views
-            self.calls.append([getattr(a, "base", a) for a in args
-                               if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor"])
-            if self.error is not None:
-                raise self.error
-
-        return launch
-
-
 def _bind(monkeypatch, error=None):
     """(Gluon stand-in, Triton launch records, launch, call tensors) for a bf16 block-16
     signature bound by `bind_gluon_paged_prefill`."""
     real = P.gluon_module()
     if real is None:
         pytest.skip("this Triton has no Gluon")
-    gluon = _StandInKernel(inspect.signature(real.paged_fwd_tma_kernel.fn), error)
+    gluon = StandInKernel(inspect.signature(real.paged_fwd_tma_kernel.fn), error)
     module = types.SimpleNamespace(paged_fwd_tma_kernel=gluon, paged_tma_descriptors=real.paged_tma_descriptors)
     monkeypatch.setattr(P, "gluon_module", lambda: module)
     monkeypatch.setattr(T, "_FAILED", set())

@@ -22,6 +22,7 @@ from graphsafe import device_info
 from graphsafe.ops.attention import plan as P
 from graphsafe.ops.attention import triton as T
 from graphsafe.testing.compile_scripts import SPECIALISE_PRELUDE
+from graphsafe.testing.stand_ins import StandInKernel
 
 # -- compiled for sm_90, without a GPU ---------------------------------------------------------
 # (SPECIALISE_PRELUDE: the launcher's specialisation of a recorded launch, and wgmma_shapes.)
@@ -355,27 +356,6 @@ def test_the_gluon_kernel_never_runs_on_the_cpu():
 
 
 # -- the launch: the Triton kernel for misaligned calls and failed compiles --------------------
-class _StandInKernel:
-    """Stands in for the Gluon kernel: `graphsafe.launch.bind` binds it (its signature is the
-    real kernel's; CPU tensors: every call is the plain `kernel[grid]` launch), and each
-    launch records its tensors, then raises `error` if given, as a failed compile would."""
-
-    def __init__(self, signature: inspect.Signature, error: Exception | None = None):
-        def fn(*args, **kwargs):
-            pass
-
-        fn.__signature__ = signature
-        self.fn, self.error, self.calls = fn, error, []
-
-    def __getitem__(self, grid):
-        def launch(*args, num_warps, **kw):
-            self.calls.append([a for a in args if isinstance(a, torch.Tensor)])
-            if self.error is not None:
-                raise self.error
-
-        return launch
-
-
 class _TritonLaunch:
     """Stands in for the bound Triton launch: records the tensors of each call."""
 
@@ -390,7 +370,7 @@ def _bind_stand_ins(monkeypatch, error=None):
     """(gluon stand-in, bind) with the Gluon module's kernel replaced and no failed key yet;
     `bind(triton_launch)` binds a bf16 D = 128 causal signature."""
     real = _gluon_module()
-    gluon = _StandInKernel(inspect.signature(real.varlen_fwd_wgmma_kernel.fn), error)
+    gluon = StandInKernel(inspect.signature(real.varlen_fwd_wgmma_kernel.fn), error)
     module = types.SimpleNamespace(varlen_fwd_wgmma_kernel=gluon)
     monkeypatch.setattr(P, "gluon_module", lambda: module)
     monkeypatch.setattr(T, "_FAILED", set())

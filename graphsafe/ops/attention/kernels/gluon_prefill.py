@@ -41,8 +41,18 @@ Three kernels share that loop (`plan.varlen_kernel` picks):
   computes, a CTA barrier per tile publishing the copies (2.60 ms at the shape above
   with 128-row blocks). Shared memory: q + 2 stages of K and V.
 
+`paged_fwd_tma_kernel` (`paged_attention_prefill`) is `varlen_fwd_tma_kernel` with its
+loader walking the block table: a key tile as boxes of min(block size, BLOCK_N) rows, each
+a TMA copy from its cache block (`_tma_boxes`); padding blocks are TMA's zeros and their
+keys hidden (`_bad_boxes`).
+
+The TMA kernels take the op's variants as constexprs (16-bit only): a sliding window
+(`_window_tiles`: tiles from the first key a work tile's first row sees), the logit
+softcap and sinks; D = Dv = 64, 128 or 256 and D 192 / Dv 128 (`plan.tma_key_tile`,
+`plan.tma_q_buffers`: 64-key tiles and one q buffer at D 256).
+
 Semantics as the Triton kernel's (module docstring there), which stays the kernel of
-every other case (the variants, other head dims, fp8 but at D = Dv = 128 with 128-row
+every other case (other head dims, fp8 but at D = Dv = 128 with 128-row
 blocks, other GPUs, the CPU interpreter, which cannot run Gluon): sequence bounds cut at the tensors' ends, bottom-right causal
 alignment, a row that sees no key writes 0, NaN scores keep their row NaN, rows outside
 every sequence are the prepare kernel's.
@@ -946,6 +956,30 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
 
 
 @gluon.jit
+def _tma_barriers(Q_BUFFERS: gl.constexpr, STAGES: gl.constexpr):
+    """The TMA kernels' mbarriers, initialised: (q_full, q_empty, k_full, v_full, k_empty,
+    v_empty, v_landed). Full: the loader's one arrive with the bytes it expects; empty:
+    each consumer once; v_landed: the loader's own wait for a V tile it fixes up."""
+    q_full = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(v_landed.index(0), count=1)
+    return q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed
+
+
+@gluon.jit
 def varlen_fwd_tma_kernel(
     q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, sinks_ptr, stride_ot, stride_oh,
     stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_sinks,
@@ -978,28 +1012,12 @@ def varlen_fwd_tma_kernel(
     V_ROWS: gl.constexpr = v_desc.block_type.shape[0]  # [BLOCK_N, DV], FP8: V^T's [DV, BLOCK_N]
     V_COLS: gl.constexpr = v_desc.block_type.shape[1]
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], v_desc.layout)
-    q_full = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
     if FP8:  # each consumer's p (an fp8 A operand comes from shared memory)
         p_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
     else:
         p_smem = q_smem  # (not read: a partition takes no None)
-    # Full: the loader's one arrive with the bytes it expects; empty: each consumer once.
-    for i in gl.static_range(Q_BUFFERS):
-        mbarrier.init(q_full.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=1)
-        mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(v_landed.index(0), count=1)
     num_work = num_m_blocks * num_seqs * num_q_heads
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
@@ -1068,22 +1086,7 @@ def paged_fwd_tma_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype))
     v_boxes = nvmma_chunks(v_smem, dtype, STAGES * (DV // 64), BLOCK_N, 64)
-    q_full = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(Q_BUFFERS):
-        mbarrier.init(q_full.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=1)
-        mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(v_landed.index(0), count=1)
+    q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
     num_work = num_m_blocks * num_seqs * num_q_heads
     paging = (table_ptr, stride_tb, stride_tm, stride_lens, num_blocks)
     gl.warp_specialize([
