@@ -287,3 +287,59 @@ def test_compile_failure_warns_once_and_runs_the_triton_kernel(monkeypatch):
         warnings.simplefilter("error")
         launch(*tensors)
     assert (len(gluon.calls), len(triton_calls)) == (1, 2)
+
+
+# -- what the plan accepts, TMA can address ----------------------------------------------------------
+from hypothesis import event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _strided(dtype, shape, stride) -> torch.Tensor:
+    """A CPU tensor of `shape` and `stride` (over a buffer just large enough)."""
+    size = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+    return torch.zeros(size, dtype=dtype).as_strided(shape, stride)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16]), d=st.sampled_from([64, 128, 256, 96]),
+       bs=st.sampled_from([16, 32, 64, 128, 256, 8, 48]), hk=st.sampled_from([1, 2, 8]),
+       group=st.sampled_from([1, 4]), q_pad=st.sampled_from([0, 8, 64, 4]), head_pad=st.sampled_from([0, 0, 0, 16]),
+       row_pad=st.sampled_from([0, 8, 4]), block_pad=st.sampled_from([0, 0, 64]), window=st.sampled_from([-1, 127]))
+def test_every_accepted_call_has_valid_tma_views(dtype, d, bs, hk, group, q_pad, head_pad, row_pad, block_pad, window):
+    """Which strided layouts `paged_gluon_plan` takes (D 64 / 128 / 256, power-of-two blocks
+    from 16, heads contiguous, rows of whole 16 bytes, a block's rows one after another),
+    and that every call it takes gets TMA descriptors Triton validates (16-byte strides,
+    block shapes) from `paged_tma_descriptors`: each cache seen as exactly its [blocks x
+    block size, heads x D] rows, boxes of min(block size, the plan's key tile) rows inside
+    one block."""
+    if P.gluon_module() is None:
+        pytest.skip("this Triton has no Gluon")
+    hq, num_blocks = hk * group, 4
+    q_stride = (hq * (d + head_pad) + q_pad, d + head_pad, 1)
+    row = hk * (d + head_pad) + row_pad
+    cache_stride = (bs * row + block_pad, row, d + head_pad, 1)
+    shapes = {"q": (300, hq, d), "cache": (num_blocks, bs, hk, d)}
+    call = types.SimpleNamespace(
+        q=_stand_in(dtype, shapes["q"], q_stride), k_cache=_stand_in(dtype, shapes["cache"], cache_stride),
+        v_cache=_stand_in(dtype, shapes["cache"], cache_stride), block_table=_stand_in(torch.int32, (2, 8)),
+        seq_lens=_stand_in(torch.int32, (2,)), max_seqlen_q=300, scale=d**-0.5, window_left=window, softcap=0.0,
+        sinks=None, causal=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device_info, "compute_capability", lambda device: (9, 0))
+        mp.setattr(P, "max_shared_memory", lambda device: SM90_SHARED)
+        mp.setattr(P.torch.version, "hip", None)
+        plan = P.paged_gluon_plan(call)
+    takes = (d in (64, 128, 256) and bs >= 16 and bs & (bs - 1) == 0 and head_pad == 0 and q_pad % 8 == 0
+             and row_pad % 8 == 0 and block_pad == 0)
+    assert (plan is not None) == takes
+    event(f"the Gluon kernel takes the call: {takes}")
+    if plan is None:
+        return
+    q = _strided(dtype, shapes["q"], q_stride)
+    k_cache, v_cache = (_strided(dtype, shapes["cache"], cache_stride) for _ in range(2))
+    qd, kd, vd = P.gluon_module().paged_tma_descriptors(q, k_cache, v_cache, plan.block_n)
+    box = min(bs, plan.block_n)
+    for desc, cache in ((kd, k_cache), (vd, v_cache)):
+        assert list(desc.shape) == [num_blocks * bs, hk * d] and list(desc.strides) == [cache.stride(1), 1]
+        assert list(desc.block_shape) == [box, 64] and plan.block_n % box == 0 and bs % box == 0
+    assert list(qd.shape) == [300, hq * d] and list(qd.strides) == [q.stride(0), 1]
