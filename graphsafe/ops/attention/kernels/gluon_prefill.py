@@ -259,9 +259,9 @@ def _store_rows(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot,
                 m_i=0.0, sink=0.0, HAS_SINKS: gl.constexpr = False):
     """out rows `rows` (O_MMA's row slice) = acc / l (FP8: acc * v_scale / l), in out's
     dtype: 0 for a row that sees no key (decided from indices, as the Triton kernel), NaN
-    where the sum is NaN (NaN scores); rows at or past q_len are not written. HAS_SINKS: the head's sink logit `sink` joins
-    the normaliser once, against the final row max m_i (0 for a row whose scores are all
-    -inf, as in the reference): l += 2^(sink log2(e) - m)."""
+    where the sum is NaN (NaN scores); rows at or past q_len are not written. HAS_SINKS:
+    the head's sink logit `sink` joins the normaliser once, against the final row max m_i
+    (0 for a row whose scores are all -inf, as in the reference): l += 2^(sink log2(e) - m)."""
     if HAS_SINKS:
         l_i = l_i + gl.exp2(sink * 1.4426950408889634 - gl.where(m_i == float("-inf"), 0.0, m_i))
     norm = gl.where(l_i == 0.0, 1.0, l_i)
