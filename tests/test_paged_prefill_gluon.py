@@ -40,15 +40,9 @@ from graphsafe.ops.attention.kernels import triton_paged_prefill, triton_quant
 launches = []
 
 def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluon launches
-    def launch(*tensors):
+    def launch(*tensors):  # (bound_args: SPECIALISE_PRELUDE's, defined by the time a launch runs)
         if kernel is G.paged_fwd_tma_kernel:
-            it = iter(tensors)
-            def take(a):  # a descriptor (a template) stays: the signature is its block and layout
-                if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor":
-                    t = next(it)
-                    return a if type(a).__name__ == "TensorDescriptor" else t
-                return a
-            launches.append((tuple(take(a) for a in args), dict(kw)))
+            launches.append((bound_args(args, tensors), dict(kw)))
     return launch
 
 for module in (T, triton_paged_prefill, triton_quant):

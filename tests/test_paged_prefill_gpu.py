@@ -84,6 +84,21 @@ def _assert_gluon_compiled():
     assert not T._FAILED, f"a Gluon kernel did not compile for {T._FAILED}: Triton ran"
 
 
+def _run_against_reference(args, choice):
+    """(the call's output, the Triton kernel's with the plan's tiles, the float32 reference's,
+    the max error of each of the first two against the reference) after asserting no Gluon
+    compile failed (the call ran the Gluon kernel)."""
+    T = _triton()
+    actual = T.paged_attention_prefill(*args)
+    triton_kernel = T.paged_attention_prefill(*args, config=choice.config)
+    expected = _float_reference(args)
+    torch.cuda.synchronize()
+    _assert_gluon_compiled()
+    err = (actual.float() - expected.float()).abs().max().item()
+    triton_err = (triton_kernel.float() - expected.float()).abs().max().item()
+    return actual, expected, err, triton_err
+
+
 # (lens_q, lens_k, Hq, Hk, block size, dtype, causal, padding)
 CASES = {
     "chunk-over-prefix-bs16": ([512, 300], [4096, 1000], 8, 2, 16, torch.bfloat16, True, ()),
@@ -116,16 +131,9 @@ def test_paged_gluon_kernel_against_reference(case):
     args = (q, k_cache, v_cache, table, lens, cu, max(lens_q), d**-0.5, causal)
     choice = _chosen(args)
     assert choice.kernels == ("gluon-paged-tma", "triton")
-    T = _triton()
-    actual = T.paged_attention_prefill(*args)
-    triton_kernel = T.paged_attention_prefill(*args, config=choice.config)
-    expected = _float_reference(args)
-    torch.cuda.synchronize()
-    _assert_gluon_compiled()
+    actual, expected, err, triton_err = _run_against_reference(args, choice)
     assert torch.equal(actual.isnan(), expected.isnan()), "NaN exactly where the reference has NaN (nowhere)"
     assert not expected.isnan().any()
-    err = (actual.float() - expected.float()).abs().max().item()
-    triton_err = (triton_kernel.float() - expected.float()).abs().max().item()
     print(f"{case}: Gluon max error {err:.3g}, Triton {triton_err:.3g}")
     assert err <= max(2 * triton_err, 2e-2), (err, triton_err)
     assert not actual[sum(lens_q) :].any(), "rows outside every sequence are 0"
@@ -157,15 +165,8 @@ def test_paged_gluon_variants_against_reference(case):
     args = (q, k_cache, v_cache, table, lens, cu, max(lens_q), d**-0.5, causal, None, None, window_left, softcap,
             sinks)
     choice = _chosen(args)
-    T = _triton()
-    actual = T.paged_attention_prefill(*args)
-    triton_kernel = T.paged_attention_prefill(*args, config=choice.config)
-    expected = _float_reference(args)
-    torch.cuda.synchronize()
-    _assert_gluon_compiled()
+    actual, expected, err, triton_err = _run_against_reference(args, choice)
     assert not expected.isnan().any() and not actual.isnan().any()
-    err = (actual.float() - expected.float()).abs().max().item()
-    triton_err = (triton_kernel.float() - expected.float()).abs().max().item()
     assert err <= max(2 * triton_err, 2e-2), (err, triton_err)
 
 

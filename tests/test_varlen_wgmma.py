@@ -51,15 +51,9 @@ KERNELS = {G.varlen_fwd_wgmma_kernel: "wgmma", G.varlen_fwd_ws_kernel: "ws", G.v
 # Record what the launcher binds on an sm_90 device (CPU tensors stand in for CUDA ones);
 # the other launches of the runner (the output tail, the Triton kernel) run nothing.
 def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluon launches
-    def launch(*tensors):  # the call's tensors take the placeholders' places
-        it = iter(tensors)
-        def take(a):  # a descriptor (a template) stays: the signature is its block and layout
-            if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor":
-                t = next(it)
-                return a if type(a).__name__ == "TensorDescriptor" else t
-            return a
+    def launch(*tensors):  # (bound_args: SPECIALISE_PRELUDE's, defined by the time a launch runs)
         if kernel in KERNELS:
-            launches.append((kernel, tuple(take(a) for a in args), dict(kw)))
+            launches.append((kernel, bound_args(args, tensors), dict(kw)))
     return launch
 
 for module in (T, triton_prefill, triton_quant):

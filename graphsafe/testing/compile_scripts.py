@@ -3,8 +3,9 @@
 The tests run scripts in a fresh interpreter (without TRITON_INTERPRET) that record the
 launches a backend binds, then compile each with Triton's whole pipeline and ptxas. This
 prelude gives them the launcher's specialisation of a recorded launch (pointers and ints
-divisible by 16, ints equal to 1 as constants, a TMA descriptor's type) and a count of a compiled kernel's wgmma
-instructions. It expects `torch` and `ASTSource` to be imported by the script.
+divisible by 16, ints equal to 1 as constants, a TMA descriptor's type), a recorded bind's
+arguments with a call's tensors in place (`bound_args`) and a count of a compiled kernel's
+wgmma instructions. It expects `torch` and `ASTSource` to be imported by the script.
 """
 
 SPECIALISE_PRELUDE = r"""
@@ -31,6 +32,15 @@ def specialise(fn, args, kw, source=None):
             if v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return (source or ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+
+def bound_args(args, tensors):  # a recorded bind's arguments with a call's tensors in the placeholders' places
+    it = iter(tensors)             # (a TMA descriptor, a template, stays: the signature is its block and layout)
+    def take(a):
+        if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor":
+            t = next(it)
+            return a if type(a).__name__ == "TensorDescriptor" else t
+        return a
+    return tuple(take(a) for a in args)
 
 def wgmma_shapes(kernel):  # {"m64n32k16": count, ...}: the wgmma instructions of the PTX
     import re

@@ -460,6 +460,32 @@ def _window_tiles(m0, diag, n_tiles, BLOCK_N: gl.constexpr, WINDOW_LEFT: gl.cons
 
 
 @gluon.jit
+def _tma_tile_keys(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, paging, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WARPS: gl.constexpr, FP8: gl.constexpr,
+                   PAGE: gl.constexpr, WINDOW_LEFT: gl.constexpr):
+    """The keys of a TMA kernel's work tile (sequence b, rows from m0), as its loader and its
+    consumers both read them (so they walk the same tiles): (q_start, q_len, k_start, k_len,
+    diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks). `_ws_bounds`'
+    bounds (FP8: the 16-token frame; PAGE > 0: seq_lens, with `paging` = (block table, its
+    two strides, seq_lens' stride, cache blocks) giving the sequence's table row, its
+    column stride and the block count; else those three 0), then `_window_tiles`' tiles.
+    WARPS: the calling partition's warps."""
+    table_row = 0
+    stride_tm = 0
+    num_blocks = 0
+    if PAGE > 0:
+        table_ptr, stride_tb, stride_tm, stride_lens, num_blocks = paging
+        table_row = table_ptr + b.to(gl.int64) * stride_tb
+        q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
+            cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, WARPS, 1, True, stride_lens)
+    else:
+        q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
+            cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, WARPS, 16 if FP8 else 1)
+    t_lo, n_tiles, key_lo = _window_tiles(m0, diag, n_tiles, BLOCK_N, WINDOW_LEFT)
+    return q_start, q_len, k_start, k_len, diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks
+
+
+@gluon.jit
 def _ws_copy_tile(smem, base, row0, row_end, stride, ROWS: gl.constexpr, D: gl.constexpr, LOAD: gl.constexpr):
     """The loader's copy of rows [row0, row0 + ROWS) into smem [ROWS, D], 32 rows at a time
     (few live addresses in the loader's small register budget); rows at or past `row_end`
@@ -731,18 +757,9 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     count = 0
     for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
         b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
-        table_row = 0
-        stride_tm = 0
-        num_blocks = 0
-        if PAGE > 0:
-            table_ptr, stride_tb, stride_tm, stride_lens, num_blocks = paging
-            table_row = table_ptr + b.to(gl.int64) * stride_tb
-            q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
-                cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 4, 1, True, stride_lens)
-        else:
-            q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
-                cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 4, 16 if FP8 else 1)
-        t_lo, n_tiles, key_lo = _window_tiles(m0, diag, n_tiles, BLOCK_N, WINDOW_LEFT)
+        q_start, q_len, k_start, k_len, diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks = \
+            _tma_tile_keys(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, paging, BLOCK_M, BLOCK_N, CAUSAL, 4, FP8,
+                           PAGE, WINDOW_LEFT)
         if m0 < q_len:  # (a block past its sequence's rows has nothing to write)
             r0 = m0 + 64 * WG
             m_i = gl.full([64], float("-inf"), gl.float32, layout=S_ROW)
@@ -890,15 +907,9 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
     fixes = 0
     for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
         b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
-        if PAGE > 0:
-            table_ptr, stride_tb, stride_tm, stride_lens, num_blocks = paging
-            table_row = table_ptr + b.to(gl.int64) * stride_tb
-            q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
-                cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 1, 1, True, stride_lens)
-        else:
-            q_start, q_len, k_start, k_len, diag, n_tiles, lead = _ws_bounds(
-                cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, BLOCK_M, BLOCK_N, CAUSAL, 1, 16 if FP8 else 1)
-        t_lo, n_tiles, key_lo = _window_tiles(m0, diag, n_tiles, BLOCK_N, WINDOW_LEFT)
+        q_start, q_len, k_start, k_len, diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks = \
+            _tma_tile_keys(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, paging, BLOCK_M, BLOCK_N, CAUSAL, 1, FP8,
+                           PAGE, WINDOW_LEFT)
         if n_tiles > 0:
             qb = count % Q_BUFFERS
             mbarrier.wait(q_empty.index(qb), ((count // Q_BUFFERS) & 1) ^ 1)
