@@ -1136,6 +1136,8 @@ for dtype, dense_splits in ((torch.bfloat16, (4, 1)), (torch.float16, (4,))):
 from graphsafe.formats.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
 TYPES[torch.uint8] = "u8"
 mla_plan.few_heads_wide_tiles = lambda heads, device: cfg  # what an sm_90 device gives up to 16 heads
+# (At 128 heads the producer kernel runs records first; this variant is its fallback.)
+mla_plan.fp8_producer_fits = lambda *a: False
 kv = torch.zeros(64, 64, DEEPSEEK_RECORD_BYTES, dtype=torch.uint8)
 for heads, config, num_splits in ((128, cfg, 1), (16, None, 4)):
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
@@ -1278,6 +1280,79 @@ def test_few_heads_fp8_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     by and Hopper's 227 KiB."""
     out = compile_for_sm90(_FEW_HEADS_COMPILE_SCRIPT, timeout=900)
     assert out.count("compiled") == 3, out
+
+
+_PRODUCER_COMPILE_SCRIPT = _gluon_script_head("gluon_fp8_producer", "async_copy, mbarrier, warpgroup_mma") + r"""
+
+KERNEL = G.mla_fp8_producer_kernel
+""" + _RECORDING_BIND + r"""
+mla_plan.max_shared_memory = lambda device: 232448  # Hopper's opt-in shared memory per block
+""" + SPECIALISE_PRELUDE + r"""
+from graphsafe.formats.fp8_ds_mla import DEEPSEEK_RECORD_BYTES
+TYPES[torch.uint8] = "u8"
+lens = torch.full((2,), 2048, dtype=torch.int32)
+idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
+for heads, page, num_splits in ((128, 64, 4), (64, 16, 1)):
+    q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4096 // page, page, DEEPSEEK_RECORD_BYTES, dtype=torch.uint8)
+    table = torch.arange(4096 // page, dtype=torch.int32).view(2, -1)
+    cfg = mla_plan.fp8_ds_kernel_config(heads, torch.device("cuda"))
+    assert mla_plan.fp8_producer_fits(q, kv, cfg, 512, 64)
+    tri.mla_decode(q, kv, table, lens, 0.04, 512, num_splits=num_splits)
+    tri.sparse_mla(q, kv, idx, 0.04, 512, num_splits=num_splits)
+    tri.sparse_mla(q, kv, idx, 0.04, 512, torch.zeros(heads), lens, num_splits=1)  # sink, topk_length
+q = torch.randn(2, 16, 576, dtype=torch.bfloat16)
+tri.sparse_mla(q, kv, idx, 0.04, 512, num_splits=1)  # 16 heads: the heads-on-N kernel, not this one
+for args, kw in launches:
+    warps = kw.pop("num_warps")
+    k = triton.compile(specialise(G.mla_fp8_producer_kernel, args, kw, GluonASTSource),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    shapes = wgmma_shapes(k)
+    ptx = k.asm["ptx"]
+    print("compiled heads", args[0].shape[1], "page", kw["BLOCK_SIZE"], "SPARSE", kw["SPARSE"], "SPLIT", kw["SPLIT"],
+          "shared", k.metadata.shared, shapes)
+    # The 16-bit kernel's products: per 64-key tile each consumer warpgroup scores its 32 keys
+    # over 576 columns (36 k-steps) and accumulates its 256 value columns (4 k-steps).
+    assert shapes == {"m64n32k16": 36, "m64n256k16": 4}, shapes
+    assert k.metadata.shared <= G.shared_memory_bytes(512, 64) <= 227 * 1024, k.metadata.shared
+    # warp-specialised (the partitions set their registers), the latent converted in hardware
+    assert "setmaxnreg" in ptx and "e4m3x2" in ptx and "cp.async" in ptx
+assert len(launches) == 6, launches  # one launch per call of 64 and 128 heads, none at 16
+print("OK")
+"""
+
+
+def test_fp8_producer_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
+    """The 64-head fp8_ds_mla kernel with a dequantising producer (sm_90 only, never run by
+    the interpreter), launched as the MLA launcher launches it at 128 and 64 heads (dense
+    decode over pages of 64 and 16, with and without splits; sparse, with the sink and
+    `topk_length`), compiles for sm_90 with this Triton: one launch per call, the 16-bit
+    kernel's wgmma shapes, and shared memory within the estimate the plan decides by and
+    Hopper's 227 KiB (the raw bytes wait inside the stage they become)."""
+    out = compile_for_sm90(_PRODUCER_COMPILE_SCRIPT, timeout=900)
+    assert out.count("compiled") == 6, out
+
+
+def test_fp8_producer_fits_records_past_16_heads(monkeypatch):
+    """Either op over fp8_ds_mla records runs the producer kernel past 16 heads where the
+    64-head Gluon kernel would run, and the plan lists it first, the 64-head kernel (its
+    fallback) after; up to 16 heads, a 16-bit cache, fp16 q and other GPUs keep the other kernels."""
+    _hopper_stand_ins(monkeypatch)
+    cfg = mla_plan.kernel_config(128, "cuda")
+    records = _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64)))
+    fits = lambda q, kv: mla_plan.fp8_producer_fits(q, kv, cfg, 512, 64)  # noqa: E731
+    for heads in (17, 32, 64, 128):
+        assert fits(_stand_in_tensor(torch.bfloat16, (2, heads, 576)), records)
+    assert fits(_stand_in_tensor(torch.bfloat16, (2, 128, 576)), _stand_in_tensor(torch.uint8, (256, 16, 656)))
+    assert not fits(_stand_in_tensor(torch.bfloat16, (2, 16, 576)), records)
+    assert not fits(_stand_in_tensor(torch.bfloat16, (2, 128, 576)), _stand_in_tensor(torch.bfloat16, (64, 64, 576)))
+    assert not fits(_stand_in_tensor(torch.float16, (2, 128, 576)), records)
+    q = _stand_in_tensor(torch.bfloat16, (2, 128, 576))
+    for sparse in (False, True):
+        kernels = mla_plan._fitting_kernels(q, records, cfg, 512, 64, sparse)
+        assert kernels == (mla_plan.GLUON_FP8_PRODUCER, mla_plan.GLUON_WGMMA, mla_plan.TRITON_SPLIT_KV), kernels
+    monkeypatch.setattr(device_info, "compute_capability", lambda device: (10, 0))
+    assert not fits(q, records)
 
 
 def test_few_heads_fp8_fits_dense_records_up_to_16_heads(monkeypatch):

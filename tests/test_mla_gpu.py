@@ -156,6 +156,34 @@ def test_fp8_ds_sparse_deepseek_shapes_match_reference(heads, num_splits, option
     assert torch.equal(out[0], poisoned[0]) and torch.equal(out[1], poisoned[1])
 
 
+@pytest.mark.parametrize("heads", [64, 128])
+def test_fp8_ds_past_16_heads_runs_the_producer_kernel(monkeypatch, heads):
+    """On sm_90 both ops over fp8_ds_mla records past 16 heads run the kernel whose producer
+    warpgroup dequantises (`mla_plan.fp8_producer_fits`); its outputs equal the 64-head
+    kernel's dequantising variant (the fallback, forced here) to the rounding of p, dense
+    and sparse, with splits."""
+    if torch.cuda.get_device_capability(CUDA) != (9, 0):
+        pytest.skip("the Gluon kernels run on sm_90")
+    q, kv, idx, scale, r = sparse_inputs(20, heads, 2048, CUDA, seed=21)
+    kv = fp8_cache(kv)
+    idx[2, ::7] = -1
+    sparse = (q, kv, idx, scale, r)
+    qd, kvd, bt, _, _, _ = decode_inputs(6, heads, 4096, CUDA, seed=22)
+    kvd = fp8_cache(kvd)
+    dense = (qd, kvd, bt, _random_lens(6, 4096, 22), scale, r)
+    for op, args in (("sparse_mla", sparse), ("mla_decode", dense)):
+        choice = mla_plan.choose(graphsafe.get_op(op).call(*args), sparse=op == "sparse_mla")
+        assert choice.kernels[:2] == (mla_plan.GLUON_FP8_PRODUCER, mla_plan.GLUON_WGMMA), choice.kernels
+    producer = (tri.sparse_mla(*sparse, num_splits=3), tri.mla_decode(*dense, num_splits=3))
+    monkeypatch.setattr(mla_plan, "fp8_producer_fits", lambda *a: False)
+    cfg = mla_plan.fp8_ds_kernel_config(heads, CUDA)  # (a config: a runner of its own, prepared now)
+    wgmma = (tri.sparse_mla(*sparse, config=cfg, num_splits=3), tri.mla_decode(*dense, config=cfg, num_splits=3))
+    for (p_out, p_lse), (w_out, w_lse) in zip(producer, wgmma):
+        torch.testing.assert_close(p_out.float(), w_out.float(), rtol=2**-6, atol=2**-6 * w_out.float().abs().amax())
+        assert torch.equal(torch.isneginf(p_lse), torch.isneginf(w_lse))
+        torch.testing.assert_close(p_lse, w_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads", [16, 128])
 def test_fp8_ds_decode_graph_replays_long_lengths_in_the_published_workspace(heads):
     """A decode step over fp8_ds_mla records captured at length 1 replays full, empty and

@@ -320,10 +320,12 @@ def partial_specs(rows: int, num_heads: int, kv_lora_rank: int, plan: SplitPlan)
 
 # -- the kernels, and which calls each can run ------------------------------------------------
 # The Triton backend's kernels (graphsafe/ops/mla/kernels/), best first for the calls each
-# fits: the warp-specialised fp8 kernel (dense decode over fp8_ds_mla records, up to 16
-# heads), the paged TMA kernel (dense decode over a 16-bit cache), the 64-head-tile wgmma
-# kernel, and the portable Triton kernel, which runs everything (other GPUs, the interpreter).
+# fits: the warp-specialised fp8 kernels (fp8_ds_mla records: dense decode up to 16 heads;
+# both ops past 16 heads, a producer warpgroup dequantising), the paged TMA kernel (dense
+# decode over a 16-bit cache), the 64-head-tile wgmma kernel, and the portable Triton
+# kernel, which runs everything (other GPUs, the interpreter).
 GLUON_FP8_FEW_HEADS = "gluon_fp8_few_heads"
+GLUON_FP8_PRODUCER = "gluon_fp8_producer"
 GLUON_PAGED_TMA = "gluon_paged_tma"
 GLUON_WGMMA = "gluon_wgmma"
 TRITON_SPLIT_KV = "triton_split_kv"
@@ -416,6 +418,21 @@ def few_heads_fp8_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfi
     module = kernel_module(GLUON_FP8_FEW_HEADS)
     smem = max_shared_memory(q.device)
     return module is not None and module.supported(r, p) and smem is not None and module.shared_memory_bytes(r, p) <= smem
+
+
+def fp8_producer_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
+    """Whether calls of this signature (either op) can run kernels/gluon_fp8_producer.py (the
+    runner tests each call's 16-byte alignment): fp8_ds_mla records with more than 16 heads
+    (up to 16 the heads-on-N kernels run: `heads_on_n`) where the 64-head Gluon kernel would
+    run (`warpgroup_split_fits`: sm_90, bf16 q, 16-byte strides, DeepSeek's records), and
+    the shared memory it needs."""
+    fp8_ds = cache_format(q, kv_cache) == FP8_DS_MLA
+    if not fp8_ds or heads_on_n(q.shape[1], fp8_ds) or not warpgroup_split_fits(q, kv_cache, cfg, r, p):
+        return False
+    module = kernel_module(GLUON_FP8_PRODUCER)
+    smem = max_shared_memory(q.device)
+    return (module is not None and module.supported(r, p) and smem is not None
+            and module.shared_memory_bytes(r, p) <= smem)
 
 
 def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
@@ -549,12 +566,15 @@ def _fitting_kernels(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig,
                      sparse: bool) -> tuple[str, ...]:
     """The kernels that can run calls of this signature on tiles `cfg`, best first: for dense
     decode the paged TMA kernel (16-bit cache) or the warp-specialised one (fp8_ds_mla, up
-    to 16 heads), then the 64-head Gluon kernel, then the Triton kernel (always)."""
+    to 16 heads); over fp8_ds_mla records past 16 heads the producer kernel (either op);
+    then the 64-head Gluon kernel, then the Triton kernel (always)."""
     kernels = []
     if not sparse and paged_tma_fits(q, kv_cache, cfg, r, p):
         kernels.append(GLUON_PAGED_TMA)
     elif not sparse and few_heads_fp8_fits(q, kv_cache, cfg, r, p):
         kernels.append(GLUON_FP8_FEW_HEADS)
+    elif fp8_producer_fits(q, kv_cache, cfg, r, p):
+        kernels.append(GLUON_FP8_PRODUCER)
     if warpgroup_split_fits(q, kv_cache, cfg, r, p):
         kernels.append(GLUON_WGMMA)
     kernels.append(TRITON_SPLIT_KV)

@@ -65,7 +65,8 @@ from graphsafe.launch import bind, compile_errors, output_allocator
 from graphsafe.ops.mla import plan
 from graphsafe.ops.mla.fake import check_fp8_ds_mla_offset
 from graphsafe.ops.mla.plan import (
-    FP8_DS_MLA, GLUON_FP8_FEW_HEADS, GLUON_PAGED_TMA, GLUON_WGMMA, KernelConfig, MlaChoice, kernel_module,
+    FP8_DS_MLA, GLUON_FP8_FEW_HEADS, GLUON_FP8_PRODUCER, GLUON_PAGED_TMA, GLUON_WGMMA, KernelConfig, MlaChoice,
+    kernel_module,
 )
 from graphsafe.registry import Backend, prepared
 from graphsafe.workspace import current_workspace_manager
@@ -266,6 +267,21 @@ def _few_heads_launch(grid, device: torch.device, scalars: tuple, r: int, p: int
     return _gluon_or_fallback(key, few_heads, lambda: fallback)
 
 
+def _producer_launch(grid, args: tuple, constexprs: dict, where: tuple, fallback: Launch) -> Launch:
+    """Either op's attention launch over fp8_ds_mla records past 16 heads, called with the 9
+    tensors of the others: `kernels/gluon_fp8_producer.mla_fp8_producer_kernel` (one launch,
+    ids checked per key; the 64-head kernel's arguments) for calls whose q and cache are
+    16-byte aligned, `fallback` (the 64-head kernel's launches) for the others and for good
+    once it fails to compile (a failed compile launched nothing)."""
+    module = kernel_module(GLUON_FP8_PRODUCER)
+    key = (*where, "producer", _variant(constexprs))
+    if key in _GLUON_FAILED:
+        return fallback
+    kernel = bind(module.mla_fp8_producer_kernel, grid, *args, **constexprs, PRODUCER_WARPS=module.PRODUCER_WARPS,
+                  PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.NUM_WARPS)
+    return _gluon_or_fallback(key, kernel, lambda: fallback)
+
+
 def _offset_checked(op: str, attention: Launch) -> Launch:
     """`attention` refusing (`InputError`) an fp8_ds_mla cache whose storage offset is not
     a multiple of 4 bytes (the kernel loads the scales as float32; the strides, part of
@@ -373,6 +389,11 @@ def _prepare(op: str, call, sparse: bool, config: KernelConfig | None, num_split
              q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0), num_heads * r, r,
              num_heads),
             r, p, bs, split, where, attention)
+    elif choice.kernel == GLUON_FP8_PRODUCER:
+        attention = _producer_launch(
+            grid, args,
+            dict(R=r, P=p, BLOCK_SIZE=bs, SPARSE=sparse, SPLIT=split, TOPK_LENGTH=topk_length, HAS_SINK=sink),
+            where, attention)
 
     if fp8_ds:  # the storage offset is no part of the signature: checked per call
         attention = _offset_checked(op, attention)
