@@ -278,7 +278,7 @@ def _producer_launch(grid, args: tuple, constexprs: dict, where: tuple, fallback
     if key in _GLUON_FAILED:
         return fallback
     kernel = bind(module.mla_fp8_producer_kernel, grid, *args, **constexprs, PRODUCER_WARPS=module.PRODUCER_WARPS,
-                  PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.NUM_WARPS)
+                  PRODUCER_REGS=module.PRODUCER_REGS, PREFETCH=module.PREFETCH, num_warps=module.NUM_WARPS)
     return _gluon_or_fallback(key, kernel, lambda: fallback)
 
 

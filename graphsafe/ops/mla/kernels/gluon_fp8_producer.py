@@ -61,7 +61,8 @@ BLOCK_H = 64  # heads a program holds: one wgmma M
 BLOCK_N = 64  # keys a tile: each consumer warpgroup scores 32 of them
 NUM_WARPS = 8  # the consumers (the default partition); the producer adds PRODUCER_WARPS
 PRODUCER_WARPS = 4
-PRODUCER_REGS = 80  # a producer thread's registers (the consumers get 208; ptxas of Triton 3.6: 8 bytes of spills)
+PREFETCH = True  # raw pieces 0 and 1 of the next tile loaded into registers (`_producer`)
+PRODUCER_REGS = 96  # a producer thread's registers (the consumers get 208; ptxas of Triton 3.6: 8 bytes of spills)
 TILE_H = gl.constexpr(BLOCK_H)
 TILE_N = gl.constexpr(BLOCK_N)
 PIECE = gl.constexpr(128)  # latent columns of one float32 scale
@@ -101,13 +102,28 @@ def _dequantize(raw, out, scale, BARRIER: gl.constexpr, LOAD8: gl.constexpr):
 
 
 @gluon.jit
+def _words(kv_ptr, rows, valid, j: gl.constexpr, W32: gl.constexpr):
+    """Raw piece j (latent bytes [128 j, 128 j + 128)) of the records at byte offsets `rows`,
+    loaded into registers as int32 words [64, 32] (16 bytes a thread; 0 for rows not
+    `valid`, which read nothing). W32's threads hold the rows and bytes LOAD8's do."""
+    rows = gl.convert_layout(rows, gl.SliceLayout(1, W32))  # the same threads' rows: free
+    valid = gl.convert_layout(valid, gl.SliceLayout(1, W32))
+    cols = j * (PIECE // 4) + gl.arange(0, PIECE // 4, layout=gl.SliceLayout(0, W32))
+    base = (kv_ptr + rows).to(gl.pointer_type(gl.int32))
+    return gl.load(base[:, None] + cols[None, :], mask=valid[:, None], other=0)
+
+
+@gluon.jit
 def _producer(kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, num_splits, tokens_per_split,
               kv_capacity, num_slots, stride_kb, stride_kt, stride_map, R: gl.constexpr, P: gl.constexpr,
-              BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, TOPK_LENGTH: gl.constexpr):
-    """The producer partition (module docstring): copies and dequantises tile t into stage t % 2."""
+              BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, TOPK_LENGTH: gl.constexpr, PREFETCH: gl.constexpr):
+    """The producer partition (module docstring): copies and dequantises tile t into stage t % 2.
+    PREFETCH: raw pieces 0 and 1 of tile t + 1 are loaded into registers while tile t's later
+    pieces land and convert, and stored into their places when the stage is free."""
     W: gl.constexpr = gl.num_warps()
     # 16 bytes a thread; a warp covers 4 rows x 128 bytes (a piece's row is one 128-byte line).
     LOAD8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
+    W32: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])  # the same bytes as int32 words
     LOADP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # the rope part [64, 64], same rows
     ROWS: gl.constexpr = gl.SliceLayout(1, LOAD8)
     _, _, _, map_row, start, end, n_tiles = _program(map_ptr, lens_ptr, head_tiles, num_splits, tokens_per_split,
@@ -119,30 +135,52 @@ def _producer(kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, 
     cols8 = gl.arange(0, PIECE, layout=gl.SliceLayout(0, LOAD8))[None, :]
     cols_p = gl.arange(0, P, layout=gl.SliceLayout(0, LOADP))[None, :]
     rows, valid = _key_rows(map_row, start, end, num_slots, stride_kb, stride_kt, ROWS, TILE_N, BLOCK_SIZE, SPARSE)
+    if PREFETCH:
+        words = nvmma_chunks(k_nope, gl.int32, 16, TILE_N, PIECE // 4)  # the chunks as int32 words
+        w0 = _words(kv_ptr, rows, valid, 0, W32)
+        w1 = _words(kv_ptr, rows, valid, 1, W32)
+        s0 = gl.load((kv_ptr + rows + R).to(gl.pointer_type(gl.float32)), mask=valid, other=0.0)
+        s1 = gl.load((kv_ptr + rows + R).to(gl.pointer_type(gl.float32)) + 1, mask=valid, other=0.0)
     for t in range(n_tiles):
         stage = t % 2
         mbarrier.wait(empty.index(stage), ((t // 2) & 1) ^ 1)
         src = kv_ptr + rows[:, None]
-        for j in gl.static_range(4):
-            cp_async(chunks.index(8 * stage + 4 + j), src + (j * PIECE + cols8), mask=valid[:, None])
+        if PREFETCH:  # pieces 0 and 1 from registers (each thread rewrites the bytes it converts next)
+            words.index(8 * stage + 4).store(w0)
+            words.index(8 * stage + 5).store(w1)
+        else:
+            cp_async(chunks.index(8 * stage + 4), src + cols8, mask=valid[:, None])
+            cp_async(chunks.index(8 * stage + 5), src + (PIECE + cols8), mask=valid[:, None])
+        cp_async(chunks.index(8 * stage + 6), src + (2 * PIECE + cols8), mask=valid[:, None])
+        cp_async(chunks.index(8 * stage + 7), src + (3 * PIECE + cols8), mask=valid[:, None])
         rows_p = gl.convert_layout(rows, gl.SliceLayout(1, LOADP))  # the same threads' rows: free
         valid_p = gl.convert_layout(valid, gl.SliceLayout(1, LOADP))
         rope = (kv_ptr + rows_p + (R + 4 * (R // PIECE))).to(gl.pointer_type(k_pe.dtype))
         cp_async(k_pe.index(stage), rope[:, None] + cols_p, mask=valid_p[:, None])
         async_copy.commit_group()
         scales = (kv_ptr + rows + R).to(gl.pointer_type(gl.float32))
-        s0 = gl.load(scales, mask=valid, other=0.0)
-        s1 = gl.load(scales + 1, mask=valid, other=0.0)
+        if not PREFETCH:
+            s0 = gl.load(scales, mask=valid, other=0.0)
+            s1 = gl.load(scales + 1, mask=valid, other=0.0)
         s2 = gl.load(scales + 2, mask=valid, other=0.0)
         s3 = gl.load(scales + 3, mask=valid, other=0.0)
         # The next tile's rows (past the end they hold no key: its copies read nothing).
         rows, valid = _key_rows(map_row, start + (t + 1) * TILE_N, end, num_slots, stride_kb, stride_kt, ROWS,
                                 TILE_N, BLOCK_SIZE, SPARSE)
-        async_copy.wait_group(0)
-        cta_barrier()  # every producer thread's copies have landed
         work = k_nope.index(stage)
-        _dequantize(chunks.index(8 * stage + 4), work.slice(0, PIECE, dim=1), s0, False, LOAD8)
-        _dequantize(chunks.index(8 * stage + 5), work.slice(PIECE, PIECE, dim=1), s1, False, LOAD8)
+        if PREFETCH:  # pieces 0 and 1 convert while 2 and 3 land; then the next tile's 0 and 1 are loaded
+            _dequantize(chunks.index(8 * stage + 4), work.slice(0, PIECE, dim=1), s0, False, LOAD8)
+            _dequantize(chunks.index(8 * stage + 5), work.slice(PIECE, PIECE, dim=1), s1, False, LOAD8)
+            w0 = _words(kv_ptr, rows, valid, 0, W32)
+            w1 = _words(kv_ptr, rows, valid, 1, W32)
+            s0 = gl.load((kv_ptr + rows + R).to(gl.pointer_type(gl.float32)), mask=valid, other=0.0)
+            s1 = gl.load((kv_ptr + rows + R).to(gl.pointer_type(gl.float32)) + 1, mask=valid, other=0.0)
+            async_copy.wait_group(0)
+        else:
+            async_copy.wait_group(0)
+            cta_barrier()  # every producer thread's copies have landed
+            _dequantize(chunks.index(8 * stage + 4), work.slice(0, PIECE, dim=1), s0, False, LOAD8)
+            _dequantize(chunks.index(8 * stage + 5), work.slice(PIECE, PIECE, dim=1), s1, False, LOAD8)
         _dequantize(chunks.index(8 * stage + 6), work.slice(2 * PIECE, PIECE, dim=1), s2, True, LOAD8)
         _dequantize(chunks.index(8 * stage + 7), work.slice(3 * PIECE, PIECE, dim=1), s3, True, LOAD8)
         fence_async_shared()  # the stores and the rope copies, before the consumers' wgmmas read them
@@ -227,6 +265,7 @@ def mla_fp8_producer_kernel(
     stride_or, stride_oh, stride_lr, stride_sink,
     R: gl.constexpr, P: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
     TOPK_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    PREFETCH: gl.constexpr = False,
 ):
     """MLA over fp8_ds_mla records (byte offsets and strides of kv), 64-head tiles (module
     docstring); the arguments of `gluon_wgmma.mla_attn_wgmma_kernel`. Launch with
@@ -250,5 +289,5 @@ def mla_fp8_producer_kernel(
                      stride_sink, R, P, BLOCK_SIZE, SPARSE, SPLIT, TOPK_LENGTH, HAS_SINK)),
         (_producer, (kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, num_splits, tokens_per_split,
                      kv_capacity, num_slots, stride_kb, stride_kt, stride_map, R, P, BLOCK_SIZE, SPARSE,
-                     TOPK_LENGTH)),
+                     TOPK_LENGTH, PREFETCH)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
