@@ -4,9 +4,10 @@ choice of `plan.choose` (once per call signature) to its kernels.
 The kernels (graphsafe/ops/mla/kernels/): `triton_split_kv` (portable split-KV flash
 decoding, every GPU and the interpreter), and on sm_90 `gluon_wgmma` (64-head tiles, the
 two warpgroups splitting q.k), `gluon_paged_tma` (dense decode over a 16-bit cache, TMA
-page tiles) and `gluon_fp8_few_heads` (dense decode over fp8_ds_mla records at up to 16
+page tiles), `gluon_fp8_few_heads` (dense decode over fp8_ds_mla records at up to 16
 heads, producer warps dequantising the next tile while a consumer warpgroup multiplies
-this one). Which of them run a signature, on which tiles and split plan, and over which
+this one) and `gluon_fp8_producer` (either op over fp8_ds_mla records past 16 heads: a
+producer warpgroup dequantising into the 64-head kernel's bf16 stages). Which of them run a signature, on which tiles and split plan, and over which
 cache format, `plan.choose` decides (`MlaChoice`); the workspace a launch takes is the
 choice's, and the records' worst-case sizing reads the same candidates
 (`plan.workspace_specs`), so what is reserved before capture is what a call requests.
@@ -278,7 +279,7 @@ def _producer_launch(grid, args: tuple, constexprs: dict, where: tuple, fallback
     if key in _GLUON_FAILED:
         return fallback
     kernel = bind(module.mla_fp8_producer_kernel, grid, *args, **constexprs, PRODUCER_WARPS=module.PRODUCER_WARPS,
-                  PRODUCER_REGS=module.PRODUCER_REGS, PREFETCH=module.PREFETCH, num_warps=module.NUM_WARPS)
+                  PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.NUM_WARPS)
     return _gluon_or_fallback(key, kernel, lambda: fallback)
 
 
