@@ -60,12 +60,12 @@ from graphsafe.kernels.gluon_compat import cp_async, cta_barrier
 # The MLA 64-head kernel's helpers: slots -> (block, offset, holds a key), program bounds,
 # the online softmax, the sink and the value stores (same partial layout).
 from graphsafe.ops.mla.kernels.gluon_wgmma import (
+    _denominator,
     _key_ids,
-    _softmax_end,
     _softmax_keys,
     _split_bounds,
+    _store_lse,
     _store_values,
-    _with_sink,
 )
 
 NUM_WARPS = 8
@@ -327,20 +327,12 @@ def dsv4_attn_wgmma_kernel(
             q0, q1, q2, q3, q_pe, raw0, raw1, raw2, raw3, pe, w0, w1, w2, w3, p_smem,
             EXTRA_BLOCK_SIZE, S_MMA, LOAD, LOAD8)
 
-    l_i, no_key, l_safe, lse = _softmax_end(l_acc, m_i, 1)
     heads_s = pid_h * TILE_H + gl.arange(0, TILE_H, layout=S_HEADS)
-    l_out = l_safe
-    if HAS_SINK and not SPLIT:  # the final out (with splits, the combine applies the sink)
-        sink = gl.load(sink_ptr + heads_s * stride_sink, mask=heads_s < num_heads, other=0.0)
-        l_out = _with_sink(l_i, m_i, no_key, sink)
+    l_out, lse = _denominator(l_acc, m_i, heads_s, num_heads, sink_ptr, stride_sink, 1, HAS_SINK, SPLIT)
     out_args = (pid_h * TILE_H, num_heads, row, split, num_heads, num_splits, out_ptr, pout_ptr, stride_or, stride_oh)
     _store_values(acc0, l_out, 0, ROW, *out_args, SPLIT)
     _store_values(acc1, l_out, 128, ROW, *out_args, SPLIT)
     _store_values(acc2, l_out, 256, ROW, *out_args, SPLIT)
     _store_values(acc3, l_out, 384, ROW, *out_args, SPLIT)
     _store_values(acc_pe, l_out, 448, ROW, *out_args, SPLIT)
-    if SPLIT:
-        part = (row * num_splits + split) * num_heads
-        gl.store(plse_ptr + part + heads_s, lse, mask=heads_s < num_heads)
-    else:
-        gl.store(lse_ptr + row * stride_lr + heads_s, lse, mask=heads_s < num_heads)
+    _store_lse(lse, heads_s, num_heads, row, split, num_heads, num_splits, lse_ptr, plse_ptr, stride_lr, SPLIT)

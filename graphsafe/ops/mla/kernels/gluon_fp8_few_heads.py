@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from graphsafe.kernels.gluon_compat import cp_async, cta_barrier
 from graphsafe.ops.mla.kernels.gluon_wgmma import (
-    _key_ids, _key_rows, _load_q_rows, _softmax_end, _softmax_keys, _split_bounds, _store_values,
+    _key_ids, _key_rows, _load_q_rows, _softmax_end, _softmax_keys, _split_bounds, _store_lse, _store_values,
 )
 
 HEADS = gl.constexpr(16)  # heads a program holds: wgmma's N
@@ -226,10 +226,7 @@ def _consumer(q_ptr, map_ptr, lens_ptr, out_ptr, lse_ptr, pout_ptr, plse_ptr, q_
     _store_values(acc2, l_safe, 2 * PIECE, R, *out_args, SPLIT, True)
     _store_values(acc3, l_safe, 3 * PIECE, R, *out_args, SPLIT, True)
     heads = gl.arange(0, HEADS, layout=S_HEADS)
-    if SPLIT:
-        gl.store(plse_ptr + (row * num_splits + split) * num_heads + heads, lse, mask=heads < num_heads)
-    else:
-        gl.store(lse_ptr + row * stride_lr + heads, lse, mask=heads < num_heads)
+    _store_lse(lse, heads, num_heads, row, split, num_heads, num_splits, lse_ptr, plse_ptr, stride_lr, SPLIT)
 
 
 @gluon.jit

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from graphsafe.kernels.gluon_compat import cp_async, cta_barrier, nvmma_chunks
 from graphsafe.ops.mla.kernels.gluon_wgmma import (
-    _copy_rows, _key_ids, _key_rows, _softmax_end, _softmax_keys, _split_bounds, _store_values, _with_sink,
+    _copy_rows, _denominator, _key_ids, _key_rows, _softmax_keys, _split_bounds, _store_lse, _store_values,
 )
 
 BLOCK_H = 64  # heads a program holds: one wgmma M
@@ -203,18 +203,11 @@ def _consumer(q_ptr, map_ptr, lens_ptr, sink_ptr, out_ptr, lse_ptr, pout_ptr, pl
         cta_barrier()  # both warpgroups' products are done with the stage and with p
         mbarrier.arrive(empty.index(stage))
 
-    l_i, no_key, l_safe, lse = _softmax_end(l_acc, m_i, 1)
     heads_s = pid_h * TILE_H + gl.arange(0, TILE_H, layout=S_HEADS)
-    l_out = l_safe
-    if HAS_SINK and not SPLIT:  # the final out (with splits, the combine applies the sink)
-        sink = gl.load(sink_ptr + heads_s * stride_sink, mask=heads_s < num_heads, other=0.0)
-        l_out = _with_sink(l_i, m_i, no_key, sink)
+    l_out, lse = _denominator(l_acc, m_i, heads_s, num_heads, sink_ptr, stride_sink, 1, HAS_SINK, SPLIT)
     _store_values(acc, l_out, 0, R, pid_h * TILE_H, num_heads, row, split, num_heads, num_splits, out_ptr, pout_ptr,
                   stride_or, stride_oh, SPLIT)
-    if SPLIT:
-        gl.store(plse_ptr + (row * num_splits + split) * num_heads + heads_s, lse, mask=heads_s < num_heads)
-    else:
-        gl.store(lse_ptr + row * stride_lr + heads_s, lse, mask=heads_s < num_heads)
+    _store_lse(lse, heads_s, num_heads, row, split, num_heads, num_splits, lse_ptr, plse_ptr, stride_lr, SPLIT)
 
 
 @gluon.jit

@@ -298,6 +298,31 @@ def _softmax_end(l_acc, m_i, KEY_AXIS: gl.constexpr):
 
 
 @gluon.jit
+def _denominator(l_acc, m_i, heads, store_heads, sink_ptr, stride_sink, KEY_AXIS: gl.constexpr,
+                 HAS_SINK: gl.constexpr, SPLIT: gl.constexpr):
+    """(what out's values divide by, lse) of the heads `heads` from `_softmax_keys`' sums and
+    max: the row sum (1 where no key), with the attention sink (HAS_SINK, read for heads below
+    `store_heads`) where one split writes the final out; with splits the combine applies it."""
+    l_i, no_key, l_safe, lse = _softmax_end(l_acc, m_i, KEY_AXIS)
+    l_out = l_safe
+    if HAS_SINK and not SPLIT:
+        sink = gl.load(sink_ptr + heads * stride_sink, mask=heads < store_heads, other=0.0)
+        l_out = _with_sink(l_i, m_i, no_key, sink)
+    return l_out, lse
+
+
+@gluon.jit
+def _store_lse(lse, heads, store_heads, row, split, num_heads, num_splits, lse_ptr, plse_ptr, stride_lr,
+               SPLIT: gl.constexpr):
+    """The lse of the heads `heads` (from `store_heads` on not stored): the final lse, or (SPLIT)
+    the split's partial."""
+    if SPLIT:
+        gl.store(plse_ptr + (row * num_splits + split) * num_heads + heads, lse, mask=heads < store_heads)
+    else:
+        gl.store(lse_ptr + row * stride_lr + heads, lse, mask=heads < store_heads)
+
+
+@gluon.jit
 def _qk(q_part, k_part, s, use_acc: gl.constexpr, HEADS_ON_N: gl.constexpr):
     """One q.k wgmma into the scores s, left in flight: q_part [heads, c] times k_part
     [keys, c] transposed, or (HEADS_ON_N) the transpose, k_part times q_part transposed."""
@@ -513,12 +538,8 @@ def mla_attn_wgmma_kernel(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     async_copy.wait_group(0)  # the last copies (masked: they read nothing) before exit
 
-    l_i, no_key, l_safe, lse = _softmax_end(l_acc, m_i, KEY_AXIS)
     heads_s = pid_h * QH + gl.arange(0, QH, layout=S_HEADS)
-    l_out = l_safe
-    if HAS_SINK and not SPLIT:  # the final out (with splits, _combine_kernel applies the sink)
-        sink = gl.load(sink_ptr + heads_s * stride_sink, mask=heads_s < store_heads, other=0.0)
-        l_out = _with_sink(l_i, m_i, no_key, sink)
+    l_out, lse = _denominator(l_acc, m_i, heads_s, store_heads, sink_ptr, stride_sink, KEY_AXIS, HAS_SINK, SPLIT)
     out_args = (pid_h * QH, store_heads, row, split, num_heads, num_splits, out_ptr, pout_ptr, stride_or,
                 stride_oh)
     if FP8_DS:
@@ -526,8 +547,4 @@ def mla_attn_wgmma_kernel(
         _store_values(acc_hi, l_out, R // 2, R, *out_args, SPLIT, HEADS_ON_N)
     else:
         _store_values(acc, l_out, 0, R, *out_args, SPLIT)
-    if SPLIT:
-        part = (row * num_splits + split) * num_heads
-        gl.store(plse_ptr + part + heads_s, lse, mask=heads_s < store_heads)
-    else:
-        gl.store(lse_ptr + row * stride_lr + heads_s, lse, mask=heads_s < store_heads)
+    _store_lse(lse, heads_s, store_heads, row, split, num_heads, num_splits, lse_ptr, plse_ptr, stride_lr, SPLIT)
