@@ -27,7 +27,13 @@ over two bf16 stages [64, R + P], and a producer warpgroup fills them:
   t % 2, s = q.k as two wgmmas, the keys' validity from the ids again (L1), the online
   softmax in base 2, p -> shared memory, acc += p.V (the stage's latent as V), then
   release the stage once both warpgroups' wgmmas are done (one barrier, one arrive).
-So tile t + 1 is copied and dequantised while tile t is multiplied.
+So tile t + 1 is copied and dequantised while tile t is multiplied. Measured (H200, graph
+replays, `benchmarks/results/h200/2026-11-29-0440_fp8_producer_ab_*`): sparse K 2048, T 128 at 128
+/ 64 heads 0.233 / 0.121 ms against 0.271 / 0.145 for the 64-head kernel's dequantising variant
+(FlashMLA 0.188 / 0.115); dense decode about 1% faster. What bounds it: a tile's copy and its
+conversion follow each other in the producer (about 3.6 us a tile together), because the raw
+bytes can only land in a free stage; benchmarks/NOTES.md ("fp8_ds_mla past 16 heads against
+FlashMLA") has the tries (the next tile's bytes in registers: slower) and what would close it.
 
 Program = (64-head tile, split, query) with the other kernels' grid, split plan, partials
 and `combine_kernel`; ids are checked per key (one launch for dense calls too). Shared
