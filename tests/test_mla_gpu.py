@@ -105,8 +105,8 @@ def _fp8_close(expected, actual, args):
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
 def test_fp8_ds_decode_deepseek_shapes_match_reference(heads, block_size, num_splits):
     """DeepSeek's fp8_ds_mla records (656 bytes a key) on the kernel this device runs
-    (sm_90: the Gluon kernel's dequantising variant; at 16 heads the warp-specialised
-    kernel, `mla_plan.few_heads_fp8_fits`),
+    (sm_90: at 128 heads the producer kernel, `mla_plan.fp8_producer_fits`; at 16 heads the
+    warp-specialised few-heads kernel, `mla_plan.few_heads_fp8_fits`),
     against the reference over the dequantized records: random lengths with an empty
     and a full request, a padding block inside a request, garbage ids past the ends;
     records no request reads hold 0xFF (NaN bytes, NaN scales) and change no output bit."""
@@ -132,7 +132,8 @@ def test_fp8_ds_decode_deepseek_shapes_match_reference(heads, block_size, num_sp
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
 @pytest.mark.parametrize("options", [False, True])
 def test_fp8_ds_sparse_deepseek_shapes_match_reference(heads, num_splits, options):
-    """sparse_mla over fp8_ds_mla records (the Gluon variant on sm_90), with and without
+    """sparse_mla over fp8_ds_mla records (sm_90: the producer kernel at 128 heads, the
+    heads-on-N kernel at 16), with and without
     the sink and `topk_length`; a token without keys, empty later splits, ids outside the
     cache; unread records poisoned with 0xFF change no output bit."""
     q, kv, idx, scale, r = sparse_inputs(24, heads, 2048, CUDA, seed=12)
