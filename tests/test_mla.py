@@ -1517,6 +1517,62 @@ def test_paged_kernel_compile_failure_runs_the_other_launch(monkeypatch):
     assert calls == ["fallback", "paged", "fallback", "fallback", "fallback"]
 
 
+def test_producer_kernel_compile_failure_runs_the_other_launch(monkeypatch):
+    """The fp8 producer kernel compiles at the first call of its binding: a failure there
+    (nothing launched) warns once and the 64-head kernel's launch runs that call and the
+    later ones, also those of a runner prepared after (the failure is kept per signature);
+    calls whose q or cache is not 16-byte aligned run it without trying the producer kernel.
+    The binding gets the 64-head kernel's arguments and the producer's constexprs."""
+    import types
+    import warnings
+
+    calls, bound = [], []
+
+    def bind(kernel, grid, *args, **kw):  # graphsafe.launch.bind: the producer kernel fails to compile
+        bound.append((args, kw))
+
+        def launch(*tensors):
+            calls.append("producer")
+            raise RuntimeError("PassManager::run failed")
+        return launch
+
+    monkeypatch.setattr(tri, "bind", bind)
+    monkeypatch.setattr(tri, "_GLUON_FAILED", set())
+    _stand_in_kernel_module(monkeypatch, "gluon_fp8_producer", types.SimpleNamespace(
+        mla_fp8_producer_kernel=object(), PRODUCER_WARPS=4, PRODUCER_REGS=80, NUM_WARPS=8))
+    x = torch.zeros(64)
+    fallback = lambda *tensors: calls.append("fallback")  # noqa: E731
+    constexprs = dict(R=512, P=64, BLOCK_SIZE=64, SPARSE=True, SPLIT=False, TOPK_LENGTH=False, HAS_SINK=True)
+    run = tri._producer_launch((1,), ("args",), constexprs, _WHERE, fallback)
+    assert bound == [(("args",), {**constexprs, "PRODUCER_WARPS": 4, "PRODUCER_REGS": 80, "num_warps": 8})]
+    run(x[1:], x, *(x,) * 7)  # misaligned q
+    assert calls == ["fallback"]
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        run(x, x, *(x,) * 7)
+    assert calls == ["fallback", "producer", "fallback"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(x, x, *(x,) * 7)
+        again = tri._producer_launch((1,), ("args",), constexprs, _WHERE, fallback)
+        assert again is fallback and len(bound) == 1  # not bound again
+        again(x, x, *(x,) * 7)
+    assert calls == ["fallback", "producer", "fallback", "fallback", "fallback"]
+
+
+def test_fp8_producer_shared_memory_is_the_16_bit_kernels():
+    """The producer kernel's shared memory (q, two bf16 key stages, p, four mbarriers, Triton's
+    scratch) is the 16-bit 64-head kernel's plus its barriers: the raw bytes wait inside the
+    stage they become; within Hopper's 227 KiB."""
+    G = mla_plan.kernel_module("gluon_fp8_producer")
+    W = mla_plan.kernel_module("gluon_wgmma")
+    if G is None or W is None:
+        pytest.skip("this triton has no Gluon")
+    q, stages, p = 64 * 576 * 2, 2 * 64 * 576 * 2, 64 * 64 * 2
+    assert G.shared_memory_bytes(512, 64) == q + stages + p + 4 * 8 + 1024 == W.shared_memory_bytes(512, 64) + 32
+    assert G.shared_memory_bytes(512, 64) <= 227 * 1024
+    assert G.supported(512, 64) and not G.supported(256, 64) and not G.supported(512, 32)
+
+
 def test_warpgroup_split_takes_deepseek_fp8_ds_records(monkeypatch):
     """On a (stand-in) sm_90 device with the Gluon kernel's shapes, a bf16 cache and
     DeepSeek's fp8_ds_mla records (R = 512: 656 bytes a key) fit the warpgroup-split
