@@ -1482,39 +1482,57 @@ def test_few_heads_fp8_ds_prepares_the_64_head_tiles_where_the_gluon_kernel_fits
     assert planned == [wide, wide, own, own], planned
 
 
-def test_paged_kernel_compile_failure_runs_the_other_launch(monkeypatch):
-    """The paged kernel compiles at the first call of its binding: a failure there (nothing
-    launched) warns once and the 64-head kernels' launch runs that call and the later ones;
-    calls whose q or cache is not 16-byte aligned run it without trying the paged kernel."""
-    import types
-    import warnings
+def _failing_bind(monkeypatch, name: str, calls: list, bound: list | None = None) -> None:
+    """`tri.bind` stand-in: every kernel it binds fails to compile at its first call (nothing
+    launched; `calls` gets `name`); `bound` gets each binding's arguments."""
+    def bind(kernel, grid, *args, **kw):
+        if bound is not None:
+            bound.append((args, kw))
 
-    calls = []
-
-    def bind(kernel, grid, *args, **kw):  # graphsafe.launch.bind: the paged kernel fails to compile
         def launch(*tensors):
-            calls.append("paged")
+            calls.append(name)
             raise RuntimeError("PassManager::run failed")
         return launch
 
     monkeypatch.setattr(tri, "bind", bind)
     monkeypatch.setattr(tri, "_GLUON_FAILED", set())
+
+
+def _assert_failure_falls_back(run, make_run, name: str, calls: list) -> None:
+    """`run` (a Gluon launch bound by `make_run()` with a fallback appending "fallback" to
+    `calls`): a misaligned q runs the fallback without trying the kernel; the first aligned
+    call tries it (`name`), warns once and runs the fallback; later calls, and those of a
+    launch made again, run the fallback without a warning."""
+    import warnings
+
+    x = torch.zeros(64)
+    run(x[1:], x, *(x,) * 7)  # misaligned q
+    assert calls == ["fallback"]
+    with pytest.warns(RuntimeWarning, match="did not compile"):
+        run(x, x, *(x,) * 7)
+    assert calls == ["fallback", name, "fallback"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(x, x, *(x,) * 7)
+        make_run()(x, x, *(x,) * 7)
+    assert calls == ["fallback", name, "fallback", "fallback", "fallback"]
+
+
+def test_paged_kernel_compile_failure_runs_the_other_launch(monkeypatch):
+    """The paged kernel compiles at the first call of its binding: a failure there (nothing
+    launched) warns once and the 64-head kernels' launch runs that call and the later ones;
+    calls whose q or cache is not 16-byte aligned run it without trying the paged kernel."""
+    import types
+
+    calls = []
+    _failing_bind(monkeypatch, "paged", calls)
     _stand_in_kernel_module(monkeypatch, "gluon_paged_tma", types.SimpleNamespace(
         mla_decode_tma_kernel=object(), tma_descriptors=lambda q, kv, r: (q, q, kv, kv), CONSUMER_REGS=232,
         LOADER_REGS=24, NUM_WARPS=4))
     x = torch.zeros(64)
     fallback = lambda *tensors: calls.append("fallback")  # noqa: E731
-    run = tri._paged_launch((1,), x, x, 512, (), 64, False, _WHERE, fallback)
-    run(x[1:], x, *(x,) * 7)  # misaligned q
-    assert calls == ["fallback"]
-    with pytest.warns(RuntimeWarning, match="did not compile"):
-        run(x, x, *(x,) * 7)
-    assert calls == ["fallback", "paged", "fallback"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        run(x, x, *(x,) * 7)
-        tri._paged_launch((1,), x, x, 512, (), 64, False, _WHERE, fallback)(x, x, *(x,) * 7)
-    assert calls == ["fallback", "paged", "fallback", "fallback", "fallback"]
+    make_run = lambda: tri._paged_launch((1,), x, x, 512, (), 64, False, _WHERE, fallback)  # noqa: E731
+    _assert_failure_falls_back(make_run(), make_run, "paged", calls)
 
 
 def test_producer_kernel_compile_failure_runs_the_other_launch(monkeypatch):
@@ -1524,39 +1542,23 @@ def test_producer_kernel_compile_failure_runs_the_other_launch(monkeypatch):
     calls whose q or cache is not 16-byte aligned run it without trying the producer kernel.
     The binding gets the 64-head kernel's arguments and the producer's constexprs."""
     import types
-    import warnings
 
     calls, bound = [], []
-
-    def bind(kernel, grid, *args, **kw):  # graphsafe.launch.bind: the producer kernel fails to compile
-        bound.append((args, kw))
-
-        def launch(*tensors):
-            calls.append("producer")
-            raise RuntimeError("PassManager::run failed")
-        return launch
-
-    monkeypatch.setattr(tri, "bind", bind)
-    monkeypatch.setattr(tri, "_GLUON_FAILED", set())
+    _failing_bind(monkeypatch, "producer", calls, bound)
     _stand_in_kernel_module(monkeypatch, "gluon_fp8_producer", types.SimpleNamespace(
         mla_fp8_producer_kernel=object(), PRODUCER_WARPS=4, PRODUCER_REGS=80, NUM_WARPS=8))
-    x = torch.zeros(64)
     fallback = lambda *tensors: calls.append("fallback")  # noqa: E731
     constexprs = dict(R=512, P=64, BLOCK_SIZE=64, SPARSE=True, SPLIT=False, TOPK_LENGTH=False, HAS_SINK=True)
-    run = tri._producer_launch((1,), ("args",), constexprs, _WHERE, fallback)
+    made = []
+
+    def make_run():
+        made.append(tri._producer_launch((1,), ("args",), constexprs, _WHERE, fallback))
+        return made[-1]
+
+    run = make_run()
     assert bound == [(("args",), {**constexprs, "PRODUCER_WARPS": 4, "PRODUCER_REGS": 80, "num_warps": 8})]
-    run(x[1:], x, *(x,) * 7)  # misaligned q
-    assert calls == ["fallback"]
-    with pytest.warns(RuntimeWarning, match="did not compile"):
-        run(x, x, *(x,) * 7)
-    assert calls == ["fallback", "producer", "fallback"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        run(x, x, *(x,) * 7)
-        again = tri._producer_launch((1,), ("args",), constexprs, _WHERE, fallback)
-        assert again is fallback and len(bound) == 1  # not bound again
-        again(x, x, *(x,) * 7)
-    assert calls == ["fallback", "producer", "fallback", "fallback", "fallback"]
+    _assert_failure_falls_back(run, make_run, "producer", calls)
+    assert made[-1] is fallback and len(bound) == 1  # made again after the failure: not bound again
 
 
 def test_fp8_producer_shared_memory_is_the_16_bit_kernels():

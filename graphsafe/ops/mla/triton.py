@@ -179,11 +179,10 @@ def _attention_launch(grid, args, gluon_constexprs, triton_constexprs, cfg: Kern
             return fallback()
         module = kernel_module(GLUON_WGMMA)
         constexprs = {**gluon_constexprs, "CHECK_IDS": int(getattr(module, check_ids))}
-        key = (*where, _variant(constexprs))
-        if key in _GLUON_FAILED:
-            return fallback()
-        wgmma = bind(module.mla_attn_wgmma_kernel, grid, *args, **constexprs, num_warps=module.NUM_WARPS)
-        return _gluon_or_fallback(key, wgmma, fallback)
+        return _gluon_or_fallback(
+            (*where, _variant(constexprs)),
+            lambda: bind(module.mla_attn_wgmma_kernel, grid, *args, **constexprs, num_warps=module.NUM_WARPS),
+            fallback)
 
     def both(first: Launch, second: Launch) -> Launch:
         def run(*tensors):
@@ -205,10 +204,14 @@ def _attention_launch(grid, args, gluon_constexprs, triton_constexprs, cfg: Kern
                 gluon_launch("IDS_CHECKED", lambda: triton_launch(True)))
 
 
-def _gluon_or_fallback(key: tuple, gluon: Launch | None, make_fallback: Callable[[], Launch]) -> Launch:
-    """`run(q, kv, *rest)`: `gluon(q, kv, *rest)` for calls whose q and cache are 16-byte
-    aligned, until it fails to compile (nothing launched: `_gluon_failed` remembers `key`
-    and warns once), else the launch `make_fallback()` returns (made on first need)."""
+def _gluon_or_fallback(key: tuple, make_gluon: Callable[[], Launch], make_fallback: Callable[[], Launch]) -> Launch:
+    """`run(q, kv, *rest)`: `gluon(q, kv, *rest)` (gluon = `make_gluon()`, bound now) for calls
+    whose q and cache are 16-byte aligned, until it fails to compile (nothing launched:
+    `_gluon_failed` remembers `key` and warns once), else the launch `make_fallback()`
+    returns (made on first need). Where `key` failed before, `make_fallback()` itself."""
+    if key in _GLUON_FAILED:
+        return make_fallback()
+    gluon = make_gluon()
     fallback = None
 
     def run(q, kv, *rest):
@@ -233,18 +236,19 @@ def _paged_launch(grid, q: torch.Tensor, kv_cache: torch.Tensor, r: int, scalars
     q and cache are 16-byte aligned, `fallback` (the 64-head kernel's launches) for the
     others and for good once it fails to compile (a failed compile launched nothing)."""
     module = kernel_module(GLUON_PAGED_TMA)
-    key = (*where, "paged", block_size, split)
-    if key in _GLUON_FAILED:
-        return fallback
-    ph = _placeholder(q.device)
-    kernel = bind(module.mla_decode_tma_kernel, grid, *module.tma_descriptors(q, kv_cache, r),
-                  ph, ph, ph, ph, ph, ph, *scalars, BLOCK_SIZE=block_size, SPLIT=split,
-                  CONSUMER_REGS=module.CONSUMER_REGS, LOADER_REGS=module.LOADER_REGS, num_warps=module.NUM_WARPS)
 
-    def paged(q, kv, key_map, lens, sink, out, lse, pout, plse):  # q and the cache each as two descriptors
-        kernel(q, q, kv, kv, key_map, lens, out, lse, pout, plse)
+    def make() -> Launch:
+        ph = _placeholder(q.device)
+        kernel = bind(module.mla_decode_tma_kernel, grid, *module.tma_descriptors(q, kv_cache, r),
+                      ph, ph, ph, ph, ph, ph, *scalars, BLOCK_SIZE=block_size, SPLIT=split,
+                      CONSUMER_REGS=module.CONSUMER_REGS, LOADER_REGS=module.LOADER_REGS, num_warps=module.NUM_WARPS)
 
-    return _gluon_or_fallback(key, paged, lambda: fallback)
+        def paged(q, kv, key_map, lens, sink, out, lse, pout, plse):  # q and the cache each as two descriptors
+            kernel(q, q, kv, kv, key_map, lens, out, lse, pout, plse)
+
+        return paged
+
+    return _gluon_or_fallback((*where, "paged", block_size, split), make, lambda: fallback)
 
 
 def _few_heads_launch(grid, device: torch.device, scalars: tuple, r: int, p: int, block_size: int, split: bool,
@@ -255,17 +259,19 @@ def _few_heads_launch(grid, device: torch.device, scalars: tuple, r: int, p: int
     `fallback` (the 64-head kernel's launch) for the others and for good once it fails to
     compile (a failed compile launched nothing)."""
     module = kernel_module(GLUON_FP8_FEW_HEADS)
-    key = (*where, "few heads", block_size, split)
-    if key in _GLUON_FAILED:
-        return fallback
-    ph = _placeholder(device)
-    kernel = bind(module.mla_fp8_few_heads_kernel, grid, ph, ph, ph, ph, ph, ph, ph, ph, *scalars, R=r, P=p,
-                  BLOCK_SIZE=block_size, SPLIT=split, PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.NUM_WARPS)
 
-    def few_heads(q, kv, key_map, lens, sink, out, lse, pout, plse):  # (no sink in dense decode)
-        kernel(q, kv, key_map, lens, out, lse, pout, plse)
+    def make() -> Launch:
+        ph = _placeholder(device)
+        kernel = bind(module.mla_fp8_few_heads_kernel, grid, ph, ph, ph, ph, ph, ph, ph, ph, *scalars, R=r, P=p,
+                      BLOCK_SIZE=block_size, SPLIT=split, PRODUCER_REGS=module.PRODUCER_REGS,
+                      num_warps=module.NUM_WARPS)
 
-    return _gluon_or_fallback(key, few_heads, lambda: fallback)
+        def few_heads(q, kv, key_map, lens, sink, out, lse, pout, plse):  # (no sink in dense decode)
+            kernel(q, kv, key_map, lens, out, lse, pout, plse)
+
+        return few_heads
+
+    return _gluon_or_fallback((*where, "few heads", block_size, split), make, lambda: fallback)
 
 
 def _producer_launch(grid, args: tuple, constexprs: dict, where: tuple, fallback: Launch) -> Launch:
@@ -275,12 +281,11 @@ def _producer_launch(grid, args: tuple, constexprs: dict, where: tuple, fallback
     16-byte aligned, `fallback` (the 64-head kernel's launches) for the others and for good
     once it fails to compile (a failed compile launched nothing)."""
     module = kernel_module(GLUON_FP8_PRODUCER)
-    key = (*where, "producer", _variant(constexprs))
-    if key in _GLUON_FAILED:
-        return fallback
-    kernel = bind(module.mla_fp8_producer_kernel, grid, *args, **constexprs, PRODUCER_WARPS=module.PRODUCER_WARPS,
-                  PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.NUM_WARPS)
-    return _gluon_or_fallback(key, kernel, lambda: fallback)
+    return _gluon_or_fallback(
+        (*where, "producer", _variant(constexprs)),
+        lambda: bind(module.mla_fp8_producer_kernel, grid, *args, **constexprs, PRODUCER_WARPS=module.PRODUCER_WARPS,
+                     PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.NUM_WARPS),
+        lambda: fallback)
 
 
 def _offset_checked(op: str, attention: Launch) -> Launch:
