@@ -2,20 +2,17 @@
 (`kernels/gluon_fp8_producer.py`, a warpgroup dequantising beside the products) against the
 64-head wgmma kernel's dequantising variant, which ran these calls before it.
 
-    python benchmarks/mla_fp8_producer_ab.py [--kernel producer|wgmma] [--set NAME=INT ...] BENCH ARGS...
+    python benchmarks/mla_fp8_producer_ab.py [--kernel producer|wgmma] BENCH ARGS...
 
 runs `python -m graphsafe bench BENCH ARGS...` with the chosen kernel for every call the
 producer kernel would take (`--kernel wgmma` declines it in the plan, so the runner takes
-the next kernel of the choice); `--set` changes one of the producer kernel's module-level
-launch settings (PRODUCER_REGS, PREFETCH, LATE_ISSUE, L_ROWS) for the run. The bench's
-other rows and peers run as usual. Run it once
+the next kernel of the choice); the bench's other rows and peers run as usual. Run it once
 per kernel on one machine and compare the fp8_ds_mla rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 from graphsafe.__main__ import main
@@ -25,19 +22,10 @@ from graphsafe.ops.mla import plan
 def _run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", choices=("producer", "wgmma"), default="producer")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=INT",
-                        help="a launch setting of kernels/gluon_fp8_producer.py for this run")
     args, rest = parser.parse_known_args(argv)
-    module = importlib.import_module("graphsafe.ops.mla.kernels.gluon_fp8_producer")
-    for setting in args.set:
-        name, _, value = setting.partition("=")
-        if name not in ("PRODUCER_REGS", "PREFETCH", "LATE_ISSUE", "L_ROWS"):
-            parser.error(f"--set {setting}: not a launch setting of the producer kernel")
-        current = getattr(module, name)
-        setattr(module, name, type(current)(int(value)))
     if args.kernel == "wgmma":
         plan.fp8_producer_fits = lambda *_: False
-    print(f"fp8_ds_mla past 16 heads on: gluon_{args.kernel}", *args.set, flush=True)
+    print(f"fp8_ds_mla past 16 heads on: gluon_{args.kernel}", flush=True)
     return main(["bench", *rest])
 
 

@@ -284,8 +284,7 @@ def _producer_launch(grid, args: tuple, constexprs: dict, where: tuple, fallback
     return _gluon_or_fallback(
         (*where, "producer", _variant(constexprs)),
         lambda: bind(module.mla_fp8_producer_kernel, grid, *args, **constexprs, PRODUCER_WARPS=module.PRODUCER_WARPS,
-                     PRODUCER_REGS=module.PRODUCER_REGS, PREFETCH=module.PREFETCH, L_ROWS=module.L_ROWS,
-                     LATE_ISSUE=module.LATE_ISSUE, num_warps=module.NUM_WARPS),
+                     PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.NUM_WARPS),
         lambda: fallback)
 
 

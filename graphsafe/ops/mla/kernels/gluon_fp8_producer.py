@@ -68,9 +68,6 @@ BLOCK_N = 64  # keys a tile: each consumer warpgroup scores 32 of them
 NUM_WARPS = 8  # the consumers (the default partition); the producer adds PRODUCER_WARPS
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 80  # a producer thread's registers (the consumers get 208; ptxas of Triton 3.6: 8 bytes of spills)
-PREFETCH = False  # the next tile's raw pieces 0 and 1 in registers (`_producer`)
-LATE_ISSUE = False  # with PREFETCH: the next tile's copies issued after this tile is published
-L_ROWS = False  # the consumers keep one softmax sum per head rather than one per score
 TILE_H = gl.constexpr(BLOCK_H)
 TILE_N = gl.constexpr(BLOCK_N)
 PIECE = gl.constexpr(128)  # latent columns of one float32 scale
@@ -110,50 +107,13 @@ def _dequantize(raw, out, scale, BARRIER: gl.constexpr, LOAD8: gl.constexpr):
 
 
 @gluon.jit
-def _words(kv_ptr, rows, valid, j: gl.constexpr, W32: gl.constexpr):
-    """Raw piece j (latent bytes [128 j, 128 j + 128)) of the records at byte offsets `rows`,
-    loaded into registers as int32 words [64, 32] (16 bytes a thread; 0 for rows not
-    `valid`, which read nothing). W32's threads hold the rows and bytes LOAD8's do."""
-    rows = gl.convert_layout(rows, gl.SliceLayout(1, W32))  # the same threads' rows: free
-    valid = gl.convert_layout(valid, gl.SliceLayout(1, W32))
-    cols = j * (PIECE // 4) + gl.arange(0, PIECE // 4, layout=gl.SliceLayout(0, W32))
-    base = (kv_ptr + rows).to(gl.pointer_type(gl.int32))
-    return gl.load(base[:, None] + cols[None, :], mask=valid[:, None], other=0)
-
-
-@gluon.jit
-def _issue_copies(kv_ptr, rows, valid, chunks, k_pe, stage, FIRST: gl.constexpr, R: gl.constexpr, P: gl.constexpr,
-                  LOAD8: gl.constexpr, LOADP: gl.constexpr):
-    """cp.async raw pieces FIRST ... 3 of the records at byte offsets `rows` into their chunks
-    of stage `stage` and the rope part into its rope buffer, one commit group; rows not
-    `valid` are zero-filled and read nothing. Returns the float32 scales of pieces 2 and 3."""
-    src = kv_ptr + rows[:, None]
-    cols8 = gl.arange(0, PIECE, layout=gl.SliceLayout(0, LOAD8))[None, :]
-    for j in gl.static_range(FIRST, 4):
-        cp_async(chunks.index(8 * stage + 4 + j), src + (j * PIECE + cols8), mask=valid[:, None])
-    rows_p = gl.convert_layout(rows, gl.SliceLayout(1, LOADP))  # the same threads' rows: free
-    valid_p = gl.convert_layout(valid, gl.SliceLayout(1, LOADP))
-    rope = (kv_ptr + rows_p + (R + 4 * (R // PIECE))).to(gl.pointer_type(k_pe.dtype))
-    cols_p = gl.arange(0, P, layout=gl.SliceLayout(0, LOADP))[None, :]
-    cp_async(k_pe.index(stage), rope[:, None] + cols_p, mask=valid_p[:, None])
-    async_copy.commit_group()
-    scales = (kv_ptr + rows + R).to(gl.pointer_type(gl.float32))
-    return gl.load(scales + 2, mask=valid, other=0.0), gl.load(scales + 3, mask=valid, other=0.0)
-
-
-@gluon.jit
 def _producer(kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, num_splits, tokens_per_split,
               kv_capacity, num_slots, stride_kb, stride_kt, stride_map, R: gl.constexpr, P: gl.constexpr,
-              BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, TOPK_LENGTH: gl.constexpr, PREFETCH: gl.constexpr,
-              LATE_ISSUE: gl.constexpr):
-    """The producer partition (module docstring): copies and dequantises tile t into stage t % 2.
-    PREFETCH: a tile ahead, raw pieces 0 and 1 are loaded into registers (stored into their
-    places once tile t's are) and pieces 2, 3 and the rope part copied into the next stage
-    as soon as the consumers free it, halfway through tile t's conversion."""
+              BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, TOPK_LENGTH: gl.constexpr):
+    """The producer partition (module docstring): copies and dequantises tile t into stage t % 2."""
     W: gl.constexpr = gl.num_warps()
     # 16 bytes a thread; a warp covers 4 rows x 128 bytes (a piece's row is one 128-byte line).
     LOAD8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
-    W32: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])  # the same bytes as int32 words
     LOADP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # the rope part [64, 64], same rows
     ROWS: gl.constexpr = gl.SliceLayout(1, LOAD8)
     _, _, _, map_row, start, end, n_tiles = _program(map_ptr, lens_ptr, head_tiles, num_splits, tokens_per_split,
@@ -162,65 +122,38 @@ def _producer(kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, 
     # value columns [128 k, 128 k + 128) of stage s are chunks 8 s + 2 k and 8 s + 2 k + 1,
     # raw piece j waits in chunk 8 s + 4 + j.
     chunks = nvmma_chunks(k_nope, gl.uint8, 16, TILE_N, PIECE)
+    cols8 = gl.arange(0, PIECE, layout=gl.SliceLayout(0, LOAD8))[None, :]
+    cols_p = gl.arange(0, P, layout=gl.SliceLayout(0, LOADP))[None, :]
     rows, valid = _key_rows(map_row, start, end, num_slots, stride_kb, stride_kt, ROWS, TILE_N, BLOCK_SIZE, SPARSE)
-    if PREFETCH:
-        words = nvmma_chunks(k_nope, gl.int32, 16, TILE_N, PIECE // 4)  # the chunks as int32 words
-        scales = (kv_ptr + rows + R).to(gl.pointer_type(gl.float32))
-        w0 = _words(kv_ptr, rows, valid, 0, W32)
-        w1 = _words(kv_ptr, rows, valid, 1, W32)
-        s0 = gl.load(scales, mask=valid, other=0.0)
-        s1 = gl.load(scales + 1, mask=valid, other=0.0)
-        s2, s3 = _issue_copies(kv_ptr, rows, valid, chunks, k_pe, 0, 2, R, P, LOAD8, LOADP)  # stage 0 is free
-        rows, valid = _key_rows(map_row, start + TILE_N, end, num_slots, stride_kb, stride_kt, ROWS, TILE_N,
-                                BLOCK_SIZE, SPARSE)
     for t in range(n_tiles):
         stage = t % 2
+        mbarrier.wait(empty.index(stage), ((t // 2) & 1) ^ 1)
+        src = kv_ptr + rows[:, None]
+        for j in gl.static_range(4):
+            cp_async(chunks.index(8 * stage + 4 + j), src + (j * PIECE + cols8), mask=valid[:, None])
+        rows_p = gl.convert_layout(rows, gl.SliceLayout(1, LOADP))  # the same threads' rows: free
+        valid_p = gl.convert_layout(valid, gl.SliceLayout(1, LOADP))
+        rope = (kv_ptr + rows_p + (R + 4 * (R // PIECE))).to(gl.pointer_type(k_pe.dtype))
+        cp_async(k_pe.index(stage), rope[:, None] + cols_p, mask=valid_p[:, None])
+        async_copy.commit_group()
+        scales = (kv_ptr + rows + R).to(gl.pointer_type(gl.float32))
+        s0 = gl.load(scales, mask=valid, other=0.0)
+        s1 = gl.load(scales + 1, mask=valid, other=0.0)
+        s2 = gl.load(scales + 2, mask=valid, other=0.0)
+        s3 = gl.load(scales + 3, mask=valid, other=0.0)
+        # The next tile's rows (past the end they hold no key: its copies read nothing).
+        rows, valid = _key_rows(map_row, start + (t + 1) * TILE_N, end, num_slots, stride_kb, stride_kt, ROWS,
+                                TILE_N, BLOCK_SIZE, SPARSE)
+        async_copy.wait_group(0)
+        cta_barrier()  # every producer thread's copies have landed
         work = k_nope.index(stage)
-        if PREFETCH:
-            # Tile t's pieces 0 and 1 into their places (the stage was waited for with its other
-            # copies, a tile ago); each thread rewrites the bytes it converts next.
-            words.index(8 * stage + 4).store(w0)
-            words.index(8 * stage + 5).store(w1)
-            c0, c1, c2, c3 = s0, s1, s2, s3
-            scales = (kv_ptr + rows + R).to(gl.pointer_type(gl.float32))
-            w0 = _words(kv_ptr, rows, valid, 0, W32)  # tile t + 1's (rows past the end read nothing)
-            w1 = _words(kv_ptr, rows, valid, 1, W32)
-            s0 = gl.load(scales, mask=valid, other=0.0)
-            s1 = gl.load(scales + 1, mask=valid, other=0.0)
-            _dequantize(chunks.index(8 * stage + 4), work.slice(0, PIECE, dim=1), c0, False, LOAD8)
-            _dequantize(chunks.index(8 * stage + 5), work.slice(PIECE, PIECE, dim=1), c1, False, LOAD8)
-            if LATE_ISSUE:
-                async_copy.wait_group(0)  # tile t's copies
-            else:
-                # Tile t + 1's other copies, once the consumers free its stage (they are done with t - 1).
-                mbarrier.wait(empty.index(1 - stage), (((t + 1) // 2) & 1) ^ 1)
-                s2, s3 = _issue_copies(kv_ptr, rows, valid, chunks, k_pe, 1 - stage, 2, R, P, LOAD8, LOADP)
-                rows, valid = _key_rows(map_row, start + (t + 2) * TILE_N, end, num_slots, stride_kb, stride_kt, ROWS,
-                                        TILE_N, BLOCK_SIZE, SPARSE)
-                async_copy.wait_group(1)  # tile t's copies (t + 1's stay in flight)
-        else:
-            mbarrier.wait(empty.index(stage), ((t // 2) & 1) ^ 1)
-            c2, c3 = _issue_copies(kv_ptr, rows, valid, chunks, k_pe, stage, 0, R, P, LOAD8, LOADP)
-            scales = (kv_ptr + rows + R).to(gl.pointer_type(gl.float32))
-            c0 = gl.load(scales, mask=valid, other=0.0)
-            c1 = gl.load(scales + 1, mask=valid, other=0.0)
-            # The next tile's rows (past the end they hold no key: its copies read nothing).
-            rows, valid = _key_rows(map_row, start + (t + 1) * TILE_N, end, num_slots, stride_kb, stride_kt, ROWS,
-                                    TILE_N, BLOCK_SIZE, SPARSE)
-            async_copy.wait_group(0)
-            _dequantize(chunks.index(8 * stage + 4), work.slice(0, PIECE, dim=1), c0, False, LOAD8)
-            _dequantize(chunks.index(8 * stage + 5), work.slice(PIECE, PIECE, dim=1), c1, False, LOAD8)
-        _dequantize(chunks.index(8 * stage + 6), work.slice(2 * PIECE, PIECE, dim=1), c2, True, LOAD8)
-        _dequantize(chunks.index(8 * stage + 7), work.slice(3 * PIECE, PIECE, dim=1), c3, True, LOAD8)
+        _dequantize(chunks.index(8 * stage + 4), work.slice(0, PIECE, dim=1), s0, False, LOAD8)
+        _dequantize(chunks.index(8 * stage + 5), work.slice(PIECE, PIECE, dim=1), s1, False, LOAD8)
+        _dequantize(chunks.index(8 * stage + 6), work.slice(2 * PIECE, PIECE, dim=1), s2, True, LOAD8)
+        _dequantize(chunks.index(8 * stage + 7), work.slice(3 * PIECE, PIECE, dim=1), s3, True, LOAD8)
         fence_async_shared()  # the stores and the rope copies, before the consumers' wgmmas read them
         cta_barrier()  # every producer warp's, before the one arrive
         mbarrier.arrive(full.index(stage))
-        if PREFETCH and LATE_ISSUE:  # tile t + 1's other copies, once the consumers free its stage
-            mbarrier.wait(empty.index(1 - stage), (((t + 1) // 2) & 1) ^ 1)
-            s2, s3 = _issue_copies(kv_ptr, rows, valid, chunks, k_pe, 1 - stage, 2, R, P, LOAD8, LOADP)
-            rows, valid = _key_rows(map_row, start + (t + 2) * TILE_N, end, num_slots, stride_kb, stride_kt, ROWS,
-                                    TILE_N, BLOCK_SIZE, SPARSE)
-    async_copy.wait_group(0)  # the last (masked, empty) copies, before exit
 
 
 @gluon.jit
@@ -228,7 +161,7 @@ def _consumer(q_ptr, map_ptr, lens_ptr, sink_ptr, out_ptr, lse_ptr, pout_ptr, pl
               p_smem, full, empty, qk_scale, num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity,
               num_slots, stride_qr, stride_qh, stride_map, stride_or, stride_oh, stride_lr, stride_sink,
               R: gl.constexpr, P: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr,
-              SPLIT: gl.constexpr, TOPK_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, L_ROWS: gl.constexpr):
+              SPLIT: gl.constexpr, TOPK_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr):
     """The consumer partition (two warpgroups): the 16-bit kernel's products and softmax
     over the stages the producer publishes, then the epilogue."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -251,10 +184,7 @@ def _consumer(q_ptr, map_ptr, lens_ptr, sink_ptr, out_ptr, lse_ptr, pout_ptr, pl
     fence_async_shared()
 
     m_i = gl.full([TILE_H], float("-inf"), gl.float32, layout=S_HEADS)
-    if L_ROWS:
-        l_acc = gl.zeros([TILE_H], gl.float32, layout=S_HEADS)
-    else:
-        l_acc = gl.zeros([TILE_H, TILE_N], gl.float32, layout=S_MMA)
+    l_acc = gl.zeros([TILE_H, TILE_N], gl.float32, layout=S_MMA)
     acc = gl.zeros([TILE_H, R], gl.float32, layout=O_MMA)
     for t in range(n_tiles):
         stage = t % 2
@@ -268,11 +198,7 @@ def _consumer(q_ptr, map_ptr, lens_ptr, sink_ptr, out_ptr, lse_ptr, pout_ptr, pl
         _, _, key_ok = _key_ids(map_row, offs, offs < end, num_slots, BLOCK_SIZE, SPARSE)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-        if L_ROWS:
-            p, alpha, m_i, _ = _softmax_keys(s, key_ok, m_i, 0.0, qk_scale, 1)
-            l_acc = l_acc * alpha + gl.sum(p, axis=1)
-        else:
-            p, alpha, m_i, l_acc = _softmax_keys(s, key_ok, m_i, l_acc, qk_scale, 1)
+        p, alpha, m_i, l_acc = _softmax_keys(s, key_ok, m_i, l_acc, qk_scale, 1)
 
         p_smem.store(p.to(dtype))
         fence_async_shared()
@@ -284,8 +210,6 @@ def _consumer(q_ptr, map_ptr, lens_ptr, sink_ptr, out_ptr, lse_ptr, pout_ptr, pl
         mbarrier.arrive(empty.index(stage))
 
     heads_s = pid_h * TILE_H + gl.arange(0, TILE_H, layout=S_HEADS)
-    if L_ROWS:  # the row sums, as [64, 1] for the helper that sums them
-        l_acc = gl.expand_dims(l_acc, 1)
     l_out, lse = _denominator(l_acc, m_i, heads_s, num_heads, sink_ptr, stride_sink, 1, HAS_SINK, SPLIT)
     _store_values(acc, l_out, 0, R, pid_h * TILE_H, num_heads, row, split, num_heads, num_splits, out_ptr, pout_ptr,
                   stride_or, stride_oh, SPLIT)
@@ -302,7 +226,6 @@ def mla_fp8_producer_kernel(
     stride_or, stride_oh, stride_lr, stride_sink,
     R: gl.constexpr, P: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
     TOPK_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    PREFETCH: gl.constexpr = False, L_ROWS: gl.constexpr = False, LATE_ISSUE: gl.constexpr = False,
 ):
     """MLA over fp8_ds_mla records (byte offsets and strides of kv), 64-head tiles (module
     docstring); the arguments of `gluon_wgmma.mla_attn_wgmma_kernel`. Launch with
@@ -323,8 +246,8 @@ def mla_fp8_producer_kernel(
         (_consumer, (q_ptr, map_ptr, lens_ptr, sink_ptr, out_ptr, lse_ptr, pout_ptr, plse_ptr, q_nope, q_pe, k_nope,
                      k_pe, p_smem, full, empty, qk_scale, num_heads, head_tiles, num_splits, tokens_per_split,
                      kv_capacity, num_slots, stride_qr, stride_qh, stride_map, stride_or, stride_oh, stride_lr,
-                     stride_sink, R, P, BLOCK_SIZE, SPARSE, SPLIT, TOPK_LENGTH, HAS_SINK, L_ROWS)),
+                     stride_sink, R, P, BLOCK_SIZE, SPARSE, SPLIT, TOPK_LENGTH, HAS_SINK)),
         (_producer, (kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, num_splits, tokens_per_split,
                      kv_capacity, num_slots, stride_kb, stride_kt, stride_map, R, P, BLOCK_SIZE, SPARSE,
-                     TOPK_LENGTH, PREFETCH, LATE_ISSUE)),
+                     TOPK_LENGTH)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
