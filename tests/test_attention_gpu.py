@@ -484,6 +484,46 @@ def test_varlen_wgmma_graph_replay_with_new_lengths(d, dv):
         assert not out.isnan().any() and err < 2e-2, (new_lens, err)
 
 
+@pytest.mark.parametrize("claim", [1, 4])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_varlen_tma_claimed_schedule_matches_the_static_deal(monkeypatch, fp8, claim):
+    """The TMA kernel's work tiles claimed from the ticket counter (`plan.tma_claim`: one,
+    or a kv head's four q-head tiles, at a time) against the static deal on uneven
+    sequences (8192 work tiles on one program per SM, most of them past a short
+    sequence's rows): the same bits (a tile's rows do not depend on which program computes
+    them), and the ticket counter back at 0 after every call, eager and replayed in a
+    CUDA graph."""
+    lens = [4096, 37, 1500, 2048, 1, 700, 3000, 129]
+    q, k, v, cu_q, cu_k = _wgmma_inputs(lens, lens, 32, 8, 128, torch.bfloat16, seed=31)
+    if fp8:  # (the fp8 path's per-tensor scales read every row: no NaN past the last sequence here)
+        k.nan_to_num_(0.0)
+        v.nan_to_num_(0.0)
+    args = (q, k, v, cu_q, cu_k, max(lens), max(lens), 128**-0.5, True, None, None, None, "on" if fp8 else "off")
+    _skip_unless_wgmma(args)
+    T = _triton()
+    call = graphsafe.get_op("flash_attn_varlen").call(*args)
+    monkeypatch.setattr(plan, "tma_claim", lambda group, d, fp8=False, paged=False: claim)
+    claimed = T.prepare_flash_attn_varlen(call)
+    monkeypatch.setattr(plan, "tma_claim", lambda group, d, fp8=False, paged=False: 0)
+    dealt = T.prepare_flash_attn_varlen(call)
+    expected = dealt(*args).clone()
+    counter = T.schedule_counter(q.device)
+    for _ in range(3):
+        out = claimed(*args)
+        torch.cuda.synchronize()
+        _assert_gluon_compiled()
+        assert torch.equal(out, expected) and counter.tolist() == [0, 0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = claimed(*args)
+    for _ in range(3):
+        replayed.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, expected) and counter.tolist() == [0, 0]
+    del graph
+
+
 # name: (lens_q, lens_k, D, Dv, causal, window_left, softcap, sinks): the TMA kernel's variants.
 TMA_VARIANT_CASES = {
     "window-100": ([300, 1, 77, 1000], [300, 1, 77, 1000], 128, 128, True, 100, 0.0, False),

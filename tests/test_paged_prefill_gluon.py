@@ -255,8 +255,10 @@ def test_aligned_calls_run_the_gluon_kernel(monkeypatch):
     assert len(gluon.calls) == 1 and not triton_calls
     q, k_cache, v_cache, table, lens, cu, _, _, sinks, out = tensors
     # The kernel's tensor order: q, k_cache, v_cache (as descriptors' bases), out, cu_q, seq_lens, block table,
-    # sinks (here a placeholder).
-    assert all(a is b for a, b in zip(gluon.calls[0], (q, k_cache, v_cache, out, cu, lens, table, sinks), strict=True))
+    # sinks (here a placeholder), the dynamic schedule's ticket counter (this device's and lane's).
+    counter = T.schedule_counter(q.device)
+    expected = (q, k_cache, v_cache, out, cu, lens, table, sinks, counter)
+    assert all(a is b for a, b in zip(gluon.calls[0], expected, strict=True))
 
 
 def test_misaligned_q_runs_the_triton_kernel(monkeypatch):

@@ -392,6 +392,44 @@ def test_aligned_calls_run_the_gluon_kernel(monkeypatch):
     assert all(a is b for a, b in zip(gluon.calls[0], call[:6], strict=True)), "q, k, v, out, cu_q, cu_k"
 
 
+def test_schedule_counter_is_one_zeroed_tensor_per_device_and_lane():
+    """The TMA kernels' ticket counter: int32 [2], zero; the same tensor for every call of a
+    device and workspace lane (the kernels leave it zero), another for another lane."""
+    from graphsafe.workspace import workspace_lane
+
+    cpu = torch.device("cpu")
+    counter = T.schedule_counter(cpu)
+    assert counter.dtype == torch.int32 and counter.shape == (2,) and not counter.any()
+    assert T.schedule_counter(cpu) is counter
+    with workspace_lane(1):
+        other = T.schedule_counter(cpu)
+    assert other is not counter and not other.any()
+    assert T.schedule_counter(cpu) is counter
+
+
+@pytest.mark.parametrize("claim", [1, 4, 0])
+def test_tma_launch_passes_the_schedule_counter_where_the_plan_claims_tiles(monkeypatch, claim):
+    """The TMA kernel's last tensor: this device's and lane's ticket counter where
+    `plan.tma_claim` has the programs claim tiles, else (the static deal) a placeholder
+    (q), never read; DYNAMIC and CLAIM as the plan says."""
+    real = _gluon_module()
+    gluon = StandInKernel(inspect.signature(real.varlen_fwd_tma_kernel.fn))
+    module = types.SimpleNamespace(varlen_fwd_tma_kernel=gluon, tma_descriptors=real.tma_descriptors)
+    monkeypatch.setattr(P, "gluon_module", lambda: module)
+    monkeypatch.setattr(P, "tma_claim", lambda group, d, fp8=False, paged=False: claim)
+    monkeypatch.setattr(T, "_FAILED", set())
+    monkeypatch.setattr(T, "num_sms", lambda device: 132)
+    q = torch.zeros(64, 4, 128, dtype=torch.bfloat16)
+    launch = T.bind_wgmma_varlen(q, q, q, 2, 64, 0.08, True, P.gluon_plan_for("tma", 64, 128), _TritonLaunch())
+    call = _call_tensors()
+    launch(*call)
+    assert len(gluon.calls) == 1
+    # q, k, v (descriptor bases), out, cu_q, cu_k, three descales and the sinks (placeholders), the counter
+    assert len(gluon.calls[0]) == 11
+    assert gluon.calls[0][10] is (T.schedule_counter(q.device) if claim else call[0])
+    assert (gluon.keywords[0]["DYNAMIC"], gluon.keywords[0]["CLAIM"]) == (claim > 0, max(claim, 1))
+
+
 def test_misaligned_q_runs_the_triton_kernel(monkeypatch):
     """A q that is not 16-byte aligned runs the Triton launch with every tensor of the
     call; the Gluon kernel is not tried (nor marked failed)."""

@@ -477,6 +477,15 @@ def warp_specialisation_fp8() -> tuple[int, int, int]:
     return 2, 232, 32
 
 
+def tma_claim(group: int, d: int, fp8: bool = False, paged: bool = False) -> int:
+    """How the programs of a "tma" kernel (varlen 16-bit and fp8, paged prefill) share the
+    work tiles: 0, the static deal (program p takes tiles p, p + programs, ...), or n > 0,
+    claimed n consecutive tiles at a time from a ticket counter (whichever program is free
+    takes the next). `group`: q heads per kv head (consecutive tiles are a kv head's q
+    heads over one query block)."""
+    return 1
+
+
 def tma_q_buffers(d: int) -> int:
     """q buffers of the "tma" kernels: two (the next work tile's q loads while this one
     computes), one at D = 192 and 256, where two would not leave room for two stages of

@@ -27,7 +27,7 @@ from graphsafe.ops.attention import plan, reference
 from graphsafe.ops.attention.fake import output_dtype
 from graphsafe.ops.attention.fp8_format import AMAX_Q, DESCALE_K, DESCALE_Q, DESCALE_V, ONE, vt_columns
 from graphsafe.registry import Backend, get_op
-from graphsafe.workspace import current_workspace_manager
+from graphsafe.workspace import current_lane, current_workspace_manager
 
 DECODE_OWNER = "paged_attention_decode"
 VARLEN_OWNER = "flash_attn_varlen"
@@ -370,6 +370,22 @@ def _variant_meta(window_left: int, softcap: float, sinks_stride: int | None) ->
 # Signatures (dtype, head dims, tiles, causal, kernel, warp specialisation) whose Gluon kernel failed to compile.
 _FAILED: set[tuple] = set()
 
+_SCHEDULE_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def schedule_counter(device: torch.device) -> torch.Tensor:
+    """The ticket counter (int32 [2]) of the TMA prefill kernels' dynamic schedule
+    (`plan.tma_claim`) on `device` for the current workspace lane: zero between
+    launches (each launch leaves it as it found it), so the launches of one lane, which
+    run in stream order as its workspace assumes, share it. Made on first use: the
+    runners ask for it when they are prepared, so a warm-up call makes it outside a
+    graph capture."""
+    key = (device, current_lane())
+    counter = _SCHEDULE_COUNTERS.get(key)
+    if counter is None:
+        counter = _SCHEDULE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
 
 def _compile_failed(key: tuple, exc: Exception, op: str = "flash_attn_varlen") -> None:
     """Remember that the Gluon kernel of signature `key` did not compile (its later calls
@@ -396,6 +412,7 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
     sinks_stride = None if call.sinks is None else call.sinks.stride(0)
     variant = _variant_meta(call.window_left if call.window_left < max_len else -1, call.softcap, sinks_stride)
     key = (q.dtype, d, dv, page, call.causal, gluon.kernel, gluon.warp_spec, *variant.values())
+    claim = plan.tma_claim(hq // hk, d, paged=True)
     errors = compile_errors()
     kernel = None
     if key not in _FAILED:
@@ -403,18 +420,22 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
         work = num_m_blocks * num_seqs * hq
         descriptors = module.paged_tma_descriptors(q, k_cache, v_cache, gluon.block_n)  # templates: each call's
         kernel = bind(module.paged_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
-                      q, q, q, q, q,  # out, cu_q, seq_lens, block_table, sinks: only their device is read
+                      q, q, q, q, q, q,  # out, cu_q, seq_lens, block_table, sinks, counter: only their device is read
                       hq * dv, dv, call.seq_lens.stride(0), block_table.stride(0), block_table.stride(1),
                       sinks_stride or 0, _qk_scale(call.scale, call.softcap), hq, num_m_blocks, tq, max_len, num_seqs,
                       num_blocks, GROUP=hq // hk, DK=d, DV=dv, BLOCK_M=gluon.block_m, BLOCK_N=gluon.block_n,
                       CAUSAL=call.causal, STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
-                      PAGE=page, Q_BUFFERS=gluon.q_buffers, **variant, num_warps=4)
+                      PAGE=page, Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim > 0, CLAIM=max(claim, 1),
+                      num_warps=4)
+        if claim:
+            schedule_counter(q.device)
 
     def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, sinks, out):
         nonlocal kernel
         if kernel is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
             try:
-                return kernel(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, sinks)
+                return kernel(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, sinks,
+                              schedule_counter(q.device) if claim else q)
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 kernel = None
                 _compile_failed(key, exc, "paged_attention_prefill")
@@ -439,6 +460,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
     kernel, block_m, block_n, ws = gluon.kernel, gluon.block_m, gluon.block_n, gluon.warp_spec
     num_m_blocks = _cdiv(max_seqlen_q, block_m)
     window_left = window_left if window_left < tk else -1
+    claim = plan.tma_claim(hq // hk, d) if kernel == "tma" else 0
     variant = _variant_meta(window_left, softcap, sinks_stride)
     key = (q.dtype, d, dv, block_m, block_n, causal, kernel, ws, *variant.values())
     errors = compile_errors()
@@ -451,10 +473,11 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
             stages, consumer_regs, loader_regs = ws
             descriptors = module.tma_descriptors(q, k, v, block_n)  # templates: each call's q, k, v
             wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
-                         q, q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8), sinks
+                         q, q, q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8), sinks, counter
                          hq * dv, dv, *(0,) * 6, sinks_stride or 0, *sizes, num_seqs, **meta, DK=d, DV=dv,
                          STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=False,
-                         Q_BUFFERS=gluon.q_buffers, **variant, num_warps=4)
+                         Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim > 0, CLAIM=max(claim, 1),
+                         num_warps=4)
         else:
             args = (q, q, q, q, q, q,  # placeholders: only their device is read
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq * d, d, *sizes)
@@ -466,13 +489,16 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
                              D=d, STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4)
 
     tma = kernel == "tma"
+    if claim and wgmma is not None:
+        schedule_counter(q.device)
 
     def launch(q, k, v, out, cu_q, cu_k, *rest):
         nonlocal wgmma
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
             try:
-                if tma:  # its descale pointers (read by its fp8 variant only) are placeholders; sinks
-                    return wgmma(q, k, v, out, cu_q, cu_k, q, q, q, rest[3])
+                if tma:  # its descale pointers (read by its fp8 variant only) are placeholders; sinks; counter
+                    return wgmma(q, k, v, out, cu_q, cu_k, q, q, q, rest[3],
+                                 schedule_counter(q.device) if claim else q)
                 return wgmma(q, k, v, out, cu_q, cu_k)
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None
@@ -506,6 +532,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
     dv = vt_shape[1]
     block_m, block_n, ws = gluon.block_m, gluon.block_n, gluon.warp_spec
     num_m_blocks = _cdiv(max_seqlen_q, block_m)
+    claim = plan.tma_claim(hq // hk, d, fp8=True)
     key = (q.dtype, d, dv, block_m, block_n, causal, gluon.kernel, ws)
     errors = compile_errors()
     wgmma = None
@@ -515,18 +542,21 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
         descriptors = module.tma_descriptors_fp8(like, q_view, k_view, vt_shape, block_n)  # templates
         strides = tuple(x for pair in descale_strides for x in pair)
         wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
-                     q, q, q, q, q, q, q,  # out, cu_q, cu_k, the descales, sinks: only their device is read
+                     q, q, q, q, q, q, q, q,  # out, cu_q, cu_k, the descales, sinks, counter: only their device is read
                      hq * dv, dv, *strides, 0, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
                      GROUP=hq // hk, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DK=d, DV=dv, STAGES=stages,
                      CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, Q_BUFFERS=gluon.q_buffers,
-                     **_variant_meta(-1, 0.0, None), num_warps=4)
+                     **_variant_meta(-1, 0.0, None), DYNAMIC=claim > 0, CLAIM=max(claim, 1), num_warps=4)
+        if claim:
+            schedule_counter(q.device)
 
     def launch(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, sinks) -> bool:
         """Whether the call ran (False only without a `triton_launch`: the caller runs it)."""
         nonlocal wgmma
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | vt.data_ptr()) & 15:
             try:
-                wgmma(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, q_descale)  # (no sinks: a placeholder)
+                wgmma(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, q_descale,  # (no sinks: a placeholder)
+                      schedule_counter(q.device) if claim else q)
                 return True
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None

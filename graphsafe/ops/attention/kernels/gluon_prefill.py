@@ -734,10 +734,12 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr,
                  FP8: gl.constexpr = False, descales=None, p_smem=None, paging=None, PAGE: gl.constexpr = 0,
                  BOX: gl.constexpr = 0, sinks=None, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
-                 HAS_SINKS: gl.constexpr = False):
+                 HAS_SINKS: gl.constexpr = False, sched=None, DYNAMIC: gl.constexpr = False):
     """Consumer partition WG (one warpgroup): rows [m0 + 64 WG, m0 + 64 WG + 64) of each
     work tile, the key loop of `varlen_fwd_wgmma_kernel` on the buffers the loader fills;
     a buffer is released (one arrive per consumer) once this warpgroup's wgmma read it.
+    The work tiles: program_id, program_id + programs, ... (static), or (DYNAMIC) those
+    the loader claims, read from the id ring `sched` (`_read_tile`).
     FP8: `descales` = (q, k, v descale pointers, their (sequence, kv head) strides): each
     work tile's scores are scaled by qk_scale x its q and k descales, its output by its v
     descale; `p_smem` [2, 64, BLOCK_N]: each warpgroup's p buffer.
@@ -755,38 +757,67 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
 
     ring = 0
     count = 0
-    for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
-        q_start, q_len, k_start, k_len, diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks = \
-            _tma_tile_keys(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, paging, BLOCK_M, BLOCK_N, CAUSAL, 4, FP8,
-                           PAGE, WINDOW_LEFT)
-        if m0 < q_len:  # (a block past its sequence's rows has nothing to write)
-            r0 = m0 + 64 * WG
-            m_i = gl.full([64], float("-inf"), gl.float32, layout=S_ROW)
-            l_i = gl.zeros([64], gl.float32, layout=S_ROW)
-            acc = gl.zeros([64, DV], gl.float32, layout=O_MMA)
-            tile_scale = qk_scale
-            v_scale = 1.0
-            p_buffer = None
-            if FP8:
-                tile_scale, v_scale = _fp8_scales(descales, b, kv_head, qk_scale)
-                p_buffer = p_smem.index(WG)
-            if n_tiles > 0:  # (else no row of the block sees a key: it writes 0)
-                acc, m_i, l_i = _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                                             acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, tile_scale,
-                                             WG, DV, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, p_buffer, lead,
-                                             table_row, stride_tm, num_blocks, PAGE, BOX, t_lo, q_len, WINDOW_LEFT,
-                                             SOFTCAP)
-                ring += n_tiles
-                count += 1
-            out_base = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
-            # (the sequence's own key count and diagonal: without the frame's lead)
-            sink = 0.0
-            if HAS_SINKS:
-                sinks_ptr, stride_sinks = sinks
-                sink = gl.load(sinks_ptr + head * stride_sinks)
-            _store_rows(acc, l_i, out_base, r0 + gl.arange(0, 64, layout=O_ROW), q_len, k_len - lead, diag - lead,
-                        stride_ot, DV, O_MMA, CAUSAL, v_scale, FP8, m_i, sink, HAS_SINKS)
+    if DYNAMIC:
+        it = 0
+        tile = _read_tile(sched, it)
+        while tile < num_work:
+            ring, count = _consume_tile(
+                tile, ring, count, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, out_ptr,
+                cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, total_q, total_k, WG,
+                GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales, p_smem, paging, PAGE, BOX, sinks,
+                WINDOW_LEFT, SOFTCAP, HAS_SINKS, S_ROW, O_MMA, O_ROW)
+            it += 1
+            tile = _read_tile(sched, it)
+    else:
+        for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
+            ring, count = _consume_tile(
+                tile, ring, count, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, out_ptr,
+                cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, total_q, total_k, WG,
+                GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales, p_smem, paging, PAGE, BOX, sinks,
+                WINDOW_LEFT, SOFTCAP, HAS_SINKS, S_ROW, O_MMA, O_ROW)
+
+
+@gluon.jit
+def _consume_tile(tile, ring, count, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                  out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, total_q,
+                  total_k, WG: gl.constexpr, GROUP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr,
+                  FP8: gl.constexpr, descales, p_smem, paging, PAGE: gl.constexpr, BOX: gl.constexpr, sinks,
+                  WINDOW_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr, S_ROW: gl.constexpr,
+                  O_MMA: gl.constexpr, O_ROW: gl.constexpr):
+    """`_ws_consumer`'s work on one work tile; returns its (ring, count) after it."""
+    b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
+    q_start, q_len, k_start, k_len, diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks = \
+        _tma_tile_keys(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, paging, BLOCK_M, BLOCK_N, CAUSAL, 4, FP8,
+                       PAGE, WINDOW_LEFT)
+    if m0 < q_len:  # (a block past its sequence's rows has nothing to write)
+        r0 = m0 + 64 * WG
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=S_ROW)
+        l_i = gl.zeros([64], gl.float32, layout=S_ROW)
+        acc = gl.zeros([64, DV], gl.float32, layout=O_MMA)
+        tile_scale = qk_scale
+        v_scale = 1.0
+        p_buffer = None
+        if FP8:
+            tile_scale, v_scale = _fp8_scales(descales, b, kv_head, qk_scale)
+            p_buffer = p_smem.index(WG)
+        if n_tiles > 0:  # (else no row of the block sees a key: it writes 0)
+            acc, m_i, l_i = _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                                         acc, m_i, l_i, r0, k_len, diag, n_tiles, ring, count, tile_scale,
+                                         WG, DV, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, p_buffer, lead,
+                                         table_row, stride_tm, num_blocks, PAGE, BOX, t_lo, q_len, WINDOW_LEFT,
+                                         SOFTCAP)
+            ring += n_tiles
+            count += 1
+        out_base = out_ptr + q_start.to(gl.int64) * stride_ot + head * stride_oh
+        # (the sequence's own key count and diagonal: without the frame's lead)
+        sink = 0.0
+        if HAS_SINKS:
+            sinks_ptr, stride_sinks = sinks
+            sink = gl.load(sinks_ptr + head * stride_sinks)
+        _store_rows(acc, l_i, out_base, r0 + gl.arange(0, 64, layout=O_ROW), q_len, k_len - lead, diag - lead,
+                    stride_ot, DV, O_MMA, CAUSAL, v_scale, FP8, m_i, sink, HAS_SINKS)
+    return ring, count
 
 
 @gluon.jit
@@ -879,7 +910,7 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
                 GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
                 paging=None, v_boxes=None, PAGE: gl.constexpr = 0, BOX: gl.constexpr = 0,
-                WINDOW_LEFT: gl.constexpr = -1):
+                WINDOW_LEFT: gl.constexpr = -1, sched=None, DYNAMIC: gl.constexpr = False, CLAIM: gl.constexpr = 1):
     """Loader partition (one warp) of `varlen_fwd_tma_kernel`: `_ws_loader`'s order of
     copies, each one TMA copy (q in two 64-row halves) completing its buffer's barrier by
     the bytes it lands. The copies read whole tiles at the sequence's rows: rows past a
@@ -895,7 +926,12 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
     cache block (`_tma_boxes`: `paging` as `_ws_consumer`'s; `v_boxes` the V stages seen
     as [STAGES x DV / 64, BLOCK_N, 64] chunks); boxes past the sequence or in a padding
     block are TMA's zeros. WINDOW_LEFT >= 0: the tiles from `_window_tiles`' first on, that
-    tile's values before key_lo zeroed as the tail's."""
+    tile's values before key_lo zeroed as the tail's.
+    DYNAMIC: the work tiles are claimed, not dealt, CLAIM consecutive tiles a claim: claim
+    program_id first, then programs + a ticket from the launch's counter (`sched`'s
+    pointer); each tile is published to the consumers on the id ring before its copies
+    (`_publish_tile`), the end too; the last program out resets the counter for the next
+    launch (`_schedule_done`)."""
     CHUNKS: gl.constexpr = DK // q_desc.block_type.shape[1]
     Q_BUFFERS: gl.constexpr = q_full.shape[0]
     if PAGE > 0:  # a V tile: DV / 64 chunks of BLOCK_N / BOX boxes
@@ -905,65 +941,150 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
     ring = 0
     count = 0
     fixes = 0
-    for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
-        q_start, q_len, k_start, k_len, diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks = \
-            _tma_tile_keys(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, paging, BLOCK_M, BLOCK_N, CAUSAL, 1, FP8,
-                           PAGE, WINDOW_LEFT)
-        if n_tiles > 0:
-            qb = count % Q_BUFFERS
-            mbarrier.wait(q_empty.index(qb), ((count // Q_BUFFERS) & 1) ^ 1)
-            mbarrier.expect(q_full.index(qb), 2 * CHUNKS * q_desc.block_type.nbytes)
-            for w in gl.static_range(2):
-                _tma_chunks(q_desc, q_start + m0 + 64 * w, head * DK, q_full.index(qb), q_smem, (2 * qb + w) * CHUNKS,
-                            CHUNKS)
-            for j in range(n_tiles):
-                t = t_lo + j
-                s = ring % STAGES
-                free_phase = ((ring // STAGES) & 1) ^ 1
-                row = k_start + t * BLOCK_N
-                mbarrier.wait(k_empty.index(s), free_phase)
+    if DYNAMIC:
+        ids, id_full, id_empty, sched_ptr = sched
+        tile = gl.program_id(0) * CLAIM
+        left = CLAIM - 1  # tiles of this claim after `tile`
+        it = 0
+        _publish_tile(ids, id_full, id_empty, it, tile)
+        while tile < num_work:
+            ring, count, fixes = _load_tile(
+                tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed, q_desc, k_desc,
+                v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, total_q, total_k, GROUP, DK, DV, BLOCK_M,
+                BLOCK_N, STAGES, CAUSAL, FP8, paging, v_boxes, PAGE, BOX, WINDOW_LEFT, CHUNKS, Q_BUFFERS, V_BYTES)
+            if left > 0:
+                tile += 1
+                left -= 1
+            else:
+                tile = (gl.num_programs(0) + gl.atomic_add(sched_ptr, 1, sem="relaxed")) * CLAIM
+                left = CLAIM - 1
+            it += 1
+            _publish_tile(ids, id_full, id_empty, it, tile)
+        _schedule_done(sched_ptr)
+    else:
+        for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
+            ring, count, fixes = _load_tile(
+                tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed, q_desc, k_desc,
+                v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, total_q, total_k, GROUP, DK, DV, BLOCK_M,
+                BLOCK_N, STAGES, CAUSAL, FP8, paging, v_boxes, PAGE, BOX, WINDOW_LEFT, CHUNKS, Q_BUFFERS, V_BYTES)
+
+
+@gluon.jit
+def _load_tile(tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+               v_landed, q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, total_q, total_k,
+               GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, paging, v_boxes, PAGE: gl.constexpr,
+               BOX: gl.constexpr, WINDOW_LEFT: gl.constexpr, CHUNKS: gl.constexpr, Q_BUFFERS: gl.constexpr,
+               V_BYTES: gl.constexpr):
+    """`_tma_loader`'s copies of one work tile; returns its (ring, count, fixes) after it."""
+    b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
+    q_start, q_len, k_start, k_len, diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks = \
+        _tma_tile_keys(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, paging, BLOCK_M, BLOCK_N, CAUSAL, 1, FP8,
+                       PAGE, WINDOW_LEFT)
+    if n_tiles > 0:
+        qb = count % Q_BUFFERS
+        mbarrier.wait(q_empty.index(qb), ((count // Q_BUFFERS) & 1) ^ 1)
+        mbarrier.expect(q_full.index(qb), 2 * CHUNKS * q_desc.block_type.nbytes)
+        for w in gl.static_range(2):
+            _tma_chunks(q_desc, q_start + m0 + 64 * w, head * DK, q_full.index(qb), q_smem, (2 * qb + w) * CHUNKS,
+                        CHUNKS)
+        for j in range(n_tiles):
+            t = t_lo + j
+            s = ring % STAGES
+            free_phase = ((ring // STAGES) & 1) ^ 1
+            row = k_start + t * BLOCK_N
+            mbarrier.wait(k_empty.index(s), free_phase)
+            if PAGE > 0:
+                mbarrier.expect(k_full.index(s), CHUNKS * (BLOCK_N // BOX) * k_desc.block_type.nbytes)
+                _tma_boxes(k_desc, table_row, stride_tm, num_blocks, t * BLOCK_N, k_len, kv_head * DK,
+                           k_full.index(s), k_smem, s * CHUNKS, CHUNKS, BLOCK_N, PAGE, BOX)
+            else:
+                mbarrier.expect(k_full.index(s), CHUNKS * k_desc.block_type.nbytes)
+                _tma_chunks(k_desc, row, kv_head * DK, k_full.index(s), k_smem, s * CHUNKS, CHUNKS)
+            mbarrier.wait(v_empty.index(s), free_phase)
+            keys = k_len - t * BLOCK_N  # keys of the sequence (frame) in this tile
+            if FP8:
+                v_at = [kv_head * DV, row]
+                first = gl.where(t == 0, lead, 0)  # frame keys before `lead`: the previous sequence's
+            else:
+                v_at = [row, kv_head * DV]
+                first = 0
+                if WINDOW_LEFT >= 0:  # the first tile's keys before key_lo: no row of the block sees them
+                    first = gl.where(j == 0, key_lo - t * BLOCK_N, 0)
+            if (keys >= BLOCK_N) & (first == 0):
+                mbarrier.expect(v_full.index(s), V_BYTES)
                 if PAGE > 0:
-                    mbarrier.expect(k_full.index(s), CHUNKS * (BLOCK_N // BOX) * k_desc.block_type.nbytes)
-                    _tma_boxes(k_desc, table_row, stride_tm, num_blocks, t * BLOCK_N, k_len, kv_head * DK,
-                               k_full.index(s), k_smem, s * CHUNKS, CHUNKS, BLOCK_N, PAGE, BOX)
+                    _tma_boxes(v_desc, table_row, stride_tm, num_blocks, t * BLOCK_N, k_len, kv_head * DV,
+                               v_full.index(s), v_boxes, s * (DV // 64), DV // 64, BLOCK_N, PAGE, BOX)
                 else:
-                    mbarrier.expect(k_full.index(s), CHUNKS * k_desc.block_type.nbytes)
-                    _tma_chunks(k_desc, row, kv_head * DK, k_full.index(s), k_smem, s * CHUNKS, CHUNKS)
-                mbarrier.wait(v_empty.index(s), free_phase)
-                keys = k_len - t * BLOCK_N  # keys of the sequence (frame) in this tile
+                    tma_load(v_desc, v_at, v_full.index(s), v_smem.index(s))
+            else:
+                mbarrier.expect(v_landed.index(0), V_BYTES)
+                if PAGE > 0:
+                    _tma_boxes(v_desc, table_row, stride_tm, num_blocks, t * BLOCK_N, k_len, kv_head * DV,
+                               v_landed.index(0), v_boxes, s * (DV // 64), DV // 64, BLOCK_N, PAGE, BOX)
+                else:
+                    tma_load(v_desc, v_at, v_landed.index(0), v_smem.index(s))
+                mbarrier.wait(v_landed.index(0), fixes & 1)
+                fixes += 1
                 if FP8:
-                    v_at = [kv_head * DV, row]
-                    first = gl.where(t == 0, lead, 0)  # frame keys before `lead`: the previous sequence's
+                    _zero_columns_outside(v_smem.index(s), first, keys, DV, BLOCK_N)
                 else:
-                    v_at = [row, kv_head * DV]
-                    first = 0
-                    if WINDOW_LEFT >= 0:  # the first tile's keys before key_lo: no row of the block sees them
-                        first = gl.where(j == 0, key_lo - t * BLOCK_N, 0)
-                if (keys >= BLOCK_N) & (first == 0):
-                    mbarrier.expect(v_full.index(s), V_BYTES)
-                    if PAGE > 0:
-                        _tma_boxes(v_desc, table_row, stride_tm, num_blocks, t * BLOCK_N, k_len, kv_head * DV,
-                                   v_full.index(s), v_boxes, s * (DV // 64), DV // 64, BLOCK_N, PAGE, BOX)
-                    else:
-                        tma_load(v_desc, v_at, v_full.index(s), v_smem.index(s))
-                else:
-                    mbarrier.expect(v_landed.index(0), V_BYTES)
-                    if PAGE > 0:
-                        _tma_boxes(v_desc, table_row, stride_tm, num_blocks, t * BLOCK_N, k_len, kv_head * DV,
-                                   v_landed.index(0), v_boxes, s * (DV // 64), DV // 64, BLOCK_N, PAGE, BOX)
-                    else:
-                        tma_load(v_desc, v_at, v_landed.index(0), v_smem.index(s))
-                    mbarrier.wait(v_landed.index(0), fixes & 1)
-                    fixes += 1
-                    if FP8:
-                        _zero_columns_outside(v_smem.index(s), first, keys, DV, BLOCK_N)
-                    else:
-                        _zero_rows_outside(v_smem.index(s), first, keys, BLOCK_N, DV)
-                    fence_async_shared()
-                    mbarrier.arrive(v_full.index(s))
-                ring += 1
-            count += 1
+                    _zero_rows_outside(v_smem.index(s), first, keys, BLOCK_N, DV)
+                fence_async_shared()
+                mbarrier.arrive(v_full.index(s))
+            ring += 1
+        count += 1
+    return ring, count, fixes
+
+
+@gluon.jit
+def _schedule_ring():
+    """The DYNAMIC schedule's id ring: (ids [2, 32] int32, id_full, id_empty), initialised.
+    The loader writes a claimed work tile into slot i % 2 (all 32 words) and arrives on
+    id_full; each consumer reads it and arrives on id_empty (count 2)."""
+    ids = gl.allocate_shared_memory(gl.int32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    id_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    id_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(id_full.index(i), count=1)
+        mbarrier.init(id_empty.index(i), count=2)
+    return ids, id_full, id_empty
+
+
+@gluon.jit
+def _publish_tile(ids, id_full, id_empty, it, tile):
+    """Loader (one warp): work tile `tile` (num_work or more: the end) into slot it % 2 of
+    the id ring, once both consumers have read what the slot held two tiles ago."""
+    slot = it % 2
+    mbarrier.wait(id_empty.index(slot), ((it // 2) & 1) ^ 1)
+    ids.index(slot).store(gl.full([32], tile, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
+    cta_barrier()  # the warp's stores, before its one arrive
+    mbarrier.arrive(id_full.index(slot))
+
+
+@gluon.jit
+def _read_tile(sched, it):
+    """Consumer (one warpgroup): the work tile in slot it % 2 of the id ring (`sched`), the
+    slot released once every warp of the warpgroup has read it."""
+    ids, id_full, id_empty, _ = sched
+    slot = it % 2
+    mbarrier.wait(id_full.index(slot), (it // 2) & 1)
+    tile = gl.max(ids.index(slot).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
+    cta_barrier()  # every warp has read the slot, before the one arrive
+    mbarrier.arrive(id_empty.index(slot))
+    return tile
+
+
+@gluon.jit
+def _schedule_done(sched_ptr):
+    """Loader, after its last claim: count this program out; the last one resets the ticket
+    counter and the count (sched_ptr[0], [1]) to 0 for the next launch on this stream (every
+    program's last claim came before its count)."""
+    done = gl.atomic_add(sched_ptr + 1, 1, sem="acq_rel")
+    if done == gl.num_programs(0) - 1:
+        gl.atomic_xchg(sched_ptr, 0, sem="relaxed")
+        gl.atomic_xchg(sched_ptr + 1, 0, sem="relaxed")
 
 
 @gluon.jit
@@ -992,13 +1113,13 @@ def _tma_barriers(Q_BUFFERS: gl.constexpr, STAGES: gl.constexpr):
 
 @gluon.jit
 def varlen_fwd_tma_kernel(
-    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, sinks_ptr, stride_ot, stride_oh,
-    stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_sinks,
+    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, sinks_ptr, sched_ptr, stride_ot,
+    stride_oh, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_sinks,
     qk_scale, num_q_heads, num_m_blocks, total_q, total_k, num_seqs,
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     FP8: gl.constexpr, Q_BUFFERS: gl.constexpr = 2, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
-    HAS_SINKS: gl.constexpr = False,
+    HAS_SINKS: gl.constexpr = False, DYNAMIC: gl.constexpr = False, CLAIM: gl.constexpr = 1,
 ):
     """`varlen_fwd_ws_kernel` with a one-warp TMA loader: q, k, v come as TMA descriptors
     of their 2-D views [tokens, heads * head dim] (blocks [64, DK] for q, [BLOCK_N, DK]
@@ -1014,7 +1135,12 @@ def varlen_fwd_tma_kernel(
     Variants (16-bit only), as the Triton kernel's: WINDOW_LEFT >= 0 a sliding window (tiles
     from the first key a work tile's first row sees), SOFTCAP > 0 the logit cap in log2
     units (qk_scale the tanh argument's scale), HAS_SINKS a sink logit per query head
-    (`sinks_ptr`, stride `stride_sinks`; else a placeholder, never read)."""
+    (`sinks_ptr`, stride `stride_sinks`; else a placeholder, never read).
+
+    DYNAMIC: the programs claim work tiles, CLAIM consecutive ones at a time, from a ticket
+    counter, `sched_ptr` (int32 [2], 0 before the launch and left 0 after it:
+    `_tma_loader`), rather than taking every programs-th tile, so the last tiles go to
+    whichever programs are free first; without, `sched_ptr` is a placeholder, never read."""
     dtype: gl.constexpr = q_desc.dtype
     KC: gl.constexpr = q_desc.block_type.shape[1]  # q and k columns a chunk
     CHUNKS: gl.constexpr = DK // KC
@@ -1024,6 +1150,8 @@ def varlen_fwd_tma_kernel(
     V_COLS: gl.constexpr = v_desc.block_type.shape[1]
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], v_desc.layout)
     q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
+    ids, id_full, id_empty = _schedule_ring()
+    sched = (ids, id_full, id_empty, sched_ptr)
     if FP8:  # each consumer's p (an fp8 A operand comes from shared memory)
         p_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
@@ -1036,17 +1164,17 @@ def varlen_fwd_tma_kernel(
                         total_q, total_k, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
                         (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
                          stride_vd_h), p_smem, (sinks_ptr, stride_sinks), 0, 0, (sinks_ptr, stride_sinks), WINDOW_LEFT,
-                        SOFTCAP, HAS_SINKS)),
+                        SOFTCAP, HAS_SINKS, sched, DYNAMIC)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                         total_q, total_k, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
                         (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
                          stride_vd_h), p_smem, (sinks_ptr, stride_sinks), 0, 0, (sinks_ptr, stride_sinks), WINDOW_LEFT,
-                        SOFTCAP, HAS_SINKS)),
+                        SOFTCAP, HAS_SINKS, sched, DYNAMIC)),
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                        q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
                        GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, (sinks_ptr, stride_sinks), v_smem, 0, 0,
-                       WINDOW_LEFT)),
+                       WINDOW_LEFT, sched, DYNAMIC, CLAIM)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1066,13 +1194,13 @@ def paged_tma_descriptors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 @gluon.jit
 def paged_fwd_tma_kernel(
-    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, lens_ptr, table_ptr, sinks_ptr, stride_ot, stride_oh,
+    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, lens_ptr, table_ptr, sinks_ptr, sched_ptr, stride_ot, stride_oh,
     stride_lens, stride_tb, stride_tm, stride_sinks, qk_scale, num_q_heads, num_m_blocks, total_q, max_len, num_seqs,
     num_blocks,
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     PAGE: gl.constexpr, Q_BUFFERS: gl.constexpr = 2, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
-    HAS_SINKS: gl.constexpr = False,
+    HAS_SINKS: gl.constexpr = False, DYNAMIC: gl.constexpr = False, CLAIM: gl.constexpr = 1,
 ):
     """`paged_attention_prefill` (bf16/fp16, no variant) as `varlen_fwd_tma_kernel`: the same
     persistent work tiles, loader warp and consumer warpgroups, with each sequence's keys
@@ -1085,7 +1213,7 @@ def paged_fwd_tma_kernel(
     (`_bad_boxes`), rows past seq_lens[b] as in varlen. max_len: keys a table row holds
     (its columns x PAGE); DK = DV = a multiple of 64; launch with num_warps=4. The variants
     (WINDOW_LEFT, SOFTCAP, HAS_SINKS with `sinks_ptr`, `stride_sinks`) as
-    `varlen_fwd_tma_kernel`'s."""
+    `varlen_fwd_tma_kernel`'s, and DYNAMIC, CLAIM with `sched_ptr`."""
     dtype: gl.constexpr = q_desc.dtype
     CHUNKS: gl.constexpr = DK // 64
     BOX: gl.constexpr = k_desc.block_type.shape[0]
@@ -1098,6 +1226,8 @@ def paged_fwd_tma_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype))
     v_boxes = nvmma_chunks(v_smem, dtype, STAGES * (DV // 64), BLOCK_N, 64)
     q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
+    ids, id_full, id_empty = _schedule_ring()
+    sched = (ids, id_full, id_empty, sched_ptr)
     num_work = num_m_blocks * num_seqs * num_q_heads
     paging = (table_ptr, stride_tb, stride_tm, stride_lens, num_blocks)
     gl.warp_specialize([
@@ -1105,14 +1235,14 @@ def paged_fwd_tma_kernel(
                         out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                         total_q, max_len, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, False,
                         paging, q_smem, paging, PAGE, BOX, (sinks_ptr, stride_sinks), WINDOW_LEFT, SOFTCAP,
-                        HAS_SINKS)),
+                        HAS_SINKS, sched, DYNAMIC)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                         total_q, max_len, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, False,
                         paging, q_smem, paging, PAGE, BOX, (sinks_ptr, stride_sinks), WINDOW_LEFT, SOFTCAP,
-                        HAS_SINKS)),
+                        HAS_SINKS, sched, DYNAMIC)),
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                        q_desc, k_desc, v_desc, cu_q_ptr, lens_ptr, num_q_heads, num_m_blocks, num_work, total_q,
                        max_len, GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, paging, v_boxes, PAGE, BOX,
-                       WINDOW_LEFT)),
+                       WINDOW_LEFT, sched, DYNAMIC, CLAIM)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

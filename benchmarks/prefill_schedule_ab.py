@@ -1,0 +1,129 @@
+"""A/B of the sm_90 TMA prefill kernels' schedules on the GPU (`plan.tma_claim`): the
+static deal (program p takes tiles p, p + programs, ...) against work tiles claimed from a
+ticket counter one at a time and a kv head's q-head tiles at a time (whichever program is
+free takes the next), on the same inputs.
+
+    python benchmarks/prefill_schedule_ab.py [--rounds 3]
+
+Rows: `flash_attn_varlen` bf16 causal at the bench's default shapes (8 x 2048, 8 x 4096,
+4 x 8192 with 32/8 heads, D 128; 8 x 4096 with 16/16 heads, D 192 / Dv 128), the full
+sweep's and the variants' head dims (8 x 4096 with 64/8 heads at D 64 and 32/32 at D 128;
+4 x 4096 with 16/8 at D 256), a batch of
+uneven sequences (16 prompts of 256 to 15360 tokens, 61568 in all), the fp8 path at 8 x 4096,
+and `paged_attention_prefill` 8 x 512 new tokens over 4096 (blocks of 16 and 64). Each
+runner is captured in a CUDA graph; the schedules' replays alternate `--rounds` times
+(medians of `graphsafe.bench.harness.time_ms`); printed: the median of those per schedule,
+each one's ratio to the static deal, the max |difference| of the outputs from the static
+deal's (0: a tile's rows do not depend on which program computes them), and every round
+(their spread is the noise a ratio is read against).
+Needs an sm_90 GPU with Gluon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+import graphsafe
+from graphsafe.bench.harness import time_ms
+from graphsafe.ops.attention import plan as P
+from graphsafe.ops.attention import triton as T
+from graphsafe.ops.attention.bench import _paged_prefill_inputs
+
+CUDA = torch.device("cuda")
+UNEVEN = (7936, 256, 3072, 512, 6144, 1024, 2048, 4096, 768, 5120, 1536, 7168, 384, 2560, 3584, 15360)
+
+
+def _varlen_args(lens, hq, hk, d, dv, fp8=False):
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    t = sum(lens)
+    q = torch.randn(t, hq, d, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(t, hk, d, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(t, hk, dv, device=CUDA, dtype=torch.bfloat16, generator=gen)
+    cu = torch.tensor([0, *lens], device=CUDA).cumsum(0).to(torch.int32)
+    n = max(lens)
+    return (q, k, v, cu, cu, n, n, d**-0.5, True, None, None, None, "on" if fp8 else "off")
+
+
+def _graphed(runner, args):
+    """(replay, output) of `runner(*args)` captured in a CUDA graph after a warm-up call."""
+    runner(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = runner(*args)
+    return graph, out
+
+
+SCHEDULES = {  # label: plan.tma_claim stand-in
+    "static": lambda group, d, fp8=False, paged=False: 0,
+    "claim 1": lambda group, d, fp8=False, paged=False: 1,
+    "claim group": lambda group, d, fp8=False, paged=False: group,
+}
+
+
+def _ab(op: str, args, rounds: int) -> str:
+    call = graphsafe.get_op(op).call(*args)
+    prepare = T.prepare_flash_attn_varlen if op == "flash_attn_varlen" else T.prepare_paged_attention_prefill
+    chosen = P.tma_claim
+    graphs = {}
+    try:
+        for label, claim in SCHEDULES.items():
+            P.tma_claim = claim
+            graphs[label] = _graphed(prepare(call), args)
+    finally:
+        P.tma_claim = chosen
+    times = {label: [] for label in graphs}
+    for _ in range(rounds):
+        for label, (graph, _) in graphs.items():
+            times[label].append(time_ms(graph.replay, CUDA))
+    for graph, _ in graphs.values():
+        graph.replay()
+    torch.cuda.synchronize()
+    static = statistics.median(times["static"])
+    parts = []
+    for label, (_, out) in graphs.items():
+        ms = statistics.median(times[label])
+        diff = (out.float() - graphs["static"][1].float()).abs().max().item()
+        parts.append(f"{label} {ms:.4f} ms ({ms / static:.3f}, diff {diff:.3g})")
+    rounds_text = " ".join("/".join(f"{times[label][i]:.4f}" for label in graphs) for i in range(rounds))
+    return " | ".join(parts) + f" | rounds ({'/'.join(graphs)}) {rounds_text}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if not (torch.cuda.is_available() and P.is_sm90(CUDA) and P.gluon_module() is not None):
+        print("needs an sm_90 GPU and a Triton with Gluon: nothing measured")
+        return 0
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    rows = [
+        ("varlen 8 x 2048, 32/8 heads, D 128", "flash_attn_varlen", _varlen_args([2048] * 8, 32, 8, 128, 128)),
+        ("varlen 8 x 4096, 32/8 heads, D 128", "flash_attn_varlen", _varlen_args([4096] * 8, 32, 8, 128, 128)),
+        ("varlen 4 x 8192, 32/8 heads, D 128", "flash_attn_varlen", _varlen_args([8192] * 4, 32, 8, 128, 128)),
+        ("varlen 8 x 4096, 16/16 heads, D 192/128", "flash_attn_varlen", _varlen_args([4096] * 8, 16, 16, 192, 128)),
+        ("varlen 8 x 4096, 64/8 heads, D 64", "flash_attn_varlen", _varlen_args([4096] * 8, 64, 8, 64, 64)),
+        ("varlen 4 x 4096, 16/8 heads, D 256", "flash_attn_varlen", _varlen_args([4096] * 4, 16, 8, 256, 256)),
+        ("varlen 8 x 4096, 32/32 heads, D 128", "flash_attn_varlen", _varlen_args([4096] * 8, 32, 32, 128, 128)),
+        (f"varlen {len(UNEVEN)} uneven ({min(UNEVEN)}-{max(UNEVEN)}), 32/8 heads, D 128", "flash_attn_varlen",
+         _varlen_args(list(UNEVEN), 32, 8, 128, 128)),
+        ("varlen fp8 8 x 4096, 32/8 heads, D 128", "flash_attn_varlen",
+         _varlen_args([4096] * 8, 32, 8, 128, 128, fp8=True)),
+        ("paged 8 x 512 over 4096, block 16", "paged_attention_prefill",
+         _paged_prefill_inputs(8, 512, 4096, CUDA, block_size=16)),
+        ("paged 8 x 512 over 4096, block 64", "paged_attention_prefill",
+         _paged_prefill_inputs(8, 512, 4096, CUDA, block_size=64)),
+    ]
+    for label, op, op_args in rows:
+        print(f"{label}: {_ab(op, op_args, args.rounds)}", flush=True)
+        del op_args
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
