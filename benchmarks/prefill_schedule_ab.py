@@ -1,7 +1,7 @@
-"""A/B of the sm_90 TMA prefill kernels' schedules on the GPU (`plan.tma_claim`): the
-static deal (program p takes tiles p, p + programs, ...) against work tiles claimed from a
-ticket counter one at a time and a kv head's q-head tiles at a time (whichever program is
-free takes the next), on the same inputs.
+"""A/B of the sm_90 TMA prefill kernels' schedules on the GPU: the static deal (program p
+takes tiles p, p + programs, ...) against work tiles claimed one at a time from a ticket
+counter (whichever program is free takes the next), on the same inputs, each row also
+naming the one `plan.tma_claims_tiles` picks there.
 
     python benchmarks/prefill_schedule_ab.py [--rounds 3]
 
@@ -58,24 +58,24 @@ def _graphed(runner, args):
     return graph, out
 
 
-SCHEDULES = {  # label: plan.tma_claim stand-in
-    "static": lambda group, d, fp8=False, paged=False: 0,
-    "claim 1": lambda group, d, fp8=False, paged=False: 1,
-    "claim group": lambda group, d, fp8=False, paged=False: group,
-}
+SCHEDULES = {"static": False, "claimed": True}  # label: what plan.tma_claims_tiles says
 
 
 def _ab(op: str, args, rounds: int) -> str:
     call = graphsafe.get_op(op).call(*args)
-    prepare = T.prepare_flash_attn_varlen if op == "flash_attn_varlen" else T.prepare_paged_attention_prefill
-    chosen = P.tma_claim
+    paged = op == "paged_attention_prefill"
+    prepare = T.prepare_paged_attention_prefill if paged else T.prepare_flash_attn_varlen
+    q, k = args[0], args[1]
+    fp8 = not paged and args[12] == "on"
+    planned = "claimed" if P.tma_claims_tiles(q.shape[1] // k.shape[-2], q.shape[2], fp8, paged) else "static"
+    chosen = P.tma_claims_tiles
     graphs = {}
     try:
         for label, claim in SCHEDULES.items():
-            P.tma_claim = claim
+            P.tma_claims_tiles = lambda group, d, fp8=False, paged=False, claim=claim: claim
             graphs[label] = _graphed(prepare(call), args)
     finally:
-        P.tma_claim = chosen
+        P.tma_claims_tiles = chosen
     times = {label: [] for label in graphs}
     for _ in range(rounds):
         for label, (graph, _) in graphs.items():
@@ -90,7 +90,7 @@ def _ab(op: str, args, rounds: int) -> str:
         diff = (out.float() - graphs["static"][1].float()).abs().max().item()
         parts.append(f"{label} {ms:.4f} ms ({ms / static:.3f}, diff {diff:.3g})")
     rounds_text = " ".join("/".join(f"{times[label][i]:.4f}" for label in graphs) for i in range(rounds))
-    return " | ".join(parts) + f" | rounds ({'/'.join(graphs)}) {rounds_text}"
+    return f"plan: {planned} | " + " | ".join(parts) + f" | rounds ({'/'.join(graphs)}) {rounds_text}"
 
 
 def main(argv=None) -> int:

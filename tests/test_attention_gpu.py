@@ -484,15 +484,14 @@ def test_varlen_wgmma_graph_replay_with_new_lengths(d, dv):
         assert not out.isnan().any() and err < 2e-2, (new_lens, err)
 
 
-@pytest.mark.parametrize("claim", [1, 4])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_varlen_tma_claimed_schedule_matches_the_static_deal(monkeypatch, fp8, claim):
-    """The TMA kernel's work tiles claimed from the ticket counter (`plan.tma_claim`: one,
-    or a kv head's four q-head tiles, at a time) against the static deal on uneven
-    sequences (8192 work tiles on one program per SM, most of them past a short
-    sequence's rows): the same bits (a tile's rows do not depend on which program computes
-    them), and the ticket counter back at 0 after every call, eager and replayed in a
-    CUDA graph."""
+def test_varlen_tma_claimed_schedule_matches_the_static_deal(monkeypatch, fp8):
+    """The TMA kernel's work tiles claimed one at a time from the ticket counter (forced
+    here: `plan.tma_claims_tiles` keeps the static deal at these heads) against the static
+    deal on uneven sequences (8192 work tiles on one program per SM, most of them past a
+    short sequence's rows): the same bits (a tile's rows do not depend on which program
+    computes them), and the ticket counter back at 0 after every call, eager and replayed
+    in a CUDA graph."""
     lens = [4096, 37, 1500, 2048, 1, 700, 3000, 129]
     q, k, v, cu_q, cu_k = _wgmma_inputs(lens, lens, 32, 8, 128, torch.bfloat16, seed=31)
     if fp8:  # (the fp8 path's per-tensor scales read every row: no NaN past the last sequence here)
@@ -502,9 +501,9 @@ def test_varlen_tma_claimed_schedule_matches_the_static_deal(monkeypatch, fp8, c
     _skip_unless_wgmma(args)
     T = _triton()
     call = graphsafe.get_op("flash_attn_varlen").call(*args)
-    monkeypatch.setattr(plan, "tma_claim", lambda group, d, fp8=False, paged=False: claim)
+    monkeypatch.setattr(plan, "tma_claims_tiles", lambda group, d, fp8=False, paged=False: True)
     claimed = T.prepare_flash_attn_varlen(call)
-    monkeypatch.setattr(plan, "tma_claim", lambda group, d, fp8=False, paged=False: 0)
+    monkeypatch.setattr(plan, "tma_claims_tiles", lambda group, d, fp8=False, paged=False: False)
     dealt = T.prepare_flash_attn_varlen(call)
     expected = dealt(*args).clone()
     counter = T.schedule_counter(q.device)

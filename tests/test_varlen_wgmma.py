@@ -407,16 +407,16 @@ def test_schedule_counter_is_one_zeroed_tensor_per_device_and_lane():
     assert T.schedule_counter(cpu) is counter
 
 
-@pytest.mark.parametrize("claim", [1, 4, 0])
+@pytest.mark.parametrize("claim", [True, False])
 def test_tma_launch_passes_the_schedule_counter_where_the_plan_claims_tiles(monkeypatch, claim):
     """The TMA kernel's last tensor: this device's and lane's ticket counter where
-    `plan.tma_claim` has the programs claim tiles, else (the static deal) a placeholder
-    (q), never read; DYNAMIC and CLAIM as the plan says."""
+    `plan.tma_claims_tiles` has the programs claim tiles, else (the static deal) a
+    placeholder (cu_q, int32 as the counter), never read; DYNAMIC as the plan says."""
     real = _gluon_module()
     gluon = StandInKernel(inspect.signature(real.varlen_fwd_tma_kernel.fn))
     module = types.SimpleNamespace(varlen_fwd_tma_kernel=gluon, tma_descriptors=real.tma_descriptors)
     monkeypatch.setattr(P, "gluon_module", lambda: module)
-    monkeypatch.setattr(P, "tma_claim", lambda group, d, fp8=False, paged=False: claim)
+    monkeypatch.setattr(P, "tma_claims_tiles", lambda group, d, fp8=False, paged=False: claim)
     monkeypatch.setattr(T, "_FAILED", set())
     monkeypatch.setattr(T, "num_sms", lambda device: 132)
     q = torch.zeros(64, 4, 128, dtype=torch.bfloat16)
@@ -426,8 +426,19 @@ def test_tma_launch_passes_the_schedule_counter_where_the_plan_claims_tiles(monk
     assert len(gluon.calls) == 1
     # q, k, v (descriptor bases), out, cu_q, cu_k, three descales and the sinks (placeholders), the counter
     assert len(gluon.calls[0]) == 11
-    assert gluon.calls[0][10] is (T.schedule_counter(q.device) if claim else call[0])
-    assert (gluon.keywords[0]["DYNAMIC"], gluon.keywords[0]["CLAIM"]) == (claim > 0, max(claim, 1))
+    assert gluon.calls[0][10] is (T.schedule_counter(q.device) if claim else call[4])  # (placeholder: cu_q)
+    assert gluon.keywords[0]["DYNAMIC"] is claim
+
+
+def test_tma_schedule_is_claimed_where_it_measured_faster():
+    """`plan.tma_claims_tiles`, as measured (its docstring): paged prefill always; varlen
+    at MHA and at head dims other than 128; the static deal for GQA at D 128 and the fp8
+    kernel."""
+    assert P.tma_claims_tiles(4, 128, paged=True) and P.tma_claims_tiles(8, 64, paged=True)
+    assert P.tma_claims_tiles(1, 128) and P.tma_claims_tiles(1, 192) and P.tma_claims_tiles(2, 256)
+    assert P.tma_claims_tiles(8, 64)
+    assert not P.tma_claims_tiles(4, 128) and not P.tma_claims_tiles(4, 128, fp8=True)
+    assert not P.tma_claims_tiles(1, 128, fp8=True)
 
 
 def test_misaligned_q_runs_the_triton_kernel(monkeypatch):

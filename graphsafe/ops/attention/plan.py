@@ -477,13 +477,24 @@ def warp_specialisation_fp8() -> tuple[int, int, int]:
     return 2, 232, 32
 
 
-def tma_claim(group: int, d: int, fp8: bool = False, paged: bool = False) -> int:
-    """How the programs of a "tma" kernel (varlen 16-bit and fp8, paged prefill) share the
-    work tiles: 0, the static deal (program p takes tiles p, p + programs, ...), or n > 0,
-    claimed n consecutive tiles at a time from a ticket counter (whichever program is free
-    takes the next). `group`: q heads per kv head (consecutive tiles are a kv head's q
-    heads over one query block)."""
-    return 1
+def tma_claims_tiles(group: int, d: int, fp8: bool = False, paged: bool = False) -> bool:
+    """Whether the programs of a "tma" kernel (varlen 16-bit and fp8, paged prefill) claim
+    their work tiles one at a time from a ticket counter (DYNAMIC: whichever program is
+    free takes the next) rather than take the static deal (program p: tiles p, p +
+    programs, ...). `group`: q heads per kv head. Measured on an H200 (causal,
+    `benchmarks/prefill_schedule_ab.py`, claimed / static time, the range over three or
+    four runs of 3-5 alternating rounds, `h200/2026-11-29-0627_prefill_schedule_ab.txt`,
+    `..._0633_prefill_schedule_claims_ab.txt`): paged prefill (32/8 heads, D 128, 8 x 512
+    new over 4096) 0.98-0.99 at blocks of 16, 0.97-0.99 at 64; varlen 8 x 4096 at 32/32
+    heads, D 128 0.96, 16/16 at D 192 / Dv 128 0.92-0.94, 64/8 at D 64 0.99; 4 x 4096 at
+    16/8, D 256 0.92-0.93. Not at 32/8 heads, D 128 (GQA at 128, fa3's rows): 1.015-1.021
+    at 8 x 2048, 1.00 at 8 x 4096, 1.00-1.03 at 4 x 8192, 0.99-1.01 over 16 uneven prompts;
+    nor the fp8 kernel (32/8, 8 x 4096: 1.014-1.019): there the static deal stays. A kv
+    head's q-head tiles a claim instead of one gained nothing and lost 7% on the paged
+    rows. Not profiled: why the GQA rows at D 128 lose what the others gain."""
+    if paged:
+        return True
+    return not fp8 and not (d == 128 and group > 1)
 
 
 def tma_q_buffers(d: int) -> int:

@@ -375,7 +375,7 @@ _SCHEDULE_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 def schedule_counter(device: torch.device) -> torch.Tensor:
     """The ticket counter (int32 [2]) of the TMA prefill kernels' dynamic schedule
-    (`plan.tma_claim`) on `device` for the current workspace lane: zero between
+    (`plan.tma_claims_tiles`) on `device` for the current workspace lane: zero between
     launches (each launch leaves it as it found it), so the launches of one lane, which
     run in stream order as its workspace assumes, share it. Made on first use: the
     runners ask for it when they are prepared, so a warm-up call makes it outside a
@@ -412,7 +412,7 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
     sinks_stride = None if call.sinks is None else call.sinks.stride(0)
     variant = _variant_meta(call.window_left if call.window_left < max_len else -1, call.softcap, sinks_stride)
     key = (q.dtype, d, dv, page, call.causal, gluon.kernel, gluon.warp_spec, *variant.values())
-    claim = plan.tma_claim(hq // hk, d, paged=True)
+    claim = plan.tma_claims_tiles(hq // hk, d, paged=True)
     errors = compile_errors()
     kernel = None
     if key not in _FAILED:
@@ -425,8 +425,7 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
                       sinks_stride or 0, _qk_scale(call.scale, call.softcap), hq, num_m_blocks, tq, max_len, num_seqs,
                       num_blocks, GROUP=hq // hk, DK=d, DV=dv, BLOCK_M=gluon.block_m, BLOCK_N=gluon.block_n,
                       CAUSAL=call.causal, STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
-                      PAGE=page, Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim > 0, CLAIM=max(claim, 1),
-                      num_warps=4)
+                      PAGE=page, Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim, num_warps=4)
         if claim:
             schedule_counter(q.device)
 
@@ -435,7 +434,7 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
         if kernel is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
             try:
                 return kernel(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, sinks,
-                              schedule_counter(q.device) if claim else q)
+                              schedule_counter(q.device) if claim else cu_seqlens_q)  # (int32 as the counter)
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 kernel = None
                 _compile_failed(key, exc, "paged_attention_prefill")
@@ -460,7 +459,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
     kernel, block_m, block_n, ws = gluon.kernel, gluon.block_m, gluon.block_n, gluon.warp_spec
     num_m_blocks = _cdiv(max_seqlen_q, block_m)
     window_left = window_left if window_left < tk else -1
-    claim = plan.tma_claim(hq // hk, d) if kernel == "tma" else 0
+    claim = kernel == "tma" and plan.tma_claims_tiles(hq // hk, d)
     variant = _variant_meta(window_left, softcap, sinks_stride)
     key = (q.dtype, d, dv, block_m, block_n, causal, kernel, ws, *variant.values())
     errors = compile_errors()
@@ -476,8 +475,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
                          q, q, q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8), sinks, counter
                          hq * dv, dv, *(0,) * 6, sinks_stride or 0, *sizes, num_seqs, **meta, DK=d, DV=dv,
                          STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=False,
-                         Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim > 0, CLAIM=max(claim, 1),
-                         num_warps=4)
+                         Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim, num_warps=4)
         else:
             args = (q, q, q, q, q, q,  # placeholders: only their device is read
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq * d, d, *sizes)
@@ -498,7 +496,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
             try:
                 if tma:  # its descale pointers (read by its fp8 variant only) are placeholders; sinks; counter
                     return wgmma(q, k, v, out, cu_q, cu_k, q, q, q, rest[3],
-                                 schedule_counter(q.device) if claim else q)
+                                 schedule_counter(q.device) if claim else cu_q)  # (int32 as the counter)
                 return wgmma(q, k, v, out, cu_q, cu_k)
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None
@@ -532,7 +530,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
     dv = vt_shape[1]
     block_m, block_n, ws = gluon.block_m, gluon.block_n, gluon.warp_spec
     num_m_blocks = _cdiv(max_seqlen_q, block_m)
-    claim = plan.tma_claim(hq // hk, d, fp8=True)
+    claim = plan.tma_claims_tiles(hq // hk, d, fp8=True)
     key = (q.dtype, d, dv, block_m, block_n, causal, gluon.kernel, ws)
     errors = compile_errors()
     wgmma = None
@@ -546,7 +544,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
                      hq * dv, dv, *strides, 0, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
                      GROUP=hq // hk, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DK=d, DV=dv, STAGES=stages,
                      CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, Q_BUFFERS=gluon.q_buffers,
-                     **_variant_meta(-1, 0.0, None), DYNAMIC=claim > 0, CLAIM=max(claim, 1), num_warps=4)
+                     **_variant_meta(-1, 0.0, None), DYNAMIC=claim, num_warps=4)
         if claim:
             schedule_counter(q.device)
 
@@ -556,7 +554,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | vt.data_ptr()) & 15:
             try:
                 wgmma(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, q_descale,  # (no sinks: a placeholder)
-                      schedule_counter(q.device) if claim else q)
+                      schedule_counter(q.device) if claim else cu_q)  # (int32 as the counter)
                 return True
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None

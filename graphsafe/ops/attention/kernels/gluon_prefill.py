@@ -17,7 +17,9 @@ overlap). Each warpgroup owns 64 query rows; per key tile it computes
 Three kernels share that loop (`plan.varlen_kernel` picks):
 - `varlen_fwd_tma_kernel` (128-row blocks, D = Dv = 128 or MLA prefill's D = 192,
   Dv = 128, heads contiguous): persistent (a program per SM walks the work tiles,
-  sequence by sequence) and warp-specialised: one loader warp issues a TMA copy per
+  sequence by sequence: dealt statically, or claimed one at a time from a ticket counter
+  where `plan.tma_claims_tiles` measured that faster) and warp-specialised: one loader
+  warp issues a TMA copy per
   tile (q into two buffers, K and V into a ring), two consumer warpgroups compute,
   synchronised by mbarriers only, so the consumers never wait for each other and a
   program's next tile loads while its current one computes (1.99 ms at the shape above).
@@ -910,7 +912,7 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
                 GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
                 paging=None, v_boxes=None, PAGE: gl.constexpr = 0, BOX: gl.constexpr = 0,
-                WINDOW_LEFT: gl.constexpr = -1, sched=None, DYNAMIC: gl.constexpr = False, CLAIM: gl.constexpr = 1):
+                WINDOW_LEFT: gl.constexpr = -1, sched=None, DYNAMIC: gl.constexpr = False):
     """Loader partition (one warp) of `varlen_fwd_tma_kernel`: `_ws_loader`'s order of
     copies, each one TMA copy (q in two 64-row halves) completing its buffer's barrier by
     the bytes it lands. The copies read whole tiles at the sequence's rows: rows past a
@@ -927,11 +929,10 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
     as [STAGES x DV / 64, BLOCK_N, 64] chunks); boxes past the sequence or in a padding
     block are TMA's zeros. WINDOW_LEFT >= 0: the tiles from `_window_tiles`' first on, that
     tile's values before key_lo zeroed as the tail's.
-    DYNAMIC: the work tiles are claimed, not dealt, CLAIM consecutive tiles a claim: claim
-    program_id first, then programs + a ticket from the launch's counter (`sched`'s
-    pointer); each tile is published to the consumers on the id ring before its copies
-    (`_publish_tile`), the end too; the last program out resets the counter for the next
-    launch (`_schedule_done`)."""
+    DYNAMIC: the work tiles are claimed, not dealt: program_id first, then programs + a
+    ticket from the launch's counter (`sched`'s pointer), each published to the consumers
+    on the id ring before its copies (`_publish_tile`), the end too; the last program out
+    resets the counter for the next launch (`_schedule_done`)."""
     CHUNKS: gl.constexpr = DK // q_desc.block_type.shape[1]
     Q_BUFFERS: gl.constexpr = q_full.shape[0]
     if PAGE > 0:  # a V tile: DV / 64 chunks of BLOCK_N / BOX boxes
@@ -943,8 +944,7 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
     fixes = 0
     if DYNAMIC:
         ids, id_full, id_empty, sched_ptr = sched
-        tile = gl.program_id(0) * CLAIM
-        left = CLAIM - 1  # tiles of this claim after `tile`
+        tile = gl.program_id(0)
         it = 0
         _publish_tile(ids, id_full, id_empty, it, tile)
         while tile < num_work:
@@ -952,12 +952,7 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
                 tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed, q_desc, k_desc,
                 v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, total_q, total_k, GROUP, DK, DV, BLOCK_M,
                 BLOCK_N, STAGES, CAUSAL, FP8, paging, v_boxes, PAGE, BOX, WINDOW_LEFT, CHUNKS, Q_BUFFERS, V_BYTES)
-            if left > 0:
-                tile += 1
-                left -= 1
-            else:
-                tile = (gl.num_programs(0) + gl.atomic_add(sched_ptr, 1, sem="relaxed")) * CLAIM
-                left = CLAIM - 1
+            tile = gl.num_programs(0) + gl.atomic_add(sched_ptr, 1, sem="relaxed")
             it += 1
             _publish_tile(ids, id_full, id_empty, it, tile)
         _schedule_done(sched_ptr)
@@ -1119,7 +1114,7 @@ def varlen_fwd_tma_kernel(
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     FP8: gl.constexpr, Q_BUFFERS: gl.constexpr = 2, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
-    HAS_SINKS: gl.constexpr = False, DYNAMIC: gl.constexpr = False, CLAIM: gl.constexpr = 1,
+    HAS_SINKS: gl.constexpr = False, DYNAMIC: gl.constexpr = False,
 ):
     """`varlen_fwd_ws_kernel` with a one-warp TMA loader: q, k, v come as TMA descriptors
     of their 2-D views [tokens, heads * head dim] (blocks [64, DK] for q, [BLOCK_N, DK]
@@ -1137,10 +1132,10 @@ def varlen_fwd_tma_kernel(
     units (qk_scale the tanh argument's scale), HAS_SINKS a sink logit per query head
     (`sinks_ptr`, stride `stride_sinks`; else a placeholder, never read).
 
-    DYNAMIC: the programs claim work tiles, CLAIM consecutive ones at a time, from a ticket
-    counter, `sched_ptr` (int32 [2], 0 before the launch and left 0 after it:
-    `_tma_loader`), rather than taking every programs-th tile, so the last tiles go to
-    whichever programs are free first; without, `sched_ptr` is a placeholder, never read."""
+    DYNAMIC: the programs claim work tiles one at a time from a ticket counter, `sched_ptr`
+    (int32 [2], 0 before the launch and left 0 after it: `_tma_loader`), rather than take
+    every programs-th tile, so each tile goes to whichever program is free first
+    (`plan.tma_claims_tiles` says where); without, `sched_ptr` is a placeholder, never read."""
     dtype: gl.constexpr = q_desc.dtype
     KC: gl.constexpr = q_desc.block_type.shape[1]  # q and k columns a chunk
     CHUNKS: gl.constexpr = DK // KC
@@ -1174,7 +1169,7 @@ def varlen_fwd_tma_kernel(
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                        q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
                        GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, (sinks_ptr, stride_sinks), v_smem, 0, 0,
-                       WINDOW_LEFT, sched, DYNAMIC, CLAIM)),
+                       WINDOW_LEFT, sched, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1200,7 +1195,7 @@ def paged_fwd_tma_kernel(
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     PAGE: gl.constexpr, Q_BUFFERS: gl.constexpr = 2, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
-    HAS_SINKS: gl.constexpr = False, DYNAMIC: gl.constexpr = False, CLAIM: gl.constexpr = 1,
+    HAS_SINKS: gl.constexpr = False, DYNAMIC: gl.constexpr = False,
 ):
     """`paged_attention_prefill` (bf16/fp16, no variant) as `varlen_fwd_tma_kernel`: the same
     persistent work tiles, loader warp and consumer warpgroups, with each sequence's keys
@@ -1213,7 +1208,7 @@ def paged_fwd_tma_kernel(
     (`_bad_boxes`), rows past seq_lens[b] as in varlen. max_len: keys a table row holds
     (its columns x PAGE); DK = DV = a multiple of 64; launch with num_warps=4. The variants
     (WINDOW_LEFT, SOFTCAP, HAS_SINKS with `sinks_ptr`, `stride_sinks`) as
-    `varlen_fwd_tma_kernel`'s, and DYNAMIC, CLAIM with `sched_ptr`."""
+    `varlen_fwd_tma_kernel`'s, and DYNAMIC with `sched_ptr`."""
     dtype: gl.constexpr = q_desc.dtype
     CHUNKS: gl.constexpr = DK // 64
     BOX: gl.constexpr = k_desc.block_type.shape[0]
@@ -1244,5 +1239,5 @@ def paged_fwd_tma_kernel(
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                        q_desc, k_desc, v_desc, cu_q_ptr, lens_ptr, num_q_heads, num_m_blocks, num_work, total_q,
                        max_len, GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, paging, v_boxes, PAGE, BOX,
-                       WINDOW_LEFT, sched, DYNAMIC, CLAIM)),
+                       WINDOW_LEFT, sched, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
