@@ -47,9 +47,11 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluo
 
 for module in (T, triton_paged_prefill, triton_quant):
     module.bind = record
-# As on sm_90 (the CPU tensors stand in for CUDA ones): the plan of these shapes.
-P.paged_gluon_plan = lambda call: P.GluonPlan("paged-tma", 128, P.tma_key_tile(call.q.shape[2], call.window_left >= 0),
-                                              P.warp_specialisation("tma", 128), P.tma_q_buffers(call.q.shape[2]))
+# As on sm_90 (the CPU tensors stand in for CUDA ones, 227 KiB of shared memory): the plan of these shapes.
+P.paged_gluon_plan = lambda call: P.with_tma_store(
+    P.GluonPlan("paged-tma", 128, P.tma_key_tile(call.q.shape[2], call.window_left >= 0),
+                P.warp_specialisation("tma", 128), P.tma_q_buffers(call.q.shape[2])),
+    G, call.q.shape[2], call.q.shape[2], 227 * 1024)
 """ + SPECIALISE_PRELUDE + r"""
 # (dtype, block size, causal): every box count a key tile takes (8, 2, 1, and a block
 # spanning two tiles), fp16 once.
@@ -80,7 +82,10 @@ for args, kw in launches:
     bn, d = kw["BLOCK_N"], kw["DK"]
     box = min(kw["PAGE"], bn)
     print("compiled page", kw["PAGE"], "causal", kw["CAUSAL"], "window", kw.get("WINDOW_LEFT"), "softcap",
-          kw.get("SOFTCAP"), "sinks", kw.get("HAS_SINKS"), "shared", k.metadata.shared, shapes, "tma", tma_copies)
+          kw.get("SOFTCAP"), "sinks", kw.get("HAS_SINKS"), "O_BUFFERS", kw["O_BUFFERS"], "shared", k.metadata.shared, shapes,
+          "tma", tma_copies)
+    # The output by TMA where two [64, D] staging buffers fit beside the stages (not at D 256).
+    assert kw["O_BUFFERS"] == (0 if d == 256 else 2), kw
     # q.k (n BLOCK_N, D / 16 k-steps) and p.V (n D, BLOCK_N / 16 k-steps), each in the loop
     # and once outside it, in each of the two consumer partitions.
     want = {}
@@ -89,9 +94,9 @@ for args, kw in launches:
     assert shapes == want, (shapes, want)
     # q: two 64-row halves x its 64-column chunks; K: a copy per box and chunk; V: the
     # same twice (a whole tile, and a tile cut by the sequence's end or a window's start
-    # whose rows outside are zeroed).
-    assert tma_copies == (3 * bn // box + 2) * (d // 64), tma_copies
-    need = G.shared_memory_bytes(128, bn, d, d, 2, kw["Q_BUFFERS"])
+    # whose rows outside are zeroed); with O_BUFFERS, each consumer's output store.
+    assert tma_copies == (3 * bn // box + 2) * (d // 64) + (2 if kw["O_BUFFERS"] else 0), tma_copies
+    need = G.shared_memory_bytes(128, bn, d, d, 2, kw["Q_BUFFERS"], o_buffers=kw["O_BUFFERS"])
     assert k.metadata.shared <= need <= 227 * 1024, (k.metadata.shared, need)
 print("OK")
 """
@@ -100,8 +105,9 @@ print("OK")
 def test_paged_gluon_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     """`prepare_paged_attention_prefill`'s Gluon launch (block sizes 16, 64, 128, 256;
     bf16 and fp16; causal or not; window, softcap and sinks) compiles for sm_90 with this Triton: the wgmma shapes and
-    counts, one TMA copy per box and 64-column chunk of a key tile, and shared memory within
-    the estimate the plan decides by."""
+    counts, one TMA copy per box and 64-column chunk of a key tile, the output by TMA stores
+    where the plan stages it (D 64 and 128), and shared memory within the estimate the plan
+    decides by."""
     out = compile_for_sm90(_PAGED_COMPILE_SCRIPT, timeout=900)
     print(out)
     assert out.count("compiled") == 7 and "window 255" in out, out
@@ -254,10 +260,11 @@ def test_aligned_calls_run_the_gluon_kernel(monkeypatch):
     launch(*tensors)
     assert len(gluon.calls) == 1 and not triton_calls
     q, k_cache, v_cache, table, lens, cu, _, _, sinks, out = tensors
-    # The kernel's tensor order: q, k_cache, v_cache (as descriptors' bases), out, cu_q, seq_lens, block table,
-    # sinks (here a placeholder), the dynamic schedule's ticket counter (this device's and lane's).
+    # The kernel's tensor order: q, k_cache, v_cache (as descriptors' bases), out twice (the TMA store's
+    # descriptor base, here a plain placeholder: the plan has no staging buffers; the pointer), cu_q, seq_lens,
+    # block table, sinks (here a placeholder), the dynamic schedule's ticket counter (this device's and lane's).
     counter = T.schedule_counter(q.device)
-    expected = (q, k_cache, v_cache, out, cu, lens, table, sinks, counter)
+    expected = (q, k_cache, v_cache, out, out, cu, lens, table, sinks, counter)
     assert all(a is b for a, b in zip(gluon.calls[0], expected, strict=True))
 
 

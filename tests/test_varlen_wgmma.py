@@ -58,10 +58,16 @@ def record(kernel, grid, *args, **kw):  # graphsafe.launch.bind: record the Gluo
 
 for module in (T, triton_prefill, triton_quant):
     module.bind = record
-# The names choose_flash_attn_varlen calls: every call gets its shapes' Gluon plan (as on sm_90).
-P.gluon_plan = lambda q, k, v, max_q, *a, window=False: P.gluon_plan_for(
-    P.varlen_kernel(max_q, q.shape[2], v.shape[2], P.tma_views(q, k, v)), max_q, q.shape[2], window=window)
-P.gluon_fp8_plan = lambda q, k, v, max_q, variants, copies=False: P.gluon_plan_for("tma-fp8", max_q, q.shape[2], copies)
+# The names choose_flash_attn_varlen calls: every call gets its shapes' Gluon plan (as on sm_90,
+# 227 KiB of shared memory: the TMA kernels' output staging buffers where they fit).
+SMEM = 227 * 1024
+def _plan(q, k, v, max_q, *a, window=False):
+    kernel = P.varlen_kernel(max_q, q.shape[2], v.shape[2], P.tma_views(q, k, v))
+    plan = P.gluon_plan_for(kernel, max_q, q.shape[2], window=window)
+    return P.with_tma_store(plan, G, q.shape[2], v.shape[2], SMEM) if kernel == "tma" else plan
+P.gluon_plan = _plan
+P.gluon_fp8_plan = lambda q, k, v, max_q, variants, copies=False: P.with_tma_store(
+    P.gluon_plan_for("tma-fp8", max_q, q.shape[2], copies), G, q.shape[2], v.shape[2], SMEM)
 """ + SPECIALISE_PRELUDE + r"""
 # (dtype, D, Dv, max_seqlen_q, head stride of q): every kernel, causal or not, bf16; fp16
 # for one launch of each kernel. Heads padded to 144 columns: no TMA view ("ws").
@@ -110,7 +116,9 @@ assert kinds == ["tma"] * 13 + ["wgmma"] * 5 + ["ws"] * 3, kinds
 families = {}
 for kernel, args, kw in launches:
     key = (kernel, kw["BLOCK_M"], kw["BLOCK_N"], bool(kw.get("FP8")), kw.get("WINDOW_LEFT", -1) >= 0,
-           kw.get("DK", kw.get("D")) in (64, 256))
+           kw.get("DK", kw.get("D")) in (64, 256), kw.get("O_BUFFERS", 0))
+    if kernel is G.varlen_fwd_tma_kernel:  # TMA stores where two [64, Dv] buffers fit beside the stages
+        assert kw["O_BUFFERS"] == (0 if kw["DK"] in (192, 256) else 2), kw
     rank = (kw.get("DK", kw.get("D")), kw["CAUSAL"])
     if key not in families or rank > families[key][0]:
         families[key] = (rank, (kernel, args, kw))
@@ -125,7 +133,7 @@ for _, (kernel, args, kw) in families.values():
     kind = KERNELS[kernel]
     d, dv = (kw["DK"], kw["DV"]) if kind == "tma" else (kw["D"], kw["D"])
     print("compiled", kind, "fp8" if kw.get("FP8") else "16-bit", "D", d, "Dv", dv, "tiles", tiles, "CAUSAL", kw["CAUSAL"], "warps", warps,
-          "shared", k.metadata.shared, shapes)
+          "O_BUFFERS", kw.get("O_BUFFERS", 0), "shared", k.metadata.shared, shapes)
     # 128-row blocks run a warp-specialised kernel (4 warps at launch), the rest the
     # single-partition one (a warp per 16 rows).
     ws = kind != "wgmma"
@@ -144,11 +152,11 @@ for _, (kernel, args, kw) in families.values():
     assert k.metadata.shared <= 227 * 1024, k.metadata.shared
     # gluon_plan decides from this estimate: it must cover what the compiler allocates.
     if fp8:
-        need = P.fp8_shared_memory(G, *tiles, d, dv)
+        need = P.fp8_shared_memory(G, *tiles, d, dv, kw["O_BUFFERS"])
     else:
         stages, q_buffers = (kw["STAGES"], kw.get("Q_BUFFERS", 2)) if ws else (2, 1)
         assert q_buffers == (P.tma_q_buffers(d) if kind == "tma" else 2 if ws else 1)
-        need = G.shared_memory_bytes(*tiles, d, dv, stages, q_buffers)
+        need = G.shared_memory_bytes(*tiles, d, dv, stages, q_buffers, o_buffers=kw.get("O_BUFFERS", 0))
     assert k.metadata.shared <= need, (k.metadata.shared, need, tiles)
 print("OK")
 """
@@ -424,9 +432,10 @@ def test_tma_launch_passes_the_schedule_counter_where_the_plan_claims_tiles(monk
     call = _call_tensors()
     launch(*call)
     assert len(gluon.calls) == 1
-    # q, k, v (descriptor bases), out, cu_q, cu_k, three descales and the sinks (placeholders), the counter
-    assert len(gluon.calls[0]) == 11
-    assert gluon.calls[0][10] is (T.schedule_counter(q.device) if claim else call[4])  # (placeholder: cu_q)
+    # q, k, v (descriptor bases), out twice (the TMA store's descriptor base or a placeholder; the pointer),
+    # cu_q, cu_k, three descales and the sinks (placeholders), the counter
+    assert len(gluon.calls[0]) == 12
+    assert gluon.calls[0][11] is (T.schedule_counter(q.device) if claim else call[4])  # (placeholder: cu_q)
     assert gluon.keywords[0]["DYNAMIC"] is claim
 
 

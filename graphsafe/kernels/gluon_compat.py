@@ -2,7 +2,8 @@
 
 Triton 3.6 (the GPU machines' Triton) and 3.7+ spell four Hopper operations differently
 with the same arguments: cp.async global -> shared (`async_copy_global_to_shared`, then
-`async_load`), the TMA copy global -> shared (the same two names in the `tma` module) and
+`async_load`), the TMA copies global -> shared (the same two names in the `tma` module)
+and shared -> global (`async_copy_shared_to_global`, then `async_store`) and
 the CTA-wide barrier, bar.sync (`thread_barrier`, then `barrier`), and a shared buffer
 reinterpreted (`_reinterpret`, then `reinterpret`).
 Imported only where Gluon exists (Triton >= 3.4), by the Gluon kernels' modules.
@@ -16,6 +17,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, tma
 
 cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 

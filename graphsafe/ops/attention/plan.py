@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -334,6 +334,7 @@ def paged_gluon_plan(call) -> GluonPlan | None:
     window = 0 <= call.window_left < call.block_table.shape[1] * page
     plan = GluonPlan("paged-tma", 128, tma_key_tile(d, window), warp_specialisation("tma", d), tma_q_buffers(d))
     smem = max_shared_memory(q.device)
+    plan = with_tma_store(plan, module, d, d, smem)
     return plan if smem is not None and shared_memory(module, plan, d, d) <= smem else None
 
 
@@ -482,7 +483,7 @@ def tma_claims_tiles(group: int, d: int, fp8: bool = False, paged: bool = False)
     their work tiles one at a time from a ticket counter (DYNAMIC: whichever program is
     free takes the next) rather than take the static deal (program p: tiles p, p +
     programs, ...). `group`: q heads per kv head. Measured on an H200 (causal,
-    `benchmarks/prefill_schedule_ab.py`, claimed / static time, the range over three or
+    `benchmarks/prefill_tma_ab.py --knob schedule`, claimed / static time, the range over three or
     four runs of 3-5 alternating rounds, `h200/2026-11-29-0627_prefill_schedule_ab.txt`,
     `..._0633_prefill_schedule_claims_ab.txt`): paged prefill (32/8 heads, D 128, 8 x 512
     new over 4096) 0.98-0.99 at blocks of 16, 0.97-0.99 at 64; varlen 8 x 4096 at 32/32
@@ -510,7 +511,9 @@ class GluonPlan:
     """The launch plan of one sm_90 Gluon kernel: `kernel` "tma", "ws" or "wgmma" (16-bit)
     or "tma-fp8" (varlen), "paged-tma" (paged prefill); the tiles; `warp_spec` (stages, consumer registers, loader registers),
     None for "wgmma"; the q buffers of the TMA kernels; `copies`: fp8 on the contiguous
-    fp8 copies of bf16/fp16 q and k that the op quantises (the q copy is scratch)."""
+    fp8 copies of bf16/fp16 q and k that the op quantises (the q copy is scratch);
+    `out_buffers`: the TMA kernels' output staging buffers [64, Dv] (2: each consumer's
+    full row blocks go out by TMA, `with_tma_store`; 0: by `gl.store`)."""
 
     kernel: str
     block_m: int
@@ -518,6 +521,7 @@ class GluonPlan:
     warp_spec: tuple[int, int, int] | None
     q_buffers: int
     copies: bool = False
+    out_buffers: int = 0
 
     @property
     def name(self) -> str:
@@ -552,15 +556,36 @@ def gluon_plan_for(kernel: str, max_seqlen_q: int, d: int, copies: bool = False,
 def shared_memory(module, plan: GluonPlan, d: int, dv: int) -> int:
     """Shared memory of the planned launch (`module`: the Gluon kernels' module)."""
     if plan.kernel == "tma-fp8":
-        return fp8_shared_memory(module, plan.block_m, plan.block_n, d, dv)
+        return fp8_shared_memory(module, plan.block_m, plan.block_n, d, dv, plan.out_buffers)
     stages = 2 if plan.warp_spec is None else plan.warp_spec[0]
-    return module.shared_memory_bytes(plan.block_m, plan.block_n, d, dv, stages, plan.q_buffers)
+    return module.shared_memory_bytes(plan.block_m, plan.block_n, d, dv, stages, plan.q_buffers,
+                                      o_buffers=plan.out_buffers)
 
 
-def fp8_shared_memory(module, block_m: int, block_n: int, d: int, dv: int) -> int:
-    """The fp8 kernel's shared memory: 1-byte q buffers and K / V^T stages, and each
-    consumer's p [64, BLOCK_N]."""
-    return module.shared_memory_bytes(block_m, block_n, d, dv, warp_specialisation_fp8()[0], 2, 1, 2)
+def fp8_shared_memory(module, block_m: int, block_n: int, d: int, dv: int, out_buffers: int = 0) -> int:
+    """The fp8 kernel's shared memory: 1-byte q buffers and K / V^T stages, each
+    consumer's p [64, BLOCK_N], and `out_buffers` 16-bit output staging buffers."""
+    return module.shared_memory_bytes(block_m, block_n, d, dv, warp_specialisation_fp8()[0], 2, 1, 2, out_buffers)
+
+
+# The TMA kernels store each consumer's full 64-row output blocks by TMA (through a [64, Dv]
+# staging buffer each) where the shared memory holds the two buffers: D = Dv = 64 and 128,
+# fp8 included (not D 192 / 256, where the stages fill it). Measured on an H200 against
+# `gl.store` from the accumulator's layout (`benchmarks/prefill_tma_ab.py --knob store`,
+# `h200/2026-11-29-0653_prefill_tma_store_ab.txt`, medians of 5 alternating rounds, causal):
+# 32/8 heads at D 128 0.925 / 0.951 / 1.001 at 8 x 2048 / 8 x 4096 / 4 x 8192, 0.970 over 16
+# uneven prompts, fp8 0.951; 32/32 heads 0.969; D 64 (64/8) 0.976; paged prefill 0.976 /
+# 0.966 (blocks of 16 / 64).
+TMA_STORE = True
+
+
+def with_tma_store(plan: GluonPlan, module, d: int, dv: int, smem: int | None) -> GluonPlan:
+    """`plan` of a TMA kernel with two output staging buffers where `TMA_STORE` and the
+    launch's shared memory with them is within `smem`, else `plan` (`gl.store`)."""
+    if not TMA_STORE or smem is None:
+        return plan
+    staged = replace(plan, out_buffers=2)
+    return staged if shared_memory(module, staged, d, dv) <= smem else plan
 
 
 def gluon_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int, scale: float,
@@ -591,6 +616,8 @@ def gluon_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: 
         return None
     plan = gluon_plan_for(kernel, max_seqlen_q, d, window=window)
     smem = max_shared_memory(q.device)
+    if kernel == "tma":
+        plan = with_tma_store(plan, module, d, dv, smem)
     return plan if smem is not None and shared_memory(module, plan, d, dv) <= smem else None
 
 
@@ -612,7 +639,7 @@ def gluon_fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen
         return None
     if not copies and any(x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % 16 for x in (q, k)):
         return None
-    plan = gluon_plan_for("tma-fp8", max_seqlen_q, d, copies)
+    plan = with_tma_store(gluon_plan_for("tma-fp8", max_seqlen_q, d, copies), module, d, dv, max_shared_memory(q.device))
     smem = max_shared_memory(q.device)
     return plan if smem is not None and shared_memory(module, plan, d, dv) <= smem else None
 

@@ -419,13 +419,15 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
         stages, consumer_regs, loader_regs = gluon.warp_spec
         work = num_m_blocks * num_seqs * hq
         descriptors = module.paged_tma_descriptors(q, k_cache, v_cache, gluon.block_n)  # templates: each call's
-        kernel = bind(module.paged_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
+        out_slot = module.out_descriptor(q, (tq, hq, dv)) if gluon.out_buffers else q  # (template / placeholder)
+        kernel = bind(module.paged_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                       q, q, q, q, q, q,  # out, cu_q, seq_lens, block_table, sinks, counter: only their device is read
                       hq * dv, dv, call.seq_lens.stride(0), block_table.stride(0), block_table.stride(1),
                       sinks_stride or 0, _qk_scale(call.scale, call.softcap), hq, num_m_blocks, tq, max_len, num_seqs,
                       num_blocks, GROUP=hq // hk, DK=d, DV=dv, BLOCK_M=gluon.block_m, BLOCK_N=gluon.block_n,
                       CAUSAL=call.causal, STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
-                      PAGE=page, Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim, num_warps=4)
+                      PAGE=page, Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim, O_BUFFERS=gluon.out_buffers,
+                      num_warps=4)
         if claim:
             schedule_counter(q.device)
 
@@ -433,7 +435,7 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
         nonlocal kernel
         if kernel is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
             try:
-                return kernel(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, sinks,
+                return kernel(q, k_cache, v_cache, out, out, cu_seqlens_q, seq_lens, block_table, sinks,
                               schedule_counter(q.device) if claim else cu_seqlens_q)  # (int32 as the counter)
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 kernel = None
@@ -471,11 +473,13 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
         if kernel == "tma":  # persistent: a program per SM walks the work tiles
             stages, consumer_regs, loader_regs = ws
             descriptors = module.tma_descriptors(q, k, v, block_n)  # templates: each call's q, k, v
-            wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
+            out_slot = module.out_descriptor(q, (tq, hq, dv)) if gluon.out_buffers else q  # (template / placeholder)
+            wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                          q, q, q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8), sinks, counter
                          hq * dv, dv, *(0,) * 6, sinks_stride or 0, *sizes, num_seqs, **meta, DK=d, DV=dv,
                          STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=False,
-                         Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim, num_warps=4)
+                         Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim, O_BUFFERS=gluon.out_buffers,
+                         num_warps=4)
         else:
             args = (q, q, q, q, q, q,  # placeholders: only their device is read
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq * d, d, *sizes)
@@ -495,7 +499,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
             try:
                 if tma:  # its descale pointers (read by its fp8 variant only) are placeholders; sinks; counter
-                    return wgmma(q, k, v, out, cu_q, cu_k, q, q, q, rest[3],
+                    return wgmma(q, k, v, out, out, cu_q, cu_k, q, q, q, rest[3],
                                  schedule_counter(q.device) if claim else cu_q)  # (int32 as the counter)
                 return wgmma(q, k, v, out, cu_q, cu_k)
             except errors as exc:  # nothing ran: the Triton kernel runs the call
@@ -539,12 +543,14 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
         work = num_m_blocks * num_seqs * hq
         descriptors = module.tma_descriptors_fp8(like, q_view, k_view, vt_shape, block_n)  # templates
         strides = tuple(x for pair in descale_strides for x in pair)
-        wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors,
+        out_like = torch.empty(0, dtype=output_dtype(q.dtype), device=q.device)
+        out_slot = module.out_descriptor(out_like, (tq, hq, dv)) if gluon.out_buffers else q  # (template / placeholder)
+        wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                      q, q, q, q, q, q, q, q,  # out, cu_q, cu_k, the descales, sinks, counter: only their device is read
                      hq * dv, dv, *strides, 0, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
                      GROUP=hq // hk, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DK=d, DV=dv, STAGES=stages,
                      CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, Q_BUFFERS=gluon.q_buffers,
-                     **_variant_meta(-1, 0.0, None), DYNAMIC=claim, num_warps=4)
+                     **_variant_meta(-1, 0.0, None), DYNAMIC=claim, O_BUFFERS=gluon.out_buffers, num_warps=4)
         if claim:
             schedule_counter(q.device)
 
@@ -553,7 +559,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
         nonlocal wgmma
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | vt.data_ptr()) & 15:
             try:
-                wgmma(q, k, vt, out, cu_q, cu_k, q_descale, k_descale, v_descale, q_descale,  # (no sinks: a placeholder)
+                wgmma(q, k, vt, out, out, cu_q, cu_k, q_descale, k_descale, v_descale, q_descale,  # (no sinks: a placeholder)
                       schedule_counter(q.device) if claim else cu_q)  # (int32 as the counter)
                 return True
             except errors as exc:  # nothing ran: the Triton kernel runs the call

@@ -73,24 +73,27 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from graphsafe.ops.attention.fp8_format import P_SCALE
-from graphsafe.kernels.gluon_compat import cp_async, cta_barrier, nvmma_chunks, tma_load
+from graphsafe.kernels.gluon_compat import cp_async, cta_barrier, nvmma_chunks, tma_load, tma_store
 
 P_LOG2 = gl.constexpr(int(P_SCALE).bit_length() - 1)  # P_SCALE = 2^P_LOG2
 FLT_MIN = gl.constexpr(1.1754943508222875e-38)  # smallest normal float32
 
 
 def shared_memory_bytes(block_m: int, block_n: int, d: int, dv: int, stages: int = 2, q_buffers: int = 1,
-                        elem_bytes: int = 2, p_tiles: int = 0) -> int:
+                        elem_bytes: int = 2, p_tiles: int = 0, o_buffers: int = 0) -> int:
     """Shared memory of a launch: `q_buffers` of q [BLOCK_M, D] (the persistent kernels
     load the next tile's q into a second one), `stages` stages of K [BLOCK_N, D] and V
     [BLOCK_N, Dv] and `p_tiles` p buffers [64, BLOCK_N] (the fp8 kernel's), of
-    `elem_bytes` each, plus 1 KiB for Triton's scratch and the mbarriers."""
-    return elem_bytes * (q_buffers * block_m * d + stages * block_n * (d + dv) + p_tiles * 64 * block_n) + 1024
+    `elem_bytes` each, `o_buffers` 16-bit output staging buffers [64, Dv] (the TMA store),
+    plus 1 KiB for Triton's scratch and the mbarriers."""
+    return (elem_bytes * (q_buffers * block_m * d + stages * block_n * (d + dv) + p_tiles * 64 * block_n)
+            + 2 * o_buffers * 64 * dv + 1024)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
@@ -118,6 +121,13 @@ def tma_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: 
     chunk = d & -d  # the largest power of two dividing d: 128 -> 128, 192 -> 64
     return (_rows(q, q.shape, q.stride(0), 64, chunk), _rows(k, k.shape, k.stride(0), block_n, chunk),
             _rows(v, v.shape, v.stride(0), block_n, dv))
+
+
+def out_descriptor(like: torch.Tensor, shape: tuple[int, int, int]) -> TensorDescriptor:
+    """Host TMA descriptor template of the TMA kernels' output where they store it by TMA
+    (O_BUFFERS > 0; each call passes its out): out [tokens, heads, Dv], contiguous, as 2-D
+    [tokens, heads x Dv] with [64, Dv] blocks. `like`: a tensor of out's dtype and device."""
+    return _rows(like, shape, shape[1] * shape[2], 64, shape[2])
 
 
 def tma_descriptors_fp8(like: torch.Tensor, q_view: tuple, k_view: tuple, vt_shape: tuple[int, int, int],
@@ -256,14 +266,13 @@ def _softmax_tile(s, m_i, l_i, t, full_tiles, offs_m, k_len, diag, qk_scale,
 
 
 @gluon.jit
-def _store_rows(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot,
-                D: gl.constexpr, O_MMA: gl.constexpr, CAUSAL: gl.constexpr, v_scale=1.0, FP8: gl.constexpr = False,
-                m_i=0.0, sink=0.0, HAS_SINKS: gl.constexpr = False):
-    """out rows `rows` (O_MMA's row slice) = acc / l (FP8: acc * v_scale / l), in out's
-    dtype: 0 for a row that sees no key (decided from indices, as the Triton kernel), NaN
-    where the sum is NaN (NaN scores); rows at or past q_len are not written. HAS_SINKS:
-    the head's sink logit `sink` joins the normaliser once, against the final row max m_i
-    (0 for a row whose scores are all -inf, as in the reference): l += 2^(sink log2(e) - m)."""
+def _output_tile(acc, l_i, rows, k_len, diag, O_MMA: gl.constexpr, CAUSAL: gl.constexpr, v_scale=1.0,
+                 FP8: gl.constexpr = False, m_i=0.0, sink=0.0, HAS_SINKS: gl.constexpr = False):
+    """The output rows `rows` (O_MMA's row slice), float32: acc / l (FP8: acc * v_scale /
+    l), 0 for a row that sees no key (decided from indices, as the Triton kernel), NaN
+    where the sum is NaN (NaN scores). HAS_SINKS: the head's sink logit `sink` joins the
+    normaliser once, against the final row max m_i (0 for a row whose scores are all
+    -inf, as in the reference): l += 2^(sink log2(e) - m)."""
     if HAS_SINKS:
         l_i = l_i + gl.exp2(sink * 1.4426950408889634 - gl.where(m_i == float("-inf"), 0.0, m_i))
     norm = gl.where(l_i == 0.0, 1.0, l_i)
@@ -274,10 +283,42 @@ def _store_rows(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot,
         row_sees = (k_len > 0) & (rows + diag >= 0)
     else:
         row_sees = (k_len > 0) & (rows >= 0)
-    o = gl.where(row_sees[:, None], o, 0.0)
+    return gl.where(row_sees[:, None], o, 0.0)
+
+
+@gluon.jit
+def _store_rows(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot,
+                D: gl.constexpr, O_MMA: gl.constexpr, CAUSAL: gl.constexpr, v_scale=1.0, FP8: gl.constexpr = False,
+                m_i=0.0, sink=0.0, HAS_SINKS: gl.constexpr = False):
+    """out rows `rows` = `_output_tile`, in out's dtype; rows at or past q_len are not
+    written."""
+    o = _output_tile(acc, l_i, rows, k_len, diag, O_MMA, CAUSAL, v_scale, FP8, m_i, sink, HAS_SINKS)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, O_MMA))
     out = out_base + (rows.to(gl.int64) * stride_ot)[:, None] + cols[None, :]
     gl.store(out, o.to(out_base.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
+def _store_rows_tma(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot, o_desc, o_buf, row0, col0,
+                    D: gl.constexpr, O_MMA: gl.constexpr, CAUSAL: gl.constexpr, v_scale=1.0,
+                    FP8: gl.constexpr = False, m_i=0.0, sink=0.0, HAS_SINKS: gl.constexpr = False):
+    """`_store_rows` for a consumer warpgroup's 64 rows, by TMA where all of them lie in the
+    sequence (rows[0] + 64 <= q_len): through `o_buf` [64, D] (this warpgroup's, in
+    o_desc's layout), one TMA store at (row0, col0) of out's 2-D view o_desc, left in
+    flight (the next use of o_buf waits for it to have read the buffer); else (the last
+    rows of a sequence: the box would cover the next sequence's) as `_store_rows`."""
+    o = _output_tile(acc, l_i, rows, k_len, diag, O_MMA, CAUSAL, v_scale, FP8, m_i, sink, HAS_SINKS)
+    if gl.max(rows, axis=0) < q_len:
+        tma.store_wait(0)  # this warpgroup's previous store has read o_buf
+        cta_barrier()  # ... before any of its threads writes o_buf
+        o_buf.store(o.to(o_buf.dtype))
+        fence_async_shared()
+        cta_barrier()  # every thread's part of o_buf, before the one TMA store
+        tma_store(o_desc, [row0, col0], o_buf)
+    else:
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, O_MMA))
+        out = out_base + (rows.to(gl.int64) * stride_ot)[:, None] + cols[None, :]
+        gl.store(out, o.to(out_base.dtype.element_ty), mask=(rows < q_len)[:, None])
 
 
 @gluon.jit
@@ -736,12 +777,15 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr,
                  FP8: gl.constexpr = False, descales=None, p_smem=None, paging=None, PAGE: gl.constexpr = 0,
                  BOX: gl.constexpr = 0, sinks=None, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
-                 HAS_SINKS: gl.constexpr = False, sched=None, DYNAMIC: gl.constexpr = False):
+                 HAS_SINKS: gl.constexpr = False, sched=None, DYNAMIC: gl.constexpr = False, out_store=None,
+                 O_BUFFERS: gl.constexpr = 0):
     """Consumer partition WG (one warpgroup): rows [m0 + 64 WG, m0 + 64 WG + 64) of each
     work tile, the key loop of `varlen_fwd_wgmma_kernel` on the buffers the loader fills;
     a buffer is released (one arrive per consumer) once this warpgroup's wgmma read it.
     The work tiles: program_id, program_id + programs, ... (static), or (DYNAMIC) those
-    the loader claims, read from the id ring `sched` (`_read_tile`).
+    the loader claims, read from the id ring `sched` (`_read_tile`). O_BUFFERS > 0: the
+    output rows go out by TMA (`_store_rows_tma`; `out_store` = (out's 2-D descriptor, the
+    [O_BUFFERS, 64, Dv] staging buffers, WG's its own)).
     FP8: `descales` = (q, k, v descale pointers, their (sequence, kv head) strides): each
     work tile's scores are scaled by qk_scale x its q and k descales, its output by its v
     descale; `p_smem` [2, 64, BLOCK_N]: each warpgroup's p buffer.
@@ -767,7 +811,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
                 tile, ring, count, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, out_ptr,
                 cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, total_q, total_k, WG,
                 GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales, p_smem, paging, PAGE, BOX, sinks,
-                WINDOW_LEFT, SOFTCAP, HAS_SINKS, S_ROW, O_MMA, O_ROW)
+                WINDOW_LEFT, SOFTCAP, HAS_SINKS, S_ROW, O_MMA, O_ROW, out_store, O_BUFFERS)
             it += 1
             tile = _read_tile(sched, it)
     else:
@@ -776,7 +820,9 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
                 tile, ring, count, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, out_ptr,
                 cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, total_q, total_k, WG,
                 GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales, p_smem, paging, PAGE, BOX, sinks,
-                WINDOW_LEFT, SOFTCAP, HAS_SINKS, S_ROW, O_MMA, O_ROW)
+                WINDOW_LEFT, SOFTCAP, HAS_SINKS, S_ROW, O_MMA, O_ROW, out_store, O_BUFFERS)
+    if O_BUFFERS > 0:
+        tma.store_wait(0)  # the last output store has read its buffer before the program ends
 
 
 @gluon.jit
@@ -786,7 +832,7 @@ def _consume_tile(tile, ring, count, q_smem, k_smem, v_smem, q_full, q_empty, k_
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr,
                   FP8: gl.constexpr, descales, p_smem, paging, PAGE: gl.constexpr, BOX: gl.constexpr, sinks,
                   WINDOW_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr, S_ROW: gl.constexpr,
-                  O_MMA: gl.constexpr, O_ROW: gl.constexpr):
+                  O_MMA: gl.constexpr, O_ROW: gl.constexpr, out_store, O_BUFFERS: gl.constexpr):
     """`_ws_consumer`'s work on one work tile; returns its (ring, count) after it."""
     b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
     q_start, q_len, k_start, k_len, diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks = \
@@ -817,8 +863,15 @@ def _consume_tile(tile, ring, count, q_smem, k_smem, v_smem, q_full, q_empty, k_
         if HAS_SINKS:
             sinks_ptr, stride_sinks = sinks
             sink = gl.load(sinks_ptr + head * stride_sinks)
-        _store_rows(acc, l_i, out_base, r0 + gl.arange(0, 64, layout=O_ROW), q_len, k_len - lead, diag - lead,
-                    stride_ot, DV, O_MMA, CAUSAL, v_scale, FP8, m_i, sink, HAS_SINKS)
+        rows = r0 + gl.arange(0, 64, layout=O_ROW)
+        if O_BUFFERS > 0:
+            o_desc, o_smem = out_store
+            _store_rows_tma(acc, l_i, out_base, rows, q_len, k_len - lead, diag - lead, stride_ot, o_desc,
+                            o_smem.index(WG), q_start + r0, head * DV, DV, O_MMA, CAUSAL, v_scale, FP8, m_i, sink,
+                            HAS_SINKS)
+        else:
+            _store_rows(acc, l_i, out_base, rows, q_len, k_len - lead, diag - lead, stride_ot, DV, O_MMA, CAUSAL,
+                        v_scale, FP8, m_i, sink, HAS_SINKS)
     return ring, count
 
 
@@ -1108,13 +1161,13 @@ def _tma_barriers(Q_BUFFERS: gl.constexpr, STAGES: gl.constexpr):
 
 @gluon.jit
 def varlen_fwd_tma_kernel(
-    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, sinks_ptr, sched_ptr, stride_ot,
+    q_desc, k_desc, v_desc, o_desc, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, sinks_ptr, sched_ptr, stride_ot,
     stride_oh, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_sinks,
     qk_scale, num_q_heads, num_m_blocks, total_q, total_k, num_seqs,
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     FP8: gl.constexpr, Q_BUFFERS: gl.constexpr = 2, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
-    HAS_SINKS: gl.constexpr = False, DYNAMIC: gl.constexpr = False,
+    HAS_SINKS: gl.constexpr = False, DYNAMIC: gl.constexpr = False, O_BUFFERS: gl.constexpr = 0,
 ):
     """`varlen_fwd_ws_kernel` with a one-warp TMA loader: q, k, v come as TMA descriptors
     of their 2-D views [tokens, heads * head dim] (blocks [64, DK] for q, [BLOCK_N, DK]
@@ -1135,7 +1188,11 @@ def varlen_fwd_tma_kernel(
     DYNAMIC: the programs claim work tiles one at a time from a ticket counter, `sched_ptr`
     (int32 [2], 0 before the launch and left 0 after it: `_tma_loader`), rather than take
     every programs-th tile, so each tile goes to whichever program is free first
-    (`plan.tma_claims_tiles` says where); without, `sched_ptr` is a placeholder, never read."""
+    (`plan.tma_claims_tiles` says where); without, `sched_ptr` is a placeholder, never read.
+
+    O_BUFFERS = 2: each consumer stores its full 64-row output blocks by TMA through its own
+    [64, DV] staging buffer (`o_desc`: out as 2-D [tokens, heads x DV], blocks [64, DV]);
+    0: every row by `gl.store` (`o_desc` a placeholder, never read)."""
     dtype: gl.constexpr = q_desc.dtype
     KC: gl.constexpr = q_desc.block_type.shape[1]  # q and k columns a chunk
     CHUNKS: gl.constexpr = DK // KC
@@ -1147,6 +1204,11 @@ def varlen_fwd_tma_kernel(
     q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
     ids, id_full, id_empty = _schedule_ring()
     sched = (ids, id_full, id_empty, sched_ptr)
+    if O_BUFFERS > 0:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFFERS, 64, DV], o_desc.layout)
+    else:
+        o_smem = q_smem  # (not read: a partition takes no None)
+    out_store = (o_desc, o_smem)
     if FP8:  # each consumer's p (an fp8 A operand comes from shared memory)
         p_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
@@ -1159,13 +1221,13 @@ def varlen_fwd_tma_kernel(
                         total_q, total_k, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
                         (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
                          stride_vd_h), p_smem, (sinks_ptr, stride_sinks), 0, 0, (sinks_ptr, stride_sinks), WINDOW_LEFT,
-                        SOFTCAP, HAS_SINKS, sched, DYNAMIC)),
+                        SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store, O_BUFFERS)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                         total_q, total_k, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
                         (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
                          stride_vd_h), p_smem, (sinks_ptr, stride_sinks), 0, 0, (sinks_ptr, stride_sinks), WINDOW_LEFT,
-                        SOFTCAP, HAS_SINKS, sched, DYNAMIC)),
+                        SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store, O_BUFFERS)),
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                        q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
                        GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, (sinks_ptr, stride_sinks), v_smem, 0, 0,
@@ -1189,13 +1251,13 @@ def paged_tma_descriptors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 @gluon.jit
 def paged_fwd_tma_kernel(
-    q_desc, k_desc, v_desc, out_ptr, cu_q_ptr, lens_ptr, table_ptr, sinks_ptr, sched_ptr, stride_ot, stride_oh,
+    q_desc, k_desc, v_desc, o_desc, out_ptr, cu_q_ptr, lens_ptr, table_ptr, sinks_ptr, sched_ptr, stride_ot, stride_oh,
     stride_lens, stride_tb, stride_tm, stride_sinks, qk_scale, num_q_heads, num_m_blocks, total_q, max_len, num_seqs,
     num_blocks,
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     PAGE: gl.constexpr, Q_BUFFERS: gl.constexpr = 2, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
-    HAS_SINKS: gl.constexpr = False, DYNAMIC: gl.constexpr = False,
+    HAS_SINKS: gl.constexpr = False, DYNAMIC: gl.constexpr = False, O_BUFFERS: gl.constexpr = 0,
 ):
     """`paged_attention_prefill` (bf16/fp16, no variant) as `varlen_fwd_tma_kernel`: the same
     persistent work tiles, loader warp and consumer warpgroups, with each sequence's keys
@@ -1208,7 +1270,7 @@ def paged_fwd_tma_kernel(
     (`_bad_boxes`), rows past seq_lens[b] as in varlen. max_len: keys a table row holds
     (its columns x PAGE); DK = DV = a multiple of 64; launch with num_warps=4. The variants
     (WINDOW_LEFT, SOFTCAP, HAS_SINKS with `sinks_ptr`, `stride_sinks`) as
-    `varlen_fwd_tma_kernel`'s, and DYNAMIC with `sched_ptr`."""
+    `varlen_fwd_tma_kernel`'s, and DYNAMIC with `sched_ptr`, O_BUFFERS with `o_desc`."""
     dtype: gl.constexpr = q_desc.dtype
     CHUNKS: gl.constexpr = DK // 64
     BOX: gl.constexpr = k_desc.block_type.shape[0]
@@ -1223,6 +1285,11 @@ def paged_fwd_tma_kernel(
     q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
     ids, id_full, id_empty = _schedule_ring()
     sched = (ids, id_full, id_empty, sched_ptr)
+    if O_BUFFERS > 0:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFFERS, 64, DV], o_desc.layout)
+    else:
+        o_smem = q_smem  # (not read: a partition takes no None)
+    out_store = (o_desc, o_smem)
     num_work = num_m_blocks * num_seqs * num_q_heads
     paging = (table_ptr, stride_tb, stride_tm, stride_lens, num_blocks)
     gl.warp_specialize([
@@ -1230,12 +1297,12 @@ def paged_fwd_tma_kernel(
                         out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                         total_q, max_len, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, False,
                         paging, q_smem, paging, PAGE, BOX, (sinks_ptr, stride_sinks), WINDOW_LEFT, SOFTCAP,
-                        HAS_SINKS, sched, DYNAMIC)),
+                        HAS_SINKS, sched, DYNAMIC, out_store, O_BUFFERS)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                         out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
                         total_q, max_len, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, False,
                         paging, q_smem, paging, PAGE, BOX, (sinks_ptr, stride_sinks), WINDOW_LEFT, SOFTCAP,
-                        HAS_SINKS, sched, DYNAMIC)),
+                        HAS_SINKS, sched, DYNAMIC, out_store, O_BUFFERS)),
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
                        q_desc, k_desc, v_desc, cu_q_ptr, lens_ptr, num_q_heads, num_m_blocks, num_work, total_q,
                        max_len, GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, paging, v_boxes, PAGE, BOX,

@@ -1,9 +1,15 @@
-"""A/B of the sm_90 TMA prefill kernels' schedules on the GPU: the static deal (program p
-takes tiles p, p + programs, ...) against work tiles claimed one at a time from a ticket
-counter (whichever program is free takes the next), on the same inputs, each row also
-naming the one `plan.tma_claims_tiles` picks there.
+"""A/B of two choices of the sm_90 TMA prefill kernels on the GPU, on the same inputs:
 
-    python benchmarks/prefill_schedule_ab.py [--rounds 3]
+* `--knob schedule`: the static deal (program p takes tiles p, p + programs, ...) against
+  work tiles claimed one at a time from a ticket counter (whichever program is free takes
+  the next), `plan.tma_claims_tiles`;
+* `--knob store`: each consumer's output by `gl.store` from the accumulator's layout
+  against a TMA store of its full 64-row blocks through a shared-memory staging buffer,
+  `plan.TMA_STORE` (where the plan finds room for the buffers; elsewhere both run the same).
+
+Each row also names the plan's own pick there.
+
+    python benchmarks/prefill_tma_ab.py [--knob schedule|store] [--rounds 3]
 
 Rows: `flash_attn_varlen` bf16 causal at the bench's default shapes (8 x 2048, 8 x 4096,
 4 x 8192 with 32/8 heads, D 128; 8 x 4096 with 16/16 heads, D 192 / Dv 128), the full
@@ -11,11 +17,11 @@ sweep's and the variants' head dims (8 x 4096 with 64/8 heads at D 64 and 32/32 
 4 x 4096 with 16/8 at D 256), a batch of
 uneven sequences (16 prompts of 256 to 15360 tokens, 61568 in all), the fp8 path at 8 x 4096,
 and `paged_attention_prefill` 8 x 512 new tokens over 4096 (blocks of 16 and 64). Each
-runner is captured in a CUDA graph; the schedules' replays alternate `--rounds` times
-(medians of `graphsafe.bench.harness.time_ms`); printed: the median of those per schedule,
-each one's ratio to the static deal, the max |difference| of the outputs from the static
-deal's (0: a tile's rows do not depend on which program computes them), and every round
-(their spread is the noise a ratio is read against).
+runner is captured in a CUDA graph; the two choices' replays alternate `--rounds` times
+(medians of `graphsafe.bench.harness.time_ms`); printed: the median of those per choice,
+its ratio to the first's, the max |difference| of the outputs from the first's (0: the
+schedule does not change which program computes a row's bits, nor the store its values),
+and every round (their spread is the noise a ratio is read against).
 Needs an sm_90 GPU with Gluon.
 """
 
@@ -58,24 +64,49 @@ def _graphed(runner, args):
     return graph, out
 
 
-SCHEDULES = {"static": False, "claimed": True}  # label: what plan.tma_claims_tiles says
+def _set_schedule(claim: bool):
+    P.tma_claims_tiles = lambda group, d, fp8=False, paged=False: claim
 
 
-def _ab(op: str, args, rounds: int) -> str:
+def _set_store(on: bool):
+    P.TMA_STORE = on
+
+
+# knob: (the two choices, label -> the value set, the function setting it)
+KNOBS = {"schedule": ({"static": False, "claimed": True}, _set_schedule),
+         "store": ({"gl.store": False, "TMA store": True}, _set_store)}
+
+
+def _planned(knob: str, op: str, call) -> str:
+    """The label of the plan's own choice for `call`."""
+    labels = list(KNOBS[knob][0])
+    if op == "paged_attention_prefill":
+        gluon = P.choose_paged_attention_prefill(call).gluon
+    else:
+        gluon = P.choose_flash_attn_varlen(call).gluon
+    if gluon is None:
+        return "no Gluon kernel"
+    if knob == "store":
+        return labels[gluon.out_buffers > 0]
+    q, k = call.q, call.k if op == "flash_attn_varlen" else call.k_cache
+    fp8 = gluon.kernel == "tma-fp8"
+    return labels[P.tma_claims_tiles(q.shape[1] // k.shape[-2], q.shape[2], fp8, op == "paged_attention_prefill")]
+
+
+def _ab(knob: str, op: str, args, rounds: int) -> str:
     call = graphsafe.get_op(op).call(*args)
     paged = op == "paged_attention_prefill"
     prepare = T.prepare_paged_attention_prefill if paged else T.prepare_flash_attn_varlen
-    q, k = args[0], args[1]
-    fp8 = not paged and args[12] == "on"
-    planned = "claimed" if P.tma_claims_tiles(q.shape[1] // k.shape[-2], q.shape[2], fp8, paged) else "static"
-    chosen = P.tma_claims_tiles
+    planned = _planned(knob, op, call)
+    choices, setter = KNOBS[knob]
+    saved = (P.tma_claims_tiles, P.TMA_STORE)
     graphs = {}
     try:
-        for label, claim in SCHEDULES.items():
-            P.tma_claims_tiles = lambda group, d, fp8=False, paged=False, claim=claim: claim
+        for label, value in choices.items():
+            setter(value)
             graphs[label] = _graphed(prepare(call), args)
     finally:
-        P.tma_claims_tiles = chosen
+        P.tma_claims_tiles, P.TMA_STORE = saved
     times = {label: [] for label in graphs}
     for _ in range(rounds):
         for label, (graph, _) in graphs.items():
@@ -83,18 +114,20 @@ def _ab(op: str, args, rounds: int) -> str:
     for graph, _ in graphs.values():
         graph.replay()
     torch.cuda.synchronize()
-    static = statistics.median(times["static"])
+    first = list(graphs)[0]
+    base = statistics.median(times[first])
     parts = []
     for label, (_, out) in graphs.items():
         ms = statistics.median(times[label])
-        diff = (out.float() - graphs["static"][1].float()).abs().max().item()
-        parts.append(f"{label} {ms:.4f} ms ({ms / static:.3f}, diff {diff:.3g})")
+        diff = (out.float() - graphs[first][1].float()).abs().max().item()
+        parts.append(f"{label} {ms:.4f} ms ({ms / base:.3f}, diff {diff:.3g})")
     rounds_text = " ".join("/".join(f"{times[label][i]:.4f}" for label in graphs) for i in range(rounds))
     return f"plan: {planned} | " + " | ".join(parts) + f" | rounds ({'/'.join(graphs)}) {rounds_text}"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--knob", choices=tuple(KNOBS), default="schedule")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and P.is_sm90(CUDA) and P.gluon_module() is not None):
@@ -119,7 +152,7 @@ def main(argv=None) -> int:
          _paged_prefill_inputs(8, 512, 4096, CUDA, block_size=64)),
     ]
     for label, op, op_args in rows:
-        print(f"{label}: {_ab(op, op_args, args.rounds)}", flush=True)
+        print(f"{label}: {_ab(args.knob, op, op_args, args.rounds)}", flush=True)
         del op_args
         torch.cuda.empty_cache()
     return 0
