@@ -439,6 +439,26 @@ def test_tma_launch_passes_the_schedule_counter_where_the_plan_claims_tiles(monk
     assert gluon.keywords[0]["DYNAMIC"] is claim
 
 
+@pytest.mark.parametrize(("d", "dv", "staged"), [(64, 64, True), (128, 128, True), (192, 128, False), (256, 256, False)])
+def test_tma_store_is_planned_where_two_staging_buffers_fit(monkeypatch, d, dv, staged):
+    """`plan.with_tma_store`: two [64, Dv] output staging buffers where the launch's shared
+    memory with them is within Hopper's 227 KiB (D 64 and 128, the fp8 kernel too), none
+    at D 192 / 256 or without `plan.TMA_STORE`; the plan's shared memory counts them."""
+    module = _gluon_module()
+    smem = 227 * 1024
+    plan = P.gluon_plan_for("tma", 4096, d)
+    chosen = P.with_tma_store(plan, module, d, dv, smem)
+    assert chosen.out_buffers == (2 if staged else 0)
+    assert P.shared_memory(module, chosen, d, dv) <= smem
+    if staged:
+        assert P.shared_memory(module, chosen, d, dv) == P.shared_memory(module, plan, d, dv) + 2 * 2 * 64 * dv
+    fp8 = P.with_tma_store(P.gluon_plan_for("tma-fp8", 4096, 128), module, 128, 128, smem)
+    assert fp8.out_buffers == 2 and P.shared_memory(module, fp8, 128, 128) <= smem
+    monkeypatch.setattr(P, "TMA_STORE", False)
+    assert P.with_tma_store(plan, module, d, dv, smem).out_buffers == 0
+    assert P.with_tma_store(plan, module, d, dv, None) == plan
+
+
 def test_tma_schedule_is_claimed_where_it_measured_faster():
     """`plan.tma_claims_tiles`, as measured (its docstring): paged prefill always; varlen
     at MHA and at head dims other than 128; the static deal for GQA at D 128 and the fp8

@@ -1087,6 +1087,19 @@ def _load_tile(tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty
 
 
 @gluon.jit
+def _schedule_and_output(sched_ptr, o_desc, placeholder, DV: gl.constexpr, O_BUFFERS: gl.constexpr):
+    """The TMA kernels' partition arguments for DYNAMIC and O_BUFFERS: (the id ring and the
+    ticket counter `sched_ptr`, `_schedule_ring`; (o_desc, the [O_BUFFERS, 64, DV] output
+    staging buffers in its layout, or `placeholder` without: a partition takes no None))."""
+    ids, id_full, id_empty = _schedule_ring()
+    if O_BUFFERS > 0:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFFERS, 64, DV], o_desc.layout)
+    else:
+        o_smem = placeholder
+    return (ids, id_full, id_empty, sched_ptr), (o_desc, o_smem)
+
+
+@gluon.jit
 def _schedule_ring():
     """The DYNAMIC schedule's id ring: (ids [2, 32] int32, id_full, id_empty), initialised.
     The loader writes a claimed work tile into slot i % 2 (all 32 words) and arrives on
@@ -1202,13 +1215,7 @@ def varlen_fwd_tma_kernel(
     V_COLS: gl.constexpr = v_desc.block_type.shape[1]
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], v_desc.layout)
     q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
-    ids, id_full, id_empty = _schedule_ring()
-    sched = (ids, id_full, id_empty, sched_ptr)
-    if O_BUFFERS > 0:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFFERS, 64, DV], o_desc.layout)
-    else:
-        o_smem = q_smem  # (not read: a partition takes no None)
-    out_store = (o_desc, o_smem)
+    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DV, O_BUFFERS)
     if FP8:  # each consumer's p (an fp8 A operand comes from shared memory)
         p_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
@@ -1283,13 +1290,7 @@ def paged_fwd_tma_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype))
     v_boxes = nvmma_chunks(v_smem, dtype, STAGES * (DV // 64), BLOCK_N, 64)
     q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
-    ids, id_full, id_empty = _schedule_ring()
-    sched = (ids, id_full, id_empty, sched_ptr)
-    if O_BUFFERS > 0:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFFERS, 64, DV], o_desc.layout)
-    else:
-        o_smem = q_smem  # (not read: a partition takes no None)
-    out_store = (o_desc, o_smem)
+    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DV, O_BUFFERS)
     num_work = num_m_blocks * num_seqs * num_q_heads
     paging = (table_ptr, stride_tb, stride_tm, stride_lens, num_blocks)
     gl.warp_specialize([
