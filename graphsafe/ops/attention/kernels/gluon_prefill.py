@@ -1087,11 +1087,18 @@ def _load_tile(tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty
 
 
 @gluon.jit
-def _schedule_and_output(sched_ptr, o_desc, placeholder, DV: gl.constexpr, O_BUFFERS: gl.constexpr):
+def _schedule_and_output(sched_ptr, o_desc, placeholder, DV: gl.constexpr, DYNAMIC: gl.constexpr,
+                         O_BUFFERS: gl.constexpr):
     """The TMA kernels' partition arguments for DYNAMIC and O_BUFFERS: (the id ring and the
     ticket counter `sched_ptr`, `_schedule_ring`; (o_desc, the [O_BUFFERS, 64, DV] output
-    staging buffers in its layout, or `placeholder` without: a partition takes no None))."""
-    ids, id_full, id_empty = _schedule_ring()
+    staging buffers in its layout)); without either, `placeholder` in its place (a
+    partition takes no None; never read)."""
+    if DYNAMIC:
+        ids, id_full, id_empty = _schedule_ring()
+    else:
+        ids = placeholder
+        id_full = placeholder
+        id_empty = placeholder
     if O_BUFFERS > 0:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFFERS, 64, DV], o_desc.layout)
     else:
@@ -1215,7 +1222,7 @@ def varlen_fwd_tma_kernel(
     V_COLS: gl.constexpr = v_desc.block_type.shape[1]
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], v_desc.layout)
     q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
-    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DV, O_BUFFERS)
+    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DV, DYNAMIC, O_BUFFERS)
     if FP8:  # each consumer's p (an fp8 A operand comes from shared memory)
         p_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
@@ -1290,7 +1297,7 @@ def paged_fwd_tma_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype))
     v_boxes = nvmma_chunks(v_smem, dtype, STAGES * (DV // 64), BLOCK_N, 64)
     q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
-    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DV, O_BUFFERS)
+    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DV, DYNAMIC, O_BUFFERS)
     num_work = num_m_blocks * num_seqs * num_q_heads
     paging = (table_ptr, stride_tb, stride_tm, stride_lens, num_blocks)
     gl.warp_specialize([
