@@ -237,7 +237,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.time_limit is not None and args.time_limit < 0:
         print("bench: --time-limit must be >= 0", file=sys.stderr)
         return 2
-    harness.run(args.op, device, json_path=args.json, full=args.full, time_limit=args.time_limit)
+    harness.run(args.op, device, json_path=args.json, full=args.full, time_limit=args.time_limit,
+                reference=not args.no_reference)
     return 0
 
 
@@ -328,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                        "representative shapes of each case; on a CPU: each case's CPU shapes)")
     bench.add_argument("--time-limit", type=float, metavar="SECONDS", help="start no new row once SECONDS have "
                        "passed since the run began; the rows measured are kept")
+    bench.add_argument("--no-reference", action="store_true", help="leave out the PyTorch reference rows (eager and "
+                       "compiled): graphsafe and its peers only, for sweeps the reference would take most of")
     bench.add_argument("--list", action="store_true", help="list the benchmark cases and their shape counts")
     dm = sub.add_parser("demo", help="decode with the demo model: eager, compiled, compiled + CUDA graphs; one table")
     dm.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present, else cpu")

@@ -78,6 +78,23 @@ def test_rows_stream_once_and_json_is_complete_after_every_row(tmp_path, monkeyp
     assert doc["ceilings"]["copy_bytes_per_s"] > 0
 
 
+def test_no_reference_leaves_out_the_reference_rows_only(tmp_path):
+    """`bench --no-reference`: the same problems without the PyTorch reference's rows (its
+    callables never run), graphsafe's rows as before, and the JSON meta says so."""
+    def impls(argv, path):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["bench", "--device", "cpu", "--op", "top_k_per_row_decode", "--json", str(path), *argv]) == 0
+        doc = _strict_json(path)
+        return doc["meta"]["reference"], [(row.shape, row.impl) for row in _rows(doc)]
+
+    with_ref, rows = impls([], tmp_path / "a.json")
+    without_ref, rows_without = impls(["--no-reference"], tmp_path / "b.json")
+    assert with_ref is True and without_ref is False
+    assert any(impl.startswith("reference") for _, impl in rows)
+    assert rows_without == [(shape, impl) for shape, impl in rows if not impl.startswith("reference")]
+    assert rows_without
+
+
 def test_gbps_is_never_zero_for_rows_that_move_bytes(tmp_path):
     path = tmp_path / "bench.json"
     rc, text = _bench(["--op", "top_k_per_row_decode", "--json", str(path)])

@@ -21,7 +21,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -619,15 +619,29 @@ def _echo(line: str) -> None:
     print(line, flush=True)
 
 
+REFERENCE_PREFIX = "reference"  # the PyTorch reference's rows: "reference eager", "reference compiled"
+
+
+def _without_reference(problem: Problem) -> Problem:
+    """`problem` without its PyTorch reference rows (never called, so never compiled)."""
+    impls = {label: fn for label, fn in problem.impls.items() if not label.startswith(REFERENCE_PREFIX)}
+    if len(impls) == len(problem.impls):
+        return problem
+    return replace(problem, impls=impls)
+
+
 def _run_case(case: BenchCase, shapes: tuple, device: torch.device, ceilings: Ceilings, log: RunLog,
-              deadline: Deadline, echo: Callable[[str], None]) -> None:
+              deadline: Deadline, echo: Callable[[str], None], reference: bool = True) -> None:
     """Print and log each row of the case as it is measured; return early (with
-    `deadline.hit` set) once the deadline has expired."""
+    `deadline.hit` set) once the deadline has expired. Without `reference`, the PyTorch
+    reference's rows are left out."""
     problems = case.fn(device, shapes)
     try:
         for problem in problems:
             if deadline.expired():
                 return
+            if not reference:
+                problem = _without_reference(problem)
             echo(problem_title(problem))
             rows = []
             for row in measure_rows(problem, device, ceilings, deadline):
@@ -654,6 +668,7 @@ def run(
     time_limit: float | None = None,
     matmul_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float8_e4m3fn),
     echo: Callable[[str], None] = _echo,
+    reference: bool = True,
 ) -> list[Row]:
     """Run the cases `names` (all when None) and return their rows.
 
@@ -665,7 +680,9 @@ def run(
     the file is a complete JSON document from the start and after every row: {"meta":
     device, versions, sweep, cases, time limit, elapsed_s, skipped cases, complete,
     stopped; "ceilings": the copy bandwidth and matmul peaks; "rows": every row so far}
-    (NaN written as null).
+    (NaN written as null). Without `reference`, no problem times the PyTorch reference
+    ("reference eager" / "compiled": in a GPU sweep most of the time goes to them), and the
+    meta says so ("reference": false).
     """
     cases = load_cases()
     selected = list(names or sorted(cases))
@@ -677,7 +694,8 @@ def run(
     ceilings = measure_ceilings(device, matmul_dtypes if device.type == "cuda" else ())
     meta = {"device": ceilings.device, "device_type": device.type, **_versions(), "sweep": sweep, "cases": selected,
             "time_limit_s": time_limit, "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "elapsed_s": round(deadline.elapsed(), 3), "skipped": {}, "complete": False, "stopped": None}
+            "elapsed_s": round(deadline.elapsed(), 3), "skipped": {}, "complete": False, "stopped": None,
+            "reference": reference}
     log = RunLog(json_path, meta, ceilings)
     for line in legend(ceilings, device, sweep):
         echo(line)
@@ -690,7 +708,7 @@ def run(
                 echo(f"{name}: {reason}: skipped")
                 log.skip(name, reason)
                 continue
-            _run_case(cases[name], shapes, device, ceilings, log, deadline, echo)
+            _run_case(cases[name], shapes, device, ceilings, log, deadline, echo, reference)
             if deadline.hit:
                 break
     except BaseException as err:
