@@ -639,8 +639,8 @@ def gluon_fp8_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen
         return None
     if not copies and any(x.stride(2) != 1 or x.stride(1) != d or x.stride(0) % 16 for x in (q, k)):
         return None
-    plan = with_tma_store(gluon_plan_for("tma-fp8", max_seqlen_q, d, copies), module, d, dv, max_shared_memory(q.device))
     smem = max_shared_memory(q.device)
+    plan = with_tma_store(gluon_plan_for("tma-fp8", max_seqlen_q, d, copies), module, d, dv, smem)
     return plan if smem is not None and shared_memory(module, plan, d, dv) <= smem else None
 
 

@@ -293,6 +293,13 @@ def _store_rows(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot,
     """out rows `rows` = `_output_tile`, in out's dtype; rows at or past q_len are not
     written."""
     o = _output_tile(acc, l_i, rows, k_len, diag, O_MMA, CAUSAL, v_scale, FP8, m_i, sink, HAS_SINKS)
+    _store_tile(o, out_base, rows, q_len, stride_ot, D, O_MMA)
+
+
+@gluon.jit
+def _store_tile(o, out_base, rows, q_len, stride_ot, D: gl.constexpr, O_MMA: gl.constexpr):
+    """The output rows `rows` of `o` (O_MMA's layout) into out, in out's dtype, by
+    `gl.store`; rows at or past q_len are not written."""
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, O_MMA))
     out = out_base + (rows.to(gl.int64) * stride_ot)[:, None] + cols[None, :]
     gl.store(out, o.to(out_base.dtype.element_ty), mask=(rows < q_len)[:, None])
@@ -316,9 +323,7 @@ def _store_rows_tma(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot, o_d
         cta_barrier()  # every thread's part of o_buf, before the one TMA store
         tma_store(o_desc, [row0, col0], o_buf)
     else:
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, O_MMA))
-        out = out_base + (rows.to(gl.int64) * stride_ot)[:, None] + cols[None, :]
-        gl.store(out, o.to(out_base.dtype.element_ty), mask=(rows < q_len)[:, None])
+        _store_tile(o, out_base, rows, q_len, stride_ot, D, O_MMA)
 
 
 @gluon.jit
