@@ -4,12 +4,13 @@
   work tiles claimed one at a time from a ticket counter (whichever program is free takes
   the next), `plan.tma_claims_tiles`;
 * `--knob store`: each consumer's output by `gl.store` from the accumulator's layout
-  against a TMA store of its full 64-row blocks through a shared-memory staging buffer,
-  `plan.TMA_STORE` (where the plan finds room for the buffers; elsewhere both run the same).
+  against a TMA store of its full 64-row blocks through a shared-memory staging buffer
+  (in two halves at D 192 / 256), `plan.TMA_STORE` (where the plan finds room for the
+  buffers; elsewhere both run the same).
 
 Each row also names the plan's own pick there.
 
-    python benchmarks/prefill_tma_ab.py [--knob schedule|store] [--rounds 3]
+    python benchmarks/prefill_tma_ab.py [--knob schedule|store] [--rounds 3] [--only TEXT ...]
 
 Rows: `flash_attn_varlen` bf16 causal at the bench's default shapes (8 x 2048, 8 x 4096,
 4 x 8192 with 32/8 heads, D 128; 8 x 4096 with 16/16 heads, D 192 / Dv 128), the full
@@ -21,7 +22,8 @@ runner is captured in a CUDA graph; the two choices' replays alternate `--rounds
 (medians of `graphsafe.bench.harness.time_ms`); printed: the median of those per choice,
 its ratio to the first's, the max |difference| of the outputs from the first's (0: the
 schedule does not change which program computes a row's bits, nor the store its values),
-and every round (their spread is the noise a ratio is read against).
+and every round (their spread is the noise a ratio is read against). `--only`: the rows
+whose label contains one of the texts.
 Needs an sm_90 GPU with Gluon.
 """
 
@@ -129,6 +131,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--knob", choices=tuple(KNOBS), default="schedule")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", nargs="*", default=None, help="rows whose label contains one of these")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and P.is_sm90(CUDA) and P.gluon_module() is not None):
         print("needs an sm_90 GPU and a Triton with Gluon: nothing measured")
@@ -152,6 +155,8 @@ def main(argv=None) -> int:
          _paged_prefill_inputs(8, 512, 4096, CUDA, block_size=64)),
     ]
     for label, op, op_args in rows:
+        if args.only and not any(text in label for text in args.only):
+            continue
         print(f"{label}: {_ab(args.knob, op, op_args, args.rounds)}", flush=True)
         del op_args
         torch.cuda.empty_cache()

@@ -484,6 +484,26 @@ def test_varlen_wgmma_graph_replay_with_new_lengths(d, dv):
         assert not out.isnan().any() and err < 2e-2, (new_lens, err)
 
 
+@pytest.mark.parametrize(("hq", "hk", "d", "dv"), [(32, 8, 128, 128), (16, 16, 192, 128), (8, 4, 256, 256)],
+                         ids=["gqa-d128", "mla-d192", "d256"])
+def test_varlen_tma_eager_call_makes_no_host_sync(hq, hk, d, dv):
+    """An eager bf16 call on the TMA kernel (static deal at GQA D 128, claimed tiles at D
+    192 and 256; the output by TMA, in two halves at D 192 / 256) under sync-debug
+    "error": no host sync, and its output the reference's."""
+    lens = [1024, 300, 700]
+    q, k, v, cu_q, cu_k = _wgmma_inputs(lens, lens, hq, hk, d, torch.bfloat16, seed=28, dv=dv)
+    args = (q, k, v, cu_q, cu_k, max(lens), max(lens), d**-0.5, True)
+    _skip_unless_wgmma(args)
+    graphsafe.flash_attn_varlen(*args)  # warm-up: compiles, plans, reserves the workspace
+    torch.cuda.synchronize()
+    with no_sync():
+        out = graphsafe.flash_attn_varlen(*args)
+    _assert_gluon_compiled()
+    expected = _float_reference(args)
+    torch.cuda.synchronize()
+    assert not out.isnan().any() and _max_err(out, expected) < 2e-2, _max_err(out, expected)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_varlen_tma_claimed_schedule_matches_the_static_deal(monkeypatch, fp8):
     """The TMA kernel's work tiles claimed one at a time from the ticket counter (forced

@@ -84,8 +84,10 @@ for args, kw in launches:
     print("compiled page", kw["PAGE"], "causal", kw["CAUSAL"], "window", kw.get("WINDOW_LEFT"), "softcap",
           kw.get("SOFTCAP"), "sinks", kw.get("HAS_SINKS"), "O_BUFFERS", kw["O_BUFFERS"], "shared", k.metadata.shared, shapes,
           "tma", tma_copies)
-    # The output by TMA where two [64, D] staging buffers fit beside the stages (not at D 256).
-    assert kw["O_BUFFERS"] == (0 if d == 256 else 2), kw
+    # The output by TMA: two [64, D] staging buffers where they fit beside the stages, two
+    # [64, D / 2] at D 256 (a row block in two stores); args[3] is out's descriptor template.
+    pieces = 2 if d == 256 else 1
+    assert kw["O_BUFFERS"] == 2 and list(args[3].block_shape) == [64, d // pieces], (kw, args[3].block_shape)
     # q.k (n BLOCK_N, D / 16 k-steps) and p.V (n D, BLOCK_N / 16 k-steps), each in the loop
     # and once outside it, in each of the two consumer partitions.
     want = {}
@@ -94,9 +96,9 @@ for args, kw in launches:
     assert shapes == want, (shapes, want)
     # q: two 64-row halves x its 64-column chunks; K: a copy per box and chunk; V: the
     # same twice (a whole tile, and a tile cut by the sequence's end or a window's start
-    # whose rows outside are zeroed); with O_BUFFERS, each consumer's output store.
-    assert tma_copies == (3 * bn // box + 2) * (d // 64) + (2 if kw["O_BUFFERS"] else 0), tma_copies
-    need = G.shared_memory_bytes(128, bn, d, d, 2, kw["Q_BUFFERS"], o_buffers=kw["O_BUFFERS"])
+    # whose rows outside are zeroed); each consumer's output store (or its two halves).
+    assert tma_copies == (3 * bn // box + 2) * (d // 64) + 2 * pieces, tma_copies
+    need = G.shared_memory_bytes(128, bn, d, d, 2, kw["Q_BUFFERS"], o_buffers=kw["O_BUFFERS"], o_pieces=pieces)
     assert k.metadata.shared <= need <= 227 * 1024, (k.metadata.shared, need)
 print("OK")
 """
@@ -106,7 +108,7 @@ def test_paged_gluon_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     """`prepare_paged_attention_prefill`'s Gluon launch (block sizes 16, 64, 128, 256;
     bf16 and fp16; causal or not; window, softcap and sinks) compiles for sm_90 with this Triton: the wgmma shapes and
     counts, one TMA copy per box and 64-column chunk of a key tile, the output by TMA stores
-    where the plan stages it (D 64 and 128), and shared memory within the estimate the plan
+    (a [64, D] block in one, in two halves at D 256), and shared memory within the estimate the plan
     decides by."""
     out = compile_for_sm90(_PAGED_COMPILE_SCRIPT, timeout=900)
     print(out)

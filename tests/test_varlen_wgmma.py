@@ -13,6 +13,7 @@ import inspect
 import math
 import types
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -117,8 +118,10 @@ families = {}
 for kernel, args, kw in launches:
     key = (kernel, kw["BLOCK_M"], kw["BLOCK_N"], bool(kw.get("FP8")), kw.get("WINDOW_LEFT", -1) >= 0,
            kw.get("DK", kw.get("D")) in (64, 256), kw.get("O_BUFFERS", 0))
-    if kernel is G.varlen_fwd_tma_kernel:  # TMA stores where two [64, Dv] buffers fit beside the stages
-        assert kw["O_BUFFERS"] == (0 if kw["DK"] in (192, 256) else 2), kw
+    if kernel is G.varlen_fwd_tma_kernel:  # TMA stores: two [64, Dv] buffers where they fit beside the
+        # stages, two [64, Dv / 2] at D 192 / 256 (the out descriptor's blocks, args[3])
+        assert kw["O_BUFFERS"] == 2, kw
+        assert list(args[3].block_shape) == [64, kw["DV"] // (2 if kw["DK"] in (192, 256) else 1)], args[3].block_shape
     rank = (kw.get("DK", kw.get("D")), kw["CAUSAL"])
     if key not in families or rank > families[key][0]:
         families[key] = (rank, (kernel, args, kw))
@@ -152,11 +155,12 @@ for _, (kernel, args, kw) in families.values():
     assert k.metadata.shared <= 227 * 1024, k.metadata.shared
     # gluon_plan decides from this estimate: it must cover what the compiler allocates.
     if fp8:
-        need = P.fp8_shared_memory(G, *tiles, d, dv, kw["O_BUFFERS"])
+        need = P.fp8_shared_memory(G, *tiles, d, dv, kw["O_BUFFERS"], dv // args[3].block_shape[1])
     else:
         stages, q_buffers = (kw["STAGES"], kw.get("Q_BUFFERS", 2)) if ws else (2, 1)
         assert q_buffers == (P.tma_q_buffers(d) if kind == "tma" else 2 if ws else 1)
-        need = G.shared_memory_bytes(*tiles, d, dv, stages, q_buffers, o_buffers=kw.get("O_BUFFERS", 0))
+        pieces = dv // args[3].block_shape[1] if kw.get("O_BUFFERS", 0) else 1
+        need = G.shared_memory_bytes(*tiles, d, dv, stages, q_buffers, o_buffers=kw.get("O_BUFFERS", 0), o_pieces=pieces)
     assert k.metadata.shared <= need, (k.metadata.shared, need, tiles)
 print("OK")
 """
@@ -439,35 +443,36 @@ def test_tma_launch_passes_the_schedule_counter_where_the_plan_claims_tiles(monk
     assert gluon.keywords[0]["DYNAMIC"] is claim
 
 
-@pytest.mark.parametrize(("d", "dv", "staged"), [(64, 64, True), (128, 128, True), (192, 128, False), (256, 256, False)])
-def test_tma_store_is_planned_where_two_staging_buffers_fit(monkeypatch, d, dv, staged):
+@pytest.mark.parametrize(("d", "dv", "pieces"), [(64, 64, 1), (128, 128, 1), (192, 128, 2), (256, 256, 2)])
+def test_tma_store_is_planned_where_two_staging_buffers_fit(monkeypatch, d, dv, pieces):
     """`plan.with_tma_store`: two [64, Dv] output staging buffers where the launch's shared
-    memory with them is within Hopper's 227 KiB (D 64 and 128, the fp8 kernel too), none
-    at D 192 / 256 or without `plan.TMA_STORE`; the plan's shared memory counts them."""
+    memory with them is within Hopper's 227 KiB (D 64 and 128, the fp8 kernel too), two
+    [64, Dv / 2] at D 192 / 256 (where the full ones do not fit), none without
+    `plan.TMA_STORE`; the plan's shared memory counts them."""
     module = _gluon_module()
     smem = 227 * 1024
     plan = P.gluon_plan_for("tma", 4096, d)
     chosen = P.with_tma_store(plan, module, d, dv, smem)
-    assert chosen.out_buffers == (2 if staged else 0)
+    assert (chosen.out_buffers, chosen.out_pieces) == (2, pieces)
     assert P.shared_memory(module, chosen, d, dv) <= smem
-    if staged:
-        assert P.shared_memory(module, chosen, d, dv) == P.shared_memory(module, plan, d, dv) + 2 * 2 * 64 * dv
+    assert P.shared_memory(module, chosen, d, dv) == P.shared_memory(module, plan, d, dv) + 2 * 2 * 64 * dv // pieces
+    if pieces == 2:  # (the full buffers would not fit)
+        assert P.shared_memory(module, replace(chosen, out_pieces=1), d, dv) > smem
+    assert P.with_tma_store(plan, module, d, dv, P.shared_memory(module, plan, d, dv)) == plan  # (no room: none)
     fp8 = P.with_tma_store(P.gluon_plan_for("tma-fp8", 4096, 128), module, 128, 128, smem)
-    assert fp8.out_buffers == 2 and P.shared_memory(module, fp8, 128, 128) <= smem
+    assert (fp8.out_buffers, fp8.out_pieces) == (2, 1) and P.shared_memory(module, fp8, 128, 128) <= smem
     monkeypatch.setattr(P, "TMA_STORE", False)
     assert P.with_tma_store(plan, module, d, dv, smem).out_buffers == 0
     assert P.with_tma_store(plan, module, d, dv, None) == plan
 
 
 def test_tma_schedule_is_claimed_where_it_measured_faster():
-    """`plan.tma_claims_tiles`, as measured (its docstring): paged prefill always; varlen
-    at MHA and at head dims other than 128; the static deal for GQA at D 128 and the fp8
-    kernel."""
+    """`plan.tma_claims_tiles`, as measured (its docstring): paged prefill always; the 16-bit
+    varlen kernel at every head dim and group; the static deal for the fp8 kernel."""
     assert P.tma_claims_tiles(4, 128, paged=True) and P.tma_claims_tiles(8, 64, paged=True)
     assert P.tma_claims_tiles(1, 128) and P.tma_claims_tiles(1, 192) and P.tma_claims_tiles(2, 256)
-    assert P.tma_claims_tiles(8, 64)
-    assert not P.tma_claims_tiles(4, 128) and not P.tma_claims_tiles(4, 128, fp8=True)
-    assert not P.tma_claims_tiles(1, 128, fp8=True)
+    assert P.tma_claims_tiles(8, 64) and P.tma_claims_tiles(4, 128)
+    assert not P.tma_claims_tiles(4, 128, fp8=True) and not P.tma_claims_tiles(1, 128, fp8=True)
 
 
 def test_misaligned_q_runs_the_triton_kernel(monkeypatch):

@@ -483,19 +483,19 @@ def tma_claims_tiles(group: int, d: int, fp8: bool = False, paged: bool = False)
     their work tiles one at a time from a ticket counter (DYNAMIC: whichever program is
     free takes the next) rather than take the static deal (program p: tiles p, p +
     programs, ...). `group`: q heads per kv head. Measured on an H200 (causal,
-    `benchmarks/prefill_tma_ab.py --knob schedule`, claimed / static time, the range over three or
-    four runs of 3-5 alternating rounds, `h200/2026-11-29-0627_prefill_schedule_ab.txt`,
-    `..._0633_prefill_schedule_claims_ab.txt`): paged prefill (32/8 heads, D 128, 8 x 512
-    new over 4096) 0.98-0.99 at blocks of 16, 0.97-0.99 at 64; varlen 8 x 4096 at 32/32
-    heads, D 128 0.96, 16/16 at D 192 / Dv 128 0.92-0.94, 64/8 at D 64 0.99; 4 x 4096 at
-    16/8, D 256 0.92-0.93. Not at 32/8 heads, D 128 (GQA at 128, fa3's rows): 1.015-1.021
-    at 8 x 2048, 1.00 at 8 x 4096, 1.00-1.03 at 4 x 8192, 0.99-1.01 over 16 uneven prompts;
-    nor the fp8 kernel (32/8, 8 x 4096: 1.014-1.019): there the static deal stays. A kv
-    head's q-head tiles a claim instead of one gained nothing and lost 7% on the paged
-    rows. Not profiled: why the GQA rows at D 128 lose what the others gain."""
-    if paged:
-        return True
-    return not fp8 and not (d == 128 and group > 1)
+    `benchmarks/prefill_tma_ab.py --knob schedule`, claimed / static time, medians of 3-5
+    alternating rounds): paged prefill (32/8 heads, D 128, 8 x 512 new over 4096) 0.98-0.99
+    at blocks of 16, 0.97-0.99 at 64; varlen 8 x 4096 at 32/32 heads, D 128 0.96, 16/16 at
+    D 192 / Dv 128 0.92-0.94, 64/8 at D 64 0.99; 4 x 4096 at 16/8, D 256 0.92-0.93
+    (`h200/2026-11-29-0627_prefill_schedule_ab.txt`, `..._0633_prefill_schedule_claims_ab.txt`).
+    At 32/8 heads, D 128 (GQA at 128, fa3's rows), with the output by TMA
+    (`h200/2026-11-29-0755_prefill_schedule_ab_tma_store.txt`): 1.001 / 0.986 / 1.008 at
+    8 x 2048 / 8 x 4096 / 4 x 8192 (within the rounds' spread) and 0.977 over 16 uneven
+    prompts (256-15360 tokens; every round lower), so claimed there too (before the TMA
+    store it measured 1.00-1.02 and kept the static deal). Not the fp8 kernel: 1.014 (and
+    1.014-1.019 before), so the static deal stays there. A kv head's q-head tiles a claim
+    instead of one gained nothing and lost 7% on the paged rows."""
+    return paged or not fp8
 
 
 def tma_q_buffers(d: int) -> int:
@@ -512,8 +512,9 @@ class GluonPlan:
     or "tma-fp8" (varlen), "paged-tma" (paged prefill); the tiles; `warp_spec` (stages, consumer registers, loader registers),
     None for "wgmma"; the q buffers of the TMA kernels; `copies`: fp8 on the contiguous
     fp8 copies of bf16/fp16 q and k that the op quantises (the q copy is scratch);
-    `out_buffers`: the TMA kernels' output staging buffers [64, Dv] (2: each consumer's
-    full row blocks go out by TMA, `with_tma_store`; 0: by `gl.store`)."""
+    `out_buffers`: the TMA kernels' output staging buffers (2: each consumer's full row
+    blocks go out by TMA, `with_tma_store`; 0: by `gl.store`), [64, Dv / `out_pieces`]
+    each (1, or 2: a row block in two stores of half its columns)."""
 
     kernel: str
     block_m: int
@@ -522,6 +523,7 @@ class GluonPlan:
     q_buffers: int
     copies: bool = False
     out_buffers: int = 0
+    out_pieces: int = 1
 
     @property
     def name(self) -> str:
@@ -556,36 +558,44 @@ def gluon_plan_for(kernel: str, max_seqlen_q: int, d: int, copies: bool = False,
 def shared_memory(module, plan: GluonPlan, d: int, dv: int) -> int:
     """Shared memory of the planned launch (`module`: the Gluon kernels' module)."""
     if plan.kernel == "tma-fp8":
-        return fp8_shared_memory(module, plan.block_m, plan.block_n, d, dv, plan.out_buffers)
+        return fp8_shared_memory(module, plan.block_m, plan.block_n, d, dv, plan.out_buffers, plan.out_pieces)
     stages = 2 if plan.warp_spec is None else plan.warp_spec[0]
     return module.shared_memory_bytes(plan.block_m, plan.block_n, d, dv, stages, plan.q_buffers,
-                                      o_buffers=plan.out_buffers)
+                                      o_buffers=plan.out_buffers, o_pieces=plan.out_pieces)
 
 
-def fp8_shared_memory(module, block_m: int, block_n: int, d: int, dv: int, out_buffers: int = 0) -> int:
+def fp8_shared_memory(module, block_m: int, block_n: int, d: int, dv: int, out_buffers: int = 0,
+                      out_pieces: int = 1) -> int:
     """The fp8 kernel's shared memory: 1-byte q buffers and K / V^T stages, each
-    consumer's p [64, BLOCK_N], and `out_buffers` 16-bit output staging buffers."""
-    return module.shared_memory_bytes(block_m, block_n, d, dv, warp_specialisation_fp8()[0], 2, 1, 2, out_buffers)
+    consumer's p [64, BLOCK_N], and `out_buffers` 16-bit output staging buffers [64, Dv /
+    out_pieces]."""
+    return module.shared_memory_bytes(block_m, block_n, d, dv, warp_specialisation_fp8()[0], 2, 1, 2, out_buffers,
+                                      out_pieces)
 
 
-# The TMA kernels store each consumer's full 64-row output blocks by TMA (through a [64, Dv]
-# staging buffer each) where the shared memory holds the two buffers: D = Dv = 64 and 128,
-# fp8 included (not D 192 / 256, where the stages fill it). Measured on an H200 against
-# `gl.store` from the accumulator's layout (`benchmarks/prefill_tma_ab.py --knob store`,
-# `h200/2026-11-29-0653_prefill_tma_store_ab.txt`, medians of 5 alternating rounds, causal):
-# 32/8 heads at D 128 0.925 / 0.951 / 1.001 at 8 x 2048 / 8 x 4096 / 4 x 8192, 0.970 over 16
-# uneven prompts, fp8 0.951; 32/32 heads 0.969; D 64 (64/8) 0.976; paged prefill 0.976 /
-# 0.966 (blocks of 16 / 64).
+# The TMA kernels store each consumer's full 64-row output blocks by TMA (through a staging
+# buffer each) where the shared memory holds the two buffers: [64, Dv] at D = Dv = 64 and 128,
+# fp8 included; [64, Dv / 2] (a row block in two stores, the second after the first has read
+# the buffer) at D 192 / Dv 128 and D 256, where the stages leave no room for two full ones.
+# Measured on an H200 against `gl.store` from the accumulator's layout
+# (`benchmarks/prefill_tma_ab.py --knob store`, `h200/2026-11-29-0653_prefill_tma_store_ab.txt`,
+# medians of 5 alternating rounds, causal): 32/8 heads at D 128 0.925 / 0.951 / 1.001 at 8 x
+# 2048 / 8 x 4096 / 4 x 8192, 0.970 over 16 uneven prompts, fp8 0.951; 32/32 heads 0.969; D 64
+# (64/8) 0.976; paged prefill 0.976 / 0.966 (blocks of 16 / 64).
 TMA_STORE = True
 
 
 def with_tma_store(plan: GluonPlan, module, d: int, dv: int, smem: int | None) -> GluonPlan:
     """`plan` of a TMA kernel with two output staging buffers where `TMA_STORE` and the
-    launch's shared memory with them is within `smem`, else `plan` (`gl.store`)."""
+    launch's shared memory with them is within `smem`: [64, Dv] where they fit, else
+    [64, Dv / 2] (Dv a multiple of 128) where those do; else `plan` (`gl.store`)."""
     if not TMA_STORE or smem is None:
         return plan
-    staged = replace(plan, out_buffers=2)
-    return staged if shared_memory(module, staged, d, dv) <= smem else plan
+    for pieces in (1, 2) if dv % 128 == 0 else (1,):
+        staged = replace(plan, out_buffers=2, out_pieces=pieces)
+        if shared_memory(module, staged, d, dv) <= smem:
+            return staged
+    return plan
 
 
 def gluon_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int, scale: float,

@@ -419,7 +419,7 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
         stages, consumer_regs, loader_regs = gluon.warp_spec
         work = num_m_blocks * num_seqs * hq
         descriptors = module.paged_tma_descriptors(q, k_cache, v_cache, gluon.block_n)  # templates: each call's
-        out_slot = module.out_descriptor(q, (tq, hq, dv)) if gluon.out_buffers else q  # (template / placeholder)
+        out_slot = module.out_descriptor(q, (tq, hq, dv), gluon.out_pieces) if gluon.out_buffers else q  # (template / placeholder)
         kernel = bind(module.paged_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                       q, q, q, q, q, q,  # out, cu_q, seq_lens, block_table, sinks, counter: only their device is read
                       hq * dv, dv, call.seq_lens.stride(0), block_table.stride(0), block_table.stride(1),
@@ -473,7 +473,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
         if kernel == "tma":  # persistent: a program per SM walks the work tiles
             stages, consumer_regs, loader_regs = ws
             descriptors = module.tma_descriptors(q, k, v, block_n)  # templates: each call's q, k, v
-            out_slot = module.out_descriptor(q, (tq, hq, dv)) if gluon.out_buffers else q  # (template / placeholder)
+            out_slot = module.out_descriptor(q, (tq, hq, dv), gluon.out_pieces) if gluon.out_buffers else q  # (template / placeholder)
             wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                          q, q, q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8), sinks, counter
                          hq * dv, dv, *(0,) * 6, sinks_stride or 0, *sizes, num_seqs, **meta, DK=d, DV=dv,
@@ -544,7 +544,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
         descriptors = module.tma_descriptors_fp8(like, q_view, k_view, vt_shape, block_n)  # templates
         strides = tuple(x for pair in descale_strides for x in pair)
         out_like = torch.empty(0, dtype=output_dtype(q.dtype), device=q.device)
-        out_slot = module.out_descriptor(out_like, (tq, hq, dv)) if gluon.out_buffers else q  # (template / placeholder)
+        out_slot = module.out_descriptor(out_like, (tq, hq, dv), gluon.out_pieces) if gluon.out_buffers else q  # (template / placeholder)
         wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                      q, q, q, q, q, q, q, q,  # out, cu_q, cu_k, the descales, sinks, counter: only their device is read
                      hq * dv, dv, *strides, 0, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,

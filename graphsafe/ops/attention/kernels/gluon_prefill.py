@@ -86,14 +86,14 @@ FLT_MIN = gl.constexpr(1.1754943508222875e-38)  # smallest normal float32
 
 
 def shared_memory_bytes(block_m: int, block_n: int, d: int, dv: int, stages: int = 2, q_buffers: int = 1,
-                        elem_bytes: int = 2, p_tiles: int = 0, o_buffers: int = 0) -> int:
+                        elem_bytes: int = 2, p_tiles: int = 0, o_buffers: int = 0, o_pieces: int = 1) -> int:
     """Shared memory of a launch: `q_buffers` of q [BLOCK_M, D] (the persistent kernels
     load the next tile's q into a second one), `stages` stages of K [BLOCK_N, D] and V
     [BLOCK_N, Dv] and `p_tiles` p buffers [64, BLOCK_N] (the fp8 kernel's), of
-    `elem_bytes` each, `o_buffers` 16-bit output staging buffers [64, Dv] (the TMA store),
-    plus 1 KiB for Triton's scratch and the mbarriers."""
+    `elem_bytes` each, `o_buffers` 16-bit output staging buffers [64, Dv / o_pieces] (the
+    TMA store), plus 1 KiB for Triton's scratch and the mbarriers."""
     return (elem_bytes * (q_buffers * block_m * d + stages * block_n * (d + dv) + p_tiles * 64 * block_n)
-            + 2 * o_buffers * 64 * dv + 1024)
+            + 2 * o_buffers * 64 * (dv // o_pieces) + 1024)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
@@ -123,11 +123,12 @@ def tma_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: 
             _rows(v, v.shape, v.stride(0), block_n, dv))
 
 
-def out_descriptor(like: torch.Tensor, shape: tuple[int, int, int]) -> TensorDescriptor:
+def out_descriptor(like: torch.Tensor, shape: tuple[int, int, int], pieces: int = 1) -> TensorDescriptor:
     """Host TMA descriptor template of the TMA kernels' output where they store it by TMA
     (O_BUFFERS > 0; each call passes its out): out [tokens, heads, Dv], contiguous, as 2-D
-    [tokens, heads x Dv] with [64, Dv] blocks. `like`: a tensor of out's dtype and device."""
-    return _rows(like, shape, shape[1] * shape[2], 64, shape[2])
+    [tokens, heads x Dv] with [64, Dv / pieces] blocks (`pieces` stores a row block: 1 or
+    2). `like`: a tensor of out's dtype and device."""
+    return _rows(like, shape, shape[1] * shape[2], 64, shape[2] // pieces)
 
 
 def tma_descriptors_fp8(like: torch.Tensor, q_view: tuple, k_view: tuple, vt_shape: tuple[int, int, int],
@@ -306,22 +307,39 @@ def _store_tile(o, out_base, rows, q_len, stride_ot, D: gl.constexpr, O_MMA: gl.
 
 
 @gluon.jit
+def _stage_and_store(o, o_desc, o_buf, row0, col0):
+    """One TMA store of `o` (16-bit, o_buf's shape) at (row0, col0) of o_desc through
+    `o_buf`, left in flight; first waits for this warpgroup's previous store to have read
+    o_buf."""
+    tma.store_wait(0)  # this warpgroup's previous store has read o_buf
+    cta_barrier()  # ... before any of its threads writes o_buf
+    o_buf.store(o)
+    fence_async_shared()
+    cta_barrier()  # every thread's part of o_buf, before the one TMA store
+    tma_store(o_desc, [row0, col0], o_buf)
+
+
+@gluon.jit
 def _store_rows_tma(acc, l_i, out_base, rows, q_len, k_len, diag, stride_ot, o_desc, o_buf, row0, col0,
                     D: gl.constexpr, O_MMA: gl.constexpr, CAUSAL: gl.constexpr, v_scale=1.0,
                     FP8: gl.constexpr = False, m_i=0.0, sink=0.0, HAS_SINKS: gl.constexpr = False):
     """`_store_rows` for a consumer warpgroup's 64 rows, by TMA where all of them lie in the
-    sequence (rows[0] + 64 <= q_len): through `o_buf` [64, D] (this warpgroup's, in
-    o_desc's layout), one TMA store at (row0, col0) of out's 2-D view o_desc, left in
+    sequence (rows[0] + 64 <= q_len): through `o_buf` (this warpgroup's, in o_desc's
+    layout), [64, D] in one TMA store, or [64, D / 2] (o_desc's blocks that wide: where
+    two full buffers do not fit) in two, the second after the first has read the buffer;
+    each at (row0, col0 + its first column) of out's 2-D view o_desc, the last left in
     flight (the next use of o_buf waits for it to have read the buffer); else (the last
     rows of a sequence: the box would cover the next sequence's) as `_store_rows`."""
     o = _output_tile(acc, l_i, rows, k_len, diag, O_MMA, CAUSAL, v_scale, FP8, m_i, sink, HAS_SINKS)
     if gl.max(rows, axis=0) < q_len:
-        tma.store_wait(0)  # this warpgroup's previous store has read o_buf
-        cta_barrier()  # ... before any of its threads writes o_buf
-        o_buf.store(o.to(o_buf.dtype))
-        fence_async_shared()
-        cta_barrier()  # every thread's part of o_buf, before the one TMA store
-        tma_store(o_desc, [row0, col0], o_buf)
+        OC: gl.constexpr = o_desc.block_type.shape[1]  # output columns a store
+        o16 = o.to(o_buf.dtype)
+        if OC == D:
+            _stage_and_store(o16, o_desc, o_buf, row0, col0)
+        else:  # two halves: columns [0, OC) and [OC, D) (column bit OC is a register bit of O_MMA)
+            lo, hi = gl.split(gl.permute(gl.reshape(o16, [64, 2, OC]), [0, 2, 1]))
+            _stage_and_store(lo, o_desc, o_buf, row0, col0)
+            _stage_and_store(hi, o_desc, o_buf, row0, col0 + OC)
     else:
         _store_tile(o, out_base, rows, q_len, stride_ot, D, O_MMA)
 
@@ -1105,7 +1123,8 @@ def _schedule_and_output(sched_ptr, o_desc, placeholder, DV: gl.constexpr, DYNAM
         id_full = placeholder
         id_empty = placeholder
     if O_BUFFERS > 0:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFFERS, 64, DV], o_desc.layout)
+        OC: gl.constexpr = o_desc.block_type.shape[1]  # DV, or DV / 2 (`_store_rows_tma`)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [O_BUFFERS, 64, OC], o_desc.layout)
     else:
         o_smem = placeholder
     return (ids, id_full, id_empty, sched_ptr), (o_desc, o_smem)
