@@ -1303,6 +1303,17 @@ for heads, page, num_splits in ((128, 64, 4), (64, 16, 1)):
     tri.sparse_mla(q, kv, idx, 0.04, 512, torch.zeros(heads), lens, num_splits=1)  # sink, topk_length
 q = torch.randn(2, 16, 576, dtype=torch.bfloat16)
 tri.sparse_mla(q, kv, idx, 0.04, 512, num_splits=1)  # 16 heads: the heads-on-N kernel, not this one
+# A 16-bit cache: sparse calls past 16 heads (the producer only copies rows); dense decode
+# runs the paged TMA kernel, not this one.
+kv16 = torch.zeros(64, 64, 576, dtype=torch.bfloat16)
+for heads in (128, 64):
+    q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
+    cfg = mla_plan.kernel_config(heads, "cuda", 232448)
+    assert mla_plan.rows_producer_fits(q, kv16, cfg, 512, 64, True)
+    assert not mla_plan.rows_producer_fits(q, kv16, cfg, 512, 64, False)
+    tri.sparse_mla(q, kv16, idx, 0.04, 512, num_splits=2)
+tri.sparse_mla(torch.randn(2, 128, 576, dtype=torch.bfloat16), kv16, idx, 0.04, 512, torch.zeros(128), lens,
+               num_splits=1)  # sink, topk_length
 for args, kw in launches:
     warps = kw.pop("num_warps")
     k = triton.compile(specialise(G.mla_fp8_producer_kernel, args, kw, GluonASTSource),
@@ -1310,14 +1321,18 @@ for args, kw in launches:
     shapes = wgmma_shapes(k)
     ptx = k.asm["ptx"]
     print("compiled heads", args[0].shape[1], "page", kw["BLOCK_SIZE"], "SPARSE", kw["SPARSE"], "SPLIT", kw["SPLIT"],
-          "shared", k.metadata.shared, shapes)
+          "FP8", kw["FP8"], "shared", k.metadata.shared, shapes)
     # The 16-bit kernel's products: per 64-key tile each consumer warpgroup scores its 32 keys
     # over 576 columns (36 k-steps) and accumulates its 256 value columns (4 k-steps).
     assert shapes == {"m64n32k16": 36, "m64n256k16": 4}, shapes
     assert k.metadata.shared <= G.shared_memory_bytes(512, 64) <= 227 * 1024, k.metadata.shared
-    # warp-specialised (the partitions set their registers), the latent converted in hardware
-    assert "setmaxnreg" in ptx and "e4m3x2" in ptx and "cp.async" in ptx
-assert len(launches) == 6, launches  # one launch per call of 64 and 128 heads, none at 16
+    # warp-specialised (the partitions set their registers); over records the latent converted
+    # in hardware, over a 16-bit cache no conversion
+    assert "setmaxnreg" in ptx and "cp.async" in ptx
+    assert ("e4m3x2" in ptx) == kw["FP8"] == (args[1].dtype == torch.uint8), kw
+# one launch per call: records at 64 and 128 heads (none at 16), a 16-bit cache's sparse calls
+assert len(launches) == 9, launches
+assert sum(not kw["FP8"] for _, kw in launches) == 3
 print("OK")
 """
 
@@ -1330,7 +1345,7 @@ def test_fp8_producer_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     kernel's wgmma shapes, and shared memory within the estimate the plan decides by and
     Hopper's 227 KiB (the raw bytes wait inside the stage they become)."""
     out = compile_for_sm90(_PRODUCER_COMPILE_SCRIPT, timeout=900)
-    assert out.count("compiled") == 6, out
+    assert out.count("compiled") == 9, out
 
 
 def test_fp8_producer_fits_records_past_16_heads(monkeypatch):
@@ -1353,6 +1368,32 @@ def test_fp8_producer_fits_records_past_16_heads(monkeypatch):
         assert kernels == (mla_plan.GLUON_FP8_PRODUCER, mla_plan.GLUON_WGMMA, mla_plan.TRITON_SPLIT_KV), kernels
     monkeypatch.setattr(device_info, "compute_capability", lambda device: (10, 0))
     assert not fits(q, records)
+
+
+def test_rows_producer_fits_sparse_16_bit_calls_past_16_heads(monkeypatch):
+    """`sparse_mla` over a 16-bit cache runs the producer kernel (its producer copying rows)
+    past 16 heads where the 64-head Gluon kernel would run (bf16 or fp16), the 64-head kernel
+    after it (its fallback); dense decode (the paged TMA kernel's), up to 16 heads, records (the
+    dequantising producer's own check), `ROWS_PRODUCER` off and other GPUs do not."""
+    _hopper_stand_ins(monkeypatch)
+    cfg = mla_plan.kernel_config(128, "cuda")
+    rows = _stand_in_tensor(torch.bfloat16, (64, 64, 576))
+    fits = lambda q, kv, sparse=True: mla_plan.rows_producer_fits(q, kv, cfg, 512, 64, sparse)  # noqa: E731
+    for heads in (17, 64, 128):
+        assert fits(_stand_in_tensor(torch.bfloat16, (2, heads, 576)), rows)
+    q = _stand_in_tensor(torch.bfloat16, (2, 128, 576))
+    assert not fits(q, rows, sparse=False)
+    assert not fits(_stand_in_tensor(torch.bfloat16, (2, 16, 576)), rows)
+    assert fits(_stand_in_tensor(torch.float16, (2, 128, 576)), _stand_in_tensor(torch.float16, (64, 64, 576)))
+    assert not fits(q, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64))))
+    kernels = mla_plan._fitting_kernels(q, rows, cfg, 512, 64, True)
+    assert kernels == (mla_plan.GLUON_FP8_PRODUCER, mla_plan.GLUON_WGMMA, mla_plan.TRITON_SPLIT_KV), kernels
+    assert mla_plan.GLUON_FP8_PRODUCER not in mla_plan._fitting_kernels(q, rows, cfg, 512, 64, False)
+    monkeypatch.setattr(mla_plan, "ROWS_PRODUCER", False)
+    assert not fits(q, rows)
+    monkeypatch.setattr(mla_plan, "ROWS_PRODUCER", True)
+    monkeypatch.setattr(device_info, "compute_capability", lambda device: (10, 0))
+    assert not fits(q, rows)
 
 
 def test_few_heads_fp8_fits_dense_records_up_to_16_heads(monkeypatch):

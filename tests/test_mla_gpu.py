@@ -185,6 +185,37 @@ def test_fp8_ds_past_16_heads_runs_the_producer_kernel(monkeypatch, heads):
         torch.testing.assert_close(p_lse, w_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("heads", "dtype"), [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float16)])
+def test_16_bit_sparse_past_16_heads_runs_the_rows_producer(monkeypatch, heads, dtype):
+    """On sm_90 `sparse_mla` over a 16-bit cache past 16 heads runs the producer kernel with
+    a producer warpgroup copying rows (`mla_plan.rows_producer_fits`); its outputs equal the
+    64-head kernel's (the fallback, forced here) to the rounding of p, with splits, padding
+    ids, the sink and topk_length; no NaN of an unread cache row reaches them."""
+    if torch.cuda.get_device_capability(CUDA) != (9, 0):
+        pytest.skip("the Gluon kernels run on sm_90")
+    q, kv, idx, scale, r = sparse_inputs(20, heads, 2048, CUDA, seed=23, dtype=dtype)
+    idx[2, ::7] = -1
+    read = torch.zeros(kv.shape[0] * kv.shape[1], dtype=torch.bool, device=CUDA)
+    read[idx[idx >= 0].long()] = True
+    kv.view(-1, kv.shape[-1])[~read] = float("nan")  # rows no index names: never read
+    sink = torch.randn(heads, device=CUDA)
+    lengths = torch.randint(0, 2049, (20,), device=CUDA, dtype=torch.int32)
+    call = graphsafe.get_op("sparse_mla").call(q, kv, idx, scale, r)
+    assert mla_plan.choose(call, sparse=True).kernels[:2] == (mla_plan.GLUON_FP8_PRODUCER, mla_plan.GLUON_WGMMA)
+    producer = (tri.sparse_mla(q, kv, idx, scale, r, num_splits=3), tri.sparse_mla(q, kv, idx, scale, r, sink, lengths))
+    monkeypatch.setattr(mla_plan, "ROWS_PRODUCER", False)
+    cfg = mla_plan.kernel_config(heads, "cuda", mla_plan.max_shared_memory(CUDA))  # (a runner of its own)
+    assert mla_plan.choose(call, sparse=True, config=cfg).kernels[0] == mla_plan.GLUON_WGMMA
+    wgmma = (tri.sparse_mla(q, kv, idx, scale, r, config=cfg, num_splits=3),
+             tri.sparse_mla(q, kv, idx, scale, r, sink, lengths, config=cfg))
+    for (p_out, p_lse), (w_out, w_lse) in zip(producer, wgmma):
+        assert not p_out.isnan().any()
+        torch.testing.assert_close(p_out.float(), w_out.float(), rtol=OUT_RTOL[dtype],
+                                   atol=OUT_RTOL[dtype] * w_out.float().abs().amax())
+        assert torch.equal(torch.isneginf(p_lse), torch.isneginf(w_lse))
+        torch.testing.assert_close(p_lse, w_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads", [16, 128])
 def test_fp8_ds_decode_graph_replays_long_lengths_in_the_published_workspace(heads):
     """A decode step over fp8_ds_mla records captured at length 1 replays full, empty and

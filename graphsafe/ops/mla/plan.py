@@ -10,7 +10,9 @@ fp8_ds_mla records), or up to 16 heads on sm_90 the 64-head tiles (`few_heads_wi
 where a Gluon kernel that pays for them fits the signature (`_WIDE_TILE_KERNELS`). On the
 chosen tiles the kernels that fit, best first (`_fitting_kernels`): dense decode's paged
 TMA kernel (16-bit cache, `paged_tma_fits`) or warp-specialised fp8 kernel (records, up
-to 16 heads, `few_heads_fp8_fits`), the 64-head Gluon kernel (`warpgroup_split_fits`),
+to 16 heads, `few_heads_fp8_fits`), the producer kernel (records past 16 heads,
+`fp8_producer_fits`; sparse over a 16-bit cache past 16 heads, `rows_producer_fits`), the
+64-head Gluon kernel (`warpgroup_split_fits`),
 and the portable Triton kernel, always. The later ones are the runner's fallbacks for a
 call the first cannot run (misaligned pointers, a failed compile): same tiles, same plan,
 same partials.
@@ -435,6 +437,31 @@ def fp8_producer_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig
             and module.shared_memory_bytes(r, p) <= smem)
 
 
+# Sparse calls over a 16-bit cache past 16 heads run the producer kernel too (its producer
+# warpgroup only copying the rows: `gluon_fp8_producer._produce_rows`), where the 64-head
+# kernel's consumers issued the copies themselves. Measured on an H200 (graph replays, K
+# 2048, `h200/2026-11-29-0803_rows_producer_ab.txt`, two alternating runs each): T 128 / 256 at
+# 128 heads 0.181-0.182 / 0.357-0.371 ms against 0.194-0.195 / 0.385-0.391; T 128 at 64 heads
+# 0.097-0.099 against 0.105-0.106; sparse prefill (s_q 4096, 128 heads) 5.50-5.55 against
+# 5.81-5.91 ms. Dense decode over a 16-bit cache keeps the paged TMA kernel (faster still).
+ROWS_PRODUCER = True
+
+
+def rows_producer_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int,
+                       sparse: bool) -> bool:
+    """Whether calls of this signature can run kernels/gluon_fp8_producer.py over a 16-bit
+    cache (`ROWS_PRODUCER`): sparse calls with more than 16 heads where the 64-head Gluon
+    kernel would run (`warpgroup_split_fits`), R = 512 and P = 64, and the shared memory."""
+    if not (ROWS_PRODUCER and sparse) or cache_format(q, kv_cache) == FP8_DS_MLA or q.shape[1] <= 16:
+        return False
+    if not warpgroup_split_fits(q, kv_cache, cfg, r, p):
+        return False
+    module = kernel_module(GLUON_FP8_PRODUCER)
+    smem = max_shared_memory(q.device)
+    return (module is not None and module.supported(r, p) and smem is not None
+            and module.shared_memory_bytes(r, p) <= smem)
+
+
 def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
     """Whether a call runs the 64-head Gluon kernel on tiles `cfg`: its signature fits
     (`warpgroup_split_fits`) and q and the cache are 16-byte aligned."""
@@ -567,13 +594,14 @@ def _fitting_kernels(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig,
     """The kernels that can run calls of this signature on tiles `cfg`, best first: for dense
     decode the paged TMA kernel (16-bit cache) or the warp-specialised one (fp8_ds_mla, up
     to 16 heads); over fp8_ds_mla records past 16 heads the producer kernel (either op);
-    then the 64-head Gluon kernel, then the Triton kernel (always)."""
+    and for sparse calls over a 16-bit cache past 16 heads (`rows_producer_fits`); then the
+    64-head Gluon kernel, then the Triton kernel (always)."""
     kernels = []
     if not sparse and paged_tma_fits(q, kv_cache, cfg, r, p):
         kernels.append(GLUON_PAGED_TMA)
     elif not sparse and few_heads_fp8_fits(q, kv_cache, cfg, r, p):
         kernels.append(GLUON_FP8_FEW_HEADS)
-    elif fp8_producer_fits(q, kv_cache, cfg, r, p):
+    elif fp8_producer_fits(q, kv_cache, cfg, r, p) or rows_producer_fits(q, kv_cache, cfg, r, p, sparse):
         kernels.append(GLUON_FP8_PRODUCER)
     if warpgroup_split_fits(q, kv_cache, cfg, r, p):
         kernels.append(GLUON_WGMMA)

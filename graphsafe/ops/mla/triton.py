@@ -7,7 +7,8 @@ two warpgroups splitting q.k), `gluon_paged_tma` (dense decode over a 16-bit cac
 page tiles), `gluon_fp8_few_heads` (dense decode over fp8_ds_mla records at up to 16
 heads, producer warps dequantising the next tile while a consumer warpgroup multiplies
 this one) and `gluon_fp8_producer` (either op over fp8_ds_mla records past 16 heads: a
-producer warpgroup dequantising into the 64-head kernel's bf16 stages). Which of them run a signature, on which tiles and split plan, and over which
+producer warpgroup dequantising into the 64-head kernel's bf16 stages; and sparse calls
+over a 16-bit cache past 16 heads, its producer copying the rows). Which of them run a signature, on which tiles and split plan, and over which
 cache format, `plan.choose` decides (`MlaChoice`); the workspace a launch takes is the
 choice's, and the records' worst-case sizing reads the same candidates
 (`plan.workspace_specs`), so what is reserved before capture is what a call requests.
@@ -398,7 +399,8 @@ def _prepare(op: str, call, sparse: bool, config: KernelConfig | None, num_split
     elif choice.kernel == GLUON_FP8_PRODUCER:
         attention = _producer_launch(
             grid, args,
-            dict(R=r, P=p, BLOCK_SIZE=bs, SPARSE=sparse, SPLIT=split, TOPK_LENGTH=topk_length, HAS_SINK=sink),
+            dict(R=r, P=p, BLOCK_SIZE=bs, SPARSE=sparse, SPLIT=split, TOPK_LENGTH=topk_length, HAS_SINK=sink,
+                 FP8=fp8_ds),
             where, attention)
 
     if fp8_ds:  # the storage offset is no part of the signature: checked per call

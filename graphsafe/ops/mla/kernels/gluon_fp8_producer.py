@@ -1,5 +1,10 @@
 """Hopper (sm_90) MLA over fp8_ds_mla records at 64-head tiles, in Gluon: a producer
-warpgroup dequantises the records into the bf16 key stages of the 16-bit kernel.
+warpgroup dequantises the records into the bf16 key stages of the 16-bit kernel. With FP8
+off, the same kernel runs sparse calls over a 16-bit cache: the producer only copies a
+tile's rows into its stage (`_produce_rows`), so the consumers no longer issue the gather
+themselves (H200, T 128 at 128 / 64 heads, K 2048: 0.182 / 0.098 ms against 0.195 / 0.105
+for the 64-head kernel; sparse prefill s_q 4096, 128 heads: 5.50 against 5.81-5.91 ms;
+`benchmarks/results/h200/2026-11-29-0803_rows_producer_ab.txt`).
 
 Why a fifth kernel: `gluon_wgmma.mla_attn_wgmma_kernel` (FP8_DS) converts each tile in the
 8 warps that then wait for its wgmmas, so the conversion (a latency-bound chain a 16-byte
@@ -109,8 +114,50 @@ def _dequantize(raw, out, scale, BARRIER: gl.constexpr, LOAD8: gl.constexpr):
 @gluon.jit
 def _producer(kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, num_splits, tokens_per_split,
               kv_capacity, num_slots, stride_kb, stride_kt, stride_map, R: gl.constexpr, P: gl.constexpr,
-              BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, TOPK_LENGTH: gl.constexpr):
-    """The producer partition (module docstring): copies and dequantises tile t into stage t % 2."""
+              BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, TOPK_LENGTH: gl.constexpr, FP8: gl.constexpr):
+    """The producer partition (module docstring): copies and dequantises tile t into stage t % 2
+    (FP8), or copies a 16-bit cache's rows into it."""
+    if FP8:
+        _produce_records(kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, num_splits,
+                         tokens_per_split, kv_capacity, num_slots, stride_kb, stride_kt, stride_map, R, P, BLOCK_SIZE,
+                         SPARSE, TOPK_LENGTH)
+    else:
+        _produce_rows(kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, num_splits,
+                      tokens_per_split, kv_capacity, num_slots, stride_kb, stride_kt, stride_map, R, P, BLOCK_SIZE,
+                      SPARSE, TOPK_LENGTH)
+
+
+@gluon.jit
+def _produce_rows(kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, num_splits, tokens_per_split,
+                  kv_capacity, num_slots, stride_kb, stride_kt, stride_map, R: gl.constexpr, P: gl.constexpr,
+                  BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, TOPK_LENGTH: gl.constexpr):
+    """A 16-bit cache's tile t: its rows cp.async'd into stage t % 2 once the consumers freed
+    it, the next tile's rows looked up while they fly, then published; rows without a key
+    read nothing and are zero-filled."""
+    W: gl.constexpr = gl.num_warps()
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # 16 bytes a thread
+    ROWS: gl.constexpr = gl.SliceLayout(1, LOAD)
+    _, _, _, map_row, start, end, n_tiles = _program(map_ptr, lens_ptr, head_tiles, num_splits, tokens_per_split,
+                                                     kv_capacity, stride_map, SPARSE, TOPK_LENGTH)
+    rows, valid = _key_rows(map_row, start, end, num_slots, stride_kb, stride_kt, ROWS, TILE_N, BLOCK_SIZE, SPARSE)
+    for t in range(n_tiles):
+        stage = t % 2
+        mbarrier.wait(empty.index(stage), ((t // 2) & 1) ^ 1)
+        _copy_rows(kv_ptr, rows, valid, k_nope.index(stage), k_pe.index(stage), R, P, LOAD)
+        async_copy.commit_group()
+        rows, valid = _key_rows(map_row, start + (t + 1) * TILE_N, end, num_slots, stride_kb, stride_kt, ROWS,
+                                TILE_N, BLOCK_SIZE, SPARSE)
+        async_copy.wait_group(0)
+        fence_async_shared()  # the copies, before the consumers' wgmmas read them
+        cta_barrier()  # every producer thread's copies have landed, before the one arrive
+        mbarrier.arrive(full.index(stage))
+
+
+@gluon.jit
+def _produce_records(kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, num_splits,
+                     tokens_per_split, kv_capacity, num_slots, stride_kb, stride_kt, stride_map, R: gl.constexpr,
+                     P: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, TOPK_LENGTH: gl.constexpr):
+    """fp8_ds_mla records' tile t: copied and dequantised into stage t % 2 (module docstring)."""
     W: gl.constexpr = gl.num_warps()
     # 16 bytes a thread; a warp covers 4 rows x 128 bytes (a piece's row is one 128-byte line).
     LOAD8: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
@@ -226,10 +273,12 @@ def mla_fp8_producer_kernel(
     stride_or, stride_oh, stride_lr, stride_sink,
     R: gl.constexpr, P: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPARSE: gl.constexpr, SPLIT: gl.constexpr,
     TOPK_LENGTH: gl.constexpr, HAS_SINK: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    FP8: gl.constexpr = True,
 ):
-    """MLA over fp8_ds_mla records (byte offsets and strides of kv), 64-head tiles (module
-    docstring); the arguments of `gluon_wgmma.mla_attn_wgmma_kernel`. Launch with
-    num_warps=8 (the consumers; the producer adds 4 warps)."""
+    """MLA over fp8_ds_mla records (FP8: byte offsets and strides of kv) or a 16-bit cache
+    (kv of q's dtype, element strides), 64-head tiles (module docstring); the arguments of
+    `gluon_wgmma.mla_attn_wgmma_kernel`. Launch with num_warps=8 (the consumers; the
+    producer adds 4 warps)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     q_nope = gl.allocate_shared_memory(dtype, [TILE_H, R], gl.NVMMASharedLayout.get_default_for([TILE_H, R], dtype))
     q_pe = gl.allocate_shared_memory(dtype, [TILE_H, P], gl.NVMMASharedLayout.get_default_for([TILE_H, P], dtype))
@@ -249,5 +298,5 @@ def mla_fp8_producer_kernel(
                      stride_sink, R, P, BLOCK_SIZE, SPARSE, SPLIT, TOPK_LENGTH, HAS_SINK)),
         (_producer, (kv_ptr, map_ptr, lens_ptr, k_nope, k_pe, full, empty, head_tiles, num_splits, tokens_per_split,
                      kv_capacity, num_slots, stride_kb, stride_kt, stride_map, R, P, BLOCK_SIZE, SPARSE,
-                     TOPK_LENGTH)),
+                     TOPK_LENGTH, FP8)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
