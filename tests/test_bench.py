@@ -310,6 +310,23 @@ def test_flashmla_peer_is_never_required():
     assert flashmla.pad_heads(q, 16) is q
 
 
+def test_flashmla_sparse_prefill_is_called_at_d_v_512_only(monkeypatch):
+    """`flash_mla_sparse_fwd` takes d_v 512 only and the prebuilt peer ends the process on
+    another (d_qk 512 / d_v 448 on the H200): on CUDA the bench never calls it there and
+    says why; at 512 it runs the variant."""
+    import types
+
+    from graphsafe.bench import flashmla
+
+    ran = []
+    monkeypatch.setattr(flashmla, "_module", lambda: object())
+    monkeypatch.setattr(flashmla, "_run_variant", lambda device, label, make, compare: ran.append(label) or ({}, "ran"))
+    q = types.SimpleNamespace(device=torch.device("cuda"), shape=(8, 128, 512))
+    impls, note = flashmla.sparse_prefill_peers(q, None, None, 0.1, 448, (None, None))
+    assert impls == {} and "d_v 512 only (got 448)" in note and not ran
+    assert flashmla.sparse_prefill_peers(q, None, None, 0.1, 512, (None, None)) == ({}, "ran") and len(ran) == 1
+
+
 def test_peer_ratio_note_covers_every_external_peer():
     from graphsafe.bench.harness import Row
     from graphsafe.bench.peers import ratio_note

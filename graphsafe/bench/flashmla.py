@@ -143,10 +143,15 @@ def dense_decode_peers(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
 def sparse_prefill_peers(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
                          graphsafe_out: tuple) -> tuple[dict, str]:
     """`flash_mla_sparse_fwd(q [s_q, H, d_qk], kv [s_kv, 1, d_qk], indices [s_q, 1, K])`
-    (bf16; the slots index `kv`'s rows, as graphsafe's flat cache slots do)."""
+    (bf16; the slots index `kv`'s rows, as graphsafe's flat cache slots do). Its d_v "can
+    only be 512" (its docstring); the prebuilt peer (commit 9241ae3) ends the process with a
+    segmentation fault on another d_v (H200, 2026-11-29: d_qk 512, d_v 448), so any other
+    is not called."""
     fm = _module()
     out, _ = graphsafe_out
     label = f"{PREFIX} sparse prefill"
+    if d_v != 512 and q.device.type == "cuda":
+        return {}, f"{label}: takes d_v 512 only (got {d_v}): not run"
 
     def make():
         kv3, idx3 = kv.unsqueeze(1), indices.unsqueeze(1)
