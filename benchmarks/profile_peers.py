@@ -24,6 +24,12 @@ import torch
 from graphsafe.bench.harness import load_cases
 
 
+def chosen(label: str, impl_texts: list[str] | None) -> bool:
+    """Whether the impl `label` runs: it contains one of `impl_texts`, or (none given) it is
+    not a PyTorch reference row."""
+    return any(text in label for text in impl_texts) if impl_texts else "reference" not in label
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", required=True)
@@ -45,8 +51,7 @@ def main(argv=None) -> int:
         if args.problem and not any(text in problem.shape for text in args.problem):
             continue
         for label, call in problem.impls.items():
-            chosen = any(text in label for text in args.impl) if args.impl else "reference" not in label
-            if not chosen:
+            if not chosen(label, args.impl):
                 continue
             try:
                 call()

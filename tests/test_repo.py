@@ -137,3 +137,21 @@ def test_gluon_cluster_probe_runs(compile_for_sm90):
     assert re.search(r"^split +compiles", out, re.M), out
     for case in ("split_to_whole", "rows_to_columns"):
         assert re.search(rf"^{case} +(compiles|does not compile)", out, re.M), out
+
+
+def test_profile_peers_picks_impls_and_needs_a_gpu(capsys):
+    """benchmarks/profile_peers.py (Nsight's driver for the peer comparisons in
+    benchmarks/NOTES.md): `--impl` texts pick impls by substring, none picks every impl but
+    the PyTorch reference rows; off a GPU it says so and profiles nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_peers", ROOT / "benchmarks" / "profile_peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.chosen("graphsafe[triton]", ["graphsafe[", "flashmla"])
+    assert module.chosen("flashmla sparse decode", ["graphsafe[", "flashmla"])
+    assert not module.chosen("graphsafe triton kernel", ["graphsafe[", "fa3"])
+    assert module.chosen("flashinfer MLA fa3", None) and not module.chosen("reference compiled", None)
+    if not module.torch.cuda.is_available():
+        assert module.main(["--case", "sparse_mla"]) == 0
+        assert "needs a GPU" in capsys.readouterr().out
