@@ -521,6 +521,28 @@ def test_inductor_fullgraph_decode_step(heads):
     _close(graphsafe.mla_decode(*args), compiled(*args[:4]))
 
 
+@pytest.mark.parametrize("cache", ["bf16", "fp8_ds_mla"])
+def test_inductor_fullgraph_sparse_step_past_16_heads_replays_in_a_graph(cache):
+    """sparse_mla at 128 heads (sm_90: the producer kernel, copying rows of a bf16 cache or
+    dequantising records) compiled whole by Inductor, then that compiled step captured in a
+    CUDA graph and replayed with new indices: each result the eager op's."""
+    q, kv, idx, scale, r = sparse_inputs(12, 128, 2048, CUDA, seed=31)
+    if cache == "fp8_ds_mla":
+        kv = fp8_cache(kv)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, kv, idx: graphsafe.sparse_mla(q, kv, idx, scale, r), fullgraph=True)
+    _close(graphsafe.sparse_mla(q, kv, idx, scale, r), compiled(q, kv, idx))
+    ws = current_workspace_manager(CUDA)
+    ws.reserve(*sparse_mla_workspace_specs(12, 128, r, 2048, device=CUDA))
+    with ws.locked():
+        graph, (out, lse) = _capture(compiled, (q, kv, idx))
+        idx.copy_(sparse_inputs(12, 128, 2048, CUDA, seed=32)[2])
+        graph.replay()
+        torch.cuda.synchronize()
+    _close(graphsafe.sparse_mla(q, kv, idx, scale, r), (out, lse))
+    del graph
+
+
 @pytest.mark.slow
 def test_decode_bandwidth_floor_at_the_anchor_shape():
     """A loose floor (the target is 60% of copy bandwidth, see the bench): catches a
