@@ -387,6 +387,18 @@ def schedule_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
+def _out_slot(module, gluon: plan.GluonPlan, like: torch.Tensor, shape: tuple[int, int, int], placeholder):
+    """A TMA kernel's out-descriptor argument at bind time: the template of out's descriptor
+    (`like`: out's dtype and device) where the plan stages the output, else `placeholder`."""
+    return module.out_descriptor(like, shape, gluon.out_pieces) if gluon.out_buffers else placeholder
+
+
+def _counter_arg(claim: bool, device: torch.device, placeholder: torch.Tensor) -> torch.Tensor:
+    """A TMA kernel's counter argument of a call: the lane's ticket counter where the
+    programs claim their tiles, else `placeholder` (an int32 tensor, never read)."""
+    return schedule_counter(device) if claim else placeholder
+
+
 def _compile_failed(key: tuple, exc: Exception, op: str = "flash_attn_varlen") -> None:
     """Remember that the Gluon kernel of signature `key` did not compile (its later calls
     and bindings run the Triton kernel at once) and say so, once per signature."""
@@ -419,7 +431,7 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
         stages, consumer_regs, loader_regs = gluon.warp_spec
         work = num_m_blocks * num_seqs * hq
         descriptors = module.paged_tma_descriptors(q, k_cache, v_cache, gluon.block_n)  # templates: each call's
-        out_slot = module.out_descriptor(q, (tq, hq, dv), gluon.out_pieces) if gluon.out_buffers else q  # (template / placeholder)
+        out_slot = _out_slot(module, gluon, q, (tq, hq, dv), q)
         kernel = bind(module.paged_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                       q, q, q, q, q, q,  # out, cu_q, seq_lens, block_table, sinks, counter: only their device is read
                       hq * dv, dv, call.seq_lens.stride(0), block_table.stride(0), block_table.stride(1),
@@ -436,7 +448,7 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
         if kernel is not None and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15:
             try:
                 return kernel(q, k_cache, v_cache, out, out, cu_seqlens_q, seq_lens, block_table, sinks,
-                              schedule_counter(q.device) if claim else cu_seqlens_q)  # (int32 as the counter)
+                              _counter_arg(claim, q.device, cu_seqlens_q))
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 kernel = None
                 _compile_failed(key, exc, "paged_attention_prefill")
@@ -473,7 +485,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
         if kernel == "tma":  # persistent: a program per SM walks the work tiles
             stages, consumer_regs, loader_regs = ws
             descriptors = module.tma_descriptors(q, k, v, block_n)  # templates: each call's q, k, v
-            out_slot = module.out_descriptor(q, (tq, hq, dv), gluon.out_pieces) if gluon.out_buffers else q  # (template / placeholder)
+            out_slot = _out_slot(module, gluon, q, (tq, hq, dv), q)
             wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                          q, q, q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8), sinks, counter
                          hq * dv, dv, *(0,) * 6, sinks_stride or 0, *sizes, num_seqs, **meta, DK=d, DV=dv,
@@ -499,8 +511,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
             try:
                 if tma:  # its descale pointers (read by its fp8 variant only) are placeholders; sinks; counter
-                    return wgmma(q, k, v, out, out, cu_q, cu_k, q, q, q, rest[3],
-                                 schedule_counter(q.device) if claim else cu_q)  # (int32 as the counter)
+                    return wgmma(q, k, v, out, out, cu_q, cu_k, q, q, q, rest[3], _counter_arg(claim, q.device, cu_q))
                 return wgmma(q, k, v, out, cu_q, cu_k)
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None
@@ -544,7 +555,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
         descriptors = module.tma_descriptors_fp8(like, q_view, k_view, vt_shape, block_n)  # templates
         strides = tuple(x for pair in descale_strides for x in pair)
         out_like = torch.empty(0, dtype=output_dtype(q.dtype), device=q.device)
-        out_slot = module.out_descriptor(out_like, (tq, hq, dv), gluon.out_pieces) if gluon.out_buffers else q  # (template / placeholder)
+        out_slot = _out_slot(module, gluon, out_like, (tq, hq, dv), q)
         wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                      q, q, q, q, q, q, q, q,  # out, cu_q, cu_k, the descales, sinks, counter: only their device is read
                      hq * dv, dv, *strides, 0, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
@@ -560,7 +571,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
         if wgmma is not None and not (q.data_ptr() | k.data_ptr() | vt.data_ptr()) & 15:
             try:
                 wgmma(q, k, vt, out, out, cu_q, cu_k, q_descale, k_descale, v_descale, q_descale,  # (no sinks: a placeholder)
-                      schedule_counter(q.device) if claim else cu_q)  # (int32 as the counter)
+                      _counter_arg(claim, q.device, cu_q))
                 return True
             except errors as exc:  # nothing ran: the Triton kernel runs the call
                 wgmma = None

@@ -431,8 +431,14 @@ def fp8_producer_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig
     fp8_ds = cache_format(q, kv_cache) == FP8_DS_MLA
     if not fp8_ds or heads_on_n(q.shape[1], fp8_ds) or not warpgroup_split_fits(q, kv_cache, cfg, r, p):
         return False
+    return _producer_kernel_fits(q.device, r, p)
+
+
+def _producer_kernel_fits(device: torch.device, r: int, p: int) -> bool:
+    """Whether kernels/gluon_fp8_producer.py exists here, takes these records (R, P) and its
+    shared memory fits `device`'s (either producer: dequantising or copying)."""
     module = kernel_module(GLUON_FP8_PRODUCER)
-    smem = max_shared_memory(q.device)
+    smem = max_shared_memory(device)
     return (module is not None and module.supported(r, p) and smem is not None
             and module.shared_memory_bytes(r, p) <= smem)
 
@@ -454,12 +460,7 @@ def rows_producer_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfi
     kernel would run (`warpgroup_split_fits`), R = 512 and P = 64, and the shared memory."""
     if not (ROWS_PRODUCER and sparse) or cache_format(q, kv_cache) == FP8_DS_MLA or q.shape[1] <= 16:
         return False
-    if not warpgroup_split_fits(q, kv_cache, cfg, r, p):
-        return False
-    module = kernel_module(GLUON_FP8_PRODUCER)
-    smem = max_shared_memory(q.device)
-    return (module is not None and module.supported(r, p) and smem is not None
-            and module.shared_memory_bytes(r, p) <= smem)
+    return warpgroup_split_fits(q, kv_cache, cfg, r, p) and _producer_kernel_fits(q.device, r, p)
 
 
 def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:

@@ -808,7 +808,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     The work tiles: program_id, program_id + programs, ... (static), or (DYNAMIC) those
     the loader claims, read from the id ring `sched` (`_read_tile`). O_BUFFERS > 0: the
     output rows go out by TMA (`_store_rows_tma`; `out_store` = (out's 2-D descriptor, the
-    [O_BUFFERS, 64, Dv] staging buffers, WG's its own)).
+    [O_BUFFERS, 64, its block's columns] staging buffers, WG's its own)).
     FP8: `descales` = (q, k, v descale pointers, their (sequence, kv head) strides): each
     work tile's scores are scaled by qk_scale x its q and k descales, its output by its v
     descale; `p_smem` [2, 64, BLOCK_N]: each warpgroup's p buffer.
@@ -1110,12 +1110,11 @@ def _load_tile(tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty
 
 
 @gluon.jit
-def _schedule_and_output(sched_ptr, o_desc, placeholder, DV: gl.constexpr, DYNAMIC: gl.constexpr,
-                         O_BUFFERS: gl.constexpr):
+def _schedule_and_output(sched_ptr, o_desc, placeholder, DYNAMIC: gl.constexpr, O_BUFFERS: gl.constexpr):
     """The TMA kernels' partition arguments for DYNAMIC and O_BUFFERS: (the id ring and the
-    ticket counter `sched_ptr`, `_schedule_ring`; (o_desc, the [O_BUFFERS, 64, DV] output
-    staging buffers in its layout)); without either, `placeholder` in its place (a
-    partition takes no None; never read)."""
+    ticket counter `sched_ptr`, `_schedule_ring`; (o_desc, the [O_BUFFERS, 64, its block's
+    columns] output staging buffers in its layout)); without either, `placeholder` in its
+    place (a partition takes no None; never read)."""
     if DYNAMIC:
         ids, id_full, id_empty = _schedule_ring()
     else:
@@ -1235,8 +1234,9 @@ def varlen_fwd_tma_kernel(
     (`plan.tma_claims_tiles` says where); without, `sched_ptr` is a placeholder, never read.
 
     O_BUFFERS = 2: each consumer stores its full 64-row output blocks by TMA through its own
-    [64, DV] staging buffer (`o_desc`: out as 2-D [tokens, heads x DV], blocks [64, DV]);
-    0: every row by `gl.store` (`o_desc` a placeholder, never read)."""
+    staging buffer (`o_desc`: out as 2-D [tokens, heads x DV], blocks [64, DV], or [64, DV /
+    2] for a block in two stores: `_store_rows_tma`); 0: every row by `gl.store` (`o_desc` a
+    placeholder, never read)."""
     dtype: gl.constexpr = q_desc.dtype
     KC: gl.constexpr = q_desc.block_type.shape[1]  # q and k columns a chunk
     CHUNKS: gl.constexpr = DK // KC
@@ -1246,7 +1246,7 @@ def varlen_fwd_tma_kernel(
     V_COLS: gl.constexpr = v_desc.block_type.shape[1]
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], v_desc.layout)
     q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
-    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DV, DYNAMIC, O_BUFFERS)
+    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DYNAMIC, O_BUFFERS)
     if FP8:  # each consumer's p (an fp8 A operand comes from shared memory)
         p_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
@@ -1321,7 +1321,7 @@ def paged_fwd_tma_kernel(
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype))
     v_boxes = nvmma_chunks(v_smem, dtype, STAGES * (DV // 64), BLOCK_N, 64)
     q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
-    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DV, DYNAMIC, O_BUFFERS)
+    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DYNAMIC, O_BUFFERS)
     num_work = num_m_blocks * num_seqs * num_q_heads
     paging = (table_ptr, stride_tb, stride_tm, stride_lens, num_blocks)
     gl.warp_specialize([
