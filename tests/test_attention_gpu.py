@@ -543,6 +543,43 @@ def test_varlen_tma_claimed_schedule_matches_the_static_deal(monkeypatch, fp8):
     del graph
 
 
+@pytest.mark.parametrize("claim", [False, True], ids=["static", "claimed"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_varlen_tma_head_sections_match_one_section(monkeypatch, fp8, claim):
+    """The work tiles taken section by section of heads (`plan.L2_SECTION_BYTES` set so
+    that 3 kv heads make a section of two and a narrower last one: q heads 0-7, then 8-11)
+    against every head in one section, on uneven sequences: the same bits (the order of
+    the tiles changes no row's arithmetic), so every tile was computed, once, at the rows
+    and head it names, under the static deal and with claimed tiles."""
+    lens = [2048, 37, 1500, 1, 700, 129]
+    hq, hk, d = 12, 3, 128
+    q, k, v, cu_q, cu_k = _wgmma_inputs(lens, lens, hq, hk, d, torch.bfloat16, seed=37)
+    if fp8:  # (the fp8 path's per-tensor scales read every row: no NaN past the last sequence here)
+        k.nan_to_num_(0.0)
+        v.nan_to_num_(0.0)
+    args = (q, k, v, cu_q, cu_k, max(lens), max(lens), d**-0.5, True, None, None, None, "on" if fp8 else "off")
+    _skip_unless_wgmma(args)
+    T = _triton()
+    call = graphsafe.get_op("flash_attn_varlen").call(*args)
+    monkeypatch.setattr(plan, "tma_claims_tiles", lambda group, d, fp8=False, paged=False: claim)
+    elem = 1 if fp8 else 2
+    monkeypatch.setattr(plan, "L2_SECTION_BYTES", 2 * max(lens) * 2 * d * elem)
+    assert plan.tma_heads_per_section(hq, hk, max(lens), d, d, elem) == 8
+    sections = T.prepare_flash_attn_varlen(call)
+    monkeypatch.setattr(plan, "L2_SECTION_BYTES", None)
+    assert plan.tma_heads_per_section(hq, hk, max(lens), d, d, elem) == hq
+    whole = T.prepare_flash_attn_varlen(call)
+    expected = whole(*args).clone()
+    out = sections(*args)
+    torch.cuda.synchronize()
+    _assert_gluon_compiled()
+    assert torch.equal(out, expected)
+    if fp8:  # the sections' output is the fp8 path's: within its stated bound of the reference
+        assert _rel_l2(out, _float_reference((*args[:12], "off"))) <= FP8_REL_L2_BOUND
+    else:
+        assert _max_err(out, _float_reference(args)) < 0.02
+
+
 # name: (lens_q, lens_k, D, Dv, causal, window_left, softcap, sinks): the TMA kernel's variants.
 TMA_VARIANT_CASES = {
     "window-100": ([300, 1, 77, 1000], [300, 1, 77, 1000], 128, 128, True, 100, 0.0, False),

@@ -213,3 +213,28 @@ def test_paged_gluon_misaligned_q_runs_the_triton_kernel():
     _assert_gluon_compiled()
     assert torch.equal(misaligned, triton_kernel), "the misaligned call ran the Triton kernel"
     assert (misaligned.float() - aligned.float()).abs().max().item() < 2e-2
+
+
+def test_paged_gluon_head_sections_match_one_section(monkeypatch):
+    """The paged kernel's work tiles section by section of heads (`plan.L2_SECTION_BYTES`
+    set so that 3 kv heads make a section of two and a narrower last one) against every
+    head in one section: the same bits, and the reference's values."""
+    hq, hk = 12, 3
+    q, k_cache, v_cache, table, lens, cu = _paged_inputs([400, 1, 300], [1500, 1, 1000], hq, hk, 16, torch.bfloat16,
+                                                         seed=36)
+    args = (q, k_cache, v_cache, table, lens, cu, 400, 128**-0.5, True)
+    _chosen(args)
+    call = graphsafe.get_op("paged_attention_prefill").call(*args)
+    max_len = table.shape[1] * 16
+    monkeypatch.setattr(plan, "L2_SECTION_BYTES", 2 * max_len * 2 * 128 * 2)
+    assert plan.tma_heads_per_section(hq, hk, max_len, 128, 128, 2) == 8
+    sections = _triton().prepare_paged_attention_prefill(call)
+    monkeypatch.setattr(plan, "L2_SECTION_BYTES", None)
+    whole = _triton().prepare_paged_attention_prefill(call)
+    expected = whole(*args).clone()
+    out = sections(*args)
+    reference_out = _float_reference(args)
+    torch.cuda.synchronize()
+    _assert_gluon_compiled()
+    assert torch.equal(out, expected)
+    assert (out.float() - reference_out.float()).abs().max().item() < 2e-2

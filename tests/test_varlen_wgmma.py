@@ -561,11 +561,12 @@ def binds(monkeypatch):
 
 def test_plain_calls_bind_and_run_the_gluon_launch(binds):
     """Control for the cases below: the default plain call binds the Gluon launch with the
-    call's sequences, max_seqlen_q, scale and causality, and each call goes through it."""
+    call's sequences, max_seqlen_q, scale, causality and max_seqlen_k, and each call goes
+    through it."""
     fits_calls, bindings, launches = binds
     args = _varlen_args()
     out = _prepare(args)(*args)
-    plain = {"window_left": -1, "softcap": 0.0, "sinks_stride": None}
+    plain = {"window_left": -1, "softcap": 0.0, "sinks_stride": None, "max_seqlen_k": 14}
     assert fits_calls == [False] and bindings == [(2, 14, 0.125, True, "wgmma", plain)] and len(launches) == 1
     triton_kernel = T.flash_attn_varlen(*args, config=P.varlen_config(args[0].device, 64, 64, False, 14))
     assert torch.equal(out, triton_kernel), "the wrapped Triton launch computed the call"
@@ -589,7 +590,7 @@ def test_variants_ask_the_plan_and_reach_the_gluon_binding(binds, variant):
                "sinks": {"sinks": torch.zeros(8)[::2]}}[variant]
     _prepare(_varlen_args(**options))
     want = {"window_left": 3 if variant == "window" else -1, "softcap": 30.0 if variant == "softcap" else 0.0,
-            "sinks_stride": 2 if variant == "sinks" else None}
+            "sinks_stride": 2 if variant == "sinks" else None, "max_seqlen_k": 14}
     assert fits_calls == [True] and bindings == [(2, 14, 0.125, True, "tma", want)]
 
 
@@ -609,8 +610,10 @@ def fp8_binds(monkeypatch):
     launch, or for copies a launch that reports it did not run)."""
     bindings = []
 
-    def bind(q, k, vt_shape, num_seqs, max_seqlen_q, scale, causal, descale_strides, gluon, triton_launch):
+    def bind(q, k, vt_shape, num_seqs, max_seqlen_q, scale, causal, descale_strides, gluon, triton_launch,
+             max_seqlen_k=None):
         bindings.append((q.dtype, vt_shape, num_seqs, max_seqlen_q, causal, descale_strides, gluon.copies))
+        assert max_seqlen_k == 14, "the call's max_seqlen_k reaches the binding (its sections)"
         return triton_launch if triton_launch is not None else (lambda *tensors: False)
 
     monkeypatch.setattr(P, "gluon_fp8_plan", lambda q, k, v, max_seqlen_q, variants, copies=False: None if variants

@@ -498,6 +498,38 @@ def tma_claims_tiles(group: int, d: int, fp8: bool = False, paged: bool = False)
     return paged or not fp8
 
 
+# The K/V bytes one section of a TMA kernel's work tiles may read (`tma_heads_per_section`):
+# a third of the H100 / H200 L2 (50 MB), which leaves room for the q, output and other
+# traffic (None: every head in one section, the order before sections). Measured on an H200
+# (`benchmarks/prefill_tma_ab.py --knob section --rounds 4`, causal, medians of alternating
+# CUDA-graph replays, `h200/2026-11-29-0934_prefill_section_ab.txt`), 16 MiB / 32 MiB / one
+# section: 32/32 heads at D 128 0.948 / 0.962 (8 x 4096) and 0.923 / 0.923 (2 x 16384); 32/8
+# heads 0.983 / 1.001 (4 x 8192: 32 MiB is one section there) and 0.979 / 0.990 (2 x 16384);
+# D 192 / Dv 128 at 16/16 0.983 / 0.973; D 256 at 16/8 0.985 / 1.002; fp8 at 32/32 0.993 /
+# 1.011. Outputs bit-equal; shapes whose K/V fits in one section (32/8 heads at 8 x 4096,
+# D 64 at 64/8) run as before.
+L2_SECTION_BYTES: int | None = 16 * 2**20
+
+
+def tma_heads_per_section(hq: int, hk: int, max_keys: int, d: int, dv: int, elem_bytes: int) -> int:
+    """Query heads a section of a "tma" kernel's work tiles (varlen 16-bit and fp8, paged
+    prefill; `gluon_prefill._ws_tile`): the tiles of a sequence run section by section,
+    each section's heaviest query blocks first across its heads, so the programs running
+    at once read the K/V of one section's kv heads, which L2 keeps between the query
+    blocks that read it again. A section holds as many whole kv heads (with their q heads)
+    as `L2_SECTION_BYTES` of K/V (`max_keys` keys of d + dv elements of `elem_bytes`), the
+    kv heads spread evenly over the fewest sections; every head (one section) where they
+    all fit, as with few kv heads (GQA) or short sequences."""
+    if L2_SECTION_BYTES is None or hk <= 1:
+        return hq
+    per_kv_head = max(max_keys, 1) * (d + dv) * elem_bytes
+    fit = max(1, L2_SECTION_BYTES // per_kv_head)
+    if fit >= hk:
+        return hq
+    sections = -(-hk // fit)
+    return -(-hk // sections) * (hq // hk)
+
+
 def tma_q_buffers(d: int) -> int:
     """q buffers of the "tma" kernels: two (the next work tile's q loads while this one
     computes), one at D = 192 and 256, where two would not leave room for two stages of

@@ -261,7 +261,8 @@ def bind_flash_attn_varlen(call, choice: plan.VarlenChoice):
             max_seqlen_q, scale, causal, None, False, choice.config, emulate, tk, **variants,
         ) if attends else None
         if gluon is not None:
-            attend = bind_wgmma_varlen(q, k, v, num_seqs, max_seqlen_q, scale, causal, gluon, attend, **variants)
+            attend = bind_wgmma_varlen(q, k, v, num_seqs, max_seqlen_q, scale, causal, gluon, attend, **variants,
+                                       max_seqlen_k=call.max_seqlen_k)
 
         def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                 q_descale=None, k_descale=None, v_descale=None, fp8="off",
@@ -290,7 +291,7 @@ def bind_flash_attn_varlen(call, choice: plan.VarlenChoice):
         if gluon is not None:
             # sm_90: q, k quantised into fp8 copies for the fp8 Gluon kernel (it reads q by TMA).
             copies = bind_wgmma_varlen_fp8(q, k, (hk, dv, columns), num_seqs, max_seqlen_q, scale, causal,
-                                           ((0, 0),) * 3, gluon, None)
+                                           ((0, 0),) * 3, gluon, None, max_seqlen_k=call.max_seqlen_k)
             quantise_q = bind_quantize_q(q)
 
         def run_quantised(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
@@ -321,7 +322,8 @@ def bind_flash_attn_varlen(call, choice: plan.VarlenChoice):
     ) if attends else None
     if gluon is not None:
         attend = bind_wgmma_varlen_fp8(q, k, (hk, dv, columns), num_seqs, max_seqlen_q, scale, causal,
-                                       descale_strides, gluon, attend)
+                                       descale_strides, gluon, attend,
+                                       max_seqlen_k=call.max_seqlen_k)
     needs_one = call.q_descale is None or call.k_descale is None or call.v_descale is None
 
     def run_fp8_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
@@ -425,6 +427,7 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
     variant = _variant_meta(call.window_left if call.window_left < max_len else -1, call.softcap, sinks_stride)
     key = (q.dtype, d, dv, page, call.causal, gluon.kernel, gluon.warp_spec, *variant.values())
     claim = plan.tma_claims_tiles(hq // hk, d, paged=True)
+    section = plan.tma_heads_per_section(hq, hk, max_len, d, dv, q.element_size())
     errors = compile_errors()
     kernel = None
     if key not in _FAILED:
@@ -436,7 +439,7 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
                       q, q, q, q, q, q,  # out, cu_q, seq_lens, block_table, sinks, counter: only their device is read
                       hq * dv, dv, call.seq_lens.stride(0), block_table.stride(0), block_table.stride(1),
                       sinks_stride or 0, _qk_scale(call.scale, call.softcap), hq, num_m_blocks, tq, max_len, num_seqs,
-                      num_blocks, GROUP=hq // hk, DK=d, DV=dv, BLOCK_M=gluon.block_m, BLOCK_N=gluon.block_n,
+                      num_blocks, section, GROUP=hq // hk, DK=d, DV=dv, BLOCK_M=gluon.block_m, BLOCK_N=gluon.block_n,
                       CAUSAL=call.causal, STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                       PAGE=page, Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim, O_BUFFERS=gluon.out_buffers,
                       num_warps=4)
@@ -459,14 +462,16 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
 
 def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, max_seqlen_q: int,
                       scale: float, causal: bool, gluon: plan.GluonPlan, triton_launch: Launch,
-                      window_left: int = -1, softcap: float = 0.0, sinks_stride: int | None = None) -> Launch:
+                      window_left: int = -1, softcap: float = 0.0, sinks_stride: int | None = None,
+                      max_seqlen_k: int | None = None) -> Launch:
     """A launch with `triton_launch`'s arguments, `(q, k, v, out, cu_q, cu_k, q_descale,
     k_descale, v_descale, sinks)` into a contiguous `out` [Tq, Hq, Dv]: the Gluon kernel of
     plan `gluon` (which reads no descales, placeholders here) for 16-byte aligned q, k, v,
     else `triton_launch` (the Choice's next kernel), as for every call once the Gluon
     kernel failed to compile. The variants (`window_left`, `softcap`, `sinks_stride`: None
     without sinks, whose argument is then a placeholder) run on the "tma" kernel only (the
-    plan's rule); a window of Tk keys or more is none."""
+    plan's rule); a window of Tk keys or more is none. `max_seqlen_k` (None: Tk) bounds a
+    sequence's keys for the work tiles' sections (`plan.tma_heads_per_section`)."""
     module = plan.gluon_module()
     tq, hq, d = q.shape
     tk, hk, dv = v.shape
@@ -486,9 +491,10 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
             stages, consumer_regs, loader_regs = ws
             descriptors = module.tma_descriptors(q, k, v, block_n)  # templates: each call's q, k, v
             out_slot = _out_slot(module, gluon, q, (tq, hq, dv), q)
+            section = plan.tma_heads_per_section(hq, hk, min(max_seqlen_k or tk, tk), d, dv, q.element_size())
             wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                          q, q, q, q, q, q, q, q,  # out, cu_q, cu_k; descales (not read without FP8), sinks, counter
-                         hq * dv, dv, *(0,) * 6, sinks_stride or 0, *sizes, num_seqs, **meta, DK=d, DV=dv,
+                         hq * dv, dv, *(0,) * 6, sinks_stride or 0, *sizes, num_seqs, section, **meta, DK=d, DV=dv,
                          STAGES=stages, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=False,
                          Q_BUFFERS=gluon.q_buffers, **variant, DYNAMIC=claim, O_BUFFERS=gluon.out_buffers,
                          num_warps=4)
@@ -524,7 +530,7 @@ def bind_wgmma_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seq
 def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int, int, int], num_seqs: int,
                           max_seqlen_q: int, scale: float, causal: bool,
                           descale_strides: tuple[tuple[int, int], ...], gluon: plan.GluonPlan,
-                          triton_launch: Launch | None) -> Launch:
+                          triton_launch: Launch | None, max_seqlen_k: int | None = None) -> Launch:
     """A launch with `triton_launch`'s arguments, `(q, k, vt, out, cu_q, cu_k, q_descale,
     k_descale, v_descale, sinks)` (fp8 q, k; V^T `vt` of shape `vt_shape`; out contiguous
     [Tq, Hq, Dv]): the fp8 Gluon kernel of plan `gluon` (which reads no sinks: a
@@ -533,7 +539,8 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
     for one value per tensor. `gluon.copies`: q and k are bf16/fp16 inputs whose
     contiguous fp8 copies each call passes instead; then `triton_launch` may be None, and
     a call the Gluon kernel cannot run (a failed compile) returns False for the caller
-    to run the Triton kernel its own way (on q as given)."""
+    to run the Triton kernel its own way (on q as given). `max_seqlen_k` (None: Tk) as
+    `bind_wgmma_varlen`'s."""
     module = plan.gluon_module()
     tq, hq, d = q.shape
     tk, hk = k.shape[:2]
@@ -559,6 +566,7 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
         wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                      q, q, q, q, q, q, q, q,  # out, cu_q, cu_k, the descales, sinks, counter: only their device is read
                      hq * dv, dv, *strides, 0, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
+                     plan.tma_heads_per_section(hq, hk, min(max_seqlen_k or tk, tk), d, dv, 1),  # 1-byte K / V^T
                      GROUP=hq // hk, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DK=d, DV=dv, STAGES=stages,
                      CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, Q_BUFFERS=gluon.q_buffers,
                      **_variant_meta(-1, 0.0, None), DYNAMIC=claim, O_BUFFERS=gluon.out_buffers, num_warps=4)

@@ -458,16 +458,24 @@ WS_LOADER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
-def _ws_tile(tile, num_m_blocks, num_q_heads, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Work tile `tile` -> (sequence, query head, kv head, first row). Sequence by sequence;
-    within one, its heaviest query blocks first across all its heads (block index major,
-    descending), so the programs that take a sequence's tiles round-robin get equal shares
-    of its causal work while they read the K/V of that sequence only (L2-resident)."""
+def _ws_tile(tile, num_m_blocks, heads, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Work tile `tile` -> (sequence, query head, kv head, first row). `heads`: (q heads,
+    q heads a section, a multiple of GROUP). Sequence by sequence; within one, section by
+    section of its heads (`plan.tma_heads_per_section`: as many as keep their K/V in L2);
+    within a section its heaviest query blocks first across its heads (block index major,
+    descending), so the programs that take a section's tiles round-robin get equal shares
+    of its causal work while they read that section's K/V only (L2-resident). The last
+    section may be narrower."""
+    num_q_heads, section = heads
     per_seq = num_m_blocks * num_q_heads
     b = tile // per_seq
     r = tile % per_seq
-    head = r % num_q_heads
-    return b, head, head // GROUP, (num_m_blocks - 1 - r // num_q_heads) * BLOCK_M
+    per_section = num_m_blocks * section
+    first = (r // per_section) * section  # the section's first head
+    width = gl.minimum(section, num_q_heads - first)
+    r = r % per_section
+    head = first + r % width
+    return b, head, head // GROUP, (num_m_blocks - 1 - r // width) * BLOCK_M
 
 
 @gluon.jit
@@ -564,7 +572,7 @@ def _ws_copy_tile(smem, base, row0, row_end, stride, ROWS: gl.constexpr, D: gl.c
 @gluon.jit
 def _ws_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-               num_q_heads, num_m_blocks, num_work, total_q, total_k,
+               heads, num_m_blocks, num_work, total_q, total_k,
                GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """Loader partition (WS_LOADER_WARPS warps). Per work tile of this program: q into
@@ -578,7 +586,7 @@ def _ws_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty,
     ring = 0
     count = 0
     for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
+        b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, heads, GROUP, BLOCK_M)
         q_start, q_len, k_start, k_len, diag, n_tiles, _ = _ws_bounds(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k,
                                                                        BLOCK_M, BLOCK_N, CAUSAL, 4)
         if n_tiles > 0:
@@ -795,7 +803,7 @@ def _fp8_scales(descales, b, kv_head, qk_scale):
 
 @gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                 out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                 out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
                  total_q, total_k, WG: gl.constexpr, GROUP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr,
                  FP8: gl.constexpr = False, descales=None, p_smem=None, paging=None, PAGE: gl.constexpr = 0,
@@ -832,7 +840,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
         while tile < num_work:
             ring, count = _consume_tile(
                 tile, ring, count, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, out_ptr,
-                cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, total_q, total_k, WG,
+                cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, total_q, total_k, WG,
                 GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales, p_smem, paging, PAGE, BOX, sinks,
                 WINDOW_LEFT, SOFTCAP, HAS_SINKS, S_ROW, O_MMA, O_ROW, out_store, O_BUFFERS)
             it += 1
@@ -841,7 +849,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
         for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
             ring, count = _consume_tile(
                 tile, ring, count, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, out_ptr,
-                cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, total_q, total_k, WG,
+                cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, total_q, total_k, WG,
                 GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales, p_smem, paging, PAGE, BOX, sinks,
                 WINDOW_LEFT, SOFTCAP, HAS_SINKS, S_ROW, O_MMA, O_ROW, out_store, O_BUFFERS)
     if O_BUFFERS > 0:
@@ -850,14 +858,14 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
 
 @gluon.jit
 def _consume_tile(tile, ring, count, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                  out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, total_q,
+                  out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, total_q,
                   total_k, WG: gl.constexpr, GROUP: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CHUNKS: gl.constexpr,
                   FP8: gl.constexpr, descales, p_smem, paging, PAGE: gl.constexpr, BOX: gl.constexpr, sinks,
                   WINDOW_LEFT: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr, S_ROW: gl.constexpr,
                   O_MMA: gl.constexpr, O_ROW: gl.constexpr, out_store, O_BUFFERS: gl.constexpr):
     """`_ws_consumer`'s work on one work tile; returns its (ring, count) after it."""
-    b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
+    b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, heads, GROUP, BLOCK_M)
     q_start, q_len, k_start, k_len, diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks = \
         _tma_tile_keys(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, paging, BLOCK_M, BLOCK_N, CAUSAL, 4, FP8,
                        PAGE, WINDOW_LEFT)
@@ -934,16 +942,17 @@ def varlen_fwd_ws_kernel(
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
     num_work = num_m_blocks * num_seqs * num_q_heads
+    heads = (num_q_heads, num_q_heads)  # (q heads, q heads a section: one section)
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
                         total_q, total_k, 0, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
                         total_q, total_k, 1, GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, 1)),
         (_ws_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
                       q_ptr, k_ptr, v_ptr, cu_q_ptr, cu_k_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                      stride_vh, num_q_heads, num_m_blocks, num_work, total_q, total_k,
+                      stride_vh, heads, num_m_blocks, num_work, total_q, total_k,
                       GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
     ], [4, WS_LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
@@ -984,7 +993,7 @@ def _tma_chunks(desc, row, col, barrier, smem, first, CHUNKS: gl.constexpr):
 
 @gluon.jit
 def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
-                q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
+                q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, heads, num_m_blocks, num_work, total_q, total_k,
                 GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
                 paging=None, v_boxes=None, PAGE: gl.constexpr = 0, BOX: gl.constexpr = 0,
@@ -1026,7 +1035,7 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
         while tile < num_work:
             ring, count, fixes = _load_tile(
                 tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed, q_desc, k_desc,
-                v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, total_q, total_k, GROUP, DK, DV, BLOCK_M,
+                v_desc, cu_q_ptr, cu_k_ptr, heads, num_m_blocks, total_q, total_k, GROUP, DK, DV, BLOCK_M,
                 BLOCK_N, STAGES, CAUSAL, FP8, paging, v_boxes, PAGE, BOX, WINDOW_LEFT, CHUNKS, Q_BUFFERS, V_BYTES)
             tile = gl.num_programs(0) + gl.atomic_add(sched_ptr, 1, sem="relaxed")
             it += 1
@@ -1036,19 +1045,19 @@ def _tma_loader(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty
         for tile in range(gl.program_id(0), num_work, gl.num_programs(0)):
             ring, count, fixes = _load_tile(
                 tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed, q_desc, k_desc,
-                v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, total_q, total_k, GROUP, DK, DV, BLOCK_M,
+                v_desc, cu_q_ptr, cu_k_ptr, heads, num_m_blocks, total_q, total_k, GROUP, DK, DV, BLOCK_M,
                 BLOCK_N, STAGES, CAUSAL, FP8, paging, v_boxes, PAGE, BOX, WINDOW_LEFT, CHUNKS, Q_BUFFERS, V_BYTES)
 
 
 @gluon.jit
 def _load_tile(tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-               v_landed, q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, total_q, total_k,
+               v_landed, q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, heads, num_m_blocks, total_q, total_k,
                GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, paging, v_boxes, PAGE: gl.constexpr,
                BOX: gl.constexpr, WINDOW_LEFT: gl.constexpr, CHUNKS: gl.constexpr, Q_BUFFERS: gl.constexpr,
                V_BYTES: gl.constexpr):
     """`_tma_loader`'s copies of one work tile; returns its (ring, count, fixes) after it."""
-    b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, num_q_heads, GROUP, BLOCK_M)
+    b, head, kv_head, m0 = _ws_tile(tile, num_m_blocks, heads, GROUP, BLOCK_M)
     q_start, q_len, k_start, k_len, diag, lead, t_lo, n_tiles, key_lo, table_row, stride_tm, num_blocks = \
         _tma_tile_keys(cu_q_ptr, cu_k_ptr, b, m0, total_q, total_k, paging, BLOCK_M, BLOCK_N, CAUSAL, 1, FP8,
                        PAGE, WINDOW_LEFT)
@@ -1206,7 +1215,7 @@ def _tma_barriers(Q_BUFFERS: gl.constexpr, STAGES: gl.constexpr):
 def varlen_fwd_tma_kernel(
     q_desc, k_desc, v_desc, o_desc, out_ptr, cu_q_ptr, cu_k_ptr, qd_ptr, kd_ptr, vd_ptr, sinks_ptr, sched_ptr, stride_ot,
     stride_oh, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h, stride_sinks,
-    qk_scale, num_q_heads, num_m_blocks, total_q, total_k, num_seqs,
+    qk_scale, num_q_heads, num_m_blocks, total_q, total_k, num_seqs, heads_per_section,
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     FP8: gl.constexpr, Q_BUFFERS: gl.constexpr = 2, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
@@ -1253,21 +1262,22 @@ def varlen_fwd_tma_kernel(
     else:
         p_smem = q_smem  # (not read: a partition takes no None)
     num_work = num_m_blocks * num_seqs * num_q_heads
+    heads = (num_q_heads, heads_per_section)
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
                         total_q, total_k, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
                         (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
                          stride_vd_h), p_smem, (sinks_ptr, stride_sinks), 0, 0, (sinks_ptr, stride_sinks), WINDOW_LEFT,
                         SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store, O_BUFFERS)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
                         total_q, total_k, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
                         (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
                          stride_vd_h), p_smem, (sinks_ptr, stride_sinks), 0, 0, (sinks_ptr, stride_sinks), WINDOW_LEFT,
                         SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store, O_BUFFERS)),
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
-                       q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, num_q_heads, num_m_blocks, num_work, total_q, total_k,
+                       q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, heads, num_m_blocks, num_work, total_q, total_k,
                        GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, (sinks_ptr, stride_sinks), v_smem, 0, 0,
                        WINDOW_LEFT, sched, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -1291,7 +1301,7 @@ def paged_tma_descriptors(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def paged_fwd_tma_kernel(
     q_desc, k_desc, v_desc, o_desc, out_ptr, cu_q_ptr, lens_ptr, table_ptr, sinks_ptr, sched_ptr, stride_ot, stride_oh,
     stride_lens, stride_tb, stride_tm, stride_sinks, qk_scale, num_q_heads, num_m_blocks, total_q, max_len, num_seqs,
-    num_blocks,
+    num_blocks, heads_per_section,
     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     PAGE: gl.constexpr, Q_BUFFERS: gl.constexpr = 2, WINDOW_LEFT: gl.constexpr = -1, SOFTCAP: gl.constexpr = 0.0,
@@ -1324,19 +1334,20 @@ def paged_fwd_tma_kernel(
     sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DYNAMIC, O_BUFFERS)
     num_work = num_m_blocks * num_seqs * num_q_heads
     paging = (table_ptr, stride_tb, stride_tm, stride_lens, num_blocks)
+    heads = (num_q_heads, heads_per_section)
     gl.warp_specialize([
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                        out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
                         total_q, max_len, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, False,
                         paging, q_smem, paging, PAGE, BOX, (sinks_ptr, stride_sinks), WINDOW_LEFT, SOFTCAP,
                         HAS_SINKS, sched, DYNAMIC, out_store, O_BUFFERS)),
         (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                        out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, num_q_heads, num_m_blocks, num_work,
+                        out_ptr, cu_q_ptr, lens_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
                         total_q, max_len, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, False,
                         paging, q_smem, paging, PAGE, BOX, (sinks_ptr, stride_sinks), WINDOW_LEFT, SOFTCAP,
                         HAS_SINKS, sched, DYNAMIC, out_store, O_BUFFERS)),
         (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
-                       q_desc, k_desc, v_desc, cu_q_ptr, lens_ptr, num_q_heads, num_m_blocks, num_work, total_q,
+                       q_desc, k_desc, v_desc, cu_q_ptr, lens_ptr, heads, num_m_blocks, num_work, total_q,
                        max_len, GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, False, paging, v_boxes, PAGE, BOX,
                        WINDOW_LEFT, sched, DYNAMIC)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
