@@ -466,6 +466,52 @@ def test_tma_store_is_planned_where_two_staging_buffers_fit(monkeypatch, d, dv, 
     assert P.with_tma_store(plan, module, d, dv, None) == plan
 
 
+def test_tma_heads_per_section_keeps_a_section_s_kv_in_its_l2_share(monkeypatch):
+    """`plan.tma_heads_per_section`: every head in one section where the K/V of all kv
+    heads fits in `L2_SECTION_BYTES` (GQA 32/8 at 4096 keys, D 128: 16 MiB); else whole kv
+    heads with their q heads, spread evenly over the fewest sections whose K/V fits (one
+    kv head a section where not even one fits); None: one section."""
+    monkeypatch.setattr(P, "L2_SECTION_BYTES", 16 * 2**20)
+    assert P.tma_heads_per_section(32, 8, 4096, 128, 128, 2) == 32  # 8 x 2 MiB
+    assert P.tma_heads_per_section(32, 8, 8192, 128, 128, 2) == 16  # 4 MiB a kv head: 4 a section
+    assert P.tma_heads_per_section(32, 32, 4096, 128, 128, 2) == 8  # MHA: 8 of 2 MiB
+    assert P.tma_heads_per_section(32, 32, 4096, 128, 128, 1) == 16  # fp8: 1 MiB a kv head
+    assert P.tma_heads_per_section(16, 16, 4096, 192, 128, 2) == 6  # 2.5 MiB: 6 fit, sections of 6, 6, 4
+    assert P.tma_heads_per_section(64, 8, 4096, 64, 64, 2) == 64  # D 64: 1 MiB a kv head
+    assert P.tma_heads_per_section(24, 12, 4096, 128, 128, 2) == 12  # 8 fit: two sections of 6 kv heads
+    assert P.tma_heads_per_section(32, 8, 2**20, 128, 128, 2) == 4  # none fits: a kv head (4 q heads) a section
+    assert P.tma_heads_per_section(8, 1, 2**20, 128, 128, 2) == 8  # one kv head: one section
+    for hq, hk, keys, d, elem in ((40, 8, 6000, 128, 2), (12, 3, 30000, 64, 2), (96, 32, 5000, 128, 1)):
+        section = P.tma_heads_per_section(hq, hk, keys, d, d, elem)
+        kv = section // (hq // hk)
+        assert section % (hq // hk) == 0 and 0 < section <= hq
+        assert kv == 1 or kv * keys * 2 * d * elem <= P.L2_SECTION_BYTES
+    monkeypatch.setattr(P, "L2_SECTION_BYTES", None)
+    assert P.tma_heads_per_section(32, 32, 2**20, 128, 128, 2) == 32
+
+
+def test_tma_launch_passes_the_plan_s_heads_per_section(monkeypatch):
+    """The TMA kernel's `heads_per_section` is the plan's for the call's heads, head dims,
+    element size and max_seqlen_k, bounded by the keys given (None: all of them)."""
+    real = _gluon_module()
+    gluon = StandInKernel(inspect.signature(real.varlen_fwd_tma_kernel.fn))
+    module = types.SimpleNamespace(varlen_fwd_tma_kernel=gluon, tma_descriptors=real.tma_descriptors)
+    monkeypatch.setattr(P, "gluon_module", lambda: module)
+    monkeypatch.setattr(T, "_FAILED", set())
+    monkeypatch.setattr(T, "num_sms", lambda device: 132)
+    monkeypatch.setattr(P, "L2_SECTION_BYTES", 64 * 1024)  # (small: these few keys make sections)
+    q = torch.zeros(64, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(64, 4, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 32, 64], dtype=torch.int32)
+    for max_k in (None, 16, 100):
+        launch = T.bind_wgmma_varlen(q, k, k, 2, 64, 0.08, True, P.gluon_plan_for("tma", 64, 128), _TritonLaunch(),
+                                     max_seqlen_k=max_k)
+        launch(q, k, k, torch.empty_like(q), cu, cu, q, q, q, q)
+    # 64 keys of 2 x 128 bf16 columns: 32 KiB a kv head, two a section (4 q heads); 16 keys: all 4 kv heads
+    assert [a["heads_per_section"] for a in gluon.arguments] == [4, 8, 4]
+    assert [a["num_q_heads"] for a in gluon.arguments] == [8, 8, 8]
+
+
 def test_tma_schedule_is_claimed_where_it_measured_faster():
     """`plan.tma_claims_tiles`, as measured (its docstring): paged prefill always; the 16-bit
     varlen kernel at every head dim and group; the static deal for the fp8 kernel."""
