@@ -139,6 +139,28 @@ def test_gluon_cluster_probe_runs(compile_for_sm90):
         assert re.search(rf"^{case} +(compiles|does not compile)", out, re.M), out
 
 
+def test_gluon_tile_shape_probe_runs(compile_for_sm90):
+    """benchmarks/gluon_tile_shape_probe.py (the evidence of benchmarks/NOTES.md on 48-key
+    tiles) still runs with this Triton: its power-of-two controls compile for sm_90 and
+    every width prints a verdict."""
+    probe = ROOT / "benchmarks" / "gluon_tile_shape_probe.py"
+    script = (
+        "import runpy\n"
+        "try:\n"
+        f"    runpy.run_path({str(probe)!r}, run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('OK')\n"
+    )
+    out = compile_for_sm90(script, timeout=600)
+    if "NO_GLUON" in out:
+        pytest.skip("this Triton has no Gluon or no CUDA backend")
+    for n in (16, 32, 64):
+        assert re.search(rf"^N +{n} compiles", out, re.M), out
+    for n in (24, 48):
+        assert re.search(rf"^N +{n} (compiles|does not compile)", out, re.M), out
+
+
 def test_profile_peers_picks_impls_and_needs_a_gpu(capsys):
     """benchmarks/profile_peers.py (Nsight's driver for the peer comparisons in
     benchmarks/NOTES.md): `--impl` texts pick impls by substring, none picks every impl but
