@@ -118,11 +118,10 @@ def test_docs_are_linked_from_the_readme_and_cited_design_exists():
     assert (ROOT / "docs" / "design.md").is_file()
 
 
-def test_gluon_cluster_probe_runs(compile_for_sm90):
-    """benchmarks/gluon_cluster_probe.py (the evidence of benchmarks/NOTES.md on clusters in
-    Gluon) still runs with this Triton: its control kernel, a tile split over a 2-CTA
-    cluster with no exchange, compiles for sm_90, and every case prints a verdict."""
-    probe = ROOT / "benchmarks" / "gluon_cluster_probe.py"
+def _probe_output(compile_for_sm90, name: str) -> str:
+    """The output of benchmarks/<name> (a Gluon probe that compiles for sm_90 on the CPU),
+    run in the subprocess that compiles for sm_90; skips where this Triton has no Gluon."""
+    probe = ROOT / "benchmarks" / name
     script = (
         "import runpy\n"
         "try:\n"
@@ -134,6 +133,14 @@ def test_gluon_cluster_probe_runs(compile_for_sm90):
     out = compile_for_sm90(script, timeout=600)
     if "NO_GLUON" in out:
         pytest.skip("this Triton has no Gluon or no CUDA backend")
+    return out
+
+
+def test_gluon_cluster_probe_runs(compile_for_sm90):
+    """benchmarks/gluon_cluster_probe.py (the evidence of benchmarks/NOTES.md on clusters in
+    Gluon) still runs with this Triton: its control kernel, a tile split over a 2-CTA
+    cluster with no exchange, compiles for sm_90, and every case prints a verdict."""
+    out = _probe_output(compile_for_sm90, "gluon_cluster_probe.py")
     assert re.search(r"^split +compiles", out, re.M), out
     for case in ("split_to_whole", "rows_to_columns"):
         assert re.search(rf"^{case} +(compiles|does not compile)", out, re.M), out
@@ -143,18 +150,7 @@ def test_gluon_tile_shape_probe_runs(compile_for_sm90):
     """benchmarks/gluon_tile_shape_probe.py (the evidence of benchmarks/NOTES.md on 48-key
     tiles) still runs with this Triton: its power-of-two controls compile for sm_90 and
     every width prints a verdict."""
-    probe = ROOT / "benchmarks" / "gluon_tile_shape_probe.py"
-    script = (
-        "import runpy\n"
-        "try:\n"
-        f"    runpy.run_path({str(probe)!r}, run_name='__main__')\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "print('OK')\n"
-    )
-    out = compile_for_sm90(script, timeout=600)
-    if "NO_GLUON" in out:
-        pytest.skip("this Triton has no Gluon or no CUDA backend")
+    out = _probe_output(compile_for_sm90, "gluon_tile_shape_probe.py")
     for n in (16, 32, 64):
         assert re.search(rf"^N +{n} compiles", out, re.M), out
     for n in (24, 48):
