@@ -1276,6 +1276,8 @@ def varlen_fwd_tma_kernel(
     descales = (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h)
     sinks = (sinks_ptr, stride_sinks)
     # The first consumer runs in the launch's 4 warps; each other consumer in 4 more, the loader in 1.
+    # (One literal partition list per consumer count: the partitions' argument tuples bound to
+    # names first and passed as such did not compile in Triton 3.6.)
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
