@@ -238,7 +238,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("bench: --time-limit must be >= 0", file=sys.stderr)
         return 2
     harness.run(args.op, device, json_path=args.json, full=args.full, time_limit=args.time_limit,
-                reference=not args.no_reference)
+                reference=not args.no_reference, only=args.only)
     return 0
 
 
@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                        "passed since the run began; the rows measured are kept")
     bench.add_argument("--no-reference", action="store_true", help="leave out the PyTorch reference rows (eager and "
                        "compiled): graphsafe and its peers only, for sweeps the reference would take most of")
+    bench.add_argument("--only", action="append", metavar="TEXT", help="time only the problems whose 'case | shape' "
+                       "label (as printed) contains TEXT (repeatable: any of them), e.g. --only D=64/64")
     bench.add_argument("--list", action="store_true", help="list the benchmark cases and their shape counts")
     dm = sub.add_parser("demo", help="decode with the demo model: eager, compiled, compiled + CUDA graphs; one table")
     dm.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present, else cpu")

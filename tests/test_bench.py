@@ -95,6 +95,26 @@ def test_no_reference_leaves_out_the_reference_rows_only(tmp_path):
     assert rows_without
 
 
+def test_only_times_the_problems_whose_label_contains_a_text(tmp_path):
+    """`bench --only TEXT` (repeatable): the problems whose "case | shape" label contains one
+    of the texts, with all their rows; the others are not timed; the JSON meta names the
+    texts. A text matching nothing times nothing."""
+    def shapes(argv, path):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["bench", "--device", "cpu", *CASES, "--json", str(path), *argv]) == 0
+        doc = _strict_json(path)
+        return doc["meta"]["only"], [(row.case, row.shape, row.impl) for row in _rows(doc)]
+
+    meta, every = shapes([], tmp_path / "all.json")
+    assert meta is None and len(every) == ROWS
+    first = every[0][1]  # a shape label of the first case
+    meta, picked = shapes(["--only", first, "--only", "workspace"], tmp_path / "some.json")
+    assert meta == [first, "workspace"]
+    assert picked == [r for r in every if first in f"{r[0]} | {r[1]}" or "workspace" in f"{r[0]} | {r[1]}"]
+    assert 0 < len(picked) < len(every)
+    assert shapes(["--only", "no such shape"], tmp_path / "none.json")[1] == []
+
+
 def test_gbps_is_never_zero_for_rows_that_move_bytes(tmp_path):
     path = tmp_path / "bench.json"
     rc, text = _bench(["--op", "top_k_per_row_decode", "--json", str(path)])

@@ -631,15 +631,19 @@ def _without_reference(problem: Problem) -> Problem:
 
 
 def _run_case(case: BenchCase, shapes: tuple, device: torch.device, ceilings: Ceilings, log: RunLog,
-              deadline: Deadline, echo: Callable[[str], None], reference: bool = True) -> None:
+              deadline: Deadline, echo: Callable[[str], None], reference: bool = True,
+              only: Sequence[str] | None = None) -> None:
     """Print and log each row of the case as it is measured; return early (with
     `deadline.hit` set) once the deadline has expired. Without `reference`, the PyTorch
-    reference's rows are left out."""
+    reference's rows are left out. With `only`, a problem whose "case | shape" label
+    contains none of its texts is passed over (built by the case, never timed)."""
     problems = case.fn(device, shapes)
     try:
         for problem in problems:
             if deadline.expired():
                 return
+            if only and not any(text in f"{problem.case} | {problem.shape}" for text in only):
+                continue
             if not reference:
                 problem = _without_reference(problem)
             echo(problem_title(problem))
@@ -669,6 +673,7 @@ def run(
     matmul_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float8_e4m3fn),
     echo: Callable[[str], None] = _echo,
     reference: bool = True,
+    only: Sequence[str] | None = None,
 ) -> list[Row]:
     """Run the cases `names` (all when None) and return their rows.
 
@@ -682,7 +687,8 @@ def run(
     stopped; "ceilings": the copy bandwidth and matmul peaks; "rows": every row so far}
     (NaN written as null). Without `reference`, no problem times the PyTorch reference
     ("reference eager" / "compiled": in a GPU sweep most of the time goes to them), and the
-    meta says so ("reference": false).
+    meta says so ("reference": false). With `only` (texts), only the problems whose "case |
+    shape" label contains one of them are timed (meta "only").
     """
     cases = load_cases()
     selected = list(names or sorted(cases))
@@ -695,7 +701,7 @@ def run(
     meta = {"device": ceilings.device, "device_type": device.type, **_versions(), "sweep": sweep, "cases": selected,
             "time_limit_s": time_limit, "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "elapsed_s": round(deadline.elapsed(), 3), "skipped": {}, "complete": False, "stopped": None,
-            "reference": reference}
+            "reference": reference, "only": list(only) if only else None}
     log = RunLog(json_path, meta, ceilings)
     for line in legend(ceilings, device, sweep):
         echo(line)
@@ -708,7 +714,7 @@ def run(
                 echo(f"{name}: {reason}: skipped")
                 log.skip(name, reason)
                 continue
-            _run_case(cases[name], shapes, device, ceilings, log, deadline, echo, reference)
+            _run_case(cases[name], shapes, device, ceilings, log, deadline, echo, reference, only)
             if deadline.hit:
                 break
     except BaseException as err:
