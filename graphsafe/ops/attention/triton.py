@@ -427,11 +427,11 @@ def bind_gluon_paged_prefill(call, num_seqs: int, gluon: plan.GluonPlan, triton_
     variant = _variant_meta(call.window_left if call.window_left < max_len else -1, call.softcap, sinks_stride)
     key = (q.dtype, d, dv, page, call.causal, gluon.kernel, gluon.warp_spec, *variant.values())
     claim = plan.tma_claims_tiles(hq // hk, d, paged=True)
-    section = plan.tma_heads_per_section(hq, hk, max_len, d, dv, q.element_size())
     errors = compile_errors()
     kernel = None
     if key not in _FAILED:
         stages, consumer_regs, loader_regs = gluon.warp_spec
+        section = plan.tma_heads_per_section(hq, hk, max_len, d, dv, q.element_size())
         work = num_m_blocks * num_seqs * hq
         descriptors = module.paged_tma_descriptors(q, k_cache, v_cache, gluon.block_n)  # templates: each call's
         out_slot = _out_slot(module, gluon, q, (tq, hq, dv), q)
@@ -563,10 +563,10 @@ def bind_wgmma_varlen_fp8(q: torch.Tensor, k: torch.Tensor, vt_shape: tuple[int,
         strides = tuple(x for pair in descale_strides for x in pair)
         out_like = torch.empty(0, dtype=output_dtype(q.dtype), device=q.device)
         out_slot = _out_slot(module, gluon, out_like, (tq, hq, dv), q)
+        section = plan.tma_heads_per_section(hq, hk, min(max_seqlen_k or tk, tk), d, dv, 1)  # 1-byte K / V^T
         wgmma = bind(module.varlen_fwd_tma_kernel, (min(work, num_sms(q.device)),), *descriptors, out_slot,
                      q, q, q, q, q, q, q, q,  # out, cu_q, cu_k, the descales, sinks, counter: only their device is read
-                     hq * dv, dv, *strides, 0, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs,
-                     plan.tma_heads_per_section(hq, hk, min(max_seqlen_k or tk, tk), d, dv, 1),  # 1-byte K / V^T
+                     hq * dv, dv, *strides, 0, scale * LOG2E, hq, num_m_blocks, tq, tk, num_seqs, section,
                      GROUP=hq // hk, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DK=d, DV=dv, STAGES=stages,
                      CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, FP8=True, Q_BUFFERS=gluon.q_buffers,
                      **_variant_meta(-1, 0.0, None), DYNAMIC=claim, O_BUFFERS=gluon.out_buffers, num_warps=4)
