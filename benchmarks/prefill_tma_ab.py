@@ -82,7 +82,7 @@ def _set_section(size: int | None):
     P.L2_SECTION_BYTES = size
 
 
-# knob: (the two choices, label -> the value set, the function setting it)
+# knob: (its choices, label -> the value set, the function setting it)
 KNOBS = {"schedule": ({"static": False, "claimed": True}, _set_schedule),
          "store": ({"gl.store": False, "TMA store": True}, _set_store),
          "section": ({"one section": None, "32 MiB sections": 32 * 2**20, "16 MiB sections": 16 * 2**20},
