@@ -3,11 +3,8 @@
 
 * `--head-dim 64` (gpt-oss-120b: 64/8 heads): `flash_attn_varlen` 8 x 4096 causal on the
   one-partition "wgmma" kernel, the Triton kernel and the TMA kernel with 64- and 128-key
-  tiles, with two consumer warpgroups (128-row tiles) and with three (192-row tiles,
-  `plan.tma_consumers`; two register splits), each with its TMA store where the plan
-  would give it one, plain and with sinks + a 128-token window; `paged_attention_prefill`
-  8 x 512 new tokens over 4096 (blocks of 16 and 64) on the Triton kernel and the TMA
-  kernel;
+  tiles, plain and with sinks + a 128-token window; `paged_attention_prefill` 8 x 512 new
+  tokens over 4096 (blocks of 16 and 64) on the Triton kernel and the TMA kernel;
 * `--head-dim 256` (Gemma-2: 16/8 heads): varlen 4 x 4096 and paged 8 x 512 over 4096 on the
   Triton kernels and the TMA kernels with 64-key tiles and one q buffer (two consumer /
   loader register splits), plain and with a 4095-token window + softcap 50; gather +
@@ -96,14 +93,8 @@ def main(argv=None) -> int:
     ws = P.warp_specialisation("tma", args.head_dim)
     if args.head_dim == 64:
         sinks = torch.randn(64, device="cuda")
-        module, smem = P.gluon_module(), P.max_shared_memory(torch.device("cuda"))
-        three = P.warp_specialisation("tma", 64, consumers=3)
         for label, (window, s) in (("plain", (-1, None)), ("sinks + window 127", (127, sinks))):
-            plans = {f"tma 2 consumers, {bn}-key tiles": P.GluonPlan("tma", 128, bn, ws, 2) for bn in (64, 128)}
-            for bn in (64, 128):
-                for regs in (three[1:], (160, 24)):
-                    plans[f"tma 3 consumers, {bn}-key tiles, {regs}"] = P.GluonPlan("tma", 192, bn, (2, *regs), 2)
-            plans = {name: P.with_tma_store(plan, module, 64, 64, smem) for name, plan in plans.items()}
+            plans = {f"tma {bn}-key tiles": P.GluonPlan("tma", 128, bn, ws, 2) for bn in (64, 128)}
             plans["wgmma (one partition)"] = P.gluon_plan_for("wgmma", 4096, 64)
             print("varlen D 64", label, _varlen(8, 4096, 64, 8, 64, window, 0.0, s, plans), flush=True)
             for bs in (16, 64):

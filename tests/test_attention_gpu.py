@@ -628,61 +628,6 @@ def test_varlen_tma_variants_against_reference(case):
     assert err <= max(2 * triton_err, 2e-2), (err, triton_err)
 
 
-# name: (causal, window_left, sinks, claimed tiles): the three-consumer kernel's cases.
-THREE_CONSUMER_CASES = {
-    "causal": (True, -1, False, False),
-    "causal-claimed": (True, -1, False, True),
-    "not-causal": (False, -1, False, False),
-    "window-127-sinks": (True, 127, True, True),
-}
-
-
-@pytest.mark.parametrize("block_n", [128, 64])
-@pytest.mark.parametrize("case", list(THREE_CONSUMER_CASES))
-def test_varlen_tma_three_consumers_against_reference(monkeypatch, case, block_n):
-    """The TMA kernel with three consumer warpgroups (192-row work tiles, 3 staging buffers:
-    `plan.tma_consumers` forced to 3 at D 64, the key tile to `block_n`) on uneven
-    sequences around the 192-row block (1, 191, 192, 193, ...; NaN in k, v past them)
-    against the float32 reference, causal or not, with a window and sinks, under the
-    static deal and with claimed tiles; then captured in a CUDA graph and replayed with
-    other lengths."""
-    causal, window_left, with_sinks, claim = THREE_CONSUMER_CASES[case]
-    monkeypatch.setattr(plan, "tma_consumers", lambda d: 3)
-    monkeypatch.setattr(plan, "tma_key_tile", lambda d, window: block_n)
-    monkeypatch.setattr(plan, "tma_claims_tiles", lambda group, d, fp8=False, paged=False: claim)
-    lens = [1000, 1, 191, 192, 193, 700, 385]
-    q, k, v, cu_q, cu_k = _wgmma_inputs(lens, lens, 16, 2, 64, torch.bfloat16, seed=38)
-    sinks = torch.randn(16, device=CUDA) * 2 if with_sinks else None
-    args = (q, k, v, cu_q, cu_k, max(lens), max(lens), 64**-0.5, causal, None, None, None, "off", window_left, 0.0,
-            sinks)
-    _skip_unless_wgmma(args[:9])
-    call = graphsafe.get_op("flash_attn_varlen").call(*args)
-    chosen = plan.choose_flash_attn_varlen(call).gluon
-    assert (chosen.kernel, chosen.block_m, chosen.block_n, chosen.out_buffers) == ("tma", 192, block_n, 3), chosen
-    runner = _triton().prepare_flash_attn_varlen(call)
-    out = runner(*args)
-    expected = _float_reference(args)
-    torch.cuda.synchronize()
-    _assert_gluon_compiled()
-    assert not out.isnan().any() and _max_err(out, expected) < 2e-2, _max_err(out, expected)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = runner(*args)
-    gen = torch.Generator(device=CUDA).manual_seed(39)
-    for new_lens in ([192, 1, 1000, 0, 385, 700, 191], [1000, 1000, 600, 40, 1, 1, 1]):
-        cu = torch.tensor([0, *new_lens], device=CUDA).cumsum(0).to(torch.int32)
-        cu_q.copy_(cu)
-        cu_k.copy_(cu)
-        for x in (q, k, v):
-            x[: sum(lens)].normal_(generator=gen)  # the NaN rows past the last sequence stay
-        graph.replay()
-        expected = _float_reference(args)
-        torch.cuda.synchronize()
-        err = _max_err(replayed, expected)
-        assert not replayed.isnan().any() and err < 2e-2, (new_lens, err)
-    del graph
-
-
 def test_varlen_wgmma_misaligned_inputs_run_the_triton_kernel():
     """q as a view at a 1-element (2-byte) offset of a bigger buffer: the call of the Gluon
     kernel's signature runs the Triton kernel (bit-equal to it on the same input) and

@@ -180,62 +180,6 @@ def test_gluon_varlen_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     assert families >= 4 and out.count("compiled") == families, out  # wgmma, ws, tma, fp8 tma at least
 
 
-_THREE_CONSUMERS_SCRIPT = _GLUON_COMPILE_SCRIPT.split("# (dtype, D, Dv, max_seqlen_q, head stride of q)")[0] + r"""
-# Three consumer warpgroups at D 64 (plan.tma_consumers forced to 3), 128- and 64-key tiles.
-P.tma_consumers = lambda d: 3
-for bn in (128, 64):
-    P.tma_key_tile = lambda d, window, bn=bn: bn
-    q = torch.zeros(8192, 16, 64, dtype=torch.bfloat16)
-    k = torch.zeros(8192, 2, 64, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 4096, 8192], dtype=torch.int32)
-    T.flash_attn_varlen(q, k, k, cu, cu, 4096, 4096, 0.125, True)
-    kernel, args, kw = launches[-1]
-    got = (KERNELS[kernel], kw["BLOCK_M"], kw["BLOCK_N"], kw["O_BUFFERS"], kw["CONSUMER_REGS"], kw["LOADER_REGS"])
-    assert got == ("tma", 192, bn, 3, 152, 56), got
-    kw = dict(kw)
-    warps = kw.pop("num_warps")
-    assert warps == 4, warps
-    k = triton.compile(specialise(kernel, args, kw, GluonASTSource), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps})
-    want = {}  # three consumers' q.k (prologue and loop: 2 x D / 16) and p.V (2 x BLOCK_N / 16)
-    for shape, count in ((f"m64n{bn}k16", 3 * 2 * 64 // 16), ("m64n64k16", 3 * 2 * bn // 16)):
-        want[shape] = want.get(shape, 0) + count
-    assert wgmma_shapes(k) == want, (wgmma_shapes(k), want)
-    need = G.shared_memory_bytes(192, bn, 64, 64, 2, 2, o_buffers=3)
-    assert k.metadata.shared <= min(227 * 1024, need), (k.metadata.shared, need)
-    print("compiled three consumers", bn, k.metadata.shared, wgmma_shapes(k))
-print("OK")
-"""
-
-
-def test_three_consumer_tma_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
-    """`varlen_fwd_tma_kernel` with three consumer warpgroups (192-row work tiles, D 64,
-    `plan.tma_consumers` forced to 3), as `prepare_flash_attn_varlen` binds it: 192-row
-    blocks, three output staging buffers, the registers `plan.warp_specialisation` gives
-    three consumers; it compiles for sm_90 with this Triton at 128- and 64-key tiles, with
-    three consumers' wgmmas, within Hopper's 227 KiB and the plan's estimate."""
-    out = compile_for_sm90(_THREE_CONSUMERS_SCRIPT, timeout=900)
-    print(out)
-    if "NO_BACKEND" in out:
-        pytest.skip("this Triton has no Gluon / CUDA backend")
-    assert out.count("compiled three consumers") == 2 and out.rstrip().endswith("OK"), out
-
-
-def test_three_consumers_plan_the_192_row_launch(monkeypatch):
-    """With `plan.tma_consumers` at 3 (D 64), the "tma" plan is 192-row tiles with the
-    three-consumer registers (3 x 128 x 152 + 128 x 56 = all 65,536) and, with the TMA
-    store, three staging buffers counted in its shared memory; by default 2 (128 rows)."""
-    module = _gluon_module()
-    assert P.gluon_plan_for("tma", 4096, 64).block_m == 128
-    monkeypatch.setattr(P, "tma_consumers", lambda d: 3)
-    plan = P.gluon_plan_for("tma", 4096, 64)
-    assert (plan.block_m, plan.block_n, plan.warp_spec, plan.q_buffers) == (192, 128, (2, 152, 56), 2)
-    assert 3 * 128 * plan.warp_spec[1] + 128 * plan.warp_spec[2] <= 65536
-    staged = P.with_tma_store(plan, module, 64, 64, 227 * 1024)
-    assert (staged.out_buffers, staged.out_pieces) == (3, 1)
-    assert P.shared_memory(module, staged, 64, 64) == P.shared_memory(module, plan, 64, 64) + 3 * 2 * 64 * 64
-
-
 # -- where the Gluon kernel runs -----------------------------------------------------------------
 def _gluon_module():
     module = P.gluon_module()

@@ -453,7 +453,7 @@ def wgmma_varlen_tiles(max_seqlen_q: int, d: int) -> tuple[int, int]:
     return (128 if max_seqlen_q > 64 else 64), (64 if d == 64 else 128)
 
 
-def warp_specialisation(kernel: str, d: int, consumers: int = 2) -> tuple[int, int, int] | None:
+def warp_specialisation(kernel: str, d: int) -> tuple[int, int, int] | None:
     """(stages, consumer registers, loader registers) of the warp-specialised kernels, None
     for "wgmma". Measured on an H200 (32/8 heads, causal; 8 x 2048, 8 x 4096, 4 x 8192
     in ms). "ws" (a loader warpgroup of cp.async copies): 232 / 48 registers 0.661,
@@ -461,13 +461,7 @@ def warp_specialisation(kernel: str, d: int, consumers: int = 2) -> tuple[int, i
     consumers spill); with 24 loader registers 3.65 ms at 8 x 4096 (the loader starves).
     "tma" (one loader warp): 232 / 32 0.631, 1.988, 3.783; 240 / 32 0.578, 2.127, 3.845;
     232 / 24 0.604, 2.040, 3.785 (within run-to-run noise of each other). At D = 192 (one
-    q buffer, `tma_q_buffers`) 2 stages of 128 keys, 232 / 32 too. Three "tma" consumers
-    (`tma_consumers`; 16 warps, the loader's warpgroup whole): 152 / 56, 3 x 128 x 152 + 128
-    x 56 = 65,536 registers; compiled for sm_90 at D 64 it spills nothing with 64-key tiles
-    and 164-172 bytes with 128 keys, where fa3's 160 / 24 spills 8-12 and 372-384 bytes
-    (`cpu/2026-11-29-1000_tma_three_consumers_compile.txt`; not measured on a GPU)."""
-    if kernel == "tma" and consumers == 3:
-        return 2, 152, 56
+    q buffer, `tma_q_buffers`) 2 stages of 128 keys, 232 / 32 too."""
     if kernel == "ws":
         return 2, 232, 48
     if kernel == "tma":
@@ -550,11 +544,9 @@ class GluonPlan:
     or "tma-fp8" (varlen), "paged-tma" (paged prefill); the tiles; `warp_spec` (stages, consumer registers, loader registers),
     None for "wgmma"; the q buffers of the TMA kernels; `copies`: fp8 on the contiguous
     fp8 copies of bf16/fp16 q and k that the op quantises (the q copy is scratch);
-    `out_buffers`: the TMA kernels' output staging buffers (one a consumer warpgroup,
-    block_m / 64: each consumer's full row blocks go out by TMA, `with_tma_store`; 0: by
-    `gl.store`), [64, Dv / `out_pieces`] each (1, or 2: a row block in two stores of half
-    its columns). The "tma" kernel's block_m is 64 rows a consumer warpgroup
-    (`tma_consumers`)."""
+    `out_buffers`: the TMA kernels' output staging buffers (2: each consumer's full row
+    blocks go out by TMA, `with_tma_store`; 0: by `gl.store`), [64, Dv / `out_pieces`]
+    each (1, or 2: a row block in two stores of half its columns)."""
 
     kernel: str
     block_m: int
@@ -582,30 +574,15 @@ def tma_key_tile(d: int, window: bool) -> int:
     return 64 if (d == 64 and window) or d == 256 else 128
 
 
-def tma_consumers(d: int) -> int:
-    """Consumer warpgroups of the 16-bit varlen "tma" kernel (64 query rows each: its work
-    tiles are 64 x this rows): 2. The kernel also runs 3 (192-row tiles, the other consumers
-    each on a K/V tile the loader brings once: fa3's shape at D 64, where a key tile's two
-    products are half of D 128's and its exponentials as many), compiled for sm_90 with the
-    registers of `warp_specialisation` (`cpu/2026-11-29-1000_tma_three_consumers_compile.txt`:
-    no spills with 64-key tiles, 164-172 bytes with 128 keys), with GPU tests written
-    against the reference but neither they nor a timing against 2 run yet
-    (`benchmarks/prefill_tma_tiles_ab.py --head-dim 64`): 2 until measured."""
-    return 2
-
-
 def gluon_plan_for(kernel: str, max_seqlen_q: int, d: int, copies: bool = False, window: bool = False) -> GluonPlan:
     """The plan of Gluon kernel `kernel` at these shapes (tiles, warp specialisation, q
     buffers): the one place they are derived from the kernel's name."""
     block_m, block_n = wgmma_varlen_tiles(max_seqlen_q, d)
-    consumers = 2
     if kernel == "tma":
         block_n = tma_key_tile(d, window)
-        consumers = tma_consumers(d)
-        block_m = 64 * consumers
     if kernel == "tma-fp8":
         return GluonPlan(kernel, block_m, block_n, warp_specialisation_fp8(), 2, copies)
-    ws = warp_specialisation(kernel, d, consumers)
+    ws = warp_specialisation(kernel, d)
     q_buffers = tma_q_buffers(d) if kernel == "tma" else 2 if ws is not None else 1
     return GluonPlan(kernel, block_m, block_n, ws, q_buffers)
 
@@ -641,14 +618,13 @@ TMA_STORE = True
 
 
 def with_tma_store(plan: GluonPlan, module, d: int, dv: int, smem: int | None) -> GluonPlan:
-    """`plan` of a TMA kernel with an output staging buffer per consumer warpgroup (block_m
-    / 64) where `TMA_STORE` and the launch's shared memory with them is within `smem`:
-    [64, Dv] where they fit, else [64, Dv / 2] (Dv a multiple of 128) where those do; else
-    `plan` (`gl.store`)."""
+    """`plan` of a TMA kernel with two output staging buffers where `TMA_STORE` and the
+    launch's shared memory with them is within `smem`: [64, Dv] where they fit, else
+    [64, Dv / 2] (Dv a multiple of 128) where those do; else `plan` (`gl.store`)."""
     if not TMA_STORE or smem is None:
         return plan
     for pieces in (1, 2) if dv % 128 == 0 else (1,):
-        staged = replace(plan, out_buffers=plan.block_m // 64, out_pieces=pieces)
+        staged = replace(plan, out_buffers=2, out_pieces=pieces)
         if shared_memory(module, staged, d, dv) <= smem:
             return staged
     return plan

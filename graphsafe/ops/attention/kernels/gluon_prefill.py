@@ -20,10 +20,10 @@ Three kernels share that loop (`plan.varlen_kernel` picks):
   sequence by sequence: dealt statically, or claimed one at a time from a ticket counter
   where `plan.tma_claims_tiles` measured that faster) and warp-specialised: one loader
   warp issues a TMA copy per
-  tile (q into two buffers, K and V into a ring), two consumer warpgroups compute (or
-  three, 192-row blocks, where `plan.tma_consumers` says so), synchronised by mbarriers
-  only, so the consumers never wait for each other and a program's next tile loads while
-  its current one computes (1.99 ms at the shape above). A sequence's tiles run in
+  tile (q into two buffers, K and V into a ring), two consumer warpgroups compute,
+  synchronised by mbarriers only, so the consumers never wait for each other and a
+  program's next tile loads while its current one computes (1.99 ms at the shape
+  above). A sequence's tiles run in
   sections of heads whose K/V fits a share of L2 (`plan.tma_heads_per_section`).
   TMA reads whole tiles: rows past a sequence are masked (K) or zeroed in shared memory
   before use (V, `_zero_rows_outside`), so no neighbour's NaN meets a p = 0. Shared memory
@@ -707,9 +707,8 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     """One warpgroup's key loop over a work tile's n_tiles (> 0) key tiles, at ring position
     `ring` and q buffer `count % (q buffers)`: (acc, row max, row sum). Releases every
     buffer it read.
-    DV: v's head dim. q and k come in CHUNKS column chunks (`_scores`): q's 64-row block
-    w of buffer qb is q_smem[(CONSUMERS qb + w) CHUNKS + c] (CONSUMERS: the consumer
-    warpgroups, a block each), ring stage s of k is k_smem[s CHUNKS + c].
+    DV: v's head dim. q and k come in CHUNKS column chunks (`_scores`): q half w of
+    buffer qb is q_smem[(2 qb + w) CHUNKS + c], ring stage s of k is k_smem[s CHUNKS + c].
     FP8: q, k and p are float8e4nv, v_smem holds V^T tiles [DV, BLOCK_N] (fp8 wgmma reads
     both operands K-major), qk_scale any nonzero value (`_softmax_step`); p goes through
     this warpgroup's `p_smem` [64, BLOCK_N] (Triton 3.6 cannot keep 8-bit registers of
@@ -735,9 +734,8 @@ def _ws_key_loop(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
         r_last = gl.maximum(gl.minimum(r0 + 64, q_len) - 1, r0)
         first_full = gl.cdiv(gl.maximum(r_last + diag - WINDOW_LEFT, 0), BLOCK_N)
     Q_BUFFERS: gl.constexpr = q_full.shape[0]
-    CONSUMERS: gl.constexpr = q_smem.shape[0] // (Q_BUFFERS * CHUNKS)
     qb = count % Q_BUFFERS
-    q0 = (CONSUMERS * qb + WG) * CHUNKS
+    q0 = (2 * qb + WG) * CHUNKS
     mbarrier.wait(q_full.index(qb), (count // Q_BUFFERS) & 1)
     bad = 0
     if PAGE > 0:
@@ -823,7 +821,7 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empt
     [O_BUFFERS, 64, its block's columns] staging buffers, WG's its own)).
     FP8: `descales` = (q, k, v descale pointers, their (sequence, kv head) strides): each
     work tile's scores are scaled by qk_scale x its q and k descales, its output by its v
-    descale; `p_smem` [consumers, 64, BLOCK_N]: each warpgroup's p buffer.
+    descale; `p_smem` [2, 64, BLOCK_N]: each warpgroup's p buffer.
     PAGE > 0 (`paged_fwd_tma_kernel`): cu_k_ptr is seq_lens, total_k the keys of a block
     table row, `paging` = (block table, its two strides, seq_lens' stride, cache blocks).
     Variants (16-bit): WINDOW_LEFT, SOFTCAP (`_softmax_step`), HAS_SINKS (`sinks` = (the
@@ -1068,11 +1066,10 @@ def _load_tile(tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty
     if n_tiles > 0:
         qb = count % Q_BUFFERS
         mbarrier.wait(q_empty.index(qb), ((count // Q_BUFFERS) & 1) ^ 1)
-        CONSUMERS: gl.constexpr = BLOCK_M // 64  # q's 64-row blocks, one a consumer warpgroup
-        mbarrier.expect(q_full.index(qb), CONSUMERS * CHUNKS * q_desc.block_type.nbytes)
-        for w in gl.static_range(CONSUMERS):
-            _tma_chunks(q_desc, q_start + m0 + 64 * w, head * DK, q_full.index(qb), q_smem,
-                        (CONSUMERS * qb + w) * CHUNKS, CHUNKS)
+        mbarrier.expect(q_full.index(qb), 2 * CHUNKS * q_desc.block_type.nbytes)
+        for w in gl.static_range(2):
+            _tma_chunks(q_desc, q_start + m0 + 64 * w, head * DK, q_full.index(qb), q_smem, (2 * qb + w) * CHUNKS,
+                        CHUNKS)
         for j in range(n_tiles):
             t = t_lo + j
             s = ring % STAGES
@@ -1124,15 +1121,13 @@ def _load_tile(tile, ring, count, fixes, q_smem, k_smem, v_smem, q_full, q_empty
 
 
 @gluon.jit
-def _schedule_and_output(sched_ptr, o_desc, placeholder, DYNAMIC: gl.constexpr, O_BUFFERS: gl.constexpr,
-                         CONSUMERS: gl.constexpr):
-    """The TMA kernels' partition arguments for DYNAMIC and O_BUFFERS: (the id ring of
-    CONSUMERS readers and the ticket counter `sched_ptr`, `_schedule_ring`; (o_desc, the
-    [O_BUFFERS, 64, its block's columns] output staging buffers in its layout, one a
-    consumer)); without either, `placeholder` in its place (a partition takes no None;
-    never read)."""
+def _schedule_and_output(sched_ptr, o_desc, placeholder, DYNAMIC: gl.constexpr, O_BUFFERS: gl.constexpr):
+    """The TMA kernels' partition arguments for DYNAMIC and O_BUFFERS: (the id ring and the
+    ticket counter `sched_ptr`, `_schedule_ring`; (o_desc, the [O_BUFFERS, 64, its block's
+    columns] output staging buffers in its layout)); without either, `placeholder` in its
+    place (a partition takes no None; never read)."""
     if DYNAMIC:
-        ids, id_full, id_empty = _schedule_ring(CONSUMERS)
+        ids, id_full, id_empty = _schedule_ring()
     else:
         ids = placeholder
         id_full = placeholder
@@ -1146,23 +1141,23 @@ def _schedule_and_output(sched_ptr, o_desc, placeholder, DYNAMIC: gl.constexpr, 
 
 
 @gluon.jit
-def _schedule_ring(CONSUMERS: gl.constexpr):
+def _schedule_ring():
     """The DYNAMIC schedule's id ring: (ids [2, 32] int32, id_full, id_empty), initialised.
     The loader writes a claimed work tile into slot i % 2 (all 32 words) and arrives on
-    id_full; each of the CONSUMERS consumers reads it and arrives on id_empty."""
+    id_full; each consumer reads it and arrives on id_empty (count 2)."""
     ids = gl.allocate_shared_memory(gl.int32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     id_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     id_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(id_full.index(i), count=1)
-        mbarrier.init(id_empty.index(i), count=CONSUMERS)
+        mbarrier.init(id_empty.index(i), count=2)
     return ids, id_full, id_empty
 
 
 @gluon.jit
 def _publish_tile(ids, id_full, id_empty, it, tile):
     """Loader (one warp): work tile `tile` (num_work or more: the end) into slot it % 2 of
-    the id ring, once every consumer has read what the slot held two tiles ago."""
+    the id ring, once both consumers have read what the slot held two tiles ago."""
     slot = it % 2
     mbarrier.wait(id_empty.index(slot), ((it // 2) & 1) ^ 1)
     ids.index(slot).store(gl.full([32], tile, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
@@ -1195,11 +1190,10 @@ def _schedule_done(sched_ptr):
 
 
 @gluon.jit
-def _tma_barriers(Q_BUFFERS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def _tma_barriers(Q_BUFFERS: gl.constexpr, STAGES: gl.constexpr):
     """The TMA kernels' mbarriers, initialised: (q_full, q_empty, k_full, v_full, k_empty,
     v_empty, v_landed). Full: the loader's one arrive with the bytes it expects; empty:
-    each of the CONSUMERS consumers once; v_landed: the loader's own wait for a V tile it
-    fixes up."""
+    each consumer once; v_landed: the loader's own wait for a V tile it fixes up."""
     q_full = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1209,12 +1203,12 @@ def _tma_barriers(Q_BUFFERS: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.c
     v_landed = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_full.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=CONSUMERS)
+        mbarrier.init(q_empty.index(i), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=CONSUMERS)
-        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
     mbarrier.init(v_landed.index(0), count=1)
     return q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed
 
@@ -1232,9 +1226,8 @@ def varlen_fwd_tma_kernel(
     """`varlen_fwd_ws_kernel` with a one-warp TMA loader: q, k, v come as TMA descriptors
     of their 2-D views [tokens, heads * head dim] (blocks [64, DK] for q, [BLOCK_N, DK]
     for k, [BLOCK_N, DV] for v, the layouts the wgmmas read), so the loader issues one instruction a tile instead
-    of 128 threads' 16-byte copies, and its registers go to the consumers. BLOCK_M is 64
-    rows a consumer warpgroup: 128 (two consumers) or 192 (three; 16-bit only;
-    `plan.tma_consumers`); launch with num_warps=4 (the first consumer).
+    of 128 threads' 16-byte copies, and its registers go to the consumers. BLOCK_M is
+    128; launch with num_warps=4.
 
     FP8: q, k float8e4nv and v_desc V^T (the fp8 path's transposed copy [kv heads x Dv,
     tokens], blocks [Dv, BLOCK_N]); qd/kd/vd_ptr the descales, each (sequence, kv head)
@@ -1251,74 +1244,45 @@ def varlen_fwd_tma_kernel(
     every programs-th tile, so each tile goes to whichever program is free first
     (`plan.tma_claims_tiles` says where); without, `sched_ptr` is a placeholder, never read.
 
-    O_BUFFERS = BLOCK_M / 64: each consumer stores its full 64-row output blocks by TMA
-    through its own staging buffer (`o_desc`: out as 2-D [tokens, heads x DV], blocks [64,
-    DV], or [64, DV / 2] for a block in two stores: `_store_rows_tma`); 0: every row by
-    `gl.store` (`o_desc` a placeholder, never read)."""
+    O_BUFFERS = 2: each consumer stores its full 64-row output blocks by TMA through its own
+    staging buffer (`o_desc`: out as 2-D [tokens, heads x DV], blocks [64, DV], or [64, DV /
+    2] for a block in two stores: `_store_rows_tma`); 0: every row by `gl.store` (`o_desc` a
+    placeholder, never read)."""
     dtype: gl.constexpr = q_desc.dtype
     KC: gl.constexpr = q_desc.block_type.shape[1]  # q and k columns a chunk
     CHUNKS: gl.constexpr = DK // KC
-    CONSUMERS: gl.constexpr = BLOCK_M // 64
-    gl.static_assert((CONSUMERS == 2) | ((CONSUMERS == 3) & (not FP8)), "BLOCK_M: 128, or 192 without FP8")
-    gl.static_assert((O_BUFFERS == 0) | (O_BUFFERS == CONSUMERS), "O_BUFFERS: 0 or one a consumer")
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFFERS * CHUNKS, 64, KC], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS * CHUNKS, 64, KC], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS, BLOCK_N, KC], k_desc.layout)
     V_ROWS: gl.constexpr = v_desc.block_type.shape[0]  # [BLOCK_N, DV], FP8: V^T's [DV, BLOCK_N]
     V_COLS: gl.constexpr = v_desc.block_type.shape[1]
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, V_ROWS, V_COLS], v_desc.layout)
-    q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES, CONSUMERS)
-    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DYNAMIC, O_BUFFERS, CONSUMERS)
+    q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
+    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DYNAMIC, O_BUFFERS)
     if FP8:  # each consumer's p (an fp8 A operand comes from shared memory)
-        p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 64, BLOCK_N],
+        p_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
     else:
         p_smem = q_smem  # (not read: a partition takes no None)
     num_work = num_m_blocks * num_seqs * num_q_heads
     heads = (num_q_heads, heads_per_section)
-    descales = (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b, stride_vd_h)
-    sinks = (sinks_ptr, stride_sinks)
-    # The first consumer runs in the launch's 4 warps; each other consumer in 4 more, the loader in 1.
-    # (One literal partition list per consumer count: the partitions' argument tuples bound to
-    # names first and passed as such did not compile in Triton 3.6.)
-    if CONSUMERS == 3:
-        gl.warp_specialize([
-            (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
-                            total_q, total_k, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales,
-                            p_smem, sinks, 0, 0, sinks, WINDOW_LEFT, SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store,
-                            O_BUFFERS)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
-                            total_q, total_k, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales,
-                            p_smem, sinks, 0, 0, sinks, WINDOW_LEFT, SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store,
-                            O_BUFFERS)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
-                            total_q, total_k, 2, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales,
-                            p_smem, sinks, 0, 0, sinks, WINDOW_LEFT, SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store,
-                            O_BUFFERS)),
-            (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
-                           q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, heads, num_m_blocks, num_work, total_q, total_k,
-                           GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, sinks, v_smem, 0, 0,
-                           WINDOW_LEFT, sched, DYNAMIC)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
-                            total_q, total_k, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales,
-                            p_smem, sinks, 0, 0, sinks, WINDOW_LEFT, SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store,
-                            O_BUFFERS)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
-                            out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
-                            total_q, total_k, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8, descales,
-                            p_smem, sinks, 0, 0, sinks, WINDOW_LEFT, SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store,
-                            O_BUFFERS)),
-            (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
-                           q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, heads, num_m_blocks, num_work, total_q, total_k,
-                           GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, sinks, v_smem, 0, 0,
-                           WINDOW_LEFT, sched, DYNAMIC)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    gl.warp_specialize([
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
+                        total_q, total_k, 0, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
+                        (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
+                         stride_vd_h), p_smem, (sinks_ptr, stride_sinks), 0, 0, (sinks_ptr, stride_sinks), WINDOW_LEFT,
+                        SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store, O_BUFFERS)),
+        (_ws_consumer, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty,
+                        out_ptr, cu_q_ptr, cu_k_ptr, stride_ot, stride_oh, qk_scale, heads, num_m_blocks, num_work,
+                        total_q, total_k, 1, GROUP, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, CHUNKS, FP8,
+                        (qd_ptr, kd_ptr, vd_ptr, stride_qd_b, stride_qd_h, stride_kd_b, stride_kd_h, stride_vd_b,
+                         stride_vd_h), p_smem, (sinks_ptr, stride_sinks), 0, 0, (sinks_ptr, stride_sinks), WINDOW_LEFT,
+                        SOFTCAP, HAS_SINKS, sched, DYNAMIC, out_store, O_BUFFERS)),
+        (_tma_loader, (q_smem, k_smem, v_smem, q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed,
+                       q_desc, k_desc, v_desc, cu_q_ptr, cu_k_ptr, heads, num_m_blocks, num_work, total_q, total_k,
+                       GROUP, DK, DV, BLOCK_M, BLOCK_N, STAGES, CAUSAL, FP8, (sinks_ptr, stride_sinks), v_smem, 0, 0,
+                       WINDOW_LEFT, sched, DYNAMIC)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # -- paged prefill: the TMA kernel walking the block table --------------------------------------
@@ -1368,9 +1332,8 @@ def paged_fwd_tma_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DV], dtype))
     v_boxes = nvmma_chunks(v_smem, dtype, STAGES * (DV // 64), BLOCK_N, 64)
-    gl.static_assert(BLOCK_M == 128, "two consumer warpgroups")
-    q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES, 2)
-    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DYNAMIC, O_BUFFERS, 2)
+    q_full, q_empty, k_full, v_full, k_empty, v_empty, v_landed = _tma_barriers(Q_BUFFERS, STAGES)
+    sched, out_store = _schedule_and_output(sched_ptr, o_desc, q_smem, DYNAMIC, O_BUFFERS)
     num_work = num_m_blocks * num_seqs * num_q_heads
     paging = (table_ptr, stride_tb, stride_tm, stride_lens, num_blocks)
     heads = (num_q_heads, heads_per_section)
