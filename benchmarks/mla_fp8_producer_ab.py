@@ -1,16 +1,14 @@
-"""A/B of the 64-head MLA kernels on the GPU: the seesaw kernel (`kernels/gluon_sparse_seesaw.py`,
-sparse calls over a 16-bit cache past 16 heads), the producer kernel (`kernels/gluon_fp8_producer.py`,
+"""A/B of the 64-head MLA kernels on the GPU: the producer kernel (`kernels/gluon_fp8_producer.py`,
 a warpgroup dequantising fp8_ds_mla records, or copying a 16-bit cache's rows for sparse
-calls, beside the products) and the 64-head wgmma kernel (its dequantising variant over
-records), which ran these calls before them.
+calls, beside the products) against the 64-head wgmma kernel (its dequantising variant over
+records), which ran these calls before it.
 
-    python benchmarks/mla_fp8_producer_ab.py [--kernel seesaw|producer|wgmma] BENCH ARGS...
+    python benchmarks/mla_fp8_producer_ab.py [--kernel producer|wgmma] BENCH ARGS...
 
 runs `python -m graphsafe bench BENCH ARGS...` with the chosen kernel for every call the
-kernels before it would take (`--kernel producer` declines the seesaw kernel in the plan,
-`--kernel wgmma` both, so the runner takes the next kernel of the choice); the bench's other
-rows and peers run as usual. Run it once per kernel on one machine and compare the rows
-(fp8_ds_mla, and sparse over a 16-bit cache).
+producer kernel would take (`--kernel wgmma` declines it in the plan, so the runner takes
+the next kernel of the choice); the bench's other rows and peers run as usual. Run it once
+per kernel on one machine and compare the rows (fp8_ds_mla, and sparse over a 16-bit cache).
 """
 
 from __future__ import annotations
@@ -24,15 +22,12 @@ from graphsafe.ops.mla import plan
 
 def _run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernel", choices=("seesaw", "producer", "wgmma"), default="seesaw")
+    parser.add_argument("--kernel", choices=("producer", "wgmma"), default="producer")
     args, rest = parser.parse_known_args(argv)
-    if args.kernel != "seesaw":
-        plan.SPARSE_SEESAW = False
     if args.kernel == "wgmma":
         plan.fp8_producer_fits = lambda *_: False
         plan.ROWS_PRODUCER = False
-    print(f"fp8_ds_mla past 16 heads, and sparse over a 16-bit cache past 16 heads, on: gluon_{args.kernel}"
-          " (fp8_ds_mla: the producer kernel unless wgmma)", flush=True)
+    print(f"fp8_ds_mla past 16 heads, and sparse over a 16-bit cache past 16 heads, on: gluon_{args.kernel}", flush=True)
     return main(["bench", *rest])
 
 

@@ -1303,9 +1303,8 @@ for heads, page, num_splits in ((128, 64, 4), (64, 16, 1)):
     tri.sparse_mla(q, kv, idx, 0.04, 512, torch.zeros(heads), lens, num_splits=1)  # sink, topk_length
 q = torch.randn(2, 16, 576, dtype=torch.bfloat16)
 tri.sparse_mla(q, kv, idx, 0.04, 512, num_splits=1)  # 16 heads: the heads-on-N kernel, not this one
-# A 16-bit cache: sparse calls past 16 heads (the producer only copies rows: the seesaw
-# kernel's fallback, declined here); dense decode runs the paged TMA kernel, not this one.
-mla_plan.SPARSE_SEESAW = False
+# A 16-bit cache: sparse calls past 16 heads (the producer only copies rows); dense decode
+# runs the paged TMA kernel, not this one.
 kv16 = torch.zeros(64, 64, 576, dtype=torch.bfloat16)
 for heads in (128, 64):
     q = torch.randn(2, heads, 576, dtype=torch.bfloat16)
@@ -1349,65 +1348,6 @@ def test_fp8_producer_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     assert out.count("compiled") == 9, out
 
 
-_SEESAW_COMPILE_SCRIPT = _gluon_script_head("gluon_sparse_seesaw", "async_copy, mbarrier, warpgroup_mma") + r"""
-
-KERNEL = G.mla_sparse_seesaw_kernel
-""" + _RECORDING_BIND + r"""
-mla_plan.max_shared_memory = lambda device: 232448  # Hopper's opt-in shared memory per block
-""" + SPECIALISE_PRELUDE + r"""
-import re, subprocess, tempfile, os
-from triton.backends.nvidia.compiler import get_ptxas
-lens = torch.full((2,), 2048, dtype=torch.int32)
-idx = torch.randint(0, 4096, (2, 2048), dtype=torch.int32)
-kv16 = torch.zeros(64, 64, 576, dtype=torch.bfloat16)
-for heads, dtype in ((128, torch.bfloat16), (64, torch.float16)):
-    q = torch.randn(2, heads, 576, dtype=dtype)
-    kv = kv16.to(dtype)
-    cfg = mla_plan.kernel_config(heads, "cuda", 232448)
-    assert mla_plan.sparse_seesaw_fits(q, kv, cfg, 512, 64, True)
-    assert not mla_plan.sparse_seesaw_fits(q, kv, cfg, 512, 64, False)
-    tri.sparse_mla(q, kv, idx, 0.04, 512, num_splits=2)
-tri.sparse_mla(torch.randn(2, 128, 576, dtype=torch.bfloat16), kv16, idx, 0.04, 512, torch.zeros(128), lens,
-               num_splits=1)  # sink, topk_length
-for args, kw in launches:
-    warps = kw.pop("num_warps")
-    k = triton.compile(specialise(G.mla_sparse_seesaw_kernel, args, kw, GluonASTSource),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    shapes = wgmma_shapes(k)
-    ptx = k.asm["ptx"]
-    # ptxas's spills at the registers setmaxnreg gives each partition
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        open(path, "w").write(ptx)
-        try:
-            ptxas = get_ptxas().path
-        except TypeError:  # Triton 3.6 asks for the arch
-            ptxas = get_ptxas(90).path
-        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.o")],
-                             capture_output=True, text=True)
-    spills = sorted(set(int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)))
-    print("compiled heads", args[0].shape[1], args[0].dtype, "SPLIT", kw["SPLIT"], "SINK", kw["HAS_SINK"],
-          "shared", k.metadata.shared, shapes, "spill stores", spills)
-    # Per tile pair each warpgroup scores its tile over 576 columns at N = 64 (36 k-steps) and
-    # accumulates both tiles into its 256 value columns (8); the two partitions' PTX together.
-    assert shapes == {"m64n64k16": 72, "m64n256k16": 16}, shapes
-    assert k.metadata.shared <= G.shared_memory_bytes(512, 64) <= 227 * 1024, k.metadata.shared
-    assert "setmaxnreg" in ptx and "cp.async" in ptx
-assert len(launches) == 3, launches
-print("OK")
-"""
-
-
-def test_sparse_seesaw_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
-    """The seesaw kernel for sparse calls over a 16-bit cache past 16 heads (sm_90 only,
-    never run by the interpreter), launched as the MLA launcher launches it (bf16 at 128
-    heads and fp16 at 64, with splits; the sink and `topk_length`), compiles for sm_90 with
-    this Triton: one launch per call, N = 64 q.k and N = 256 p.V wgmmas, shared memory within
-    the plan's estimate and Hopper's 227 KiB."""
-    out = compile_for_sm90(_SEESAW_COMPILE_SCRIPT, timeout=900)
-    assert out.count("compiled") == 3, out
-
-
 def test_fp8_producer_fits_records_past_16_heads(monkeypatch):
     """Either op over fp8_ds_mla records runs the producer kernel past 16 heads where the
     64-head Gluon kernel would run, and the plan lists it first, the 64-head kernel (its
@@ -1447,40 +1387,11 @@ def test_rows_producer_fits_sparse_16_bit_calls_past_16_heads(monkeypatch):
     assert fits(_stand_in_tensor(torch.float16, (2, 128, 576)), _stand_in_tensor(torch.float16, (64, 64, 576)))
     assert not fits(q, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64))))
     kernels = mla_plan._fitting_kernels(q, rows, cfg, 512, 64, True)
-    assert kernels == (mla_plan.GLUON_SPARSE_SEESAW, mla_plan.GLUON_FP8_PRODUCER, mla_plan.GLUON_WGMMA,
-                       mla_plan.TRITON_SPLIT_KV), kernels
-    monkeypatch.setattr(mla_plan, "SPARSE_SEESAW", False)
-    kernels = mla_plan._fitting_kernels(q, rows, cfg, 512, 64, True)
     assert kernels == (mla_plan.GLUON_FP8_PRODUCER, mla_plan.GLUON_WGMMA, mla_plan.TRITON_SPLIT_KV), kernels
     assert mla_plan.GLUON_FP8_PRODUCER not in mla_plan._fitting_kernels(q, rows, cfg, 512, 64, False)
     monkeypatch.setattr(mla_plan, "ROWS_PRODUCER", False)
     assert not fits(q, rows)
     monkeypatch.setattr(mla_plan, "ROWS_PRODUCER", True)
-    monkeypatch.setattr(device_info, "compute_capability", lambda device: (10, 0))
-    assert not fits(q, rows)
-
-
-def test_sparse_seesaw_fits_sparse_16_bit_calls_past_16_heads(monkeypatch):
-    """`sparse_mla` over a 16-bit cache runs the seesaw kernel past 16 heads where the 64-head
-    Gluon kernel would run (bf16 or fp16), the rows producer and the 64-head kernel after it
-    (its fallbacks); dense decode, up to 16 heads, records, `SPARSE_SEESAW` off and other GPUs
-    do not."""
-    _hopper_stand_ins(monkeypatch)
-    cfg = mla_plan.kernel_config(128, "cuda")
-    rows = _stand_in_tensor(torch.bfloat16, (64, 64, 576))
-    fits = lambda q, kv, sparse=True: mla_plan.sparse_seesaw_fits(q, kv, cfg, 512, 64, sparse)  # noqa: E731
-    for heads in (17, 64, 128):
-        assert fits(_stand_in_tensor(torch.bfloat16, (2, heads, 576)), rows)
-    q = _stand_in_tensor(torch.bfloat16, (2, 128, 576))
-    assert not fits(q, rows, sparse=False)
-    assert not fits(_stand_in_tensor(torch.bfloat16, (2, 16, 576)), rows)
-    assert fits(_stand_in_tensor(torch.float16, (2, 128, 576)), _stand_in_tensor(torch.float16, (64, 64, 576)))
-    assert not fits(q, _stand_in_tensor(torch.uint8, (64, 64, record_bytes(512, 64))))
-    assert mla_plan._fitting_kernels(q, rows, cfg, 512, 64, True)[0] == mla_plan.GLUON_SPARSE_SEESAW
-    assert mla_plan.GLUON_SPARSE_SEESAW not in mla_plan._fitting_kernels(q, rows, cfg, 512, 64, False)
-    monkeypatch.setattr(mla_plan, "SPARSE_SEESAW", False)
-    assert not fits(q, rows)
-    monkeypatch.setattr(mla_plan, "SPARSE_SEESAW", True)
     monkeypatch.setattr(device_info, "compute_capability", lambda device: (10, 0))
     assert not fits(q, rows)
 

@@ -201,14 +201,10 @@ def test_16_bit_sparse_past_16_heads_runs_the_rows_producer(monkeypatch, heads, 
     sink = torch.randn(heads, device=CUDA)
     lengths = torch.randint(0, 2049, (20,), device=CUDA, dtype=torch.int32)
     call = graphsafe.get_op("sparse_mla").call(q, kv, idx, scale, r)
-    monkeypatch.setattr(mla_plan, "SPARSE_SEESAW", False)  # (its first choice: the seesaw kernel's test below)
-    cfg = mla_plan.kernel_config(heads, "cuda", mla_plan.max_shared_memory(CUDA))  # (a runner of its own)
-    assert mla_plan.choose(call, sparse=True, config=cfg).kernels[:2] == (mla_plan.GLUON_FP8_PRODUCER,
-                                                                         mla_plan.GLUON_WGMMA)
-    producer = (tri.sparse_mla(q, kv, idx, scale, r, config=cfg, num_splits=3),
-                tri.sparse_mla(q, kv, idx, scale, r, sink, lengths, config=cfg))
+    assert mla_plan.choose(call, sparse=True).kernels[:2] == (mla_plan.GLUON_FP8_PRODUCER, mla_plan.GLUON_WGMMA)
+    producer = (tri.sparse_mla(q, kv, idx, scale, r, num_splits=3), tri.sparse_mla(q, kv, idx, scale, r, sink, lengths))
     monkeypatch.setattr(mla_plan, "ROWS_PRODUCER", False)
-    cfg = dataclasses.replace(cfg, l2_prefetch=not cfg.l2_prefetch)  # (another runner)
+    cfg = mla_plan.kernel_config(heads, "cuda", mla_plan.max_shared_memory(CUDA))  # (a runner of its own)
     assert mla_plan.choose(call, sparse=True, config=cfg).kernels[0] == mla_plan.GLUON_WGMMA
     wgmma = (tri.sparse_mla(q, kv, idx, scale, r, config=cfg, num_splits=3),
              tri.sparse_mla(q, kv, idx, scale, r, sink, lengths, config=cfg))
@@ -218,57 +214,6 @@ def test_16_bit_sparse_past_16_heads_runs_the_rows_producer(monkeypatch, heads, 
                                    atol=OUT_RTOL[dtype] * w_out.float().abs().amax())
         assert torch.equal(torch.isneginf(p_lse), torch.isneginf(w_lse))
         torch.testing.assert_close(p_lse, w_lse, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(("heads", "dtype"), [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float16)])
-def test_16_bit_sparse_past_16_heads_runs_the_seesaw_kernel(monkeypatch, heads, dtype):
-    """On sm_90 `sparse_mla` over a 16-bit cache past 16 heads runs the seesaw kernel
-    (`mla_plan.sparse_seesaw_fits`); its outputs equal the 64-head kernel's (forced here) to
-    the rounding of p, with splits, padding ids, the sink and topk_length (odd tile counts
-    among them: lengths not a multiple of 128); no NaN of an unread cache row reaches them;
-    against the reference too; captured in a CUDA graph and replayed with new indices."""
-    if torch.cuda.get_device_capability(CUDA) != (9, 0):
-        pytest.skip("the Gluon kernels run on sm_90")
-    q, kv, idx, scale, r = sparse_inputs(20, heads, 2048, CUDA, seed=29, dtype=dtype)
-    idx[2, ::7] = -1
-    idx[3, 100:] = -1
-    read = torch.zeros(kv.shape[0] * kv.shape[1], dtype=torch.bool, device=CUDA)
-    read[idx[idx >= 0].long()] = True
-    kv.view(-1, kv.shape[-1])[~read] = float("nan")  # rows no index names: never read
-    sink = torch.randn(heads, device=CUDA)
-    lengths = torch.randint(0, 2049, (20,), device=CUDA, dtype=torch.int32)
-    lengths[:4] = torch.tensor([0, 1, 64, 65], device=CUDA, dtype=torch.int32)
-    call = graphsafe.get_op("sparse_mla").call(q, kv, idx, scale, r)
-    assert mla_plan.choose(call, sparse=True).kernels[:3] == (mla_plan.GLUON_SPARSE_SEESAW,
-                                                              mla_plan.GLUON_FP8_PRODUCER, mla_plan.GLUON_WGMMA)
-    seesaw = (tri.sparse_mla(q, kv, idx, scale, r, num_splits=3), tri.sparse_mla(q, kv, idx, scale, r, sink, lengths),
-              tri.sparse_mla(q, kv, idx, scale, r))
-    monkeypatch.setattr(mla_plan, "SPARSE_SEESAW", False)
-    monkeypatch.setattr(mla_plan, "ROWS_PRODUCER", False)
-    cfg = mla_plan.kernel_config(heads, "cuda", mla_plan.max_shared_memory(CUDA))  # (a runner of its own)
-    assert mla_plan.choose(call, sparse=True, config=cfg).kernels[0] == mla_plan.GLUON_WGMMA
-    wgmma = (tri.sparse_mla(q, kv, idx, scale, r, config=cfg, num_splits=3),
-             tri.sparse_mla(q, kv, idx, scale, r, sink, lengths, config=cfg),
-             tri.sparse_mla(q, kv, idx, scale, r, config=cfg))
-    for (s_out, s_lse), (w_out, w_lse) in zip(seesaw, wgmma):
-        assert not s_out.isnan().any()
-        torch.testing.assert_close(s_out.float(), w_out.float(), rtol=OUT_RTOL[dtype],
-                                   atol=OUT_RTOL[dtype] * w_out.float().abs().amax())
-        assert torch.equal(torch.isneginf(s_lse), torch.isneginf(w_lse))
-        torch.testing.assert_close(s_lse, w_lse, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(mla_plan, "SPARSE_SEESAW", True)
-    _close(ref.sparse_mla(q, kv, idx, scale, r, sink, lengths), seesaw[1])
-    kv.nan_to_num_(0.0)  # new indices below read any row
-    graph, (out, lse) = _capture(lambda q, idx: graphsafe.sparse_mla(q, kv, idx, scale, r), (q, idx))
-    for seed in (30, 31):
-        gen = torch.Generator(device=CUDA).manual_seed(seed)
-        q.copy_(torch.randn(q.shape, generator=gen, device=CUDA, dtype=dtype))
-        idx.copy_(torch.randint(-1, kv.shape[0] * kv.shape[1], idx.shape, generator=gen, device=CUDA,
-                                dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        _close(ref.sparse_mla(q, kv, idx, scale, r), (out, lse))
-    del graph
 
 
 @pytest.mark.parametrize("heads", [16, 128])

@@ -329,7 +329,6 @@ def partial_specs(rows: int, num_heads: int, kv_lora_rank: int, plan: SplitPlan)
 GLUON_FP8_FEW_HEADS = "gluon_fp8_few_heads"
 GLUON_FP8_PRODUCER = "gluon_fp8_producer"
 GLUON_PAGED_TMA = "gluon_paged_tma"
-GLUON_SPARSE_SEESAW = "gluon_sparse_seesaw"
 GLUON_WGMMA = "gluon_wgmma"
 TRITON_SPLIT_KV = "triton_split_kv"
 
@@ -462,27 +461,6 @@ def rows_producer_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfi
     if not (ROWS_PRODUCER and sparse) or cache_format(q, kv_cache) == FP8_DS_MLA or q.shape[1] <= 16:
         return False
     return warpgroup_split_fits(q, kv_cache, cfg, r, p) and _producer_kernel_fits(q.device, r, p)
-
-
-# Sparse calls over a 16-bit cache past 16 heads run the seesaw kernel (the dense decode's
-# two warpgroups taking turns, N = 64 q.k, fed by a producer warpgroup gathering the rows:
-# kernels/gluon_sparse_seesaw.py) where it fits; the rows producer is its fallback.
-SPARSE_SEESAW = True
-
-
-def sparse_seesaw_fits(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int,
-                       sparse: bool) -> bool:
-    """Whether calls of this signature can run kernels/gluon_sparse_seesaw.py (`SPARSE_SEESAW`):
-    sparse calls over a 16-bit cache with more than 16 heads where the 64-head Gluon kernel
-    would run (`warpgroup_split_fits`), R = 512 and P = 64, and the shared memory."""
-    if not (SPARSE_SEESAW and sparse) or cache_format(q, kv_cache) == FP8_DS_MLA or q.shape[1] <= 16:
-        return False
-    if not warpgroup_split_fits(q, kv_cache, cfg, r, p):
-        return False
-    module = kernel_module(GLUON_SPARSE_SEESAW)
-    smem = max_shared_memory(q.device)
-    return (module is not None and module.supported(r, p) and smem is not None
-            and module.shared_memory_bytes(r, p) <= smem)
 
 
 def warpgroup_split_applies(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig, r: int, p: int) -> bool:
@@ -624,9 +602,7 @@ def _fitting_kernels(q: torch.Tensor, kv_cache: torch.Tensor, cfg: KernelConfig,
         kernels.append(GLUON_PAGED_TMA)
     elif not sparse and few_heads_fp8_fits(q, kv_cache, cfg, r, p):
         kernels.append(GLUON_FP8_FEW_HEADS)
-    elif sparse_seesaw_fits(q, kv_cache, cfg, r, p, sparse):
-        kernels.append(GLUON_SPARSE_SEESAW)
-    if fp8_producer_fits(q, kv_cache, cfg, r, p) or rows_producer_fits(q, kv_cache, cfg, r, p, sparse):
+    elif fp8_producer_fits(q, kv_cache, cfg, r, p) or rows_producer_fits(q, kv_cache, cfg, r, p, sparse):
         kernels.append(GLUON_FP8_PRODUCER)
     if warpgroup_split_fits(q, kv_cache, cfg, r, p):
         kernels.append(GLUON_WGMMA)

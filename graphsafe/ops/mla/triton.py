@@ -67,7 +67,7 @@ from graphsafe.launch import bind, compile_errors, output_allocator
 from graphsafe.ops.mla import plan
 from graphsafe.ops.mla.fake import check_fp8_ds_mla_offset
 from graphsafe.ops.mla.plan import (
-    FP8_DS_MLA, GLUON_FP8_FEW_HEADS, GLUON_FP8_PRODUCER, GLUON_PAGED_TMA, GLUON_SPARSE_SEESAW, GLUON_WGMMA, KernelConfig, MlaChoice,
+    FP8_DS_MLA, GLUON_FP8_FEW_HEADS, GLUON_FP8_PRODUCER, GLUON_PAGED_TMA, GLUON_WGMMA, KernelConfig, MlaChoice,
     kernel_module,
 )
 from graphsafe.registry import Backend, prepared
@@ -289,21 +289,6 @@ def _producer_launch(grid, args: tuple, constexprs: dict, where: tuple, fallback
         lambda: fallback)
 
 
-def _seesaw_launch(grid, args: tuple, constexprs: dict, where: tuple, fallback: Launch) -> Launch:
-    """Sparse MLA's attention launch over a 16-bit cache past 16 heads, called with the 9
-    tensors of the others: `kernels/gluon_sparse_seesaw.mla_sparse_seesaw_kernel` (one launch,
-    ids checked per key; the 64-head kernel's arguments) for calls whose q and cache are
-    16-byte aligned, `fallback` (the next kernel of the choice) for the others and for good
-    once it fails to compile (a failed compile launched nothing)."""
-    module = kernel_module(GLUON_SPARSE_SEESAW)
-    return _gluon_or_fallback(
-        (*where, "seesaw", _variant(constexprs)),
-        lambda: bind(module.mla_sparse_seesaw_kernel, grid, *args, **constexprs,
-                     PRODUCER_WARPS=module.PRODUCER_WARPS, CONSUMER_REGS=module.CONSUMER_REGS,
-                     PRODUCER_REGS=module.PRODUCER_REGS, num_warps=module.NUM_WARPS),
-        lambda: fallback)
-
-
 def _offset_checked(op: str, attention: Launch) -> Launch:
     """`attention` refusing (`InputError`) an fp8_ds_mla cache whose storage offset is not
     a multiple of 4 bytes (the kernel loads the scales as float32; the strides, part of
@@ -411,12 +396,12 @@ def _prepare(op: str, call, sparse: bool, config: KernelConfig | None, num_split
              q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), key_map.stride(0), num_heads * r, r,
              num_heads),
             r, p, bs, split, where, attention)
-    else:
-        options = dict(R=r, P=p, BLOCK_SIZE=bs, SPARSE=sparse, SPLIT=split, TOPK_LENGTH=topk_length, HAS_SINK=sink)
-        if GLUON_FP8_PRODUCER in choice.kernels:  # first, or the seesaw kernel's fallback
-            attention = _producer_launch(grid, args, dict(options, FP8=fp8_ds), where, attention)
-        if choice.kernel == GLUON_SPARSE_SEESAW:
-            attention = _seesaw_launch(grid, args, options, where, attention)
+    elif choice.kernel == GLUON_FP8_PRODUCER:
+        attention = _producer_launch(
+            grid, args,
+            dict(R=r, P=p, BLOCK_SIZE=bs, SPARSE=sparse, SPLIT=split, TOPK_LENGTH=topk_length, HAS_SINK=sink,
+                 FP8=fp8_ds),
+            where, attention)
 
     if fp8_ds:  # the storage offset is no part of the signature: checked per call
         attention = _offset_checked(op, attention)
