@@ -1215,11 +1215,17 @@ for args, kw in launches:
     k = triton.compile(specialise(G.mla_decode_tma_kernel, args, kw, GluonASTSource),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     shapes = wgmma_shapes(k)
-    print("compiled", args[0].base.dtype, "page", kw["BLOCK_SIZE"], "SPLIT", kw["SPLIT"], "shared", k.metadata.shared, shapes)
+    inits = k.asm["ptx"].count("mbarrier.init")
+    print("compiled", args[0].base.dtype, "page", kw["BLOCK_SIZE"], "SPLIT", kw["SPLIT"], "shared", k.metadata.shared, shapes,
+          "barriers", inits)
     # Per 64-key tile its warpgroup scores all 576 columns at N = 64 (36 k-steps of 16:
-    # two value halves and the rope part), and each warpgroup accumulates its 256 value
-    # columns of the tile (4 k-steps), for its own tile and the other's.
+    # eight 64-column value chunks and the rope part), and each warpgroup accumulates its 256
+    # value columns of the tile (4 k-steps), for its own tile and the other's.
     assert shapes == {"m64n64k16": 2 * 36, "m64n256k16": 2 * 2 * 4}, shapes
+    # The cache read in [64, 64] boxes (q in its halves), a barrier each: 9 parts x 2 stages,
+    # 2 empty, q, landed, a_ready, b_ready, l_ready, a_issued.
+    assert list(args[2].block_shape) == [64, G.VALUE_CHUNK] == [64, 64] and list(args[0].block_shape) == [64, 256]
+    assert inits == 9 * 2 + 2 + 6, inits
     assert k.metadata.shared <= G.shared_memory_bytes(512, 64) <= 227 * 1024, k.metadata.shared
 assert len(launches) == 3, launches  # one launch per call: no id scan, no second launch
 print("OK")
@@ -1230,7 +1236,8 @@ def test_paged_tma_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     """The dense decode's TMA kernel (sm_90 only, never run by the interpreter), launched as
     the MLA launcher launches it (bf16 and fp16, pages of 64 and 128, with and without
     splits), compiles for sm_90 with this Triton: one launch per call, N = 64 q.k wgmmas,
-    and shared memory within the estimate `paged_tma_fits` decides by and Hopper's 227 KiB."""
+    the cache read in 64-column chunks with a barrier each, and shared memory within the
+    estimate `paged_tma_fits` decides by and Hopper's 227 KiB."""
     out = compile_for_sm90(_PAGED_COMPILE_SCRIPT, timeout=900)
     assert out.count("compiled") == 3, out
 

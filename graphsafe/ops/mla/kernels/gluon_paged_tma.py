@@ -8,8 +8,11 @@ fa3 64%: benchmarks/NOTES.md). Here, per 64-head tile of one request:
 
 - a one-warp loader copies q once and the key tiles by TMA, tile t into stage t % 2. A
   tile is 64 positions of one page (a page size that is a multiple of 64): 64 contiguous
-  cache rows, read as value columns [0, R/2), [R/2, R) and the rope part, each part on its
-  own barrier, so a tile's q.k starts on the first part that lands;
+  cache rows, read as 64-column chunks of the values (`VALUE_CHUNK`) and the rope part,
+  each part on its own barrier, so a tile's q.k starts on the first 8 KiB that lands (H200,
+  B 64 at 128 heads: 0.261-0.264 ms at ctx 8192 and 1.045-1.054 at 32768 against
+  0.287-0.296 and 1.193-1.243 with the value halves as two parts; at 16 heads 0.160-0.164
+  against 0.172-0.175: `benchmarks/results/h200/2026-11-29-1133_mla_decode_value_chunk_ab.txt`);
 - two consumer warpgroups take the tiles in turns (FlashMLA's "seesaw"): warpgroup 0
   scores the even tiles ("A"), warpgroup 1 the odd ones ("B"), each with N = 64 wgmmas
   over all R + P columns. Each holds half of the [64, R] output (WG0 the value columns
@@ -64,15 +67,21 @@ BLOCK_N = 64  # keys per tile
 CONSUMER_REGS = 232
 LOADER_REGS = 24  # the default partition gets the rest: 512 - 232 - 24 - 8 = 248 a thread
 NUM_WARPS = 4  # the default partition (warpgroup 0); the workers add 4 + 1 warps
+# Value columns of a key tile a barrier covers: each 64-column chunk of the value halves is
+# copied and published on its own (FlashMLA's granularity), so a tile's q.k starts on its
+# first 8 KiB; R / 2 gives the three parts a stage of before (value halves, rope part).
+VALUE_CHUNK = 64
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def shared_memory_bytes(r: int, p: int) -> int:
     """Shared memory of a launch: q [64, R + P] and two key stages [64, R + P] in 16 bits,
-    five [64] f32 rows (the running max, two scales, two row sums), 14 mbarriers, and 1 KiB
-    for the alignment of the swizzled buffers."""
-    return 2 * 3 * BLOCK_H * (r + p) + 5 * 4 * BLOCK_H + 14 * 8 + 1024
+    five [64] f32 rows (the running max, two scales, two row sums), the mbarriers (a part of
+    a stage each: the value chunks and the rope part; 8 more), and 1 KiB for the alignment
+    of the swizzled buffers."""
+    parts = 2 * ((r // 2) // min(VALUE_CHUNK, r // 2)) + 1
+    return 2 * 3 * BLOCK_H * (r + p) + 5 * 4 * BLOCK_H + (2 * parts + 8) * 8 + 1024
 
 
 def _descriptor(base: torch.Tensor, rows: int, row_stride: int, cols: int, block_cols: int) -> TensorDescriptor:
@@ -83,12 +92,12 @@ def _descriptor(base: torch.Tensor, rows: int, row_stride: int, cols: int, block
 def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, r: int) -> tuple:
     """Host TMA descriptors (templates for `graphsafe.launch.bind`: a call passes q, q, kv,
     kv) of q as [rows x heads, R + P] and of the cache as [blocks x page, R + P] (their
-    rows contiguous, checked by the caller): blocks [64, R / 2] (the value halves) and
-    [64, P] (the rope part) of each."""
+    rows contiguous, checked by the caller): blocks [64, R / 2] (q's value halves), [64,
+    VALUE_CHUNK] (the cache's value chunks, a barrier each) and [64, P] (the rope parts)."""
     rows, heads, d = q.shape
     nb, bs = kv_cache.shape[:2]
     return (_descriptor(q, rows * heads, q.stride(1), d, r // 2), _descriptor(q, rows * heads, q.stride(1), d, d - r),
-            _descriptor(kv_cache, nb * bs, kv_cache.stride(1), d, r // 2),
+            _descriptor(kv_cache, nb * bs, kv_cache.stride(1), d, min(VALUE_CHUNK, r // 2)),
             _descriptor(kv_cache, nb * bs, kv_cache.stride(1), d, d - r))
 
 
@@ -126,37 +135,47 @@ def _zero_rows_from(tile, first, ROWS: gl.constexpr, COLS: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(kv_desc, kv_pe_desc, k_l, k_r, k_pe, full, empty, landed, fixes, phase, map_row, pos, end, num_blocks,
-               cache_rows, BLOCK_SIZE: gl.constexpr):
+def _load_tile(kv_desc, kv_pe_desc, k_l, k_r, k_pe, full, stage, empty, landed, fixes, phase, map_row, pos, end,
+               num_blocks, cache_rows, BLOCK_SIZE: gl.constexpr):
     """Loader: the key tile at position `pos` into a stage (`k_l`, `k_r`: value columns
     [0, R/2) and [R/2, R); `k_pe`: the rope part) once both warpgroups released it
-    (`empty`), published on `full`. A tile without keys reads rows past the cache view
-    (zeros); a tile cut by the sequence's end has its value rows past the end zeroed first."""
+    (`empty`), published part by part on the stage's `full` barriers (`_full`: the value
+    chunks of k_l, of k_r, then the rope part). A tile without keys reads rows past the
+    cache view (zeros); a tile cut by the sequence's end has its value rows past the end
+    zeroed first, then every part is published at once."""
     blk, has_keys = _tile_block(map_row, pos, end, num_blocks, BLOCK_SIZE)
     row = gl.where(has_keys, blk * BLOCK_SIZE + pos % BLOCK_SIZE, cache_rows)  # past the view: zeros
     keys = end - pos
-    HALF: gl.constexpr = kv_desc.block_type.shape[1]
-    nbytes: gl.constexpr = 2 * kv_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes
+    HALF: gl.constexpr = k_l.shape[1]
+    CH: gl.constexpr = kv_desc.block_type.shape[1]
+    NV: gl.constexpr = HALF // CH
+    nbytes: gl.constexpr = 2 * NV * kv_desc.block_type.nbytes + kv_pe_desc.block_type.nbytes
     mbarrier.wait(empty, phase ^ 1)
     if has_keys & (keys < 64):  # zero V's rows past the sequence before the warpgroups see the tile
         mbarrier.expect(landed, nbytes)
-        tma_load(kv_desc, [row, 0], landed, k_l)
-        tma_load(kv_desc, [row, HALF], landed, k_r)
+        for c in gl.static_range(NV):
+            tma_load(kv_desc, [row, c * CH], landed, k_l.slice(c * CH, CH, dim=1))
+            tma_load(kv_desc, [row, HALF + c * CH], landed, k_r.slice(c * CH, CH, dim=1))
         tma_load(kv_pe_desc, [row, 2 * HALF], landed, k_pe)
         mbarrier.wait(landed, fixes & 1)
         _zero_rows_from(k_l, keys, 64, HALF)
         _zero_rows_from(k_r, keys, 64, HALF)
         fence_async_shared()
-        for part in gl.static_range(3):
-            mbarrier.arrive(full[part])
+        for part in gl.static_range(2 * NV + 1):
+            mbarrier.arrive(_full(full, part, stage))
         fixes += 1
     else:  # a barrier per part: the q.k starts on the first part that lands
-        mbarrier.expect(full[0], kv_desc.block_type.nbytes)
-        tma_load(kv_desc, [row, 0], full[0], k_l)
-        mbarrier.expect(full[1], kv_desc.block_type.nbytes)
-        tma_load(kv_desc, [row, HALF], full[1], k_r)
-        mbarrier.expect(full[2], kv_pe_desc.block_type.nbytes)
-        tma_load(kv_pe_desc, [row, 2 * HALF], full[2], k_pe)
+        for c in gl.static_range(NV):
+            bar = _full(full, c, stage)
+            mbarrier.expect(bar, kv_desc.block_type.nbytes)
+            tma_load(kv_desc, [row, c * CH], bar, k_l.slice(c * CH, CH, dim=1))
+        for c in gl.static_range(NV):
+            bar = _full(full, NV + c, stage)
+            mbarrier.expect(bar, kv_desc.block_type.nbytes)
+            tma_load(kv_desc, [row, HALF + c * CH], bar, k_r.slice(c * CH, CH, dim=1))
+        bar = _full(full, 2 * NV, stage)
+        mbarrier.expect(bar, kv_pe_desc.block_type.nbytes)
+        tma_load(kv_pe_desc, [row, 2 * HALF], bar, k_pe)
     return fixes
 
 
@@ -177,7 +196,7 @@ def _loader(q_desc, q_pe_desc, kv_desc, kv_pe_desc, q_l, q_r, q_pe, k_l, k_r, k_
     fixes = 0
     for i in range(n_pairs):
         for w in gl.static_range(2):
-            fixes = _load_tile(kv_desc, kv_pe_desc, k_l.index(w), k_r.index(w), k_pe.index(w), _stage(full, w),
+            fixes = _load_tile(kv_desc, kv_pe_desc, k_l.index(w), k_r.index(w), k_pe.index(w), full, w,
                                empty.index(w), landed, fixes, i & 1, map_row, start + 128 * i + 64 * w, end,
                                num_blocks, cache_rows, BLOCK_SIZE)
 
@@ -217,21 +236,27 @@ def _epilogue(o, l_own, m, l_smem, l_ready, WG: gl.constexpr, row, pid_h, split,
 
 
 @gluon.jit
-def _stage(full, stage):
-    """The three `full` barriers (value halves, rope part) of ring stage `stage`."""
-    return full[0].index(stage), full[1].index(stage), full[2].index(stage)
+def _full(full, part, stage):
+    """The barrier of part `part` of ring stage `stage` (`full`: [parts x 2, 1])."""
+    return full.index(part * 2 + stage)
 
 
 @gluon.jit
-def _scores(q_l, q_r, q_pe, k_l, k_r, k_pe, full, phase, S_MMA: gl.constexpr):
-    """q.k of a stage's tile: three wgmmas (the value halves, the rope part), each issued
-    once its part landed (`full`: the stage's three barriers), left in flight (three groups)."""
-    zeros = gl.zeros([64, 64], gl.float32, layout=S_MMA)  # (not read: use_acc=False)
-    mbarrier.wait(full[0], phase)
-    s = warpgroup_mma(q_l, k_l.permute((1, 0)), zeros, use_acc=False, is_async=True)
-    mbarrier.wait(full[1], phase)
-    s = warpgroup_mma(q_r, k_r.permute((1, 0)), s, is_async=True)
-    mbarrier.wait(full[2], phase)
+def _scores(q_l, q_r, q_pe, k_l, k_r, k_pe, full, stage, phase, S_MMA: gl.constexpr, CH: gl.constexpr):
+    """q.k of a stage's tile: a wgmma per part (the value chunks of CH columns, the rope
+    part), each issued once its part landed (`_full`), left in flight."""
+    HALF: gl.constexpr = k_l.shape[1]
+    NV: gl.constexpr = HALF // CH
+    s = gl.zeros([64, 64], gl.float32, layout=S_MMA)  # (not read: use_acc=False)
+    for c in gl.static_range(NV):
+        mbarrier.wait(_full(full, c, stage), phase)
+        s = warpgroup_mma(q_l.slice(c * CH, CH, dim=1), k_l.slice(c * CH, CH, dim=1).permute((1, 0)), s,
+                          use_acc=c > 0, is_async=True)
+    for c in gl.static_range(NV):
+        mbarrier.wait(_full(full, NV + c, stage), phase)
+        s = warpgroup_mma(q_r.slice(c * CH, CH, dim=1), k_r.slice(c * CH, CH, dim=1).permute((1, 0)), s,
+                          is_async=True)
+    mbarrier.wait(_full(full, 2 * NV, stage), phase)
     return warpgroup_mma(q_pe, k_pe.permute((1, 0)), s, is_async=True)
 
 
@@ -251,8 +276,9 @@ def _softmax(s, pos, end, has_keys, m_prev, qk_scale):
 def _consumer(q_l, q_r, q_pe, k_l, k_r, k_pe, stats, l_smem, bars,
               lens_ptr, map_ptr, out_ptr, lse_ptr, pout_ptr, plse_ptr, qk_scale, stride_map,
               num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity, num_blocks,
-              stride_or, stride_oh, stride_lr, WG: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr):
-    """Warpgroup WG: scores the tiles of stage WG (WG0 the even ones, WG1 the odd ones) and
+              stride_or, stride_oh, stride_lr, WG: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
+              CH: gl.constexpr):
+    """Warpgroup WG (CH: value columns a part): scores the tiles of stage WG (WG0 the even ones, WG1 the odd ones) and
     accumulates value half WG of every tile. Per tile pair (A = 2i, B = 2i + 1):
     WG0: softmax A over the max so far, publish p_A (in A's rope buffer), m_A and scale_A;
          O_L = O_L scale_A + p_A V_A; once WG1 published B: O_L = O_L scale_B + p_B V_B.
@@ -287,7 +313,7 @@ def _consumer(q_l, q_r, q_pe, k_l, k_r, k_pe, stats, l_smem, bars,
         _, has_keys = _tile_block(map_row, pos, end, num_blocks, BLOCK_SIZE)
         if WG == 1:  # after WG0's q.k: the tensor cores finish A's scores first, B's run under A's softmax
             mbarrier.wait(a_issued, phase)
-        s = _scores(q_l, q_r, q_pe, k_l.index(WG), k_r.index(WG), k_pe.index(WG), _stage(full, WG), phase, S_MMA)
+        s = _scores(q_l, q_r, q_pe, k_l.index(WG), k_r.index(WG), k_pe.index(WG), full, WG, phase, S_MMA, CH)
         if WG == 0:
             mbarrier.arrive(a_issued)
         if WG == 0:
@@ -367,9 +393,10 @@ def mla_decode_tma_kernel(
              gl.allocate_shared_memory(gl.float32, [64], ROW))
     l_smem = (gl.allocate_shared_memory(gl.float32, [64], ROW), gl.allocate_shared_memory(gl.float32, [64], ROW))
     BAR: gl.constexpr = mbarrier.MBarrierLayout()
-    # Per stage a barrier per part (value halves, rope part): the q.k starts on the first that lands.
-    full = (gl.allocate_shared_memory(gl.int64, [2, 1], BAR), gl.allocate_shared_memory(gl.int64, [2, 1], BAR),
-            gl.allocate_shared_memory(gl.int64, [2, 1], BAR))
+    # Per stage a barrier per part (value chunks, rope part): the q.k starts on the first that lands.
+    CH: gl.constexpr = kv_desc.block_type.shape[1]  # value columns a part (`VALUE_CHUNK`)
+    PARTS: gl.constexpr = 2 * (HALF // CH) + 1  # the value chunks and the rope part
+    full = gl.allocate_shared_memory(gl.int64, [2 * PARTS, 1], BAR)  # `_full(full, part, stage)`
     empty = gl.allocate_shared_memory(gl.int64, [2, 1], BAR)
     single = gl.allocate_shared_memory(gl.int64, [6, 1], BAR)
     q_full, landed, a_ready, b_ready, l_ready = (single.index(0), single.index(1), single.index(2), single.index(3),
@@ -379,8 +406,8 @@ def mla_decode_tma_kernel(
     # stage is released by both warpgroups and both publish their row sums.
     for i in gl.static_range(2):
         mbarrier.init(empty.index(i), count=2)
-        for part in gl.static_range(3):
-            mbarrier.init(full[part].index(i), count=1)
+        for part in gl.static_range(PARTS):
+            mbarrier.init(_full(full, part, i), count=1)
     for i in gl.static_range(4):
         mbarrier.init(single.index(i), count=1)
     mbarrier.init(a_issued, count=1)
@@ -390,11 +417,11 @@ def mla_decode_tma_kernel(
         (_consumer, (q_l, q_r, q_pe, k_l, k_r, k_pe, stats, l_smem, bars,
                      lens_ptr, map_ptr, out_ptr, lse_ptr, pout_ptr, plse_ptr, qk_scale, stride_map,
                      num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity, num_blocks,
-                     stride_or, stride_oh, stride_lr, 1, BLOCK_SIZE, SPLIT)),
+                     stride_or, stride_oh, stride_lr, 1, BLOCK_SIZE, SPLIT, CH)),
         (_consumer, (q_l, q_r, q_pe, k_l, k_r, k_pe, stats, l_smem, bars,
                      lens_ptr, map_ptr, out_ptr, lse_ptr, pout_ptr, plse_ptr, qk_scale, stride_map,
                      num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity, num_blocks,
-                     stride_or, stride_oh, stride_lr, 0, BLOCK_SIZE, SPLIT)),
+                     stride_or, stride_oh, stride_lr, 0, BLOCK_SIZE, SPLIT, CH)),
         (_loader, (q_desc, q_pe_desc, kv_desc, kv_pe_desc, q_l, q_r, q_pe, k_l, k_r, k_pe, bars,
                    lens_ptr, map_ptr, stride_map, num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity,
                    num_blocks, cache_rows, BLOCK_SIZE)),
