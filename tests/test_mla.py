@@ -1210,6 +1210,11 @@ for dtype, page, num_splits in ((torch.bfloat16, 64, 1), (torch.bfloat16, 64, 4)
     lens = torch.full((2,), 2048, dtype=torch.int32)
     assert mla_plan.paged_tma_fits(q, kv, cfg, 512, 64)
     tri.mla_decode(q, kv, table, lens, 0.04, 512, config=cfg, num_splits=num_splits)
+# R = 256 (value halves of 128 columns: two chunks each)
+q = torch.randn(2, 128, 320, dtype=torch.bfloat16)
+kv = torch.randn(64, 64, 320, dtype=torch.bfloat16)
+assert mla_plan.paged_tma_fits(q, kv, cfg, 256, 64)
+tri.mla_decode(q, kv, table, lens, 0.04, 256, config=cfg, num_splits=4)
 for args, kw in launches:
     warps = kw.pop("num_warps")
     k = triton.compile(specialise(G.mla_decode_tma_kernel, args, kw, GluonASTSource),
@@ -1221,13 +1226,14 @@ for args, kw in launches:
     # Per 64-key tile its warpgroup scores all 576 columns at N = 64 (36 k-steps of 16:
     # eight 64-column value chunks and the rope part), and each warpgroup accumulates its 256
     # value columns of the tile (4 k-steps), for its own tile and the other's.
-    assert shapes == {"m64n64k16": 2 * 36, "m64n256k16": 2 * 2 * 4}, shapes
-    # The cache read in [64, 64] boxes (q in its halves), a barrier each: 9 parts x 2 stages,
-    # 2 empty, q, landed, a_ready, b_ready, l_ready, a_issued.
-    assert list(args[2].block_shape) == [64, G.VALUE_CHUNK] == [64, 64] and list(args[0].block_shape) == [64, 256]
-    assert inits == 9 * 2 + 2 + 6, inits
-    assert k.metadata.shared <= G.shared_memory_bytes(512, 64) <= 227 * 1024, k.metadata.shared
-assert len(launches) == 3, launches  # one launch per call: no id scan, no second launch
+    r = args[0].shape[1] - 64
+    assert shapes == {"m64n64k16": 2 * (r + 64) // 16, f"m64n{r // 2}k16": 2 * 2 * 4}, shapes
+    # The cache read in [64, 64] boxes (q in its halves), a barrier each: R / 64 + 1 parts x 2
+    # stages, 2 empty, q, landed, a_ready, b_ready, l_ready, a_issued.
+    assert list(args[2].block_shape) == [64, G.VALUE_CHUNK] == [64, 64] and list(args[0].block_shape) == [64, r // 2]
+    assert inits == (r // 64 + 1) * 2 + 2 + 6, inits
+    assert k.metadata.shared <= G.shared_memory_bytes(r, 64) <= 227 * 1024, k.metadata.shared
+assert len(launches) == 4, launches  # one launch per call: no id scan, no second launch
 print("OK")
 """
 
@@ -1235,11 +1241,11 @@ print("OK")
 def test_paged_tma_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
     """The dense decode's TMA kernel (sm_90 only, never run by the interpreter), launched as
     the MLA launcher launches it (bf16 and fp16, pages of 64 and 128, with and without
-    splits), compiles for sm_90 with this Triton: one launch per call, N = 64 q.k wgmmas,
+    splits, R = 512 and 256), compiles for sm_90 with this Triton: one launch per call, N = 64 q.k wgmmas,
     the cache read in 64-column chunks with a barrier each, and shared memory within the
     estimate `paged_tma_fits` decides by and Hopper's 227 KiB."""
     out = compile_for_sm90(_PAGED_COMPILE_SCRIPT, timeout=900)
-    assert out.count("compiled") == 3, out
+    assert out.count("compiled") == 4, out
 
 
 _FEW_HEADS_COMPILE_SCRIPT = _gluon_script_head("gluon_fp8_few_heads", "async_copy, mbarrier, warpgroup_mma") + r"""
