@@ -23,8 +23,8 @@ Three kernels share that loop (`plan.varlen_kernel` picks):
   tile (q into two buffers, K and V into a ring), two consumer warpgroups compute,
   synchronised by mbarriers only, so the consumers never wait for each other and a
   program's next tile loads while its current one computes (1.99 ms at the shape
-  above). A sequence's tiles run in
-  sections of heads whose K/V fits a share of L2 (`plan.tma_heads_per_section`).
+  above). A sequence's tiles run in sections of heads whose K/V fits a share of L2
+  (`plan.tma_heads_per_section`).
   TMA reads whole tiles: rows past a sequence are masked (K) or zeroed in shared memory
   before use (V, `_zero_rows_outside`), so no neighbour's NaN meets a p = 0. Shared memory
   at D = 128: two q buffers [128, D] 64 KiB + 2 stages x (K 32 + V 32) KiB = 192 KiB;

@@ -75,12 +75,18 @@ VALUE_CHUNK = 64
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+def _value_chunk(r: int) -> int:
+    """Value columns a key part's barrier covers at latent width R (`VALUE_CHUNK`, at most a
+    value half): the cache descriptor's box width, which the kernel reads its parts from."""
+    return min(VALUE_CHUNK, r // 2)
+
+
 def shared_memory_bytes(r: int, p: int) -> int:
     """Shared memory of a launch: q [64, R + P] and two key stages [64, R + P] in 16 bits,
     five [64] f32 rows (the running max, two scales, two row sums), the mbarriers (a part of
     a stage each: the value chunks and the rope part; 8 more), and 1 KiB for the alignment
     of the swizzled buffers."""
-    parts = 2 * ((r // 2) // min(VALUE_CHUNK, r // 2)) + 1
+    parts = 2 * ((r // 2) // _value_chunk(r)) + 1
     return 2 * 3 * BLOCK_H * (r + p) + 5 * 4 * BLOCK_H + (2 * parts + 8) * 8 + 1024
 
 
@@ -97,7 +103,7 @@ def tma_descriptors(q: torch.Tensor, kv_cache: torch.Tensor, r: int) -> tuple:
     rows, heads, d = q.shape
     nb, bs = kv_cache.shape[:2]
     return (_descriptor(q, rows * heads, q.stride(1), d, r // 2), _descriptor(q, rows * heads, q.stride(1), d, d - r),
-            _descriptor(kv_cache, nb * bs, kv_cache.stride(1), d, min(VALUE_CHUNK, r // 2)),
+            _descriptor(kv_cache, nb * bs, kv_cache.stride(1), d, _value_chunk(r)),
             _descriptor(kv_cache, nb * bs, kv_cache.stride(1), d, d - r))
 
 
@@ -278,8 +284,9 @@ def _consumer(q_l, q_r, q_pe, k_l, k_r, k_pe, stats, l_smem, bars,
               num_heads, head_tiles, num_splits, tokens_per_split, kv_capacity, num_blocks,
               stride_or, stride_oh, stride_lr, WG: gl.constexpr, BLOCK_SIZE: gl.constexpr, SPLIT: gl.constexpr,
               CH: gl.constexpr):
-    """Warpgroup WG (CH: value columns a part): scores the tiles of stage WG (WG0 the even ones, WG1 the odd ones) and
-    accumulates value half WG of every tile. Per tile pair (A = 2i, B = 2i + 1):
+    """Warpgroup WG: scores the tiles of stage WG (WG0 the even ones, WG1 the odd ones), its
+    q.k a wgmma per part of CH value columns (and the rope part), and accumulates value half
+    WG of every tile. Per tile pair (A = 2i, B = 2i + 1):
     WG0: softmax A over the max so far, publish p_A (in A's rope buffer), m_A and scale_A;
          O_L = O_L scale_A + p_A V_A; once WG1 published B: O_L = O_L scale_B + p_B V_B.
     WG1: once A is published: O_R = O_R scale_A + p_A V_A; softmax B over m_A, publish p_B
