@@ -157,6 +157,16 @@ def test_gluon_tile_shape_probe_runs(compile_for_sm90):
         assert re.search(rf"^N +{n} (compiles|does not compile)", out, re.M), out
 
 
+def test_gluon_cache_hint_probe_runs(compile_for_sm90):
+    """benchmarks/gluon_cache_hint_probe.py (the evidence of benchmarks/NOTES.md on L2 cache
+    hints in Gluon) still runs with this Triton: its control, a TMA copy with no hint, compiles
+    for sm_90 with no hint in its PTX, and the hinted copies each print a verdict."""
+    out = _probe_output(compile_for_sm90, "gluon_cache_hint_probe.py")
+    assert re.search(r"^tma +compiles; PTX: 1 copy instruction\(s\), L2::cache_hint 0", out, re.M), out
+    assert re.search(r"^tma_evict_first +(compiles|not expressible|does not compile)", out, re.M), out
+    assert re.search(r"^cp_async_evict_last +(compiles|does not compile)", out, re.M), out
+
+
 def test_profile_peers_picks_impls_and_needs_a_gpu(capsys):
     """benchmarks/profile_peers.py (Nsight's driver for the peer comparisons in
     benchmarks/NOTES.md): `--impl` texts pick impls by substring, none picks every impl but
