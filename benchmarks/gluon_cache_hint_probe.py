@@ -52,9 +52,9 @@ def probe_tma(hint: bool) -> str:
 
     load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     name = "tma_evict_first" if hint else "tma"
-    takes = "cache_policy" in inspect.signature(getattr(load, "__wrapped__", load)).parameters
-    if hint and not takes:
-        return f"{name:20s} not expressible: {load.__name__}{inspect.signature(getattr(load, '__wrapped__', load))}"
+    api = inspect.signature(getattr(load, "__wrapped__", load))
+    if hint and "cache_policy" not in api.parameters:
+        return f"{name:20s} not expressible: {load.__name__}{api}"
     policy = None
     if hint:  # Triton >= 3.9 spells the hint as an object; a plain string where that is what the API takes
         try:

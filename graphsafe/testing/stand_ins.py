@@ -22,15 +22,15 @@ class StandInKernel:
 
         fn.__signature__ = signature
         self.fn, self.error, self.calls, self.keywords, self.arguments = fn, error, [], [], []
-        self._signature = signature
 
     def __getitem__(self, grid):
         def launch(*args, num_warps, **kw):
             self.calls.append([getattr(a, "base", a) for a in args
                                if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor"])
             self.keywords.append(kw)
-            named = {k: v for k, v in kw.items() if k in self._signature.parameters}  # (not the options)
-            self.arguments.append(dict(self._signature.bind_partial(*args, **named).arguments))
+            signature = self.fn.__signature__
+            named = {k: v for k, v in kw.items() if k in signature.parameters}  # (not the options)
+            self.arguments.append(dict(signature.bind_partial(*args, **named).arguments))
             if self.error is not None:
                 raise self.error
 
